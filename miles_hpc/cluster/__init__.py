@@ -1,0 +1,1 @@
+"""miles_hpc.cluster (see DESIGN.md section 2)."""

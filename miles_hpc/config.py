@@ -1,0 +1,355 @@
+"""Typed run configuration: frozen dataclasses, YAML load, ``key.sub=value`` overrides, validation.
+
+Invariants:
+- A config is a tree of frozen, slotted, keyword-only dataclasses rooted at :class:`RunConfig`.
+- Loading is strict: an unknown key or a value of the wrong type fails with :class:`ConfigError`, naming the
+  full key path (``rollout.temperature``) and the source (file name or ``override``). Nothing is silently coerced
+  except int -> float and YAML 1.1's ``1e-5`` strings -> float.
+- ``dump_config(load_config(p)) `` loads back to an equal config (round trip), so ``RUN/config.yaml`` reproduces a run.
+
+The section classes live here (the root of the import graph: ``cluster`` and ``data`` import only this module),
+each small and validated in ``__post_init__``; field help is ``metadata={"help": ...}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "DataConfig",
+    "RolloutConfig",
+    "TrainConfig",
+    "SyncConfig",
+    "StoreConfig",
+    "RunConfig",
+    "load_config",
+    "config_from_dict",
+    "config_to_dict",
+    "dump_config",
+    "apply_overrides",
+]
+
+
+class ConfigError(ValueError):
+    """A config problem a user can act on: names the key path and where the value came from."""
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    # __post_init__ checks raise ConfigError with the key relative to the section; the loader prefixes the path.
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """Which model the run starts from."""
+
+    path: str | None = field(default=None, metadata=_help("HF-format checkpoint dir; None = create one with init_*"))
+    init_arch: Arch = field(default="qwen3", metadata=_help("architecture of the random-init model when path is None"))
+    init_size: Literal["tiny", "small"] = field(default="tiny", metadata=_help("size preset for init-model"))
+    dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata=_help("compute dtype"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    """Prompt dataset."""
+
+    prompts: str | None = field(default=None, metadata=_help("JSONL/Parquet prompt file; None = built-in task"))
+    prompt_key: str = field(default="prompt", metadata=_help("column holding the prompt"))
+    label_key: str = field(default="label", metadata=_help("column holding the reference answer"))
+    shuffle: bool = field(default=True, metadata=_help("shuffle prompts each epoch (seeded)"))
+
+    def __post_init__(self) -> None:
+        _require(bool(self.prompt_key), "prompt_key", "must be a non-empty string")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    """Generation settings for the rollout stage."""
+
+    backend: Literal["embedded", "sglang"] = field(default="embedded", metadata=_help("engine kind"))
+    num_engines: int = field(default=1, metadata=_help("engine servers"))
+    prompts_per_step: int = field(default=8, metadata=_help("prompts per train step"))
+    samples_per_prompt: int = field(default=4, metadata=_help("group size n"))
+    max_new_tokens: int = field(default=64, metadata=_help("response length cap per sample"))
+    temperature: float = field(default=1.0, metadata=_help("sampling temperature (0 = greedy)"))
+    top_p: float = field(default=1.0, metadata=_help("nucleus sampling mass"))
+    top_k: int = field(default=-1, metadata=_help("-1 disables top-k"))
+
+    def __post_init__(self) -> None:
+        _require(self.num_engines >= 1, "num_engines", f"must be >= 1, got {self.num_engines}")
+        _require(self.prompts_per_step >= 1, "prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
+        _require(self.samples_per_prompt >= 1, "samples_per_prompt", f"must be >= 1, got {self.samples_per_prompt}")
+        _require(self.max_new_tokens >= 0, "max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
+        _require(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 or >= 1, got {self.top_k}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Trainer settings."""
+
+    backend: Literal["fsdp", "megatron"] = field(default="fsdp", metadata=_help("training backend"))
+    world_size: int = field(default=1, metadata=_help("trainer ranks"))
+    lr: float = field(default=1e-5, metadata=_help("peak learning rate (AdamW)"))
+    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
+    warmup_steps: int = field(default=0, metadata=_help("linear warm-up steps"))
+    grad_clip: float = field(default=1.0, metadata=_help("max global grad norm (0 = off)"))
+    max_tokens_per_microbatch: int = field(default=4096, metadata=_help("token budget of a packed micro-batch"))
+
+    def __post_init__(self) -> None:
+        _require(self.world_size >= 1, "world_size", f"must be >= 1, got {self.world_size}")
+        _require(self.lr > 0.0, "lr", f"must be > 0, got {self.lr}")
+        _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(self.grad_clip >= 0.0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
+        _require(self.max_tokens_per_microbatch >= 1, "max_tokens_per_microbatch", "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncConfig:
+    """Weight update from trainer to rollout engines."""
+
+    strategy: Literal["broadcast", "p2p", "delta", "lora", "colocated"] = field(
+        default="broadcast", metadata=_help("weight update strategy")
+    )
+    bucket_bytes: int = field(default=512 << 20, metadata=_help("bytes per broadcast bucket"))
+    pause_mode: Literal["abort", "retract", "in_place"] = field(
+        default="retract", metadata=_help("what generation does during a weight update")
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.bucket_bytes >= 1 << 10, "bucket_bytes", f"must be >= 1024, got {self.bucket_bytes}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StoreConfig:
+    """HDF5 trajectory shards under RUN/trajectories."""
+
+    enabled: bool = field(default=True, metadata=_help("write trajectories to HDF5"))
+    max_shard_bytes: int = field(default=256 << 20, metadata=_help("roll to a new shard past this size"))
+    compression: Literal["none", "gzip", "lzf"] = field(default="none", metadata=_help("HDF5 dataset filter"))
+
+    def __post_init__(self) -> None:
+        _require(self.max_shard_bytes >= 1 << 10, "max_shard_bytes", f"must be >= 1024, got {self.max_shard_bytes}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """Root of the config tree: one run."""
+
+    name: str = field(default="run", metadata=_help("run name, used in the run directory and job names"))
+    run_dir: str = field(default="runs/run", metadata=_help("RUN directory (config.yaml, trajectories, tb, ...)"))
+    seed: int = field(default=0, metadata=_help("seed of model init, data order and sampling"))
+    steps: int = field(default=10, metadata=_help("train steps"))
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name), "name", "must be a non-empty string")
+        _require(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generic machinery: dict <-> dataclass with strict types.
+
+
+_SCI_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, path: str, source: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and return it in canonical form."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {path}: expected a mapping for section {tp.__name__}, got {value!r}")
+        return _build(tp, value, path, source)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path, source)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{source}: {path}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{source}: {path}: expected one of {_type_name(tp)}, got {value!r}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{source}: {path}: expected a list, got {value!r}")
+        (item_tp, *rest) = typing.get_args(tp) or (Any,)
+        items = [_convert(v, item_tp, f"{path}[{i}]", source) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {path}: expected a mapping, got {value!r}")
+        _, val_tp = typing.get_args(tp) or (str, Any)
+        return {str(k): _convert(v, val_tp, f"{path}.{k}", source) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 reads `3e-4` (no dot) as a string; accept exactly that spelling of a number, nothing looser.
+        if isinstance(value, str) and _SCI_FLOAT.fullmatch(value.strip()):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise ConfigError(f"{source}: {path}: unsupported annotation {tp!r}")
+    raise ConfigError(f"{source}: {path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(f"{source}: unknown key {where!r} (section {cls.__name__} has: {', '.join(sorted(names))})")
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else key
+        kwargs[key] = _convert(value, hints[key], path, source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"{source}: {where}{e}") from None
+
+
+def config_from_dict(data: dict[str, Any], cls: type = RunConfig, *, source: str = "<dict>") -> Any:
+    """Build a config tree from plain data (as parsed from YAML); strict."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping, got {type(data).__name__}")
+    return _build(cls, data, "", source)
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config tree (tuples become lists so YAML stays plain)."""
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(cfg)
+
+
+def dump_config(cfg: Any) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b=value`` overrides to nested plain data. Values are parsed as YAML scalars/lists."""
+    out = _deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: expected key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+        node = out
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deepcopy(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deepcopy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None, cls: type = RunConfig) -> Any:
+    """Load YAML ``path`` (or defaults when None), apply overrides, validate. Errors name file and key path."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"{source}: cannot read config: {e.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded
+    # Validate the file alone first so an error in it is reported against the file, not the overrides.
+    config_from_dict(data, cls, source=source)
+    if overrides:
+        data = apply_overrides(data, overrides)
+        return config_from_dict(data, cls, source=f"{source} + overrides")
+    return config_from_dict(data, cls, source=source)
+
+
+def config_reference(cls: type = RunConfig, prefix: str = "") -> str:
+    """Markdown table of every key (path, type, default, help); docs/config.md embeds it and a test keeps it current."""
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"] if not prefix else []
+    hints = typing.get_type_hints(cls)
+    nested = []
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            nested.append((hints[f.name], f"{path}."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        type_text = _type_name(hints[f.name]).replace("|", "\\|")
+        rows.append(f"| `{path}` | {type_text} | `{default!r}` | {f.metadata.get('help', '')} |")
+    for sub, sub_prefix in nested:
+        rows.append(config_reference(sub, sub_prefix))
+    return "\n".join(rows)

@@ -1,0 +1,1 @@
+"""miles_hpc.engine (see DESIGN.md section 2)."""

@@ -1,0 +1,1 @@
+"""miles_hpc.loop (see DESIGN.md section 2)."""

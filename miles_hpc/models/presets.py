@@ -1,0 +1,99 @@
+"""Size presets and ``init-model``: random-init HF-format checkpoints made here, no downloads.
+
+A preset is a plain HF ``config.json`` dict, so what we write is exactly what ``transformers`` reads. The tokenizer
+is the local byte-level one (``tokenizer.py``); its vocabulary fits in every preset's ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from miles_hpc.models.tokenizer import EOS_TOKEN, NUM_BYTE_TOKENS, PAD_TOKEN, SPECIAL_TOKENS, special_token_id
+
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SIZES = ("tiny", "small")
+
+# Vocabulary: 256 bytes + specials, rounded up to a multiple of 64 (embedding rows past the tokenizer are unused).
+_VOCAB = 320
+assert _VOCAB >= NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)
+
+_SHAPES: dict[str, dict[str, int]] = {
+    # tiny: seconds per RL step on a laptop CPU; small: a few minutes of CPU training still learn visibly.
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=192, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                  intermediate_size=768, moe_intermediate_size=192, num_experts=16, num_experts_per_tok=4),
+}
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+def preset_config(arch: str, size: str) -> dict[str, Any]:
+    """The HF config.json dict of a preset."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    s = _SHAPES[size]
+    cfg: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": _VOCAB,
+        "hidden_size": s["hidden_size"],
+        "intermediate_size": s["intermediate_size"],
+        "num_hidden_layers": s["num_hidden_layers"],
+        "num_attention_heads": s["num_attention_heads"],
+        "num_key_value_heads": s["num_key_value_heads"],
+        "head_dim": s["head_dim"],
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": True,
+        "bos_token_id": None,
+        "eos_token_id": special_token_id(EOS_TOKEN),
+        "pad_token_id": special_token_id(PAD_TOKEN),
+        "torch_dtype": "float32",
+    }
+    if arch in ("qwen3", "qwen3_moe"):
+        cfg["attention_bias"] = False
+    if arch == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    if arch == "qwen3_moe":
+        cfg.update(
+            num_experts=s["num_experts"],
+            num_experts_per_tok=s["num_experts_per_tok"],
+            moe_intermediate_size=s["moe_intermediate_size"],
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.001,
+        )
+    return cfg
+
+
+def init_model(arch: str, size: str, out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write a random-init checkpoint (config.json, model.safetensors, generation_config.json, tokenizer files)."""
+    import torch
+
+    from miles_hpc.models import build_model, save_pretrained
+    from miles_hpc.models.config import ModelConfig
+    from miles_hpc.models.tokenizer import write_tokenizer
+
+    out = Path(out_dir)
+    hf = preset_config(arch, size)
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig.from_hf_dict(hf))
+    save_pretrained(model, out)
+    gen = {"eos_token_id": hf["eos_token_id"], "pad_token_id": hf["pad_token_id"], "do_sample": True}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_tokenizer(out, model_max_length=hf["max_position_embeddings"])
+    return out

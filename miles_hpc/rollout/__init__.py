@@ -1,0 +1,1 @@
+"""miles_hpc.rollout (see DESIGN.md section 2)."""

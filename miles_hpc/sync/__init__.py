@@ -1,0 +1,1 @@
+"""miles_hpc.sync (see DESIGN.md section 2)."""

@@ -1,0 +1,1 @@
+"""miles_hpc.train (see DESIGN.md section 2)."""
