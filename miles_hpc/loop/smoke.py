@@ -17,8 +17,8 @@ def model_smoke_check(model_dir: Path, dtype: str = "float32", new_tokens: int =
 
     model = load_pretrained(model_dir, dtype=getattr(torch, dtype))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    prompt = tok.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True)
-    ids = torch.tensor([list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)])
+    text = tok.apply_chat_template([{"role": "user", "content": "1+1="}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         # Full recompute per token: this is a check, not the engine (which keeps a KV cache).
         for _ in range(new_tokens):

@@ -1,0 +1,147 @@
+"""Summaries of trajectory shards for ``miles-hpc inspect PATH`` (stage: data; DESIGN sections 7 and 8).
+
+:func:`summarize` reads the flat datasets directly (no Sample objects), so it is cheap on large runs; it validates
+every shard with the same checks as the reader and raises :class:`TrajectoryFileError` for bad input.
+Invariants of the returned dict (JSON-serialisable; keys are stable for scripts and tests):
+
+- token counts split ``tokens = prompt_tokens + response_tokens``; ``loss_tokens`` counts loss_mask == 1.
+- ``reward_std`` is the population standard deviation (ddof=0); mean/std are None with no samples.
+- ``status_counts`` lists every status name, zeros included, in enum order.
+- ``policy_version_min/max`` range over generated tokens only (version >= 0); None when there are none.
+- ``routing.coverage`` = samples with routing / samples (0.0 with no samples).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from miles_hpc.data.sample import SampleStatus
+from miles_hpc.data.schema import TrajectoryFileError, find_shards, open_shard
+
+__all__ = ["format_summary", "summarize"]
+
+
+def summarize(path: str | Path) -> dict[str, Any]:
+    """Summarise one shard, a directory of shards, or a run directory (its ``trajectories/``)."""
+    shards, partials = find_shards(path)
+    rewards: list[np.ndarray] = []
+    statuses = np.zeros(len(SampleStatus), dtype=np.int64)
+    prompt = response = loss = routed = rows = 0
+    vmin: int | None = None
+    vmax: int | None = None
+    routing_shapes: set[tuple[int, int]] = set()
+    dtypes: set[str] = set()
+    models: set[str] = set()
+    run_ids: set[str] = set()
+    num_experts: set[int] = set()
+    for shard in shards:
+        f, n = open_shard(shard)
+        try:
+            with f:
+                s, r = f["samples"], f["routing"]
+                offsets = s["token_offsets"][()]
+                prompt_len = s["prompt_len"][()].astype(np.int64)
+                prompt += int(prompt_len.sum())
+                response += int(offsets[-1] - prompt_len.sum())
+                loss += int(np.count_nonzero(s["loss_mask"][()]))
+                rewards.append(s["reward"][()].astype(np.float64))
+                status = s["status"][()]
+                if n and int(status.max()) >= len(SampleStatus):
+                    raise TrajectoryFileError(shard, f"samples/status holds unknown value {int(status.max())}")
+                statuses += np.bincount(status, minlength=len(SampleStatus))
+                versions = s["policy_version"][()]
+                generated = versions[versions >= 0]
+                if generated.size:
+                    lo, hi = int(generated.min()), int(generated.max())
+                    vmin = lo if vmin is None else min(vmin, lo)
+                    vmax = hi if vmax is None else max(vmax, hi)
+                r_off = r["offsets"][()]
+                routed += int(np.count_nonzero(np.diff(r_off)))
+                experts = r["experts"]
+                rows += experts.shape[0]
+                if experts.shape[0]:
+                    routing_shapes.add((int(experts.shape[1]), int(experts.shape[2])))
+                dtypes.add(str(experts.dtype))
+                num_experts.add(int(r.attrs.get("num_experts", -1)))
+                models.add(str(f.attrs["model"]))
+                run_ids.add(str(f.attrs["run_id"]))
+        except (OSError, KeyError, ValueError, TypeError) as e:
+            raise TrajectoryFileError(shard, f"cannot summarise ({type(e).__name__}: {e})") from e
+    reward = np.concatenate(rewards) if rewards else np.zeros(0)
+    n_samples = int(reward.size)
+    known_experts = sorted(k for k in num_experts if k >= 0)
+    return {
+        "path": str(path),
+        "shards": len(shards),
+        "partial_shards": len(partials),
+        "shard_paths": [str(p) for p in shards],
+        "partial_paths": [str(p) for p in partials],
+        "models": sorted(models),
+        "run_ids": sorted(run_ids),
+        "samples": n_samples,
+        "prompt_tokens": prompt,
+        "response_tokens": response,
+        "loss_tokens": loss,
+        "reward_mean": float(reward.mean()) if n_samples else None,
+        "reward_std": float(reward.std()) if n_samples else None,
+        "status_counts": {st.name: int(statuses[st.value]) for st in SampleStatus},
+        "policy_version_min": vmin,
+        "policy_version_max": vmax,
+        "routing": {
+            "samples_with_routing": routed,
+            "coverage": routed / n_samples if n_samples else 0.0,
+            "rows": rows,
+            # [layers, top_k]; more than one entry means shards from writers that disagree.
+            "shapes": [list(t) for t in sorted(routing_shapes)],
+            # Only shards that hold routing say which dtype the writer chose for it.
+            "dtypes": sorted(dtypes) if routed else [],
+            "num_experts": known_experts[0] if len(known_experts) == 1 else (known_experts or None),
+        },
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """Human-readable text for a :func:`summarize` result (what ``miles-hpc inspect`` prints)."""
+    s = summary
+    r = s["routing"]
+    n = s["samples"]
+
+    def per_sample(tokens: int) -> str:
+        return f"{tokens:,}" + (f"  ({tokens / n:.1f}/sample)" if n else "")
+
+    status = ", ".join(f"{k.lower()} {v}" for k, v in s["status_counts"].items())
+    if s["reward_mean"] is None:
+        reward = "-"
+    else:
+        reward = f"mean {s['reward_mean']:.4f}  std {s['reward_std']:.4f}"
+    if s["policy_version_min"] is None:
+        versions = "-"
+    else:
+        versions = f"{s['policy_version_min']} .. {s['policy_version_max']}"
+    if r["samples_with_routing"]:
+        shapes = ", ".join(f"{layers} layers x top-{k}" for layers, k in r["shapes"])
+        experts = r["num_experts"] if r["num_experts"] is not None else "unknown"
+        routing = (
+            f"{r['samples_with_routing']}/{n} samples ({r['coverage']:.1%}), {r['rows']:,} rows, {shapes}, "
+            f"dtype {'/'.join(r['dtypes'])}, experts {experts}"
+        )
+    else:
+        routing = "none"
+    partial = f"  ({s['partial_shards']} partial, not read: {', '.join(Path(p).name for p in s['partial_paths'])})"
+    lines = [
+        f"trajectories: {s['path']}",
+        f"  shards           {s['shards']}" + (partial if s["partial_shards"] else ""),
+        f"  model / run      {', '.join(s['models']) or '-'} / {', '.join(s['run_ids']) or '-'}",
+        f"  samples          {n:,}",
+        f"  prompt tokens    {per_sample(s['prompt_tokens'])}",
+        f"  response tokens  {per_sample(s['response_tokens'])}",
+        f"  loss tokens      {per_sample(s['loss_tokens'])}",
+        f"  reward           {reward}",
+        f"  status           {status}",
+        f"  policy versions  {versions}",
+        f"  routing          {routing}",
+    ]
+    return "\n".join(lines)

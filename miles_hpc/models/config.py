@@ -1,0 +1,339 @@
+"""Typed architecture config for the model families in `miles_hpc.models`, parsed from and written to HF `config.json`.
+
+Stage: shared (engine and trainer both build models from it).
+
+Invariants:
+- `ModelConfig` is frozen; `from_hf_dict(d)` reproduces what transformers 5.x makes of the same dict (its per-class
+  defaults for absent keys, `rope_scaling` winning over `rope_parameters`, `num_local_experts` as an alias of
+  `num_experts`), so a model built from it computes what transformers computes.
+- `to_hf_dict()` writes the Hub's long-standing key style (`rope_theta` + `rope_scaling`, `torch_dtype`,
+  `num_experts`), which transformers 4.x and 5.x, SGLang and vLLM all read; `from_hf_dict(to_hf_dict())` is identity.
+- Attention biases are two flags because the families differ: Llama/Qwen3 put `attention_bias` on q, k, v and o;
+  Qwen2 always has a q/k/v bias and never an o bias.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# HF `architectures[0]` for each supported `model_type`.
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "swish", "gelu", "gelu_pytorch_tanh")
+
+# transformers 5.24 class defaults for keys a config.json may omit (configuration_<family>.py). Keys absent here
+# default the same for all families (see `from_hf_dict`).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=None, head_dim=None, max_position_embeddings=2048),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=None, max_position_embeddings=32768),
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768),
+    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                      num_attention_heads=32, num_key_value_heads=4, head_dim=None, max_position_embeddings=32768,
+                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+}  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RopeScaling:
+    """RoPE scaling parameters, named as in HF `rope_scaling` / `rope_parameters` (absent keys stay None)."""
+
+    rope_type: str
+    """One of SUPPORTED_ROPE_TYPES except "default" (no scaling is `ModelConfig.rope_scaling=None`)."""
+    factor: float | None = None
+    """Context extension factor (linear, dynamic, llama3, yarn); yarn derives it from the lengths when None."""
+    original_max_position_embeddings: int | None = None
+    """Pre-training context length (llama3, yarn)."""
+    low_freq_factor: float | None = None
+    """llama3 only."""
+    high_freq_factor: float | None = None
+    """llama3 only."""
+    attention_factor: float | None = None
+    """yarn: scale on cos/sin; derived from factor (and mscale) when None."""
+    beta_fast: float | None = None
+    """yarn: extrapolation boundary (HF default 32)."""
+    beta_slow: float | None = None
+    """yarn: interpolation boundary (HF default 1)."""
+    mscale: float | None = None
+    """yarn (DeepSeek style): numerator mscale."""
+    mscale_all_dim: float | None = None
+    """yarn (DeepSeek style): denominator mscale."""
+    truncate: bool | None = None
+    """yarn: floor/ceil the correction range (HF default True)."""
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES or self.rope_type == "default":
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: {SUPPORTED_ROPE_TYPES[1:]}")
+        needs: dict[str, tuple[str, ...]] = {
+            "linear": ("factor",),
+            "dynamic": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "yarn": ("original_max_position_embeddings",),
+        }
+        missing = [k for k in needs[self.rope_type] if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"rope_scaling of type {self.rope_type!r} needs {missing}")
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """Architecture of one dense (llama, qwen2, qwen3) or MoE (qwen3_moe) decoder-only model."""
+
+    model_type: str
+    """HF model_type; one of SUPPORTED_MODEL_TYPES."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    """FFN width of dense layers (in qwen3_moe: of the layers that `is_moe_layer` says are dense)."""
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    """GQA: each kv head serves num_attention_heads // num_key_value_heads query heads."""
+    head_dim: int
+    """May differ from hidden_size // num_attention_heads (e.g. Qwen3)."""
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    """Bias on q_proj, k_proj, v_proj."""
+    o_bias: bool = False
+    """Bias on o_proj."""
+    mlp_bias: bool = False
+    """Bias on the dense SwiGLU projections (llama `mlp_bias`)."""
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    """Renormalise the top-k router probabilities to sum to 1."""
+    decoder_sparse_step: int = 1
+    """Layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
+    mlp_only_layers: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    dtype: str | None = None
+    """Checkpoint dtype name ("bfloat16", ...); the default dtype of `load_pretrained`."""
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {SUPPORTED_ACTIVATIONS}")
+        if self.model_type == "qwen2" and (not self.qkv_bias or self.o_bias):
+            raise ValueError("qwen2 always has a q/k/v bias and no o_proj bias (qkv_bias=True, o_bias=False)")
+        if self.model_type in ("llama", "qwen3", "qwen3_moe") and self.qkv_bias != self.o_bias:
+            raise ValueError(f"{self.model_type} has one attention_bias flag: qkv_bias and o_bias must be equal")
+        if self.mlp_bias and self.model_type != "llama":
+            raise ValueError("mlp_bias exists only in llama")
+        if self.model_type == "qwen3_moe":
+            if self.num_experts <= 0 or self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ValueError("qwen3_moe needs num_experts, moe_intermediate_size, decoder_sparse_step > 0")
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} not in [1, {self.num_experts}]")
+        elif self.num_experts:
+            raise ValueError(f"{self.model_type} is dense but num_experts={self.num_experts}")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} out of range [0, {self.num_hidden_layers})")
+        if self.dtype is not None:
+            self.torch_dtype()  # validates the name
+
+    # ---- derived ----
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm on q and k before RoPE: fixed by the family (qwen3, qwen3_moe)."""
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Which layers get the sparse MoE block: transformers' Qwen3MoeDecoderLayer rule."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+
+    def torch_dtype(self) -> torch.dtype | None:
+        if self.dtype is None:
+            return None
+        dt = getattr(torch, self.dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        return dt
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---- HF config.json ----
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], *, source: str = "config.json") -> ModelConfig:
+        """Parse an HF config dict; `source` (the file) is named in every error."""
+        model_type = d.get("model_type")
+        if model_type is None:
+            by_arch = {arch: mt for mt, arch in ARCHITECTURES.items()}
+            archs = [a for a in d.get("architectures") or () if a in by_arch]
+            model_type = by_arch[archs[0]] if archs else None
+        if model_type not in ARCHITECTURES:
+            raise ValueError(
+                f"{source}: unsupported model_type {d.get('model_type')!r} "
+                f"(architectures={d.get('architectures')!r}); supported model types: {list(SUPPORTED_MODEL_TYPES)}"
+            )
+        defaults = _FAMILY_DEFAULTS[model_type]
+
+        def get(key: str, default: Any = None) -> Any:
+            value = d.get(key)
+            return defaults.get(key, default) if value is None else value
+
+        try:
+            heads = int(get("num_attention_heads"))
+            hidden = int(get("hidden_size"))
+            rope_theta, rope_scaling = _parse_rope(d, int(get("max_position_embeddings")))
+            attention_bias = bool(d.get("attention_bias", False))
+            eos = d.get("eos_token_id")
+            moe: dict[str, Any] = {}
+            if model_type == "qwen3_moe":  # MoE keys of a dense config (if any) are ignored, as transformers does
+                moe = dict(
+                    # transformers 5 writes `num_local_experts` (Qwen3MoeConfig.attribute_map), the Hub `num_experts`
+                    num_experts=int(d.get("num_experts") or d.get("num_local_experts") or get("num_experts")),
+                    num_experts_per_tok=int(get("num_experts_per_tok")),
+                    moe_intermediate_size=int(get("moe_intermediate_size")),
+                    norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                    decoder_sparse_step=int(get("decoder_sparse_step", 1)),
+                    mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+                )
+            return cls(
+                model_type=model_type,
+                vocab_size=int(get("vocab_size")),
+                hidden_size=hidden,
+                intermediate_size=int(get("intermediate_size")),
+                num_hidden_layers=int(get("num_hidden_layers")),
+                num_attention_heads=heads,
+                num_key_value_heads=int(get("num_key_value_heads", heads) or heads),
+                head_dim=int(get("head_dim") or hidden // heads),
+                hidden_act=str(get("hidden_act", "silu")),
+                rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(get("max_position_embeddings")),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                qkv_bias=True if model_type == "qwen2" else attention_bias,
+                o_bias=False if model_type == "qwen2" else attention_bias,
+                mlp_bias=bool(d.get("mlp_bias", False)) if model_type == "llama" else False,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                initializer_range=float(get("initializer_range", 0.02)),
+                **moe,
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+                pad_token_id=d.get("pad_token_id"),
+                dtype=d.get("dtype") or d.get("torch_dtype"),
+            )
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{source}: {e}") from e
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """HF config.json content (Hub key style) that transformers' AutoConfig loads as the same architecture."""
+        d: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling.to_hf_dict() if self.rope_scaling else None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.model_type != "qwen2":
+            d["attention_bias"] = self.qkv_bias
+        if self.model_type == "llama":
+            d["mlp_bias"] = self.mlp_bias
+        else:
+            d["use_sliding_window"] = False
+        if self.model_type == "qwen3_moe":
+            d.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
+        if self.dtype is not None:
+            # Both spellings: transformers 5 reads `dtype`, older readers `torch_dtype`.
+            d["torch_dtype"] = d["dtype"] = self.dtype
+        return d
+
+
+def _parse_rope(d: Mapping[str, Any], max_position_embeddings: int) -> tuple[float, RopeScaling | None]:
+    """RoPE from either key style: Hub `rope_theta` + `rope_scaling`, or transformers 5 `rope_parameters`."""
+    if d.get("use_sliding_window"):
+        # Qwen2/Qwen3 sliding-window layers are off in every released checkpoint; refuse rather than mis-compute.
+        raise ValueError("use_sliding_window=true is not supported")
+    if d.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ValueError("partial_rotary_factor is not supported")
+    # transformers 5: `rope_scaling` (legacy) wins over `rope_parameters` when both are present.
+    params: dict[str, Any] = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if params.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ValueError("partial_rotary_factor is not supported")
+    params.pop("partial_rotary_factor", None)
+    if rope_type == "default":
+        return theta, None
+    if rope_type in ("llama3", "yarn"):
+        # transformers gives a top-level original_max_position_embeddings priority, then falls back to max_pos.
+        top = d.get("original_max_position_embeddings")
+        if top is not None:
+            params["original_max_position_embeddings"] = top
+        params.setdefault("original_max_position_embeddings", max_position_embeddings)
+    known = {f.name for f in dataclasses.fields(RopeScaling)}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"rope_scaling of type {rope_type!r} has unsupported keys {unknown}")
+    return theta, RopeScaling(rope_type=rope_type, **params)
+
+
+__all__ = ["ARCHITECTURES", "SUPPORTED_MODEL_TYPES", "ModelConfig", "RopeScaling"]

@@ -1,0 +1,217 @@
+"""HF checkpoint I/O: config.json + safetensors (single file or sharded with an index), in HF tensor names.
+
+Stage: shared (engine loads and hot-swaps weights, trainer loads and saves, sync names tensors).
+
+Name mapping (the only place that knows it):
+- Dense tensors: our parameter name == HF name.
+- Qwen3-MoE experts: we hold `model.layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H] and `.down_proj` [E, H, I]
+  (transformers 5's in-memory layout). Hub checkpoints (and transformers 5.24 `save_pretrained`, which reverts
+  its load-time conversion by default) store per-expert `mlp.experts.{j}.gate_proj.weight` [I, H],
+  `up_proj.weight` [I, H], `down_proj.weight` [H, I]. transformers 5 with `save_original_format=False` writes
+  the fused tensors under their in-memory names (no `.weight` suffix). We read both, per layer, and write the
+  Hub per-expert layout.
+- Tied embeddings: `lm_head.weight` is not written; if a checkpoint has it anyway it is ignored (transformers
+  ties it to the embedding too). Legacy `rotary_emb.inv_freq` buffers are ignored.
+
+Every missing, unexpected or mis-shaped tensor is an error naming the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .transformer import CausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+# ---------------------------------------------------------------- name mapping
+def hf_target(model: CausalLM, name: str, params: dict[str, torch.nn.Parameter] | None = None) -> torch.Tensor:
+    """The view of our parameter that HF tensor `name` fills (per-expert names map into the fused tensors).
+
+    Writing into the view updates the model: this is how checkpoints load and how weight updates apply.
+    Pass `params=dict(model.named_parameters())` when resolving many names.
+    """
+    if params is None:
+        params = dict(model.named_parameters())
+    m = _EXPERT.match(name)
+    if m is None:
+        if name not in params:
+            raise KeyError(f"no parameter for HF tensor {name!r}")
+        return params[name].data
+    prefix, j, kind = m.group(1), int(m.group(2)), m.group(3)
+    if f"{prefix}.gate_up_proj" not in params or j >= model.config.num_experts:
+        raise KeyError(f"no parameter for HF tensor {name!r}")
+    if kind == "down_proj":
+        return params[f"{prefix}.down_proj"].data[j]
+    inter = model.config.moe_intermediate_size
+    rows = slice(0, inter) if kind == "gate_proj" else slice(inter, 2 * inter)
+    return params[f"{prefix}.gate_up_proj"].data[j, rows]
+
+
+def iter_hf_tensors(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) in the Hub layout: per-expert MoE tensors, no `lm_head.weight` when tied. Views, no copy."""
+    tied = model.config.tie_word_embeddings
+    inter = model.config.moe_intermediate_size
+    for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        if name.endswith(".experts.gate_up_proj"):
+            prefix = name[: -len(".gate_up_proj")]
+            for j in range(t.shape[0]):
+                yield f"{prefix}.{j}.gate_proj.weight", t[j, :inter]
+                yield f"{prefix}.{j}.up_proj.weight", t[j, inter:]
+        elif name.endswith(".experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for j in range(t.shape[0]):
+                yield f"{prefix}.{j}.down_proj.weight", t[j]
+        else:
+            yield name, t
+
+
+def expected_hf_shapes(model: CausalLM, present: Iterable[str] = ()) -> dict[str, tuple[int, ...]]:
+    """HF names a checkpoint of `model` must hold, with shapes. A layer whose fused expert tensors are in
+    `present` expects the fused layout instead of the per-expert one."""
+    present = set(present)
+    shapes: dict[str, tuple[int, ...]] = {}
+    fused_prefixes = set()
+    for name, t in model.state_dict().items():
+        if name.endswith(_FUSED) and name in present:
+            fused_prefixes.add(name.rsplit(".", 1)[0])
+            shapes[name] = tuple(t.shape)
+    for name, t in iter_hf_tensors(model):
+        m = _EXPERT.match(name)
+        if m is None or m.group(1) not in fused_prefixes:
+            shapes[name] = tuple(t.shape)
+    return shapes
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
+
+
+# ---------------------------------------------------------------- loading
+def checkpoint_files(path: Path) -> tuple[dict[str, Path], Path]:
+    """Map each tensor name to the safetensors file holding it; also return the file to blame for absences."""
+    single, index = path / SINGLE_FILE, path / INDEX_FILE
+    if single.exists():
+        with safe_open(str(single), framework="pt") as f:
+            return {k: single for k in f.keys()}, single
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from e
+        return {k: path / v for k, v in weight_map.items()}, index
+    raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
+    """Fill every parameter of `model` from the HF checkpoint directory `path`, checking names and shapes."""
+    files, blame = checkpoint_files(Path(path))
+    expected = expected_hf_shapes(model, files)
+    missing = [n for n in expected if n not in files]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{blame}: missing tensor {missing[0]!r}{more} for {model.config.model_type}")
+    unexpected = [n for n in files if n not in expected and not _ignorable(n, model.config)]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ValueError(f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]!r}{more}")
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[str]] = {}
+    for n in expected:
+        by_file.setdefault(files[n], []).append(n)
+    for file, names in by_file.items():
+        if not file.exists():
+            raise FileNotFoundError(f"{blame}: shard {file.name} (holding {names[0]!r}) does not exist")
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for n in names:
+                shape = tuple(f.get_slice(n).get_shape())
+                if shape != expected[n]:
+                    raise ValueError(f"{file}: tensor {n!r} has shape {shape}, expected {expected[n]}")
+                hf_target(model, n, params).copy_(f.get_tensor(n))
+
+
+def read_config(path: str | os.PathLike[str]) -> ModelConfig:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{cfg_path} does not exist")
+    return ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()), source=str(cfg_path))
+
+
+def build_model(
+    config: ModelConfig, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+) -> CausalLM:
+    """Random-init model (seed with torch.manual_seed); dtype defaults to the config's, else float32."""
+    model = _empty_model(config, dtype, device)
+    model.reset_parameters()
+    return model
+
+
+def load_pretrained(
+    path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str | torch.device | None = None
+) -> CausalLM:
+    """Load an HF-format checkpoint directory; dtype defaults to the config's `torch_dtype`/`dtype`, else float32."""
+    model = _empty_model(read_config(path), dtype, device)
+    load_hf_checkpoint(model, path)
+    return model.eval()
+
+
+def _empty_model(config: ModelConfig, dtype: torch.dtype | None, device: str | torch.device | None) -> CausalLM:
+    # Build on the meta device and allocate once in the target dtype/device: no throwaway random init.
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model.to(dtype=dtype or config.torch_dtype() or torch.float32)
+    model.to_empty(device=torch.device(device) if device is not None else torch.device("cpu"))
+    model.tie_weights()  # to_empty may re-create Parameters, which unties them
+    return model
+
+
+# ---------------------------------------------------------------- saving
+def save_pretrained(model: CausalLM, out_dir: str | os.PathLike[str], max_shard_bytes: int | None = None) -> None:
+    """Write config.json and safetensors in the Hub layout (sharded with an index above `max_shard_bytes`)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = next(model.parameters()).dtype
+    config = model.config.replace(dtype=str(dtype).removeprefix("torch."))
+    tensors = list(iter_hf_tensors(model))
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        # Greedy like transformers: start a new shard when this tensor would overflow the current one.
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += nbytes
+    # Remove weights of an earlier save so a stale index or shard cannot shadow the new files.
+    for old in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file({n: t.detach().contiguous().cpu() for n, t in shards[0]}, str(out / SINGLE_FILE), metadata=meta)
+    else:
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards, start=1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file({n: t.detach().contiguous().cpu() for n, t in shard}, str(out / fname), metadata=meta)
+            weight_map.update({n: fname for n, _ in shard})
+        total = sum(t.numel() * t.element_size() for _, t in tensors)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")

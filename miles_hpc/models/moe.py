@@ -1,0 +1,104 @@
+"""Qwen3-MoE sparse block: softmax top-k router with optional routing replay (R3), and grouped expert SwiGLUs.
+
+Stage: shared model code (the engine records routes, the trainer replays them).
+
+Invariants:
+- Router: probs = softmax(x @ W_gate^T) in float32; the top-k ids are the k largest probs (torch.topk order,
+  largest first); gate weights are the probs at those ids, divided by their sum when `norm_topk_prob`, then cast
+  to the activation dtype. This is transformers' Qwen3MoeTopKRouter.
+- Replay: given recorded ids, the same formula is evaluated at those ids from the *current* probs, so the gate
+  weights stay differentiable w.r.t. the router; replaying the model's own ids reproduces its output exactly.
+- Experts are held fused, as transformers 5 holds them in memory: `experts.gate_up_proj` [E, 2I, H] (gate rows
+  first, then up rows) and `experts.down_proj` [E, H, I]. hf_io.py maps them to the Hub's per-expert tensors.
+- Expert compute groups the (token, slot) pairs by expert with one argsort and runs one GEMM pair per expert
+  that received tokens (a Python loop over experts, never over tokens); results are put back in (token, slot) order
+  and summed over the k slots: deterministic (no atomics), as transformers 5.24's default `grouped_mm` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import ACTIVATIONS
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H], replay [N, k] or None -> (weights [N, k] in x.dtype, ids [N, k] int64)."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if replay is None:
+            top, ids = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            ids = replay.to(device=x.device, dtype=torch.long)
+            if ids.shape != (x.shape[0], self.top_k):
+                raise ValueError(f"routing replay must be [{x.shape[0]}, {self.top_k}], got {tuple(ids.shape)}")
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_experts):
+                raise ValueError(f"routing replay has expert ids outside [0, {self.num_experts})")
+            top = probs.gather(-1, ids)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), ids
+
+
+class Experts(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, act: str) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], ids/weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x)  [N, H]."""
+        n_tok, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        w_sorted = weights.reshape(-1)[order]
+        x_sorted = x[order // k]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
+        outs: list[torch.Tensor] = []
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            xe = x_sorted[start : start + n]
+            gate, up = F.linear(xe, self.gate_up_proj[e]).chunk(2, dim=-1)
+            ye = F.linear(self.act(gate) * up, self.down_proj[e])
+            outs.append(ye * w_sorted[start : start + n, None])
+            start += n
+        y_sorted = torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
+        # Combine without atomics (index_add_ is nondeterministic on GPU): put the results back in (token, slot)
+        # order and reduce over the k slots with one sum (float32 accumulation for bf16). This is transformers
+        # 5.24's default "grouped_mm" experts path, so the result is bitwise transformers' on CPU.
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)
+        return y_sorted[inv].view(n_tok, k, -1).sum(dim=1).to(x.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """`mlp` of a MoE layer: HF names `mlp.gate.weight`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = TopKRouter(
+            config.hidden_size, config.num_experts, config.num_experts_per_tok, config.norm_topk_prob
+        )
+        self.experts = Experts(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.hidden_act)
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H], replay [B*T, k] or None -> (out [B, T, H], routed ids [B*T, k])."""
+        b, t, h = x.shape
+        flat = x.reshape(-1, h)
+        weights, ids = self.gate(flat, replay)
+        return self.experts(flat, ids, weights).view(b, t, h), ids

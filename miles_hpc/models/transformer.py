@@ -1,0 +1,163 @@
+"""The decoder-only causal LM for every supported family (dense layers and, for qwen3_moe, sparse MoE layers).
+
+Stage: shared model code: the trainer calls it on packed sequences, the engine with its own attention backend.
+
+Invariants:
+- `state_dict()` keys are transformers 5's in-memory names (`model.layers.{i}.self_attn.q_proj.weight`, ...,
+  `lm_head.weight`); with tied embeddings `lm_head.weight` is the same Parameter as `model.embed_tokens.weight`.
+- `forward` is a pure function of (weights, inputs): no KV cache or RoPE state survives a call.
+- `forward(input_ids)` returns logits [B, T, vocab] in the parameter dtype. With `return_routed_experts=True`
+  it returns (logits, routed) where routed is int32 [B, T, num_moe_layers, top_k] (dense layers excluded,
+  MoE layers in layer order); a dense model returns an empty [B, T, 0, 0] tensor there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import AttentionBackend, check_cu_seqlens, sdpa_attention
+from .config import ModelConfig
+from .layers import Attention, RMSNorm, SwiGLUMLP
+from .moe import SparseMoeBlock
+from .rope import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp: nn.Module = (
+            SparseMoeBlock(config)
+            if self.is_moe
+            else SwiGLUMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+        cu_seqlens: torch.Tensor | None,
+        replay: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, cu_seqlens)
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            out, ids = self.mlp(h, replay)
+            return x + out, ids
+        return x + self.mlp(h), None
+
+
+class DecoderModel(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # As transformers: the pad token's row gets no gradient from the lookup (it still does via a tied head).
+        pad = config.pad_token_id
+        padding_idx = pad if pad is not None and 0 <= pad < config.vocab_size else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=padding_idx)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+        self.moe_layer_ids: tuple[int, ...] = config.moe_layer_ids()
+        self.num_moe_layers: int = len(self.moe_layer_ids)
+        self.top_k: int = config.num_experts_per_tok if self.num_moe_layers else 0
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when the config says so (re-run after `to_empty`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Random init as transformers does it: N(0, initializer_range) matrices, zero biases, unit norms, zero
+        pad-token embedding row."""
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:  # RMSNorm weights
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+        pad = self.model.embed_tokens.padding_idx
+        if pad is not None:
+            self.model.embed_tokens.weight[pad].zero_()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        return_routed_experts: bool = False,
+        routing_replay: torch.Tensor | None = None,
+        attn_backend: AttentionBackend | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, T, vocab] for input_ids [B, T].
+
+        position_ids: [B, T] (or [T]); default arange(T) per row, or per packed sequence when cu_seqlens is given.
+        cu_seqlens: int [n+1] boundaries of n sequences packed into the single row (B must be 1); attention is
+            causal within each sequence and never crosses a boundary.
+        return_routed_experts: also return the chosen expert ids, int32 [B, T, num_moe_layers, top_k].
+        routing_replay: int [B, T, num_moe_layers, top_k]; MoE layers use these ids instead of their own top-k,
+            with gate weights recomputed (differentiably) from the current router probabilities.
+        attn_backend: the attention kernel (default: `sdpa_attention`); see attention.py for the engine's use.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, b, t)
+        if position_ids is None:
+            position_ids = self._default_positions(t, cu_seqlens, input_ids.device)
+        elif position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        if routing_replay is not None:
+            expected = (b, t, self.num_moe_layers, self.top_k)
+            if tuple(routing_replay.shape) != expected:
+                raise ValueError(f"routing_replay must have shape {expected}, got {tuple(routing_replay.shape)}")
+        backend = attn_backend if attn_backend is not None else sdpa_attention
+
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(position_ids, x.dtype)
+        routed: list[torch.Tensor] = []
+        for layer in self.model.layers:
+            replay = None
+            if routing_replay is not None and layer.is_moe:
+                replay = routing_replay[:, :, len(routed)].reshape(b * t, self.top_k)
+            x, ids = layer(x, cos, sin, backend, cu_seqlens, replay)
+            if ids is not None:
+                routed.append(ids)
+        logits = self.lm_head(self.model.norm(x))
+        if not return_routed_experts:
+            return logits
+        if routed:
+            stacked = torch.stack(routed, dim=1).view(b, t, self.num_moe_layers, self.top_k)
+        else:
+            stacked = torch.empty(b, t, 0, 0, dtype=torch.long, device=logits.device)
+        return logits, stacked.to(torch.int32)
+
+    @staticmethod
+    def _default_positions(t: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        pos = torch.arange(t, device=device)
+        if cu_seqlens is not None:
+            # Restart at 0 at each packed sequence: position = index - start of its sequence.
+            cu = cu_seqlens.to(device=device, dtype=torch.long)
+            starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=t)
+            pos = pos - starts
+        return pos.unsqueeze(0)
