@@ -1,0 +1,84 @@
+"""Request/result records between the engine core (scheduler, runner) and the HTTP server.
+
+Stage: engine. The HTTP layer turns SGLang-shaped JSON (DESIGN section 4) into a :class:`GenerateRequest` and a
+:class:`GenerateResult` back into SGLang's response shape; the core never sees JSON. Field names follow SGLang's
+so the mapping stays one-to-one.
+
+Invariants:
+- ``output_ids`` holds every generated id exactly as sampled, including a matched stop token (SGLang returns it
+  too); ``output_logprobs[i]`` is the log-prob of ``output_ids[i]`` under the temperature-1 log-softmax of the
+  model's logits (what SGLang reports), whatever temperature/top-p/top-k the sampler used.
+- ``weight_versions`` spans cover ``[0, len(output_ids))`` without gaps: span ``{"version", "start", "end"}``
+  says output tokens ``start..end-1`` were sampled with that weight version.
+- ``routed_experts`` (when asked) is int32 ``[rows, num_moe_layers, top_k]`` for absolute positions
+  ``[routed_experts_start_len, prompt_len + len(output_ids) - 1)``: every processed token's experts; the last
+  sampled token was never fed through the model, hence the ``-1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+FinishType = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    sampling_seed: int | None = None  # same seed + same prompt -> same tokens, whatever the batch around it
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateRequest:
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: output tokens only; k >= 0: also prompt tokens from position k
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class FinishReason:
+    type: FinishType
+    matched: int | None = None  # the stop token id that ended generation
+    message: str | None = None  # why an abort happened
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {"type": self.type}
+        if self.matched is not None:
+            out["matched"] = self.matched
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateResult:
+    rid: str
+    output_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache (summed over re-prefills after retraction)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None  # from logprob_start_len; the first prompt token has None
+    routed_experts: np.ndarray | None = None
+    weight_versions: list[dict[str, object]] = field(default_factory=list)
+    weight_version: str = "0"
+    num_retractions: int = 0
+    e2e_latency: float = 0.0
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
