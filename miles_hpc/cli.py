@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from miles_hpc import __version__
 from miles_hpc.config import ConfigError
@@ -51,6 +53,52 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    if not (Path(args.model_dir) / "config.json").is_file():
+        print(f"error: {args.model_dir} is not an HF checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    from miles_hpc.engine.auth import ApiKeys, read_key
+    from miles_hpc.engine.config import EngineConfig
+    from miles_hpc.engine.server import ServerConfig, serve
+
+    try:
+        keys = ApiKeys(
+            api_key=read_key(args.api_key, args.api_key_file, "api-key"),
+            admin_api_key=read_key(args.admin_api_key, args.admin_api_key_file, "admin-api-key"),
+        )
+        engine_cfg = EngineConfig(
+            device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
+            max_context_len=args.max_context_len, max_running_requests=args.max_running_requests, seed=args.seed,
+        )  # fmt: skip
+        server_cfg = ServerConfig(host=args.host, port=args.port, keys=keys, rendezvous=args.rendezvous,
+                                  max_request_bytes=int(args.max_request_mb * (1 << 20)))  # fmt: skip
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return serve(args.model_dir, engine_cfg, server_cfg)
+
+
+def _add_serve_parser(sub: Any) -> None:
+    # No engine import here: `miles-hpc --help` must not pay for torch. EngineConfig validates the values.
+    srv = sub.add_parser("serve", help="the embedded engine as an SGLang-compatible HTTP server")
+    srv.add_argument("model_dir", help="HF-format checkpoint directory")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: all interfaces)")
+    srv.add_argument("--port", type=int, default=30000, help="TCP port; 0 picks a free one")
+    srv.add_argument("--api-key", help="key for every endpoint but /health*, /ready, /metrics (visible in ps!)")
+    srv.add_argument("--api-key-file", help="file holding --api-key (first line), so it stays out of ps")
+    srv.add_argument("--admin-api-key", help="key for weight-update and control endpoints")
+    srv.add_argument("--admin-api-key-file", help="file holding --admin-api-key")
+    srv.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
+    srv.add_argument("--dtype", help="weights/KV dtype: float32, bfloat16, float16 (default: the checkpoint's)")
+    srv.add_argument("--max-total-tokens", type=int, default=65536, help="KV-cache capacity in tokens (CPU)")
+    srv.add_argument("--max-context-len", type=int, help="prompt + output tokens per request (default: model's)")
+    srv.add_argument("--max-running-requests", type=int, default=256, help="requests decoding at once")
+    srv.add_argument("--seed", type=int, default=0, help="seeds requests that bring no sampling_seed")
+    srv.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body (413 beyond)")
+    srv.add_argument("--rendezvous", help="write {host, port, pid, url, ...} JSON here once listening")
+    srv.set_defaults(func=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from miles_hpc.models.presets import ARCHS, SIZES
 
@@ -73,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp = sub.add_parser("inspect", help="summarise HDF5 trajectory shards (a file, a directory or a run dir)")
     insp.add_argument("path")
     insp.set_defaults(func=_cmd_inspect)
+    _add_serve_parser(sub)
     return p
 
 

@@ -6,7 +6,8 @@ Invariants:
 - `state_dict()` keys are transformers 5's in-memory names (`model.layers.{i}.self_attn.q_proj.weight`, ...,
   `lm_head.weight`); with tied embeddings `lm_head.weight` is the same Parameter as `model.embed_tokens.weight`.
 - `forward` is a pure function of (weights, inputs): no KV cache or RoPE state survives a call.
-- `forward(input_ids)` returns logits [B, T, vocab] in the parameter dtype. With `return_routed_experts=True`
+- `forward(input_ids)` returns logits [B, T, vocab] in the parameter dtype ([B, n, vocab] for the n rows named by
+  `logits_indices`). With `return_routed_experts=True`
   it returns (logits, routed) where routed is int32 [B, T, num_moe_layers, top_k] (dense layers excluded,
   MoE layers in layer order); a dense model returns an empty [B, T, 0, 0] tensor there.
 """
@@ -107,6 +108,7 @@ class CausalLM(nn.Module):
         return_routed_experts: bool = False,
         routing_replay: torch.Tensor | None = None,
         attn_backend: AttentionBackend | None = None,
+        logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, T, vocab] for input_ids [B, T].
 
@@ -117,6 +119,8 @@ class CausalLM(nn.Module):
         routing_replay: int [B, T, num_moe_layers, top_k]; MoE layers use these ids instead of their own top-k,
             with gate weights recomputed (differentiably) from the current router probabilities.
         attn_backend: the attention kernel (default: `sdpa_attention`); see attention.py for the engine's use.
+        logits_indices: int [n] token indices (along T) whose logits are wanted; the final norm and LM head run on
+            those rows only and logits are [B, n, vocab] (an engine needs the last row of each sequence, not all).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -143,6 +147,8 @@ class CausalLM(nn.Module):
             x, ids = layer(x, cos, sin, backend, cu_seqlens, replay)
             if ids is not None:
                 routed.append(ids)
+        if logits_indices is not None:
+            x = x[:, logits_indices.to(device=x.device, dtype=torch.long)]
         logits = self.lm_head(self.model.norm(x))
         if not return_routed_experts:
             return logits

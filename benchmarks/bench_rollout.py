@@ -1,0 +1,176 @@
+"""Rollout throughput of the embedded engine versus `transformers` generate on the same weights, and the HBM roofline.
+
+Prints one JSON line per result:
+- ``decode``: tokens/s of our engine and of HF `generate` (same weights, batch, prompt and output lengths, greedy,
+  EOS ignored so every sample runs to the length), and on GPU the fraction of the decode roofline: the bytes one
+  decode step must read (all weights + the KV of every sequence at the mean context) over the device-to-device copy
+  bandwidth measured in the same run.
+- ``prefix_cache``: prefill time of a request whose long prefix is cached versus one with a fresh prompt of the same
+  length (max_new_tokens=1 each), and the ratio.
+
+    python benchmarks/bench_rollout.py                       # CPU: the tiny preset
+    python benchmarks/bench_rollout.py --device cuda --shape qwen3-0.6b --batch 64 --prompt-len 256 --new-tokens 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from miles_hpc.engine.config import EngineConfig
+from miles_hpc.engine.core import Engine
+from miles_hpc.engine.types import GenerateRequest, GenerateResult, SamplingParams
+from miles_hpc.models import ModelConfig, build_model, save_pretrained
+from miles_hpc.models.presets import preset_config
+
+# Real shapes of public models (random weights): what matters for throughput is the shape, not the values.
+SHAPES: dict[str, dict[str, object]] = {
+    "qwen3-0.6b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       tie_word_embeddings=True, hidden_act="silu", attention_bias=False, eos_token_id=151645),
+}  # fmt: skip
+
+
+def make_checkpoint(shape: str, dtype: torch.dtype, out: Path) -> Path:
+    hf = dict(SHAPES[shape]) if shape in SHAPES else preset_config("qwen3", shape)
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    torch.manual_seed(0)
+    save_pretrained(build_model(ModelConfig.from_hf_dict(hf), dtype=dtype), out)
+    return out
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float | None:
+    """Device-to-device copy, bytes read + written per second (the practical HBM limit)."""
+    if not device.startswith("cuda"):
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    reps = 20
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * reps / (start.elapsed_time(end) / 1e3)
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[GenerateResult]]:
+    results: list[GenerateResult] = []
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    for p in prompts:
+        req = GenerateRequest(rid=uuid.uuid4().hex, input_ids=tuple(p), sampling=params)
+        engine.submit(req, results.append)
+    while len(results) < len(prompts):
+        engine.step()
+    sync(str(engine.device))
+    return time.perf_counter() - t0, results
+
+
+def run_hf(model_dir: Path, prompts: list[list[int]], new_tokens: int, device: str, dtype: torch.dtype) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        sync(device)
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return time.perf_counter() - t0
+
+
+def decode_bytes_per_step(engine: Engine, batch: int, mean_context: float) -> float:
+    """Bytes one decode step must read: every weight once + the K and V of each sequence's context."""
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    c = engine.model.config
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * engine.model.lm_head.weight.element_size()
+    return weights + batch * mean_context * kv_per_token
+
+
+def bench_prefix(engine: Engine, vocab: int, prefix_len: int, device: str) -> dict[str, object]:
+    g = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    prefix, tail = rand(prefix_len), rand(16)
+    run_engine(engine, [prefix + rand(16)], 1)  # fills the cache with the prefix
+    t_cached, (hit,) = run_engine(engine, [prefix + tail], 1)
+    t_fresh, (miss,) = run_engine(engine, [rand(prefix_len + 16)], 1)
+    return {
+        "bench": "rollout", "result": "prefix_cache", "device": device, "prefix_tokens": prefix_len,
+        "cached_tokens": hit.cached_tokens, "fresh_cached_tokens": miss.cached_tokens,
+        "prefill_cached_s": round(t_cached, 5), "prefill_fresh_s": round(t_fresh, 5),
+        "speedup": round(t_fresh / t_cached, 2),
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", default=None, help="qwen3-0.6b or a preset size (tiny, small)")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--prefix-len", type=int, default=2000)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    gpu = args.device.startswith("cuda")
+    shape = args.shape or ("qwen3-0.6b" if gpu else "tiny")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
+    batch = args.batch or (64 if gpu else 8)
+    prompt_len = args.prompt_len or (256 if gpu else 32)
+    new_tokens = args.new_tokens or (512 if gpu else 64)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_checkpoint(shape, dtype, Path(tmp) / "model")
+        engine = Engine.from_pretrained(str(model_dir), EngineConfig(device=args.device, dtype=str(dtype)[6:]))
+        vocab = engine.model.config.vocab_size
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+        run_engine(engine, prompts[:2], 4)  # warm-up (allocations, kernels, graphs)
+        t_ours, results = run_engine(engine, prompts, new_tokens)
+        assert all(r.completion_tokens == new_tokens for r in results)
+        tokens = batch * new_tokens
+        line: dict[str, object] = {
+            "bench": "rollout", "result": "decode", "device": args.device, "shape": shape, "dtype": str(dtype)[6:],
+            "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "engine_tok_s": round(tokens / t_ours, 1), "engine_s": round(t_ours, 3),
+        }  # fmt: skip
+        bw = copy_bandwidth(args.device)
+        if bw is not None:
+            step_bytes = decode_bytes_per_step(engine, batch, prompt_len + new_tokens / 2)
+            roofline = batch / (step_bytes / bw)
+            line.update(copy_GBps=round(bw / 1e9, 1), roofline_tok_s=round(roofline, 1),
+                        roofline_frac=round(tokens / t_ours / roofline, 4))  # fmt: skip
+        prefix = bench_prefix(engine, vocab, args.prefix_len, args.device)
+        engine.shutdown()
+        del engine
+        if not args.skip_hf:
+            t_hf = run_hf(model_dir, prompts, new_tokens, args.device, dtype)
+            line.update(hf_generate_tok_s=round(tokens / t_hf, 1), speedup_vs_hf=round(t_hf / t_ours, 2))
+            if bw is not None:
+                line["hf_roofline_frac"] = round(tokens / t_hf / line["roofline_tok_s"], 4)  # type: ignore[operator]
+        print(json.dumps(line), flush=True)
+        print(json.dumps(prefix), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""The engine core's public face: `Engine` (thread-safe) and `RequestError`.
+
+Stage: engine. The HTTP server (server.py) is the only caller: it runs an asyncio loop in the main thread and calls
+these methods; `start()` runs the step loop in a background thread. One step = scheduler.schedule() ->
+runner.run() -> scheduler.postprocess() (nano-vllm's three calls), under `_step_lock`.
+
+Threading invariants:
+- `submit` never waits for a step: it validates, then queues into an inbox the next step drains.
+- Control calls (`abort`, `pause`, `update_weights*`, `flush_cache`, `checksums`) run between steps: they hold the
+  step lock, and the loop yields to a waiting control call, so they cannot starve.
+- `on_done(result)` is called exactly once per accepted request, never while an engine lock is held: from the
+  engine thread for requests that finish in a step, from the caller's thread for requests that `abort`/`pause`/
+  `shutdown` end. The server wraps it with `loop.call_soon_threadsafe`, which is right in both cases.
+- Weight versions: every output token is attributed to the version current when it was sampled
+  (`GenerateResult.weight_versions` spans); `update_weights` takes effect from the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict
+from typing import Any, Literal
+
+import torch
+
+from miles_hpc.models import CausalLM, load_pretrained
+
+from .config import EngineConfig
+from .kv_cache import BlockManager, KVCache
+from .report import Counters, build_result, engine_stats
+from .runner import ModelRunner
+from .scheduler import Req, Scheduler
+from .types import FinishReason, GenerateRequest, GenerateResult
+from .validate import Limits, RequestError, validate_request
+from .weights import apply_named, checksums, eos_token_ids, iter_checkpoint
+
+__all__ = ["DoneCallback", "Engine", "PauseMode", "RequestError"]
+
+log = logging.getLogger(__name__)
+PauseMode = Literal["abort", "retract", "in_place"]
+DoneCallback = Callable[[GenerateResult], None]
+
+
+class Engine:
+    """Continuous-batching inference engine over one `CausalLM` with a paged, prefix-cached KV cache."""
+
+    def __init__(self, model: CausalLM, config: EngineConfig, *, model_path: str | None = None) -> None:
+        """Take ownership of `model` (moved/cast to config.device/dtype) and allocate the KV cache."""
+        self.config = config
+        self.device = torch.device(config.device)
+        mc = model.config
+        dtype = config.torch_dtype() or next(model.parameters()).dtype
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        self.dtype = dtype
+        self.model_path = model_path
+        self.vocab_size = mc.vocab_size
+        self.max_context_len = config.max_context_len or mc.max_position_embeddings
+        self.num_moe_layers = model.num_moe_layers
+        self.top_k = model.top_k
+        self.eos_token_ids = eos_token_ids(mc.eos_token_id, model_path)
+
+        bs = config.block_size
+        geometry = dict(num_layers=mc.num_hidden_layers, block_size=bs, kv_heads=mc.num_key_value_heads,
+                        head_dim=mc.head_dim, dtype=dtype)  # fmt: skip
+        num_blocks = config.num_blocks or self._auto_num_blocks(geometry)
+        # One block more than the allocator hands out: the scratch block that padding rows of captured decode
+        # batches write to (cuda_graphs.py), so they never touch a real request's KV.
+        self.cache = KVCache(**geometry, num_blocks=num_blocks + 1, device=self.device,
+                             num_moe_layers=self.num_moe_layers, top_k=self.top_k)  # fmt: skip
+        self.blocks = BlockManager(
+            num_blocks, bs, max_rows=config.max_running_requests, max_blocks_per_seq=-(-self.max_context_len // bs)
+        )
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_running=config.max_running_requests,
+            max_prefill_tokens=config.max_prefill_tokens,
+            enable_prefix_cache=config.enable_prefix_cache,
+        )
+        self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device,
+                                  triton_kernels=config.triton_kernels, cuda_graphs=config.cuda_graphs)  # fmt: skip
+        self.limits = Limits(vocab_size=self.vocab_size, max_context_len=self.max_context_len,
+                             kv_capacity_tokens=num_blocks * bs, num_moe_layers=self.num_moe_layers)  # fmt: skip
+
+        self._lock = threading.Lock()  # inbox, live rids, paused flag; held briefly, never across a step
+        self._cond = threading.Condition(self._lock)
+        self._step_lock = threading.RLock()  # one step or one control call at a time
+        self._inbox: list[Req] = []
+        self._live: set[str] = set()
+        self._paused = False
+        self._stop = False
+        self._control_waiting = 0
+        self._thread: threading.Thread | None = None
+        self._version = "0"
+        self._seed_gen = torch.Generator().manual_seed(config.seed)
+        self._counters = Counters()
+
+    def _auto_num_blocks(self, geometry: dict[str, Any]) -> int:
+        if self.device.type != "cuda":
+            return -(-self.config.max_total_tokens // self.config.block_size)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        per_block = KVCache.bytes_per_block(**geometry, routing_width=self.num_moe_layers * self.top_k)
+        return max(1, int(free * self.config.kv_cache_fraction) // per_block)
+
+    @classmethod
+    def from_pretrained(cls, path: str, config: EngineConfig) -> Engine:
+        """Load an HF-format checkpoint directory (config.json + safetensors [+ generation_config.json])."""
+        model = load_pretrained(path, dtype=config.torch_dtype(), device=config.device)
+        return cls(model, config, model_path=str(path))
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the background step-loop thread (idempotent)."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._stop = False
+            self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the loop thread (after the step in flight) and abort every request left (on_done is called)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        self.abort(None, message="engine shut down")
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and (
+                    self._paused or self._control_waiting or not (self._inbox or self.scheduler.has_work())
+                ):
+                    self._cond.wait()
+                if self._stop:
+                    return
+            try:
+                progressed = self.step()
+            except Exception as e:  # a bug or OOM in a step must not leave clients hanging forever
+                log.exception("engine step failed; aborting all requests")
+                self.abort(None, message=f"engine step failed: {type(e).__name__}: {e}")
+                continue
+            if not progressed:
+                with self._cond:
+                    self._cond.wait(timeout=0.01)
+
+    def step(self) -> bool:
+        """Run one scheduler step; False when paused or there was nothing to do. Tests call it without `start`."""
+        with self._step_lock:
+            if not self._drain_inbox():
+                return False
+            batch = self.scheduler.schedule()
+            if not batch:
+                return False
+            out = self.runner.run(batch)
+            finished = self.scheduler.postprocess(
+                batch, out.tokens, out.logprobs, out.input_logprobs, self._version, self.eos_token_ids
+            )
+            self._counters.record_step(sum(t is not None for t in out.tokens))
+            results = [self._finish(r) for r in finished]
+        _deliver(results)
+        return True
+
+    def _drain_inbox(self) -> bool:
+        """Move submitted requests into the scheduler (step lock held); False when paused."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            paused = self._paused
+        for r in inbox:
+            self.scheduler.add(r)
+        return not paused
+
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        with self._cond:
+            self._control_waiting += 1
+        try:
+            with self._step_lock:
+                yield
+        finally:
+            with self._cond:
+                self._control_waiting -= 1
+                self._cond.notify_all()
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, req: GenerateRequest, on_done: DoneCallback) -> None:
+        """Validate and queue `req`; raises RequestError (nothing queued) when invalid or `rid` is live.
+
+        Accepted while paused (it waits). `on_done` gets the `GenerateResult` once.
+        """
+        validate_request(req, self.limits)
+        sp = req.sampling
+        prompt = list(req.input_ids)
+        early = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
+        r = Req(req=req, on_done=on_done, seed=0, t_submit=time.monotonic(), tokens=prompt, prompt_len=len(prompt),
+                banned_early=tuple(sorted(early)), stop_ids=frozenset(sp.stop_token_ids))  # fmt: skip
+        k = req.logprob_start_len
+        if req.return_logprob and k >= 0:
+            r.input_logprobs = [None] * len(prompt)
+            first_row = max(k, 1) - 1  # logits at row p give the log-prob of prompt token p + 1
+            r.lp_next = first_row if first_row <= len(prompt) - 2 else None
+        with self._cond:
+            if req.rid in self._live:
+                raise RequestError(f"rid {req.rid!r} is already in flight")
+            # Unseeded requests get a seed from the engine's generator: reproducible per engine seed and order.
+            r.seed = sp.sampling_seed if sp.sampling_seed is not None else _draw_seed(self._seed_gen)
+            self._live.add(req.rid)
+            self._inbox.append(r)
+            self._counters.num_requests += 1
+            self._counters.prompt_tokens += len(prompt)
+            self._cond.notify_all()
+
+    def abort(self, rid: str | None, *, message: str | None = None) -> int:
+        """Abort one request (`rid`) or all (None): they finish with FinishReason("abort") and the tokens so far.
+        Returns how many were aborted (0 for an unknown or already finished rid)."""
+        with self._between_steps():
+            self._drain_inbox()
+            taken = self.scheduler.remove(rid)
+            msg = message or ("aborted by request" if rid is not None else "all requests aborted")
+            for r in taken:
+                r.finish = FinishReason(type="abort", message=msg)
+            results = [self._finish(r) for r in taken]
+        _deliver(results)
+        return len(results)
+
+    def pause(self, mode: PauseMode) -> None:
+        """Stop stepping, SGLang's `/pause_generation`: "abort" aborts everything; "retract" frees the KV of running
+        requests and requeues them (recomputed after resume); "in_place" keeps everything. Returns once no step
+        is in flight. Pausing again changes nothing but applies the mode's action."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise RequestError(f"mode must be one of abort, retract, in_place; got {mode!r}")
+        with self._between_steps():
+            with self._cond:
+                self._paused = True
+            if mode == "retract":
+                self.scheduler.retract_all()
+        if mode == "abort":
+            self.abort(None, message="aborted by pause_generation")
+
+    def resume(self) -> None:
+        """Continue stepping (`/continue_generation`)."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # ---------------------------------------------------------------- weights
+    def update_weights(
+        self, named: Iterable[tuple[str, torch.Tensor]], *, version: str | None, flush_cache: bool = True
+    ) -> list[str]:
+        """Copy HF-named tensors into the model (cast to the engine dtype/device); returns the names applied.
+
+        Unknown name or wrong shape -> RequestError naming the tensor; tensors before it stay applied, that one is
+        untouched. Runs between steps (waits for the one in flight). `flush_cache` drops the prefix cache so
+        KV computed with the old weights is never reused by a new request (also when a bad tensor stopped the
+        update part-way); `version` sets `weight_version` once every tensor is applied.
+        """
+        with self._between_steps():
+            started: list[str] = []
+            try:
+                applied = apply_named(self.model, _recording(named, started))
+            finally:
+                if flush_cache and started:
+                    self.blocks.flush()
+            if version is not None:
+                self._version = str(version)
+        return applied
+
+    def update_weights_from_disk(self, path: str, *, version: str | None, flush_cache: bool = True) -> None:
+        """Load every tensor of the HF checkpoint at `path` (same architecture) via `update_weights`.
+        The checkpoint's names and shapes are all checked before any tensor is applied."""
+        self.update_weights(iter_checkpoint(self.model, path), version=version, flush_cache=flush_cache)
+        self.model_path = str(path)
+
+    def checksums(self) -> dict[str, str]:
+        """HF name -> `sync.checksum.tensor_checksum` of the engine's tensor (Hub per-expert layout for MoE)."""
+        with self._between_steps():
+            return checksums(self.model)
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; False (and nothing flushed) while requests are running or waiting, as SGLang."""
+        with self._between_steps():
+            with self._lock:
+                busy = bool(self._live)
+            if busy:
+                return False
+            self.blocks.flush()
+            return True
+
+    @property
+    def weight_version(self) -> str:
+        return self._version
+
+    def set_weight_version(self, version: str) -> None:
+        """Name the current weights (`/update_weight_version`); tokens sampled from the next step carry it."""
+        with self._between_steps():
+            self._version = str(version)
+
+    # ---------------------------------------------------------------- results
+    def _finish(self, r: Req) -> tuple[GenerateResult, DoneCallback]:
+        """Build the result of a request leaving the scheduler (step lock held), then release its blocks."""
+        result = build_result(r, self.cache, self.blocks.block_size, self._version)
+        self.scheduler.free(r)
+        with self._lock:
+            self._live.discard(r.rid)
+        return result, r.on_done
+
+    # ---------------------------------------------------------------- info
+    def stats(self) -> dict[str, float | int]:
+        """Gauges and counters for /metrics and /get_server_info: num_running_reqs, num_queue_reqs, paused,
+        num_requests_total, prompt_tokens_total, generation_tokens_total, cached_tokens_total, cache_hit_rate,
+        gen_throughput (tokens/s, last 10 s), kv_blocks_used/cached/total, token_usage, num_retractions_total."""
+        with self._lock:
+            queued = len(self._inbox)
+        return engine_stats(self.scheduler, self.blocks, self._counters, queued=queued, paused=self._paused)
+
+    def model_info(self) -> dict[str, object]:
+        """For /get_model_info."""
+        return {
+            "model_path": self.model_path,
+            "model_type": self.model.config.model_type,
+            "is_generation": True,
+            "weight_version": self._version,
+            "vocab_size": self.vocab_size,
+            "max_context_len": self.max_context_len,
+            "num_moe_layers": self.num_moe_layers,
+            "top_k": self.top_k,
+            "eos_token_ids": sorted(self.eos_token_ids),
+        }
+
+    def server_info(self) -> dict[str, object]:
+        """For /get_server_info: the EngineConfig, model_info(), the resolved KV geometry and stats()."""
+        return {
+            **asdict(self.config),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "num_blocks": self.blocks.num_blocks,
+            "max_total_num_tokens": self.blocks.num_blocks * self.blocks.block_size,
+            **self.model_info(),
+            **self.stats(),
+        }
+
+
+def _deliver(results: list[tuple[GenerateResult, DoneCallback]]) -> None:
+    for result, cb in results:
+        try:
+            cb(result)
+        except Exception:  # a broken callback must not take the engine down
+            log.exception("on_done callback for %s raised", result.rid)
+
+
+def _recording(named: Iterable[tuple[str, torch.Tensor]], applied: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass tensors through, noting names as they are handed on (so a failed update still knows it started)."""
+    for name, t in named:
+        applied.append(name)
+        yield name, t
+
+
+def _draw_seed(gen: torch.Generator) -> int:
+    return int(torch.randint(0, 2**62, (1,), generator=gen).item())

@@ -1,0 +1,84 @@
+"""A dense model's decode step as few kernels: the `CausalLM` forward for one new token per sequence, fused.
+
+Stage: engine (`cuda_graphs.DecodeRunner` captures it; on CPU it runs with `TorchDecodeOps` as a reference).
+
+It reads the model's own modules and parameters (no copies), so weight updates (in-place `copy_`) apply to it and
+to the graphs that captured it. Per layer: fused add + RMSNorm, q/k/v GEMMs, one fused QK-norm + RoPE + KV-cache
+write, the paged-decode attention kernel, o_proj, fused add + RMSNorm, gate/up GEMMs, fused SiLU * up, down
+GEMM. Same math and roundings as `CausalLM.forward` with `PagedAttention` (decode_ops.py's contract).
+
+Invariants: no host sync and no data-dependent shapes (CUDA-graph safe); the KV of row i goes to slot
+`block_tables[i, p // block_size] * block_size + p % block_size` at its position p; logits of every row.
+Not for MoE models (routing capture and the expert loop stay eager) or "dynamic" RoPE (its frequencies depend on
+the largest position, read on the host).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles_hpc.models import CausalLM
+from miles_hpc.models.layers import SwiGLUMLP
+
+from .decode_ops import DecodeOps
+from .kv_cache import KVCache
+
+
+def unsupported_reason(model: CausalLM) -> str | None:
+    """Why `DecodeForward` cannot run `model` (None when it can)."""
+    if model.num_moe_layers:
+        return "MoE layers (routing capture and expert dispatch run eagerly)"
+    if model.rotary.dynamic:
+        return "dynamic RoPE (frequencies depend on the largest position)"
+    if not all(isinstance(layer.mlp, SwiGLUMLP) for layer in model.model.layers):
+        return "a non-SwiGLU MLP"
+    return None
+
+
+class DecodeForward:
+    """`(ids [n], positions [n], block_tables [n, W] int32, logits_out [n, vocab]) -> None` for a dense model."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, ops: DecodeOps) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"DecodeForward does not support this model: {reason}")
+        self.model, self.cache, self.ops = model, cache, ops
+        self.block_size = cache.block_size
+        self.silu = model.config.hidden_act in ("silu", "swish")
+
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, logits_out: torch.Tensor
+    ) -> None:
+        m, ops, bs = self.model, self.ops, self.block_size
+        n = ids.shape[0]
+        slots = block_tables.gather(1, (positions // bs)[:, None]).squeeze(1).to(torch.int64) * bs + positions % bs
+        context_lens = (positions + 1).to(torch.int32)
+        residual = m.model.embed_tokens(ids)
+        cos, sin = m.rotary(positions[None], residual.dtype)
+        cos, sin = cos[0], sin[0]
+        layers = m.model.layers
+        first = layers[0].input_layernorm
+        h = ops.rms_norm(residual, first.weight, first.eps)
+        for i, layer in enumerate(layers):
+            att = layer.self_attn
+            kc, vc = self.cache.flat(i)
+            qn, kn = att.q_norm, att.k_norm
+            q = ops.qk_norm_rope_store(
+                att.q_proj(h), att.k_proj(h), att.v_proj(h),
+                None if qn is None else qn.weight, None if kn is None else kn.weight, 0.0 if qn is None else qn.eps,
+                cos, sin, kc, vc, slots,
+            )  # fmt: skip
+            o = ops.attention(q, kc, vc, block_tables, context_lens, block_size=bs, scale=att.scale)
+            o = att.o_proj(o.view(n, att.num_heads * att.head_dim))
+            post = layer.post_attention_layernorm
+            h = ops.add_rms_norm(residual, o, post.weight, post.eps)
+            mlp = layer.mlp
+            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+            act = ops.silu_mul(gate, up) if self.silu else mlp.act(gate) * up
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else m.model.norm
+            h = ops.add_rms_norm(residual, mlp.down_proj(act), nxt.weight, nxt.eps)
+        head = m.lm_head
+        if head.bias is None:
+            torch.mm(h, head.weight.t(), out=logits_out)
+        else:
+            logits_out.copy_(head(h))

@@ -1,0 +1,398 @@
+"""SGLang-shaped JSON <-> the engine's records (types.py): request validation and response building.
+
+Stage: engine (HTTP layer; no I/O here, so every rule is unit-testable without a server).
+
+Invariants:
+- A request body is a JSON object whose keys are field names of the matching SGLang request type (sglang 0.5.23
+  ``io_struct``; see /work/shared/reference/sglang_api.md). A key SGLang does not have -> :class:`BadRequest`
+  naming it (SGLang rejects unknown fields too, so a client that passes here also passes there). A field SGLang
+  has but the embedded engine does not implement is accepted only at its SGLang default; any other value is a
+  400 saying it is not supported, never silently ignored. ``null`` means "the default", as in SGLang.
+- Every type and range error names the field by its JSON path (``sampling_params[1].top_p``).
+- Token ids are checked against the model (``0 <= id < vocab_size``) and lengths against its context, with
+  SGLang's own messages, before anything reaches the engine core.
+- Responses carry SGLang's keys; ``text`` is the decoded output when the model has a tokenizer, else null.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .types import GenerateRequest, GenerateResult, SamplingParams
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with HTTP 400; the message names the field."""
+
+
+Check = Callable[[Any, str], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class F:
+    """One field of a request schema: its checker (value, json path) -> parsed value, and its default."""
+
+    check: Check
+    default: Any = None
+    required: bool = False
+
+
+def _show(v: Any) -> str:
+    text = repr(v) if not isinstance(v, (list, dict)) else type(v).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _expect(ok: bool, path: str, what: str, v: Any) -> None:
+    if not ok:
+        raise BadRequest(f"field `{path}`: expected {what}, got {_show(v)}")
+
+
+def boolean(v: Any, path: str) -> bool:
+    _expect(isinstance(v, bool), path, "a boolean", v)
+    return v
+
+
+def integer(v: Any, path: str) -> int:
+    _expect(isinstance(v, int) and not isinstance(v, bool), path, "an integer", v)
+    return v
+
+
+def number(v: Any, path: str) -> float:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    _expect(ok, path, "a finite number", v)
+    return float(v)
+
+
+def string(v: Any, path: str) -> str:
+    _expect(isinstance(v, str), path, "a string", v)
+    return v
+
+
+def at_least(lo: float, check: Check = integer, hi: float = math.inf, lo_open: bool = False) -> Check:
+    """``check``, then ``lo <= x <= hi`` (``lo < x`` when ``lo_open``)."""
+
+    def run(v: Any, path: str) -> Any:
+        x = check(v, path)
+        ok = (x > lo if lo_open else x >= lo) and x <= hi
+        _expect(ok, path, f"a value in {'(' if lo_open else '['}{lo}, {hi}{']' if hi < math.inf else ')'}", v)
+        return x
+
+    return run
+
+
+def list_of(item: Check) -> Check:
+    def run(v: Any, path: str) -> list[Any]:
+        _expect(isinstance(v, list), path, "a list", v)
+        return [item(x, f"{path}[{i}]") for i, x in enumerate(v)]
+
+    return run
+
+
+def one_of(*values: str) -> Check:
+    def run(v: Any, path: str) -> str:
+        _expect(v in values, path, " or ".join(repr(x) for x in values), v)
+        return v
+
+    return run
+
+
+def only(default: Any, why: str) -> Check:
+    """A field SGLang has that we support at its default value only."""
+
+    def run(v: Any, path: str) -> Any:
+        if v != default and not (isinstance(default, (list, dict)) and not v):
+            raise BadRequest(f"field `{path}` = {_show(v)} is not supported by the embedded engine: {why}")
+        return default
+
+    return run
+
+
+def parse_object(body: Any, fields: Mapping[str, F], path: str = "") -> dict[str, Any]:
+    """Check a JSON object against ``fields``: unknown keys, missing required ones, each value's type."""
+    where = path.rstrip(".") or "request body"
+    if body is None:
+        body = {}
+    if not isinstance(body, dict):
+        raise BadRequest(f"{where}: expected a JSON object, got {_show(body)}")
+    for key in body:
+        if key not in fields:
+            raise BadRequest(f"unknown field `{path}{key}`; accepted: {', '.join(sorted(fields))}")
+    # Present fields first, so "text is not supported" wins over "input_ids is missing".
+    out = {name: f.check(body[name], f"{path}{name}") for name, f in fields.items() if body.get(name) is not None}
+    for name, f in fields.items():
+        if name not in out:
+            if f.required:
+                raise BadRequest(f"missing required field `{path}{name}`")
+            out[name] = f.default
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- /generate
+_NO_STRINGS = "the engine is token-in token-out; use stop_token_ids"
+_NO_GRAMMAR = "constrained decoding is not implemented"
+SAMPLING_FIELDS: dict[str, F] = {
+    "max_new_tokens": F(at_least(0), 128),
+    "min_new_tokens": F(at_least(0), 0),
+    "temperature": F(at_least(0.0, number), 1.0),
+    "top_p": F(at_least(0.0, number, 1.0, lo_open=True), 1.0),
+    "top_k": F(lambda v, path: -1 if integer(v, path) == -1 else at_least(1)(v, path), -1),  # -1 = off
+    "min_p": F(at_least(0.0, number, 1.0), 0.0),
+    "stop_token_ids": F(list_of(integer), []),
+    "ignore_eos": F(boolean, False),
+    "sampling_seed": F(integer),
+    "n": F(only(1, "send one request per sample"), 1),
+    # These shape only the decoded `text`, never output_ids.
+    "skip_special_tokens": F(boolean, True),
+    "spaces_between_special_tokens": F(boolean, True),
+    "no_stop_trim": F(boolean, False),
+    "stop": F(only([], _NO_STRINGS)),
+    "stop_regex": F(only([], _NO_STRINGS)),
+    "json_schema": F(only(None, _NO_GRAMMAR)),
+    "regex": F(only(None, _NO_GRAMMAR)),
+    "ebnf": F(only(None, _NO_GRAMMAR)),
+    "structural_tag": F(only(None, _NO_GRAMMAR)),
+    "frequency_penalty": F(only(0.0, "penalties are not implemented"), 0.0),
+    "presence_penalty": F(only(0.0, "penalties are not implemented"), 0.0),
+    "repetition_penalty": F(only(1.0, "penalties are not implemented"), 1.0),
+    "logit_bias": F(only({}, "logit_bias is not implemented")),
+    "custom_params": F(only(None, "custom logit processors are not implemented")),
+}
+
+
+_ANY: Check = lambda v, path: v  # noqa: E731 (checked per item below)
+_MULTIMODAL = "multimodal input is not supported"
+_NO_NAMESPACE = "prefix-cache namespaces are not implemented"
+UNSUPPORTED_GENERATE_FIELDS: dict[str, str] = {  # SGLang fields accepted only when absent/null
+    "text": "text input is not supported: send input_ids (token-in token-out)",
+    "input_embeds": "input_embeds is not supported: send input_ids",
+    "image_data": _MULTIMODAL, "video_data": _MULTIMODAL, "audio_data": _MULTIMODAL,
+    "token_ids_logprob": "token_ids_logprob is not implemented",
+    "lora_path": "LoRA adapters are not implemented",
+    "session_params": "sessions are not implemented",
+    "custom_logit_processor": "custom logit processors are not implemented",
+    "extra_key": _NO_NAMESPACE, "cache_salt": _NO_NAMESPACE,
+}  # fmt: skip
+GENERATE_FIELDS: dict[str, F] = {
+    "rid": F(_ANY),
+    "input_ids": F(_ANY, required=True),
+    "sampling_params": F(_ANY),
+    "return_logprob": F(_ANY),
+    "logprob_start_len": F(_ANY),
+    "return_routed_experts": F(boolean, False),
+    "routed_experts_start_len": F(at_least(0), 0),
+    "stream": F(only(False, "streaming (SSE) is not implemented; send stream=false"), False),
+    "top_logprobs_num": F(only(0, "top-k log-probs are not implemented"), 0),
+    "return_text_in_logprobs": F(only(False, "log-prob entries carry no text ([logprob, id, null])"), False),
+    "return_hidden_states": F(only(False, "hidden states are not returned"), False),
+    "log_metrics": F(boolean, True),  # accepted and ignored: every request is counted
+    "routing_key": F(string),  # accepted and ignored: one engine, no data parallelism inside
+    "priority": F(integer),  # accepted and ignored: scheduling is first come, first served
+    **{name: F(only(None, why)) for name, why in UNSUPPORTED_GENERATE_FIELDS.items()},
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelLimits:
+    vocab_size: int
+    max_context_len: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParsedGenerate:
+    requests: list[GenerateRequest]
+    batched: bool  # input_ids was a list of lists: answer with a list
+    skip_special_tokens: list[bool]  # per request, for the decoded text
+
+
+def _per_item(value: Any, n: int, batched: bool, path: str, check: Check, default: Any) -> list[Any]:
+    """A scalar applies to every prompt; a list (batched requests only) gives one value per prompt."""
+    if isinstance(value, list) and batched:
+        if len(value) != n:
+            raise BadRequest(f"field `{path}`: {len(value)} values for {n} prompts")
+        return [default if v is None else check(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return [default if value is None else check(value, path)] * n
+
+
+def _prompt(ids: Any, path: str, limits: ModelLimits) -> tuple[int, ...]:
+    _expect(isinstance(ids, list), path, "a list of token ids", ids)
+    if not ids:
+        raise BadRequest(f"field `{path}`: the prompt must not be empty")
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limits.vocab_size:
+            raise BadRequest(
+                f"field `{path}[{i}]` = {_show(t)} is not a token id of this model (0 <= id < {limits.vocab_size})"
+            )
+    if len(ids) >= limits.max_context_len:
+        raise BadRequest(
+            f"The input ({len(ids)} tokens) is longer than the model's context length ({limits.max_context_len} "
+            f"tokens)."
+        )
+    return tuple(ids)
+
+
+def _sampling(raw: Any, path: str, prompt_len: int, limits: ModelLimits) -> SamplingParams:
+    p = parse_object(raw, SAMPLING_FIELDS, path + ".")
+    if p["min_new_tokens"] > p["max_new_tokens"]:
+        raise BadRequest(f"field `{path}.min_new_tokens`: {p['min_new_tokens']} > max_new_tokens")
+    total = prompt_len + p["max_new_tokens"]
+    if total > limits.max_context_len:
+        raise BadRequest(
+            f"Requested token count exceeds the model's maximum context length of {limits.max_context_len} tokens. "
+            f"You requested a total of {total} tokens: {prompt_len} tokens from the input messages and "
+            f"{p['max_new_tokens']} tokens for the completion. Please reduce the number of tokens in the input "
+            f"messages or the completion to fit within the limit."
+        )
+    keys = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "ignore_eos", "sampling_seed")
+    return SamplingParams(**{k: p[k] for k in keys}, stop_token_ids=tuple(p["stop_token_ids"]))
+
+
+def parse_generate(body: Any, limits: ModelLimits, new_rid: Callable[[], str]) -> ParsedGenerate:
+    """``POST /generate`` body -> one GenerateRequest per prompt (see module invariants)."""
+    top = parse_object(body, GENERATE_FIELDS)
+    raw_ids = top["input_ids"]
+    _expect(isinstance(raw_ids, list), "input_ids", "a list of token ids or a list of such lists", raw_ids)
+    batched = bool(raw_ids) and isinstance(raw_ids[0], list)
+    items = [(p, f"input_ids[{i}]") for i, p in enumerate(raw_ids)] if batched else [(raw_ids, "input_ids")]
+    prompts = [_prompt(p, path, limits) for p, path in items]
+    n = len(prompts)
+    rids = _per_item(top["rid"], n, batched, "rid", string, None)
+    if batched and isinstance(top["rid"], str):
+        raise BadRequest("field `rid`: a batched request needs a list of rids, one per prompt")
+    rids = [r if r is not None else new_rid() for r in rids]
+    if len(set(rids)) != n:
+        raise BadRequest("field `rid`: rids within one request must be distinct")
+    logprob = _per_item(top["return_logprob"], n, batched, "return_logprob", boolean, False)
+    starts = _per_item(top["logprob_start_len"], n, batched, "logprob_start_len", at_least(-1), -1)
+    raw_sp = top["sampling_params"]
+    if isinstance(raw_sp, list) and not batched:
+        raise BadRequest("field `sampling_params`: a list is only allowed with batched input_ids")
+    sp_items = raw_sp if isinstance(raw_sp, list) else [raw_sp] * n
+    if len(sp_items) != n:
+        raise BadRequest(f"field `sampling_params`: {len(sp_items)} values for {n} prompts")
+    requests, skip = [], []
+    for i, prompt in enumerate(prompts):
+        sp_path = f"sampling_params[{i}]" if isinstance(raw_sp, list) else "sampling_params"
+        sampling = _sampling(sp_items[i], sp_path, len(prompt), limits)
+        if logprob[i] and starts[i] >= len(prompt):
+            raise BadRequest(
+                f"field `logprob_start_len`: {starts[i]} is not a position of the {len(prompt)}-token prompt"
+            )
+        if top["routed_experts_start_len"] > len(prompt):
+            raise BadRequest(f"field `routed_experts_start_len`: {top['routed_experts_start_len']} > prompt length")
+        routed = {k: top[k] for k in ("return_routed_experts", "routed_experts_start_len")}
+        requests.append(GenerateRequest(rid=rids[i], input_ids=prompt, sampling=sampling, return_logprob=logprob[i],
+                                        logprob_start_len=starts[i], **routed))  # fmt: skip
+        skip.append(True if not isinstance(sp_items[i], dict) else sp_items[i].get("skip_special_tokens") is not False)
+    return ParsedGenerate(requests=requests, batched=batched, skip_special_tokens=skip)
+
+
+def generate_response(req: GenerateRequest, res: GenerateResult, text: str | None) -> dict[str, Any]:
+    """SGLang's ``{text, output_ids, meta_info}`` for one finished request."""
+    meta: dict[str, Any] = {
+        "id": res.rid,
+        "finish_reason": res.finish_reason.to_json(),
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": res.completion_tokens,
+        "cached_tokens": res.cached_tokens,
+        "weight_version": res.weight_version,
+        "weight_versions": res.weight_versions,
+        "num_retractions": res.num_retractions,
+        "e2e_latency": res.e2e_latency,
+    }
+    if req.return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.output_logprobs, res.output_ids)]
+        if req.logprob_start_len >= 0 and res.input_logprobs is not None:
+            ids = req.input_ids[req.logprob_start_len :]
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.input_logprobs, ids)]
+    if req.return_routed_experts:
+        routed = res.routed_experts
+        arr = np.zeros((0, 0, 0), np.int32) if routed is None else np.ascontiguousarray(routed, dtype=np.int32)
+        meta["routed_experts"] = base64.b64encode(arr.tobytes()).decode("ascii")
+    return {"text": text, "output_ids": list(res.output_ids), "meta_info": meta}
+
+
+# ---------------------------------------------------------------------------------------------- control endpoints
+_WEIGHT_COMMON: dict[str, F] = {
+    "rid": F(string),
+    "flush_cache": F(boolean, True),
+    "abort_all_requests": F(boolean, False),
+    "weight_version": F(string),
+    "selector": F(one_of("target", "draft", "all"), "all"),  # no draft model here: every value means the model
+    "torch_empty_cache": F(boolean, False),  # accepted; the core frees what it allocates
+}
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+               "float8_e4m3fn", "float8_e5m2")
+
+SCHEMAS: dict[str, dict[str, F]] = {
+    "abort_request": {"rid": F(string, ""), "abort_all": F(boolean, False), "abort_message": F(string)},
+    "pause_generation": {"rid": F(string), "mode": F(one_of("abort", "retract", "in_place"), "abort")},
+    "continue_generation": {"rid": F(string), "torch_empty_cache": F(boolean, True)},
+    "flush_cache": {"timeout_s": F(at_least(0.0, number), 0.0)},
+    "update_weight_version": {
+        "rid": F(string),
+        "new_version": F(string, required=True),
+        "abort_all_requests": F(boolean, True),
+    },
+    "weights_checker": {
+        "rid": F(string),
+        "action": F(one_of("checksum"), "checksum"),
+        "allow_quant_error": F(boolean, False),
+        "skip_tensor_list": F(list_of(string), []),
+        "selector": F(one_of("target", "draft", "all"), "all"),
+    },
+    "update_weights_from_disk": {
+        **_WEIGHT_COMMON,
+        "model_path": F(string, required=True),
+        "load_format": F(only(None, "checkpoints load as HF safetensors")),
+        "is_async": F(only(False, "updates are synchronous"), False),
+        "keep_pause": F(boolean, False),
+        "recapture_cuda_graph": F(boolean, False),
+        "token_step": F(integer, 0),
+        "manifest": F(only(None, "manifests are not implemented")),
+    },
+    "update_weights_from_tensor": {
+        **_WEIGHT_COMMON,
+        "serialized_named_tensors": F(list_of(string), required=True),
+        "load_format": F(one_of("safetensors")),
+    },
+    "init_weights_update_group": {
+        "rid": F(string),
+        "master_address": F(string, required=True),
+        "master_port": F(integer, required=True),
+        "rank_offset": F(at_least(1), required=True),
+        "world_size": F(at_least(2), required=True),
+        "group_name": F(string, "weight_update_group"),
+        "backend": F(one_of("nccl", "gloo"), "nccl"),
+    },
+    "update_weights_from_distributed": {
+        **_WEIGHT_COMMON,
+        "names": F(list_of(string), required=True),
+        "dtypes": F(list_of(one_of(*DTYPE_NAMES, *(f"torch.{d}" for d in DTYPE_NAMES))), required=True),
+        "shapes": F(list_of(list_of(at_least(0))), required=True),
+        "group_name": F(string, "weight_update_group"),
+        "load_format": F(only(None, "tensors arrive as they are broadcast")),
+    },
+    "destroy_weights_update_group": {"rid": F(string), "group_name": F(string, "weight_update_group")},
+}
+
+
+def parse_control(endpoint: str, body: Any) -> dict[str, Any]:
+    """Body of a control/weight endpoint (``SCHEMAS[endpoint]``) -> dict with every field (defaults filled)."""
+    out = parse_object(body, SCHEMAS[endpoint])
+    if endpoint == "update_weights_from_distributed":
+        n = len(out["names"])
+        if not n == len(out["dtypes"]) == len(out["shapes"]):
+            raise BadRequest(f"fields `names`/`dtypes`/`shapes` differ in length: {n}/{len(out['dtypes'])}/"
+                             f"{len(out['shapes'])}")
+        out["dtypes"] = [d.removeprefix("torch.") for d in out["dtypes"]]
+    if endpoint == "init_weights_update_group" and not out["rank_offset"] < out["world_size"]:
+        raise BadRequest(f"field `rank_offset`: {out['rank_offset']} is not a rank of a {out['world_size']}-rank group")
+    if endpoint == "init_weights_update_group" and not 0 < out["master_port"] < 65536:
+        raise BadRequest(f"field `master_port`: {out['master_port']} is not a TCP port")
+    return out

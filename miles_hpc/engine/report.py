@@ -1,0 +1,105 @@
+"""What the engine reports: each finished request's `GenerateResult`, and the gauges/counters behind /metrics.
+
+Stage: engine. Pure functions over scheduler state and the KV cache's routing store; `Engine` calls them with
+its step lock held (a result is built before the request's blocks are released).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .kv_cache import BlockManager, KVCache
+from .scheduler import Req, Scheduler
+from .types import GenerateResult
+
+THROUGHPUT_WINDOW_S = 10.0
+
+
+def build_result(r: Req, cache: KVCache, block_size: int, version: str) -> GenerateResult:
+    """The result of a request leaving the engine (its blocks still held, `r.finish` set)."""
+    assert r.finish is not None
+    req = r.req
+    routed = None
+    if req.return_routed_experts:
+        routed = routing_rows(r, cache, block_size, req.routed_experts_start_len, r.prompt_len + r.num_output - 1)
+    return GenerateResult(
+        rid=req.rid,
+        output_ids=r.tokens[r.prompt_len :],
+        finish_reason=r.finish,
+        prompt_tokens=r.prompt_len,
+        cached_tokens=r.cached_tokens,
+        output_logprobs=list(r.output_logprobs),
+        input_logprobs=None if r.input_logprobs is None else r.input_logprobs[req.logprob_start_len :],
+        routed_experts=routed,
+        weight_versions=[dict(s) for s in r.spans],
+        weight_version=version,
+        num_retractions=r.num_retractions,
+        e2e_latency=time.monotonic() - r.t_submit,
+    )
+
+
+def routing_rows(r: Req, cache: KVCache, block_size: int, start: int, end: int) -> np.ndarray:
+    """int32 [rows, moe_layers, top_k] for positions [start, end), read from the routing store through the
+    request's block table. Rows of a prefix-cache hit come from the request that computed the block. An aborted
+    request returns only the rows it has computed (none if it was waiting)."""
+    assert cache.routing is not None
+    end = min(end, r.num_computed)
+    if end <= start or not r.blocks:
+        return np.zeros((0, *cache.routing.shape[1:]), dtype=np.int32)
+    pos = torch.arange(start, end)
+    table = torch.tensor(r.blocks, dtype=torch.int64)
+    slots = (table[pos // block_size] * block_size + pos % block_size).to(cache.routing.device)
+    return cache.routing[slots].cpu().numpy().astype(np.int32, copy=False)
+
+
+@dataclass(slots=True)
+class Counters:
+    """Engine-lifetime counters and the recent-throughput window."""
+
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    recent: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def record_step(self, n_generated: int) -> None:
+        now = time.monotonic()
+        self.generated_tokens += n_generated
+        self.recent.append((now, n_generated))
+        while self.recent and self.recent[0][0] < now - THROUGHPUT_WINDOW_S:
+            self.recent.popleft()
+
+    def throughput(self) -> float:
+        """Generated tokens/s over the last THROUGHPUT_WINDOW_S seconds (0 when idle that long)."""
+        recent = list(self.recent)  # a snapshot: the step thread appends concurrently
+        if not recent or recent[-1][0] < time.monotonic() - THROUGHPUT_WINDOW_S:
+            return 0.0
+        span = max(time.monotonic() - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / span
+
+
+def engine_stats(
+    sched: Scheduler, blocks: BlockManager, counters: Counters, *, queued: int, paused: bool
+) -> dict[str, float | int]:
+    """Gauges and counters, SGLang's metric names where one exists (`sglang:<name>`)."""
+    used, total = blocks.num_used(), blocks.num_blocks
+    return {
+        "num_running_reqs": len(sched.running),
+        "num_queue_reqs": len(sched.waiting) + queued,
+        "paused": int(paused),
+        "num_requests_total": counters.num_requests,
+        "prompt_tokens_total": counters.prompt_tokens,
+        "generation_tokens_total": counters.generated_tokens,
+        "cached_tokens_total": sched.cached_tokens,
+        "cache_hit_rate": sched.cached_tokens / sched.admitted_tokens if sched.admitted_tokens else 0.0,
+        "gen_throughput": counters.throughput(),
+        "kv_blocks_used": used,
+        "kv_blocks_cached": len(blocks.cached_free),
+        "kv_blocks_total": total,
+        "token_usage": used / total,
+        "num_retractions_total": sched.num_retractions,
+    }

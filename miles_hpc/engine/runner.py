@@ -1,0 +1,192 @@
+"""Model runner: turns a scheduled step into one packed forward, samples, and reads back log-probs.
+
+Stage: engine (`Engine.step` calls `run` between `Scheduler.schedule` and `Scheduler.postprocess`).
+
+Invariants:
+- One forward per step: B = 1, the step's sequences concatenated, absolute positions (prefix + offset), the
+  paged-attention backend built from per-step metadata tensors (slot mapping, block tables, context lengths,
+  query start locations).
+- The LM head runs only on the rows that are needed: the last row of each sampling sequence, plus the prompt
+  rows owed input log-probs (`logits_indices`).
+- MoE models always capture routing (cheap next to the experts) into the cache's slot-indexed routing store, so
+  every cached block carries the expert ids of its tokens.
+- One host sync per step for the results (`.tolist()`), none per token.
+- On CUDA with Triton (`triton_kernels`): decode rows use the paged-decode kernel; a decode-only step of a dense
+  model goes to `DecodeRunner` (fused `DecodeForward`, replayed from a CUDA graph when `cuda_graphs`), which needs
+  the cache's scratch block (one block past the allocator's) for its padding rows. MoE models stay eager.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from miles_hpc.models import CausalLM
+
+from .cuda_graphs import DecodeRunner
+from .decode_forward import DecodeForward, unsupported_reason
+from .kv_cache import BlockManager, KVCache
+from .paged_attention import AttentionMetadata, DecodeKernel, PagedAttention
+from .sampling import SamplingBatch, sample
+from .scheduler import Scheduled
+
+_LP_CHUNK_ROWS = 1024
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    tokens: list[int | None]  # per scheduled sequence: the sampled token, None if it did not sample
+    logprobs: list[float | None]
+    input_logprobs: list[list[float] | None]  # per sequence: log-probs of prompt tokens a+1..b for lp_rows (a, b)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: KVCache,
+        blocks: BlockManager,
+        device: torch.device,
+        *,
+        triton_kernels: bool = False,
+        cuda_graphs: bool = False,
+    ) -> None:
+        """`triton_kernels` / `cuda_graphs` take effect on CUDA where Triton imports (EngineConfig's knobs)."""
+        self.model, self.cache, self.bm, self.device = model, cache, blocks, device
+        self.vocab = model.config.vocab_size
+        self.is_moe = model.num_moe_layers > 0
+        self.decode_kernel: DecodeKernel | None = None
+        self.decode: DecodeRunner | None = None  # decode-only steps; tests may inject a CPU one
+        if not (triton_kernels and device.type == "cuda" and _triton_available()):
+            return
+        from .triton_ops import TritonDecodeOps
+
+        ops = TritonDecodeOps()
+        self.decode_kernel = ops.attention
+        reason = unsupported_reason(model)
+        if reason is not None or cache.num_blocks <= blocks.num_blocks:
+            log.info("decode steps run eagerly: %s", reason or "the KV cache has no scratch block")
+            return
+        self.decode = DecodeRunner(
+            DecodeForward(model, cache, ops),
+            max_batch=blocks.tables.shape[0],
+            table_width=blocks.tables.shape[1],
+            vocab_size=self.vocab,
+            scratch_block=blocks.num_blocks,
+            device=device,
+            dtype=next(model.parameters()).dtype,
+            use_graphs=cuda_graphs,
+        )
+
+    @torch.inference_mode()
+    def run(self, batch: Sequence[Scheduled]) -> StepOutput:
+        if self.decode is not None and all(s.n == 1 and s.lp_rows is None for s in batch):
+            return self._run_decode(batch, self.decode)
+        meta = self._metadata(batch)
+        lp_counts = [0 if s.lp_rows is None else s.lp_rows[1] - s.lp_rows[0] for s in batch]
+        n_lp = sum(lp_counts)
+        logits = self._forward(batch, meta)  # [n_lp + n_sample, vocab]: input log-prob rows, then sampling rows
+        tokens, logprobs = self._sample(batch, logits[n_lp:])
+        input_lps: list[list[float] | None] = [None] * len(batch)
+        if n_lp:
+            vals = self._input_logprobs(batch, logits[:n_lp])
+            o = 0
+            for i, c in enumerate(lp_counts):
+                if c:
+                    input_lps[i] = vals[o : o + c]
+                    o += c
+        return StepOutput(tokens, logprobs, input_lps)
+
+    def _run_decode(self, batch: Sequence[Scheduled], decode: DecodeRunner) -> StepOutput:
+        """A step where every row is one token at the end of its sequence: no metadata, logits of every row."""
+        positions = [s.start for s in batch]
+        rows = torch.tensor([s.r.row for s in batch], dtype=torch.int64)
+        width = -(-(max(positions) + 1) // self.bm.block_size)
+        logits = decode([s.r.tokens[s.start] for s in batch], positions, self.bm.tables[rows, :width])
+        sampled = [i for i, s in enumerate(batch) if s.sample]
+        if len(sampled) < len(batch):
+            logits = logits[torch.tensor(sampled, dtype=torch.int64, device=self.device)]
+        tokens, logprobs = self._sample(batch, logits)
+        return StepOutput(tokens, logprobs, [None] * len(batch))
+
+    def _metadata(self, batch: Sequence[Scheduled]) -> AttentionMetadata:
+        bs = self.bm.block_size
+        starts, lens = [s.start for s in batch], [s.n for s in batch]
+        rows = torch.tensor([s.r.row for s in batch], dtype=torch.int64)
+        width = max(-(-(st + n) // bs) for st, n in zip(starts, lens))
+        tables = self.bm.tables[rows, :width].to(self.device, non_blocking=True)
+        return AttentionMetadata.build(
+            starts, lens, tables, bs, self.device, gather_decode=self.decode_kernel is None
+        )
+
+    def _forward(self, batch: Sequence[Scheduled], meta: AttentionMetadata) -> torch.Tensor:
+        ids: list[int] = []
+        pieces: list[torch.Tensor] = []  # packed rows whose logits are needed
+        sample_rows: list[int] = []
+        q0 = 0
+        for s in batch:
+            ids.extend(s.r.tokens[s.start : s.start + s.n])
+            if s.lp_rows is not None:
+                pieces.append(torch.arange(q0 + s.lp_rows[0] - s.start, q0 + s.lp_rows[1] - s.start))
+            if s.sample:
+                sample_rows.append(q0 + s.n - 1)
+            q0 += s.n
+        pieces.append(torch.tensor(sample_rows, dtype=torch.int64))
+        out = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=self.device)[None],
+            position_ids=meta.positions[None],
+            cu_seqlens=meta.query_start_loc,
+            return_routed_experts=self.is_moe,
+            attn_backend=PagedAttention(self.cache, meta, self.decode_kernel),
+            logits_indices=torch.cat(pieces).to(self.device),
+        )
+        if not self.is_moe:
+            return out[0]
+        logits, routed = out
+        assert self.cache.routing is not None
+        self.cache.routing.index_copy_(0, meta.slot_mapping, routed[0].to(self.cache.routing.dtype))
+        return logits[0]
+
+    def _sample(self, batch: Sequence[Scheduled], logits: torch.Tensor) -> tuple[list[int | None], list[float | None]]:
+        tokens: list[int | None] = [None] * len(batch)
+        logprobs: list[float | None] = [None] * len(batch)
+        idx = [i for i, s in enumerate(batch) if s.sample]
+        if not idx:
+            return tokens, logprobs
+        reqs = [batch[i].r for i in idx]
+        sb = SamplingBatch.build(
+            [r.req.sampling for r in reqs],
+            [r.seed for r in reqs],
+            [r.num_output for r in reqs],  # the output index being sampled: the noise counter
+            [r.banned_early if r.num_output < r.req.sampling.min_new_tokens else () for r in reqs],
+            self.vocab,
+            self.device,
+        )
+        tok_t, lp_t = sample(logits, sb)
+        for i, t, lp in zip(idx, tok_t.tolist(), lp_t.tolist()):
+            tokens[i], logprobs[i] = t, lp
+        return tokens, logprobs
+
+    def _input_logprobs(self, batch: Sequence[Scheduled], logits: torch.Tensor) -> list[float]:
+        """log_softmax(float32 logits)[next prompt token] for the lp rows, in row chunks so a long scored prompt
+        with a large vocabulary never holds a full float32 copy of its logits."""
+        target_ids: list[int] = []
+        for s in batch:
+            if s.lp_rows is not None:
+                target_ids.extend(s.r.tokens[s.lp_rows[0] + 1 : s.lp_rows[1] + 1])
+        targets = torch.tensor(target_ids, dtype=torch.int64, device=self.device)
+        out = []
+        for a in range(0, logits.shape[0], _LP_CHUNK_ROWS):
+            chunk = logits[a : a + _LP_CHUNK_ROWS].to(torch.float32)
+            picked = chunk.gather(1, targets[a : a + _LP_CHUNK_ROWS, None]).squeeze(1)
+            out.append(picked - torch.logsumexp(chunk, dim=-1))
+        return torch.cat(out).tolist()
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None

@@ -1,0 +1,398 @@
+"""The embedded engine's HTTP server: SGLang's native endpoints over one `Engine` (aiohttp), and `serve()`.
+
+Stage: engine (the only process-facing part of it). Rollout, trainer and launcher reach this server over HTTP and
+process groups exactly as they reach real SGLang; request/response shapes live in protocol.py, auth rules in
+auth.py, the weight routes and the distributed weight receive in weight_receiver.py; the route table is
+`EngineServer.app`.
+
+Invariants:
+- The event loop never waits for an engine step: on the loop it only calls what takes no step lock (`submit`,
+  `resume`, stats/info); what waits for a step (abort, pause, weight updates, checksums, flush) runs in a worker
+  thread, and results come back through `loop.call_soon_threadsafe`.
+- Every request gets an answer and the server keeps serving: bad input -> 4xx JSON `{"error": {"message", "type",
+  "code"}}` naming the field; an unexpected exception -> 500 with the same shape; weight endpoints answer
+  SGLang's `{"success", "message"}` (400 on failure).
+- A client that disconnects from `/generate` has its requests aborted (aiohttp handler cancellation).
+- Weight endpoints (weight_receiver.WeightEndpoints) run one at a time, in arrival order.
+- `serve()` listens only once the engine is loaded and started, then writes the rendezvous file (tmp + rename),
+  so a rendezvous file always names a ready server; SIGTERM/SIGINT abort in-flight requests, close the port,
+  stop the engine and remove the rendezvous file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from http import HTTPStatus
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from miles_hpc import __version__
+
+from . import protocol
+from .auth import ApiKeys, AuthLevel, decide
+from .config import EngineConfig
+from .core import Engine, RequestError
+from .protocol import BadRequest
+from .types import GenerateRequest, GenerateResult, SamplingParams
+from .weight_receiver import WeightEndpoints, WeightReceiver
+
+log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Address to bind; 0.0.0.0 / :: binds all interfaces (the rendezvous file then names this host)."""
+    port: int = 30000
+    """TCP port (SGLang's default); 0 picks a free one (read it from the rendezvous file)."""
+    keys: ApiKeys = field(default_factory=ApiKeys)
+    """--api-key / --admin-api-key (auth.py)."""
+    max_request_bytes: int = 64 << 20
+    """Largest request body (413 beyond), except /update_weights_from_tensor."""
+    max_weights_request_bytes: int = 4 << 30
+    """Largest /update_weights_from_tensor body (base64 safetensors of one bucket)."""
+    health_timeout_s: float = 20.0
+    """/health_generate answers 503 when its 1-token generation takes longer."""
+    weight_sync_timeout_s: float = 600.0
+    """Joining a weight-update group and each broadcast in it fail after this long."""
+    shutdown_timeout_s: float = 10.0
+    """On SIGTERM, how long open connections may take to finish after requests were aborted."""
+    rendezvous: str | None = None
+    """Where to write {host, port, pid, url, model_path, tp_size, gpu_ids} once listening."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if min(self.max_request_bytes, self.max_weights_request_bytes) <= 0:
+            raise ValueError("max_request_bytes and max_weights_request_bytes must be > 0")
+
+
+def _error(status: int, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": HTTPStatus(status).phrase, "code": status}}
+    return web.json_response(body, status=status)
+
+
+class EngineServer:
+    """The aiohttp application around one started `Engine`."""
+
+    def __init__(self, engine: Engine, config: ServerConfig, *, receiver: WeightReceiver | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.receiver = receiver or WeightReceiver(str(engine.device), timeout_s=config.weight_sync_timeout_s)
+        self.closing = False
+        self.limits = protocol.ModelLimits(vocab_size=engine.vocab_size, max_context_len=engine.max_context_len)
+        self.weights = WeightEndpoints(engine, self.receiver, self._json, config.max_weights_request_bytes)
+        self._tokenizer = _load_tokenizer(engine.model_path)
+        hf_config = Path(engine.model_path or "") / "config.json"
+        self._architectures = json.loads(hf_config.read_text()).get("architectures") if hf_config.is_file() else None
+        self.levels: dict[str, AuthLevel] = {}  # path -> auth level, filled by app(); unknown paths are NORMAL
+
+    # ------------------------------------------------------------------ app
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=self.config.max_weights_request_bytes)
+        probes = {"/health": self.health, "/ready": self.health, "/health_generate": self.health_generate,
+                  "/metrics": self.metrics}  # fmt: skip
+        info = {"/get_server_info": self.server_info, "/server_info": self.server_info,
+                "/get_model_info": self.model_info, "/model_info": self.model_info}  # fmt: skip
+        admin = {"/abort_request": self.abort_request, "/pause_generation": self.pause,
+                 "/continue_generation": self.resume, "/flush_cache": self.flush_cache, **self.weights.routes()}
+        for path, handler in {**probes, **info}.items():
+            app.router.add_get(path, handler, allow_head=False)
+        for path, handler in {"/generate": self.generate, **admin}.items():
+            app.router.add_post(path, handler)
+        for path in ("/flush_cache", "/weights_checker"):  # GET too, as SGLang
+            app.router.add_get(path, admin[path], allow_head=False)
+        self.levels = {**{p: AuthLevel.OPEN for p in probes}, **{p: AuthLevel.ADMIN for p in admin}}
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        status = decide(self.levels.get(request.path, AuthLevel.NORMAL), request.headers.get("Authorization"),
+                        self.config.keys)  # fmt: skip
+        if status is not None:
+            return _error(status, "Unauthorized")
+        try:
+            return await handler(request)
+        except (BadRequest, RequestError) as e:
+            return _error(400, str(e))
+        except web.HTTPException as e:  # 404/405 from the router, 413 from _json
+            return _error(e.status, e.text if e.status == 413 else (e.reason or str(e)))
+        except Exception as e:  # a bug: say so, log it, keep serving
+            log.exception("%s %s failed", request.method, request.path)
+            return _error(500, f"internal server error: {type(e).__name__}: {e}")
+
+    async def _json(self, request: web.Request, limit: int | None = None) -> Any:
+        """The request body as JSON (None when empty); 413 past the limit, checked before reading it all."""
+        limit = limit or self.config.max_request_bytes
+        too_large = web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length or limit + 1)
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        data = bytearray()
+        async for chunk in request.content.iter_chunked(1 << 16):
+            data += chunk
+            if len(data) > limit:
+                raise too_large
+        if not data.strip():
+            return None
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"malformed JSON body: {e}") from e
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, request: web.Request) -> web.Response:
+        if self.closing:
+            return _error(503, "the server is shutting down")
+        parsed = protocol.parse_generate(await self._json(request), self.limits, lambda: uuid.uuid4().hex)
+        results = await self._run(parsed.requests)
+        items = zip(parsed.requests, results, parsed.skip_special_tokens)
+        out = [protocol.generate_response(req, res, self._decode(res.output_ids, skip)) for req, res, skip in items]
+        return web.json_response(out if parsed.batched else out[0])
+
+    async def _run(self, reqs: list[GenerateRequest]) -> list[GenerateResult]:
+        """Submit and await every request; on failure or cancellation (client gone) abort those still running."""
+        loop = asyncio.get_running_loop()
+        futs: list[tuple[str, asyncio.Future[GenerateResult]]] = []
+        try:
+            for req in reqs:
+                fut: asyncio.Future[GenerateResult] = loop.create_future()
+                self.engine.submit(req, _resolver(loop, fut))
+                futs.append((req.rid, fut))
+            return list(await asyncio.gather(*(f for _, f in futs)))
+        except BaseException:
+            # gather() cancels its children when we are cancelled, so "not finished with a result" is the test.
+            live = [rid for rid, f in futs if not f.done() or f.cancelled()]
+            if live:
+                loop.run_in_executor(None, self._abort_each, live)
+            raise
+
+    def _abort_each(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.engine.abort(rid, message="client disconnected")
+
+    def _decode(self, ids: list[int], skip_special: bool) -> str | None:
+        return None if self._tokenizer is None else self._tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+    # ------------------------------------------------------------------ health and info
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.closing else 200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if self.closing:
+            return web.Response(status=503)
+        if self.engine.paused:  # paused on purpose (weight sync): a 1-token request would wait, not fail
+            return web.Response(status=200)
+        probe = GenerateRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=(0,),
+                                sampling=SamplingParams(max_new_tokens=1, temperature=0.0))  # fmt: skip
+        try:
+            await asyncio.wait_for(self._run([probe]), self.config.health_timeout_s)
+        except TimeoutError:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        path = self.engine.model_path
+        info = {"tokenizer_path": path if self._tokenizer else None, "served_model_name": path,
+                "preferred_sampling_params": None, "architectures": self._architectures,
+                **self.engine.model_info()}  # fmt: skip
+        return web.json_response(info)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        keys = self.config.keys
+        info = {**self.engine.server_info(), "host": self.config.host, "port": request.url.port, "tp_size": 1,
+                "dp_size": 1, "version": __version__, "internal_states": [self.engine.stats()],
+                "weight_update_groups": self.receiver.group_names(), "api_key_set": keys.api_key is not None,
+                "admin_api_key_set": keys.admin_api_key is not None}  # fmt: skip
+        return web.json_response(info)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = render_metrics(self.engine.stats(), self.engine.weight_version, str(self.engine.model_path))
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    # ------------------------------------------------------------------ control
+    async def abort_request(self, request: web.Request) -> web.Response:
+        p = protocol.parse_control("abort_request", await self._json(request))
+        rid = None if p["abort_all"] else p["rid"]
+        n = await asyncio.to_thread(self.engine.abort, rid, message=p["abort_message"]) if rid != "" else 0
+        return web.json_response({"success": True, "num_aborted": n})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        p = protocol.parse_control("pause_generation", await self._json(request))
+        await asyncio.to_thread(self.engine.pause, p["mode"])
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        protocol.parse_control("continue_generation", await self._json(request))
+        self.engine.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """SGLang: optional query `timeout` (s) to wait for running requests; plain-text answer, 400 when busy."""
+        timeout = protocol.parse_control("flush_cache", await self._json(request))["timeout_s"]
+        if "timeout" in request.query:
+            try:
+                timeout = max(0.0, float(request.query["timeout"]))
+            except ValueError:
+                raise BadRequest(f"query `timeout`: expected seconds, got {request.query['timeout']!r}") from None
+        deadline = time.monotonic() + timeout
+        while not (ok := await asyncio.to_thread(self.engine.flush_cache)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if ok:
+            return web.Response(text="Cache flushed.\n")
+        return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
+
+
+# ---------------------------------------------------------------------- helpers
+def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[GenerateResult]) -> Callable[[GenerateResult], None]:
+    def set_result(res: GenerateResult) -> None:
+        if not fut.done():
+            fut.set_result(res)
+
+    def on_done(res: GenerateResult) -> None:  # engine thread (or an aborting thread)
+        try:
+            loop.call_soon_threadsafe(set_result, res)
+        except RuntimeError:  # the loop is closed: the server is gone, nobody waits for this result
+            pass
+
+    return on_done
+
+
+_METRICS = (  # (stats key, SGLang metric name, type, help)
+    ("num_running_reqs", "sglang:num_running_reqs", "gauge", "Requests decoding now"),
+    ("num_queue_reqs", "sglang:num_queue_reqs", "gauge", "Requests waiting to run"),
+    ("gen_throughput", "sglang:gen_throughput", "gauge", "Generated tokens per second (last ~10 s)"),
+    ("cache_hit_rate", "sglang:cache_hit_rate", "gauge", "Prompt tokens served from the prefix cache / admitted"),
+    ("token_usage", "sglang:token_usage", "gauge", "Fraction of KV-cache blocks in use"),
+    ("prompt_tokens_total", "sglang:prompt_tokens_total", "counter", "Prompt tokens received"),
+    ("generation_tokens_total", "sglang:generation_tokens_total", "counter", "Tokens generated"),
+    ("cached_tokens_total", "sglang:cached_tokens_total", "counter", "Prompt tokens served from the prefix cache"),
+    ("num_requests_total", "sglang:num_requests_total", "counter", "Requests received"),
+    ("num_retractions_total", "miles:num_retractions_total", "counter", "Requests retracted to the waiting queue"),
+    ("paused", "miles:paused", "gauge", "1 while generation is paused"),
+)
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def render_metrics(stats: dict[str, float | int], weight_version: str, model_name: str) -> str:
+    """Prometheus text exposition (format 0.0.4) of the engine's stats; SGLang's metric names where they exist."""
+    labels = f'model_name="{_label(model_name)}"'
+    lines = []
+    for key, name, kind, help_text in _METRICS:
+        if key in stats:
+            value = float(stats[key])
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value!r}"]
+    lines += ["# HELP miles:weight_version_info The weight version being served (value always 1)",
+              "# TYPE miles:weight_version_info gauge",
+              f'miles:weight_version_info{{{labels},weight_version="{_label(weight_version)}"}} 1.0']  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _load_tokenizer(model_path: str | None) -> Any:
+    """The checkpoint's `tokenizer.json` (fast `tokenizers` only: no transformers import) or None."""
+    path = Path(model_path or "") / "tokenizer.json"
+    if not model_path or not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+# ---------------------------------------------------------------------- process entry
+def _gpu_ids(device: str) -> list[int | str]:
+    """Physical ids of the engine's GPUs (as CUDA_/HIP_VISIBLE_DEVICES name them), for the launcher's bookkeeping."""
+    if not device.startswith("cuda"):
+        return []
+    index = int(device.partition(":")[2] or 0)
+    env = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("HIP_VISIBLE_DEVICES") or ""
+    visible = [x for x in env.split(",") if x]
+    gpu = visible[index] if index < len(visible) else str(index)
+    return [int(gpu) if gpu.isdigit() else gpu]
+
+
+def write_rendezvous(path: str, info: dict[str, Any]) -> None:
+    """Atomically (tmp + rename in the same directory): a reader sees no file or the whole file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(tmp, target)
+
+
+async def run_server(engine: Engine, config: ServerConfig, model_path: str, sock: socket.socket) -> None:
+    """Serve `engine` (started) on `sock` (bound) until SIGTERM/SIGINT, then shut down cleanly."""
+    loop = asyncio.get_running_loop()
+    # Worker threads wait for engine steps, trainer broadcasts and group joins: more than the default min(32, cpus+4).
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-http"))
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = EngineServer(engine, config)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
+    runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=config.shutdown_timeout_s)
+    await runner.setup()
+    sock.listen(1024)
+    await web.SockSite(runner, sock).start()
+    port = int(sock.getsockname()[1])
+    # A wildcard bind is reachable under this machine's name, not under the wildcard address.
+    host = socket.getfqdn() if config.host in ("0.0.0.0", "::", "") else config.host
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    info = {"host": host, "port": port, "pid": os.getpid(), "url": url, "model_path": model_path, "tp_size": 1,
+            "gpu_ids": _gpu_ids(str(engine.device))}  # fmt: skip
+    if config.rendezvous:
+        write_rendezvous(config.rendezvous, info)
+    print(f"[miles-hpc serve] listening on {url} (model {model_path}, pid {os.getpid()})", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        print("[miles-hpc serve] shutting down", flush=True)
+        server.closing = True
+        # Finish every in-flight /generate (finish_reason abort) so open handlers return before the port closes.
+        await asyncio.to_thread(engine.abort, None)
+        await runner.cleanup()
+        await asyncio.to_thread(server.receiver.destroy_all)
+        if config.rendezvous:
+            try:
+                if json.loads(Path(config.rendezvous).read_text()).get("pid") == os.getpid():
+                    Path(config.rendezvous).unlink()  # a stale file would name a dead server
+            except (OSError, ValueError):
+                pass
+
+
+def serve(model_path: str, engine_config: EngineConfig, config: ServerConfig) -> int:
+    """`miles-hpc serve`: bind, load the model, start the engine, listen, serve until a signal; the exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:  # bound before the (maybe minutes-long) load so a taken port fails at once; listening only once ready
+        sock.bind((config.host, config.port))
+    except OSError as e:
+        sock.close()
+        print(f"error: cannot bind {config.host}:{config.port}: {e}", file=sys.stderr)
+        return 2
+    engine = Engine.from_pretrained(model_path, engine_config)
+    engine.start()
+    try:
+        asyncio.run(run_server(engine, config, str(model_path), sock))
+    finally:
+        engine.shutdown()
+        sock.close()
+    print("[miles-hpc serve] stopped", flush=True)
+    return 0

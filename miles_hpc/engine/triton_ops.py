@@ -1,0 +1,202 @@
+"""Fused Triton kernels for a decode step: (residual add +) RMSNorm, QK-norm + RoPE + KV-cache write, SiLU * up.
+
+Stage: engine (`TritonDecodeOps` is the GPU `DecodeOps`; `decode_ops.TorchDecodeOps` is its reference). Imported
+only where Triton is installed.
+
+Why: a decode step of a small model is launch-bound. The model's torch code spends ~60 kernels per layer on
+elementwise work (RMSNorm alone is 8); these kernels do it in 4, so a captured graph has ~12 nodes per layer.
+Each kernel rounds to the activation dtype exactly where the torch code rounds (decode_ops.py's contract).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_ops import DecodeOps
+from .triton_decode import paged_decode
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    X, Delta, W, Y,
+    stride_x, stride_d, stride_y,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    dt = Y.dtype.element_ty
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(Delta + row * stride_d + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(dt)
+        tl.store(X + row * stride_x + offs, x, mask=mask)
+    h = x.to(tl.float32)
+    r = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
+    hn = (h * r).to(dt).to(tl.float32)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + offs, (w * hn).to(dt), mask=mask)
+
+
+@triton.jit
+def _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """One head split in halves: RMSNorm over both (optional), then HF's half-split RoPE, torch's roundings."""
+    dt = x1.dtype
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    if HAS_NORM:
+        r = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / D + eps)
+        a = (w1 * (a * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        b = (w2 * (b * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    o1 = ((a * c1).to(dt).to(tl.float32) - (b * s1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((b * c2).to(dt).to(tl.float32) + (a * s2).to(dt).to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    Q, K, V, QW, KW, Cos, Sin, Slots, QOut, KC, VC,
+    stride_q, stride_k, stride_v, stride_cs,
+    stride_qo_t, stride_qo_h, stride_kc_t, stride_kc_h, stride_vc_t, stride_vc_h,
+    eps,
+    HQ: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    h = tl.program_id(1)  # 0..HQ-1: query heads; HQ..: kv heads
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < HALF
+    D: tl.constexpr = 2 * HALF
+    c1 = tl.load(Cos + t * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(Cos + t * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(Sin + t * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(Sin + t * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    if h < HQ:
+        src = Q + t * stride_q + h * D
+        x1 = tl.load(src + offs, mask=mask, other=0.0)
+        x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
+        w1 = tl.load(QW + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(QW + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        o1, o2 = _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, D, HAS_NORM)
+        dst = QOut + t * stride_qo_t + h * stride_qo_h
+        tl.store(dst + offs, o1, mask=mask)
+        tl.store(dst + HALF + offs, o2, mask=mask)
+    else:
+        kh = h - HQ
+        slot = tl.load(Slots + t).to(tl.int64)
+        src = K + t * stride_k + kh * D
+        x1 = tl.load(src + offs, mask=mask, other=0.0)
+        x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
+        w1 = tl.load(KW + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(KW + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        o1, o2 = _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, D, HAS_NORM)
+        dst = KC + slot * stride_kc_t + kh * stride_kc_h
+        tl.store(dst + offs, o1.to(KC.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF + offs, o2.to(KC.dtype.element_ty), mask=mask)
+        vsrc = V + t * stride_v + kh * D
+        vdst = VC + slot * stride_vc_t + kh * stride_vc_h
+        tl.store(vdst + offs, tl.load(vsrc + offs, mask=mask, other=0.0).to(VC.dtype.element_ty), mask=mask)
+        vhi = tl.load(vsrc + HALF + offs, mask=mask, other=0.0)
+        tl.store(vdst + HALF + offs, vhi.to(VC.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    dt = Out.dtype.element_ty
+    g = tl.load(G + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(Out + row * stride_o + offs, (s * u).to(dt), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"expected a [T, N] tensor with contiguous rows, got shape {tuple(x.shape)}")
+    return x
+
+
+class TritonDecodeOps(DecodeOps):
+    """`DecodeOps` as fused Triton kernels (CUDA, any float dtype) plus the paged-decode attention kernel."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._norm(_rows(x), None, weight, eps)
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._norm(_rows(residual), _rows(delta), weight, eps)
+
+    @staticmethod
+    def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        t, n = x.shape
+        y = torch.empty_like(x)
+        d = delta if delta is not None else x
+        block = triton.next_power_of_2(n)
+        _add_rms_norm_kernel[(t,)](
+            x, d, weight, y, x.stride(0), d.stride(0), y.stride(0), eps,
+            N=n, BLOCK=block, HAS_DELTA=delta is not None, num_warps=max(1, min(16, block // 256)),
+        )  # fmt: skip
+        return y
+
+    def qk_norm_rope_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        t, d = q.shape[0], cos.shape[-1]
+        hq, hkv = q.shape[1] // d, k.shape[1] // d
+        _rows(q), _rows(k), _rows(v), _rows(cos), _rows(sin)
+        if cos.stride(0) != sin.stride(0) or d % 2:
+            raise ValueError("cos/sin must share strides and head_dim must be even")
+        q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+        has_norm = q_norm is not None and k_norm is not None
+        half = d // 2
+        _qk_norm_rope_store_kernel[(t, hq + hkv)](
+            q, k, v, q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, slots, q_out, k_cache, v_cache,
+            q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
+            q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1),
+            eps,
+            HQ=hq, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=1,
+        )  # fmt: skip
+        return q_out
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        t, n = _rows(gate).shape
+        _rows(up)
+        out = torch.empty_like(gate)
+        block = min(4096, triton.next_power_of_2(n))
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](
+            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), N=n, BLOCK=block, num_warps=4
+        )
+        return out
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        *,
+        block_size: int,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_decode(q, k_cache, v_cache, block_tables, context_lens, block_size=block_size, scale=scale)

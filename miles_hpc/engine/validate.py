@@ -1,0 +1,87 @@
+"""Request validation: every check `Engine.submit` makes before queueing, each error naming the field.
+
+Stage: engine. Pure functions over a `GenerateRequest` and the engine's limits, so the rules are testable alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .types import GenerateRequest
+
+
+class RequestError(ValueError):
+    """An invalid request or weight update; the message names the field (or tensor) and why. HTTP 400."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Limits:
+    vocab_size: int
+    max_context_len: int
+    kv_capacity_tokens: int
+    num_moe_layers: int
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_request(req: GenerateRequest, lim: Limits) -> None:
+    """Raise RequestError for the first problem found; return None for a request the engine can serve."""
+    if not isinstance(req.rid, str) or not req.rid:
+        raise RequestError(f"rid must be a non-empty string, got {req.rid!r}")
+    ids = req.input_ids
+    if not ids:
+        raise RequestError("input_ids must not be empty")
+    if not all(_is_int(t) for t in ids):
+        i = next(i for i, t in enumerate(ids) if not _is_int(t))
+        raise RequestError(f"input_ids[{i}] must be an int, got {ids[i]!r}")
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= lim.vocab_size:
+        i = next(i for i, t in enumerate(ids) if not 0 <= t < lim.vocab_size)
+        raise RequestError(f"input_ids[{i}]={ids[i]} is outside the vocabulary [0, {lim.vocab_size})")
+    sp = req.sampling
+    for name in ("max_new_tokens", "min_new_tokens", "top_k"):
+        if not _is_int(getattr(sp, name)):
+            raise RequestError(f"sampling_params.{name} must be an int, got {getattr(sp, name)!r}")
+    if sp.max_new_tokens < 0:
+        raise RequestError(f"sampling_params.max_new_tokens must be >= 0, got {sp.max_new_tokens}")
+    if sp.min_new_tokens < 0:
+        raise RequestError(f"sampling_params.min_new_tokens must be >= 0, got {sp.min_new_tokens}")
+    if not (math.isfinite(sp.temperature) and sp.temperature >= 0):
+        raise RequestError(f"sampling_params.temperature must be a finite number >= 0, got {sp.temperature}")
+    if not 0.0 < sp.top_p <= 1.0:
+        raise RequestError(f"sampling_params.top_p must be in (0, 1], got {sp.top_p}")
+    if sp.top_k != -1 and sp.top_k < 1:
+        raise RequestError(f"sampling_params.top_k must be -1 (off) or >= 1, got {sp.top_k}")
+    if not 0.0 <= sp.min_p <= 1.0:
+        raise RequestError(f"sampling_params.min_p must be in [0, 1], got {sp.min_p}")
+    bad_stop = [t for t in sp.stop_token_ids if not _is_int(t) or not 0 <= t < lim.vocab_size]
+    if bad_stop:
+        raise RequestError(f"sampling_params.stop_token_ids has {bad_stop[0]!r}, outside [0, {lim.vocab_size})")
+    if sp.sampling_seed is not None and not _is_int(sp.sampling_seed):
+        raise RequestError(f"sampling_params.sampling_seed must be an int or null, got {sp.sampling_seed!r}")
+    total = len(ids) + sp.max_new_tokens
+    if total > lim.max_context_len:
+        raise RequestError(
+            f"input_ids ({len(ids)} tokens) + sampling_params.max_new_tokens ({sp.max_new_tokens}) = {total} "
+            f"exceeds the context length {lim.max_context_len}"
+        )
+    if total > lim.kv_capacity_tokens:
+        raise RequestError(
+            f"input_ids ({len(ids)} tokens) + sampling_params.max_new_tokens ({sp.max_new_tokens}) = {total} "
+            f"can never fit the KV cache ({lim.kv_capacity_tokens} tokens)"
+        )
+    if req.return_logprob and not (req.logprob_start_len == -1 or 0 <= req.logprob_start_len < len(ids)):
+        raise RequestError(
+            f"logprob_start_len must be -1 or in [0, {len(ids)}) (the prompt length), got {req.logprob_start_len}"
+        )
+    if req.return_routed_experts:
+        if lim.num_moe_layers == 0:
+            raise RequestError("return_routed_experts: this model has no MoE layers")
+        if not 0 <= req.routed_experts_start_len <= len(ids):
+            raise RequestError(
+                f"routed_experts_start_len must be in [0, {len(ids)}] (the prompt length), "
+                f"got {req.routed_experts_start_len}"
+            )

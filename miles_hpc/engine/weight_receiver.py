@@ -1,0 +1,281 @@
+"""The receiving side of distributed weight updates (SGLang's ``/init_weights_update_group`` and
+``/update_weights_from_distributed``).
+
+Stage: engine (weight sync, engine side). The trainer's rank 0 creates a process group spanning itself (rank 0) and
+every engine rank (``rank_offset + tp_rank``; this engine is TP 1, so one rank) with ``sync/pg.py`` and announces
+each bucket over HTTP: names, dtypes, shapes. The engine allocates those tensors, receives each by broadcast from
+rank 0 in the announced order, and hands them to ``Engine.update_weights``, which applies them between steps.
+
+Invariants:
+- Every method blocks (joining waits for the trainer; receiving waits for its broadcasts): the server calls them in
+  worker threads, never on the event loop, because the trainer joins/broadcasts concurrently with the HTTP call.
+- A bucket is received completely even when a name turns out to be unknown to the model: skipping a broadcast
+  would leave the trainer blocked and every later bucket misaligned. The error is reported after the receive.
+- Tensors arrive exactly as sent (dtype and bits); casting to the engine's dtype is ``update_weights``' job, so
+  checksums of what was sent can be compared with what was received.
+- One group per ``group_name``; joining a name twice is an error (SGLang's too), ``destroy`` frees it.
+
+:class:`WeightEndpoints` holds the HTTP handlers of every way new weights reach this engine (disk, tensor,
+distributed), of the weight version and of ``/weights_checker``; they answer SGLang's ``{success, message}``
+(400 on failure) and run one at a time, in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from miles_hpc.sync.pg import CustomGroup, GroupSpec
+
+from . import protocol
+from .core import Engine, RequestError
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in protocol.DTYPE_NAMES if hasattr(torch, n)}
+
+GroupFactory = Callable[[GroupSpec, str | None], CustomGroup]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JoinRequest:
+    """The fields of ``/init_weights_update_group`` (SGLang's ``InitWeightsUpdateGroupReqInput``)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class WeightReceiver:
+    """Process groups this engine joined for weight updates, by name, and the receive of one bucket."""
+
+    def __init__(self, device: str, *, timeout_s: float = 600.0, make_group: GroupFactory | None = None) -> None:
+        """``device``: the engine's torch device (NCCL groups receive there; gloo groups receive on the CPU).
+        ``make_group`` builds the group (default ``CustomGroup``; tests inject fakes)."""
+        self._device = device
+        self._timeout_s = timeout_s
+        self._make_group: GroupFactory = make_group or (lambda spec, dev: CustomGroup(spec, dev))
+        self._groups: dict[str, CustomGroup] = {}
+        self._joining: set[str] = set()
+        self._lock = threading.Lock()  # guards the two containers; joins and receives run outside it
+
+    def join(self, req: JoinRequest) -> None:
+        """Join the group (blocks until the trainer and every other engine rank have joined, or the timeout)."""
+        if req.backend == "nccl" and not torch.device(self._device).type == "cuda":
+            raise ValueError(f"backend 'nccl' needs a CUDA engine; this one runs on {self._device}: use 'gloo'")
+        with self._lock:
+            if req.group_name in self._groups or req.group_name in self._joining:
+                raise ValueError(f"weight update group {req.group_name!r} already exists on this engine")
+            self._joining.add(req.group_name)
+        try:
+            spec = GroupSpec(
+                backend=req.backend,  # type: ignore[arg-type]  (checked by GroupSpec)
+                master_address=req.master_address,
+                master_port=req.master_port,
+                rank=req.rank_offset,  # + tp_rank, which is always 0 here
+                world_size=req.world_size,
+                group_name=req.group_name,
+                timeout_s=self._timeout_s,
+            )
+            group = self._make_group(spec, self._device if req.backend == "nccl" else None)
+            with self._lock:
+                self._groups[req.group_name] = group
+        finally:
+            with self._lock:
+                self._joining.discard(req.group_name)
+
+    def receive(
+        self, group_name: str, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Allocate and receive one announced bucket, in order, by broadcast from rank 0."""
+        group = self._group(group_name)
+        bucket: list[tuple[str, torch.Tensor]] = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            if dtype not in TORCH_DTYPES:
+                raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+            t = torch.empty(tuple(shape), dtype=TORCH_DTYPES[dtype], device=group.device)
+            group.broadcast(t, src=0)
+            bucket.append((name, t))
+        return bucket
+
+    def destroy(self, group_name: str) -> None:
+        with self._lock:
+            group = self._groups.pop(group_name, None)
+        if group is None:
+            raise KeyError(f"no weight update group {group_name!r} on this engine")
+        group.destroy()
+
+    def destroy_all(self) -> None:
+        with self._lock:
+            groups, self._groups = list(self._groups.values()), {}
+        for g in groups:
+            g.destroy()
+
+    def group_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._groups)
+
+    def _group(self, name: str) -> CustomGroup:
+        with self._lock:
+            if name not in self._groups:
+                raise KeyError(f"no weight update group {name!r} on this engine: call /init_weights_update_group")
+            return self._groups[name]
+
+
+# ---------------------------------------------------------------------------------------------- HTTP handlers
+ReadJson = Callable[[web.Request, int | None], Awaitable[Any]]
+
+
+def _answer(body: dict[str, Any], success: bool = True) -> web.Response:
+    return web.json_response({"success": success, **body}, status=200 if success else 400)
+
+
+class WeightEndpoints:
+    """Handlers of the weight routes (all admin-level, see auth.py), over one engine and its WeightReceiver."""
+
+    def __init__(self, engine: Engine, receiver: WeightReceiver, read_json: ReadJson, max_tensor_bytes: int) -> None:
+        self.engine = engine
+        self.receiver = receiver
+        self._json = read_json
+        self._max_tensor_bytes = max_tensor_bytes
+        self._lock = asyncio.Lock()  # weight changes one at a time, in arrival order
+
+    def routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.Response]]]:
+        return {
+            "/update_weight_version": self.update_weight_version,
+            "/weights_checker": self.weights_checker,
+            "/update_weights_from_disk": self.update_from_disk,
+            "/update_weights_from_tensor": self.update_from_tensor,
+            "/init_weights_update_group": self.init_group,
+            "/update_weights_from_distributed": self.update_from_distributed,
+            "/destroy_weights_update_group": self.destroy_group,
+        }
+
+    async def _parse(self, endpoint: str, request: web.Request, limit: int | None = None) -> dict[str, Any]:
+        return protocol.parse_control(endpoint, await self._json(request, limit))
+
+    async def _apply(self, p: dict[str, Any], work: Callable[[], object], ok: str, **extra: object) -> web.Response:
+        """Serialised; abort first when asked; run `work` in a thread; SGLang's success/failure answer.
+
+        Shielded: a worker thread cannot be cancelled, so when the client disconnects the update still runs to its
+        end holding the lock; otherwise the next update (say, the trainer's retry) would overlap a receive."""
+
+        async def locked() -> web.Response:
+            async with self._lock:
+                if p.get("abort_all_requests"):
+                    await asyncio.to_thread(self.engine.abort, None)
+                try:
+                    await asyncio.to_thread(work)
+                except (RequestError, ValueError, KeyError, OSError, RuntimeError) as e:
+                    log.warning("weight update failed: %s", e)
+                    return _answer({"message": f"Failed to update weights: {e}", **extra}, False)
+            return _answer({"message": ok, **extra})
+
+        return await asyncio.shield(asyncio.ensure_future(locked()))
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        p = await self._parse("update_weight_version", request)
+        v = p["new_version"]
+
+        def work() -> None:
+            self.engine.set_weight_version(v)
+
+        return await self._apply(p, work, f"Weight version updated to {v}", new_version=v)
+
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        p = await self._parse("weights_checker", request)
+        sums = await asyncio.to_thread(self.engine.checksums)
+        sums = {k: v for k, v in sums.items() if not any(s in k for s in p["skip_tensor_list"])}
+        return web.json_response(checksum_response(sums, self.engine.weight_version))
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        p = await self._parse("update_weights_from_disk", request)
+
+        def work() -> None:
+            self.engine.update_weights_from_disk(p["model_path"], version=p["weight_version"],
+                                                 flush_cache=p["flush_cache"])  # fmt: skip
+            if p["keep_pause"]:  # SGLang pauses around a disk update; keep_pause leaves it paused (in place)
+                self.engine.pause("in_place")
+
+        return await self._apply(p, work, "Succeeded to update model weights.", num_paused_requests=0)
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        """``serialized_named_tensors``: one entry per TP rank (one here), each the base64 of a safetensors file
+        (``safetensors.torch.save({hf_name: tensor})``). SGLang puts a pickled ``MultiprocessingSerializer``
+        payload there instead; unpickling bytes from the network runs arbitrary code, so we never accept that."""
+        p = await self._parse("update_weights_from_tensor", request, self._max_tensor_bytes)
+        blobs = p["serialized_named_tensors"]
+        if len(blobs) != 1:
+            raise protocol.BadRequest(f"field `serialized_named_tensors`: one entry per TP rank (tp_size 1), "
+                                      f"got {len(blobs)}")  # fmt: skip
+
+        def work() -> None:
+            from safetensors import SafetensorError
+            from safetensors.torch import load
+
+            try:
+                named = load(base64.b64decode(blobs[0], validate=True))
+            except (binascii.Error, SafetensorError) as e:
+                raise ValueError(f"serialized_named_tensors[0] is not base64 safetensors: {e}") from e
+            self.engine.update_weights(named.items(), version=p["weight_version"], flush_cache=p["flush_cache"])
+
+        return await self._apply(p, work, "Succeeded to update model weights.")
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        p = await self._parse("init_weights_update_group", request)
+        fields = ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")
+        try:  # not under the lock: joining waits for the trainer, which may want other answers first
+            await asyncio.shield(asyncio.to_thread(self.receiver.join, JoinRequest(**{k: p[k] for k in fields})))
+        except Exception as e:  # noqa: BLE001 (torch raises several types; all mean "not joined")
+            return _answer({"message": f"Failed to initialize custom process group: {e}."}, False)
+        return _answer({"message": "Succeeded to initialize custom process group."})
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        p = await self._parse("update_weights_from_distributed", request)
+
+        def work() -> None:
+            named = self.receiver.receive(p["group_name"], p["names"], p["dtypes"], p["shapes"])
+            self.engine.update_weights(named, version=p["weight_version"], flush_cache=p["flush_cache"])
+
+        return await self._apply(p, work, "Succeeded to update parameter online.")
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        p = await self._parse("destroy_weights_update_group", request)
+        try:
+            await asyncio.to_thread(self.receiver.destroy, p["group_name"])
+        except KeyError:
+            return _answer({"message": "The group to be destroyed does not exist."}, False)
+        return _answer({"message": "Succeeded to destroy custom process group."})
+
+
+def checksum_response(sums: dict[str, str], weight_version: str) -> dict[str, Any]:
+    """SGLang's /weights_checker answer for one TP rank (its per-rank list, hashed as SGLang hashes), plus our
+    top-level ``checksums`` (HF names -> ``sync.checksum.tensor_checksum``) and ``weight_version``."""
+    h = hashlib.sha256()
+    for name in sorted(sums):
+        h.update(name.encode())
+        h.update(sums[name].encode())
+    per_gpu = h.hexdigest()
+    info = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+            "rank": 0, "size": 1}  # fmt: skip
+    return {
+        "success": True,
+        "message": f"checksums of {len(sums)} tensors",
+        "ranks": [{"checksums": sums, "per_gpu_checksum": per_gpu, "parallelism_info": [info]}],
+        "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest(),
+        "checksums": sums,
+        "weight_version": weight_version,
+    }

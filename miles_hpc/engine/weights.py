@@ -1,0 +1,119 @@
+"""Checkpoint-side helpers: weight updates into a live model by HF tensor name, checksums, EOS ids.
+
+Stage: engine. `Engine` calls these between steps (under its step lock); they know nothing of requests.
+
+Invariants:
+- Names are HF names: `models.hf_target` maps each (incl. per-expert MoE names) to the view of our parameter it
+  fills. A tensor is checked (name, shape) before anything is written to it, so a rejected tensor is untouched;
+  tensors applied before it stay applied.
+- Values are cast to the parameter's dtype and device (a bf16 trainer shard into an fp32 CPU engine works).
+- With tied embeddings `lm_head.weight` is the embedding: a checkpoint's copy is skipped, as loading does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from miles_hpc.models import CausalLM, expected_hf_shapes, hf_target, iter_hf_tensors
+from miles_hpc.models.hf_io import checkpoint_files
+from miles_hpc.sync.checksum import tensor_checksum
+
+from .validate import RequestError
+
+
+def _tied_head(model: CausalLM, name: str) -> bool:
+    return model.config.tie_word_embeddings and name == "lm_head.weight"
+
+
+@torch.no_grad()
+def apply_named(model: CausalLM, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Copy each (HF name, tensor) into `model`; returns the names applied. RequestError names a bad tensor."""
+    params = dict(model.named_parameters())
+    applied: list[str] = []
+    for name, value in named:
+        if _tied_head(model, name):
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise RequestError(f"weight {name!r}: expected a tensor, got {type(value).__name__}")
+        try:
+            target = hf_target(model, name, params)
+        except KeyError:
+            raise RequestError(f"weight {name!r}: no such tensor in this {model.config.model_type} model") from None
+        if tuple(value.shape) != tuple(target.shape):
+            raise RequestError(
+                f"weight {name!r}: shape {tuple(value.shape)} does not match the model's {tuple(target.shape)}"
+            )
+        if value.dtype.is_complex or value.dtype == torch.bool:
+            raise RequestError(f"weight {name!r}: dtype {value.dtype} is not a real floating/integer type")
+        target.copy_(value.to(device=target.device, dtype=target.dtype))
+        applied.append(name)
+    return applied
+
+
+def iter_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Check that the HF checkpoint at `path` has exactly `model`'s tensors and shapes (RequestError otherwise),
+    then yield them one at a time (one tensor in host memory at once)."""
+    try:
+        files, blame = checkpoint_files(Path(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise RequestError(f"model_path: {e}") from e
+    expected = expected_hf_shapes(model, files)
+    missing = [n for n in expected if n not in files]
+    if missing:
+        raise RequestError(f"model_path: {blame} lacks tensor {missing[0]!r} ({len(missing)} missing)")
+    unknown = [n for n in files if n not in expected and not _tied_head(model, n) and not n.endswith("inv_freq")]
+    if unknown:
+        raise RequestError(f"model_path: {files[unknown[0]]} has tensor {unknown[0]!r} this model does not")
+    by_file: dict[Path, list[str]] = {}
+    for n in expected:
+        by_file.setdefault(files[n], []).append(n)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for n in names:
+                shape = tuple(f.get_slice(n).get_shape())
+                if shape != expected[n]:
+                    raise RequestError(f"model_path: {file} tensor {n!r} has shape {shape}, expected {expected[n]}")
+    return _stream(by_file)
+
+
+def _stream(by_file: dict[Path, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for n in names:
+                yield n, f.get_tensor(n)
+
+
+def checksums(model: CausalLM) -> dict[str, str]:
+    """HF name -> tensor_checksum, in the Hub layout (per-expert MoE tensors, no tied lm_head)."""
+    return {name: tensor_checksum(t) for name, t in iter_hf_tensors(model)}
+
+
+def eos_token_ids(config_eos: int | tuple[int, ...] | None, model_path: str | None) -> frozenset[int]:
+    """EOS ids: config.json's plus generation_config.json's (SGLang takes both)."""
+    ids: set[int] = set()
+    for src in (config_eos, _generation_eos(model_path)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(x) for x in src)
+    return frozenset(ids)
+
+
+def _generation_eos(model_path: str | None) -> object:
+    if model_path is None:
+        return None
+    path = Path(model_path) / "generation_config.json"
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text()).get("eos_token_id")
+    except (ValueError, AttributeError):
+        logging.getLogger(__name__).warning("%s is not valid JSON; ignoring its eos_token_id", path)
+        return None

@@ -1,0 +1,392 @@
+"""Async HTTP client of one engine server: our embedded engine or real SGLang (stage: rollout, client side).
+
+One :class:`EngineClient` per engine URL, over an aiohttp session. Bodies come from :mod:`.requests` (pure, checked
+against SGLang's own request types), answers are parsed by :mod:`.responses` into typed records.
+
+Invariants:
+- The client never re-sends a request that may have reached the engine unless the endpoint is idempotent: a failure
+  to *connect* (refused, DNS, connect timeout) is retried with backoff, ``connect_retries`` times; a connection that
+  breaks after the request went out is retried only for idempotent endpoints (health, info, pause, ...), never for
+  ``/generate`` or a weight update. Resubmitting a generation elsewhere is the router's decision, not the client's.
+- Every failure is an :class:`EngineError` whose message names the engine URL, the endpoint and, for HTTP errors, the
+  server's own message; the API keys appear in no message, repr or log.
+- Admin endpoints (weights, pause/continue, abort, flush, version) carry the admin key when one is set, else the
+  plain key (SGLang's ADMIN_OPTIONAL rule); the others carry the plain key. ``/health*`` and ``/metrics`` need none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import aiohttp
+
+from miles_hpc.rollout import requests as rq
+from miles_hpc.rollout.errors import (
+    EngineError,
+    EngineHTTPError,
+    EngineProtocolError,
+    EngineTimeoutError,
+    EngineUnreachableError,
+    server_message,
+)
+from miles_hpc.rollout.responses import (
+    GenerateOutput,
+    WeightsChecksums,
+    parse_generate,
+    parse_prometheus,
+    parse_weights_checksums,
+)
+
+__all__ = [
+    "EngineClient",
+    "EngineError",
+    "EngineHTTPError",
+    "EngineProtocolError",
+    "EngineTimeoutError",
+    "EngineUnreachableError",
+]
+
+# aiohttp >= 3.10 tells a connect timeout (nothing was sent: safe to retry) from a read timeout.
+_CONNECT_TIMEOUT: tuple[type[BaseException], ...] = (
+    (aiohttp.ConnectionTimeoutError,) if hasattr(aiohttp, "ConnectionTimeoutError") else ()
+)
+
+
+class EngineClient:
+    """Async client of one SGLang-compatible engine. Use as ``async with EngineClient(url) as c: ...`` or call
+    :meth:`close`; a ``session`` passed in is shared and not closed here."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+        connect_retries: int = 3,
+        retry_backoff_s: float = 0.2,
+        session: aiohttp.ClientSession | None = None,
+        max_connections: int = 4096,
+        routing_shape: tuple[int | None, int | None] | None = None,
+    ) -> None:
+        """``timeout``: seconds for one request end to end (a long generation included); ``routing_shape``:
+        ``(num_layers, top_k)`` of the model for decoding routed experts, either may be None (then looked up once
+        from ``/get_model_info`` or the model's ``config.json``)."""
+        self.url = url.rstrip("/")
+        self._api_key = api_key
+        self._admin_key = admin_api_key
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.connect_retries = connect_retries
+        self.retry_backoff_s = retry_backoff_s
+        self._session = session
+        self._owns_session = session is None
+        self._max_connections = max_connections
+        self._routing_dims = routing_shape
+        self._routing_lock = asyncio.Lock()  # the first routed generations look the model up once, not each
+
+    def __repr__(self) -> str:  # never the keys
+        return f"EngineClient({self.url!r})"
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # The default pool caps at 100 connections per host; a rollout keeps thousands of generations open.
+            connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0)
+            self._session = aiohttp.ClientSession(connector=connector)
+            self._owns_session = True
+        return self._session
+
+    def _headers(self, ep: rq.Endpoint) -> dict[str, str]:
+        key = (self._admin_key or self._api_key) if ep.admin else self._api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def _call(
+        self,
+        ep: rq.Endpoint,
+        body: Mapping[str, Any] | None = None,
+        *,
+        params: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        retries: int | None = None,
+        expect: Literal["json", "text"] = "json",
+    ) -> Any:
+        """Send one request, retrying only where nothing can have run twice (module invariants)."""
+        where = f"{ep.method} {ep.path}"
+        total = self.timeout if timeout is None else timeout
+        client_timeout = aiohttp.ClientTimeout(total=total, connect=min(self.connect_timeout, total))
+        retries = self.connect_retries if retries is None else retries
+        attempt = 0
+        while True:
+            try:
+                async with self._http().request(
+                    ep.method,
+                    self.url + ep.path,
+                    json=body,
+                    params=params,
+                    headers=self._headers(ep),
+                    timeout=client_timeout,
+                ) as resp:
+                    raw = await resp.read()
+                    text = raw.decode("utf-8", errors="replace")
+                    if resp.status >= 400:
+                        raise EngineHTTPError(self.url, where, resp.status, server_message(text))
+                    if expect == "text":
+                        return text
+                    try:
+                        obj = json.loads(raw) if raw.strip() else None
+                    except ValueError as e:
+                        raise EngineProtocolError(self.url, where, f"answer is not JSON ({e}): {text[:200]}") from e
+                    if isinstance(obj, dict) and obj.get("success") is False:
+                        raise EngineHTTPError(self.url, where, resp.status, server_message(text))
+                    return obj
+            except EngineError:
+                raise
+            except _CONNECT_TIMEOUT as e:
+                failure: EngineError = EngineUnreachableError(
+                    self.url, where, f"connect timed out after {self.connect_timeout:g} s", sent=False
+                )
+                cause: BaseException = e
+                may_retry = True
+            except aiohttp.ClientConnectorError as e:  # refused / unresolvable: the request never left
+                failure = EngineUnreachableError(self.url, where, f"cannot connect: {e.os_error or e}", sent=False)
+                cause, may_retry = e, True
+            except (TimeoutError, aiohttp.ServerTimeoutError) as e:
+                raise EngineTimeoutError(self.url, where, f"no answer within {total:g} s") from e
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+                # Reset or closed after sending: the engine may have run it (or died running it).
+                failure = EngineUnreachableError(
+                    self.url, where, f"connection lost: {type(e).__name__}: {e}".rstrip(": "), sent=True
+                )
+                cause, may_retry = e, ep.idempotent
+            if not may_retry or attempt >= retries:
+                raise failure from cause
+            # Exponential backoff with jitter so many clients of one restarting engine do not reconnect in lockstep.
+            await asyncio.sleep(self.retry_backoff_s * (2**attempt) * (0.5 + random.random()))
+            attempt += 1
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Generation and control.
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int | None = None,
+        rid: str | None = None,
+        lora_path: str | None = None,
+        timeout: float | None = None,
+    ) -> GenerateOutput:
+        """``POST /generate`` for one prompt. A ``rid`` is made up when not given, so :meth:`abort` can reach it."""
+        rid = rid or uuid.uuid4().hex
+        body = rq.generate_body(
+            input_ids,
+            sampling_params,
+            rid=rid,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            return_routed_experts=return_routed_experts,
+            routed_experts_start_len=routed_experts_start_len,
+            lora_path=lora_path,
+        )
+        dims = await self._routing_shape() if return_routed_experts else (None, None)
+        obj = await self._call(rq.GENERATE, body, timeout=timeout)
+        try:
+            out = parse_generate(
+                obj,
+                return_logprob=return_logprob,
+                return_routed_experts=return_routed_experts,
+                routed_experts_start_len=routed_experts_start_len or 0,
+                routing_dims=dims,
+                engine_url=self.url,
+            )
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise EngineProtocolError(self.url, "POST /generate", f"bad answer for rid {rid}: {e}") from e
+        return out if out.rid else replace(out, rid=rid)
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False, timeout: float | None = None) -> None:
+        """``POST /abort_request``: one request (``rid``) or all (``abort_all=True``); unknown rids are ignored."""
+        await self._call(rq.ABORT, rq.abort_body(rid, abort_all=abort_all), timeout=timeout)
+
+    async def pause(self, mode: rq.PauseMode = "abort") -> None:
+        """``POST /pause_generation``: abort | retract | in_place (see reference/sglang_api.md)."""
+        await self._call(rq.PAUSE, rq.pause_body(mode))
+
+    async def continue_generation(self) -> None:
+        await self._call(rq.CONTINUE, rq.continue_body())
+
+    async def flush_cache(self, timeout_s: float | None = None) -> None:
+        """``POST /flush_cache``; fails (HTTP 400) while requests run unless they drain within ``timeout_s``."""
+        await self._call(rq.FLUSH_CACHE, None, params=rq.flush_cache_query(timeout_s), expect="text")
+
+    async def health(self, *, timeout: float | None = None, retries: int | None = None) -> None:
+        """``GET /health``: returns when the engine answers 200, raises :class:`EngineError` otherwise."""
+        await self._call(rq.HEALTH, timeout=timeout, retries=retries, expect="text")
+
+    async def health_generate(self, *, timeout: float | None = None, retries: int | None = None) -> None:
+        """``GET /health_generate``: like :meth:`health`, but the engine proves it can still generate a token."""
+        await self._call(rq.HEALTH_GENERATE, timeout=timeout, retries=retries, expect="text")
+
+    async def server_info(self) -> dict[str, Any]:
+        return await self._json_object(rq.SERVER_INFO)
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._json_object(rq.MODEL_INFO)
+
+    async def metrics(self) -> dict[str, float]:
+        """``GET /metrics`` as ``{name or name{labels}: value}`` (SGLang needs ``--enable-metrics``)."""
+        text = await self._call(rq.METRICS, expect="text")
+        try:
+            return parse_prometheus(text)
+        except (ValueError, IndexError) as e:
+            raise EngineProtocolError(self.url, "GET /metrics", f"not Prometheus text: {e}") from e
+
+    async def _json_object(self, ep: rq.Endpoint, body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        obj = await self._call(ep, body)
+        if not isinstance(obj, dict):
+            raise EngineProtocolError(self.url, f"{ep.method} {ep.path}", f"expected a JSON object, got {obj!r}"[:300])
+        return obj
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Weights.
+
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> None:
+        await self._call(
+            rq.UPDATE_WEIGHT_VERSION, rq.update_weight_version_body(new_version, abort_all_requests=abort_all_requests)
+        )
+
+    async def weights_checksums(self, *, skip_tensor_list: Sequence[str] | None = None) -> WeightsChecksums:
+        """``POST /weights_checker {"action": "checksum"}``: per-rank, per-tensor checksums."""
+        obj = await self._call(
+            rq.WEIGHTS_CHECKER, rq.weights_checker_body("checksum", skip_tensor_list=skip_tensor_list)
+        )
+        try:
+            return parse_weights_checksums(obj)
+        except (ValueError, AttributeError, TypeError) as e:
+            raise EngineProtocolError(self.url, "POST /weights_checker", str(e)) from e
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = rq.DEFAULT_GROUP,
+        backend: str = "nccl",
+    ) -> str:
+        body = rq.init_weights_update_group_body(
+            master_address, master_port, rank_offset, world_size, group_name=group_name, backend=backend
+        )
+        return _message(await self._call(rq.INIT_WEIGHTS_UPDATE_GROUP, body))
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[object],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = rq.DEFAULT_GROUP,
+        weight_version: str | None = None,
+        flush_cache: bool | None = None,
+        abort_all_requests: bool | None = None,
+    ) -> str:
+        """Announce one bucket; returns when the engine has received it over the group (the caller broadcasts
+        concurrently, so run this as a task)."""
+        body = rq.update_weights_from_distributed_body(
+            names,
+            dtypes,
+            shapes,
+            group_name=group_name,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+        )
+        return _message(await self._call(rq.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body))
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str | Path,
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool | None = None,
+        abort_all_requests: bool | None = None,
+    ) -> str:
+        body = rq.update_weights_from_disk_body(
+            str(model_path),
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+        )
+        return _message(await self._call(rq.UPDATE_WEIGHTS_FROM_DISK, body))
+
+    async def destroy_weights_update_group(self, group_name: str = rq.DEFAULT_GROUP) -> str:
+        return _message(
+            await self._call(rq.DESTROY_WEIGHTS_UPDATE_GROUP, rq.destroy_weights_update_group_body(group_name))
+        )
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str | Path, *, pinned: bool | None = None) -> str:
+        body = rq.load_lora_adapter_body(lora_name, str(lora_path), pinned=pinned)
+        return _message(await self._call(rq.LOAD_LORA_ADAPTER, body))
+
+    async def unload_lora_adapter(self, lora_name: str) -> str:
+        return _message(await self._call(rq.UNLOAD_LORA_ADAPTER, rq.unload_lora_adapter_body(lora_name)))
+
+    # ---------------------------------------------------------------------------------------------------------
+
+    async def _routing_shape(self) -> tuple[int | None, int | None]:
+        """``(num_layers, top_k)`` for decoding routed experts, looked up once. SGLang's /get_model_info does not
+        carry them, so fall back to the checkpoint's config.json (on a shared file system, as on HPC clusters)."""
+        async with self._routing_lock:
+            if self._routing_dims is None:
+                self._routing_dims = await self._lookup_routing_shape()
+        return self._routing_dims
+
+    async def _lookup_routing_shape(self) -> tuple[int | None, int | None]:
+        info = await self.model_info()
+        layers = info.get("num_moe_layers") or info.get("num_hidden_layers")
+        top_k = info.get("num_experts_per_tok") or info.get("top_k")
+        if top_k is None and layers is None:
+            try:
+                cfg = json.loads((Path(str(info.get("model_path", ""))) / "config.json").read_text())
+            except (OSError, ValueError):
+                cfg = {}
+            # Only top_k: the layer count then follows from the answer's size, which fits SGLang (every layer)
+            # and engines that send MoE layers only.
+            top_k = cfg.get("text_config", cfg).get("num_experts_per_tok")
+        if top_k is None and layers is None:
+            raise EngineProtocolError(
+                self.url,
+                "GET /get_model_info",
+                "cannot tell the model's MoE top_k to decode routed_experts; pass routing_shape=(layers, top_k)",
+            )
+        return layers, top_k
+
+
+def _message(obj: Any) -> str:
+    return str(obj.get("message", "")) if isinstance(obj, dict) else ""

@@ -1,0 +1,122 @@
+"""A generation produced in pieces, merged into what one request would have returned (stage: rollout; no I/O).
+
+The router (router.py) continues a generation from ``prompt + output so far`` when it chunks it or when the engine
+running it failed. This module says when that is exact and how the pieces join.
+
+Invariants:
+- Continuing is exact only for the sampling keys in :data:`CONTINUABLE_KEYS`: each next token depends on the
+  sequence so far alone. Stop strings, penalties, grammars and custom processors look at the output as output, so
+  a request using them restarts from the prompt instead. ``sampling_seed`` is left out too: SGLang keys its seeded
+  noise by absolute position (a continuation is exact there), but our embedded engine keys it by output index, so a
+  continued seeded request would reuse the first piece's noise.
+- :meth:`Pieces.result` of one piece is that piece (with the router's rid and counts); of several: output ids and
+  log-probs concatenated, weight-version spans shifted and joined, routed experts concatenated (each piece covers
+  rows ``[its start, its prompt + its output - 1)``, which tile ``[start, prompt + output - 1)``), prompt log-probs
+  and cached tokens from the first piece.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from miles_hpc.rollout.responses import FinishReason, GenerateOutput, WeightVersionSpan
+
+CONTINUABLE_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "min_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "logit_bias",
+    }
+)
+
+
+def continuable(sampling: Mapping[str, Any]) -> bool:
+    """Whether a generation with these sampling params may continue from its partial output."""
+    return sampling.get("max_new_tokens") is not None and not set(sampling) - CONTINUABLE_KEYS
+
+
+def piece_params(sampling: Mapping[str, Any], done: int, chunk: int) -> dict[str, Any]:
+    """Sampling params of the next piece after ``done`` tokens: at most ``chunk`` new tokens (0 = all remaining),
+    ``min_new_tokens`` reduced by what is done."""
+    out = dict(sampling)
+    remaining = int(sampling["max_new_tokens"]) - done
+    out["max_new_tokens"] = min(chunk, remaining) if chunk else remaining
+    if sampling.get("min_new_tokens"):
+        out["min_new_tokens"] = min(max(0, int(sampling["min_new_tokens"]) - done), out["max_new_tokens"])
+    return out
+
+
+@dataclass(slots=True)
+class Pieces:
+    prompt: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[WeightVersionSpan] = field(default_factory=list)
+    routed: list[np.ndarray] = field(default_factory=list)
+    first: GenerateOutput | None = None
+    last: GenerateOutput | None = None
+    count: int = 0
+    retractions: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def add(self, out: GenerateOutput) -> None:
+        offset = len(self.output_ids)
+        self.output_ids += out.output_ids
+        if out.output_logprobs is not None:
+            self.logprobs += out.output_logprobs
+        # A piece without spans (older SGLang) still says which version finished it: exact per piece.
+        spans = out.weight_versions or (
+            (WeightVersionSpan(version=out.weight_version, start=0, end=len(out.output_ids)),)
+            if out.weight_version is not None and out.output_ids
+            else ()
+        )
+        for s in spans:
+            start, end = s.start + offset, s.end + offset
+            if self.spans and self.spans[-1].version == s.version and self.spans[-1].end == start:
+                self.spans[-1] = replace(self.spans[-1], end=end)
+            else:
+                self.spans.append(WeightVersionSpan(version=s.version, start=start, end=end))
+        if out.routed_experts is not None:
+            self.routed.append(out.routed_experts)
+        self.first = self.first or out
+        self.last = out
+        self.count += 1
+        self.retractions += out.num_retractions
+
+    def result(self, rid: str, resubmissions: int, finish: FinishReason | None = None) -> GenerateOutput:
+        first, last = self.first, self.last
+        if first is None or last is None:
+            raise ValueError("no piece was generated")
+        if self.count == 1 and not resubmissions:
+            return replace(last, rid=rid, finish_reason=finish or last.finish_reason)
+        return replace(
+            last,
+            rid=rid,
+            output_ids=self.output_ids,
+            finish_reason=finish or last.finish_reason,
+            prompt_tokens=len(self.prompt),
+            completion_tokens=len(self.output_ids),
+            cached_tokens=first.cached_tokens,  # the prompt's hits; later pieces find their prefix by design
+            output_logprobs=self.logprobs if last.output_logprobs is not None else None,
+            input_logprobs=first.input_logprobs,
+            weight_versions=tuple(self.spans),
+            routed_experts=np.concatenate(self.routed, axis=0) if self.routed else None,
+            num_retractions=self.retractions,
+            e2e_latency=time.monotonic() - self.started,
+            chunks=self.count,
+            resubmissions=resubmissions,
+        )

@@ -1,0 +1,122 @@
+"""The fused decode path on CPU: `DecodeForward` with the torch reference ops behind `DecodeRunner` (eager, padded
+batches) must reproduce the engine's plain path, padding rows must touch only the scratch block, and the paged-decode
+reference must equal dense attention. The Triton kernels are compared with these references in test_engine_gpu.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_engine_core import drain, greedy_req, make_ckpt, prompts, submit
+
+from miles_hpc.engine.config import EngineConfig
+from miles_hpc.engine.core import Engine
+from miles_hpc.engine.cuda_graphs import DecodeRunner, graph_batch_sizes
+from miles_hpc.engine.decode_forward import DecodeForward, unsupported_reason
+from miles_hpc.engine.decode_ops import TorchDecodeOps, paged_decode_reference
+from miles_hpc.engine.types import GenerateResult
+
+
+def with_torch_decode(engine: Engine) -> Engine:
+    """Route the engine's decode-only steps through DecodeForward + DecodeRunner (what CUDA runs, in torch)."""
+    bm = engine.blocks
+    engine.runner.decode = DecodeRunner(
+        DecodeForward(engine.model, engine.cache, TorchDecodeOps()),
+        max_batch=bm.tables.shape[0], table_width=bm.tables.shape[1], vocab_size=engine.vocab_size,
+        scratch_block=bm.num_blocks, device=engine.device, dtype=engine.dtype, use_graphs=False,
+    )  # fmt: skip
+    return engine
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_ckpt(tmp_path_factory.mktemp(request.param), request.param, 0)
+
+
+def run_all(engine: Engine, ps: list[list[int]], n: int, stagger: bool) -> dict[str, GenerateResult]:
+    results: dict[str, GenerateResult] = {}
+    if stagger:  # batch sizes change every few steps: 1, 2, 3 (padded to 4), 5 (padded to 8)...
+        for i, p in enumerate(ps):
+            submit(engine, results, greedy_req(str(i), p, n + 3 * i))
+            for _ in range(2):
+                engine.step()
+    else:
+        submit(engine, results, *(greedy_req(str(i), p, n) for i, p in enumerate(ps)))
+    drain(engine, results)
+    return results
+
+
+@pytest.mark.parametrize("stagger", [False, True])
+def test_fused_decode_matches_engine(ckpt: Path, stagger: bool) -> None:
+    cfg = EngineConfig(block_size=4, max_prefill_tokens=24)
+    ps = prompts([1, 5, 9, 16, 23], seed=3)
+    ref = run_all(Engine.from_pretrained(str(ckpt), cfg), ps, 12, stagger)
+    engine = with_torch_decode(Engine.from_pretrained(str(ckpt), cfg))
+    calls = []
+    inner = engine.runner.decode.forward  # type: ignore[union-attr]
+    engine.runner.decode.forward = lambda *a: (calls.append(a[0].shape[0]), inner(*a))[1]  # type: ignore[union-attr]
+    got = run_all(engine, ps, 12, stagger)
+    assert calls and all(c in graph_batch_sizes(256) for c in calls)  # the decode path ran, padded
+    for rid, r in ref.items():
+        assert got[rid].output_ids == r.output_ids, rid
+        assert max(abs(a - b) for a, b in zip(got[rid].output_logprobs, r.output_logprobs)) < 1e-5
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_padding_rows_write_only_the_scratch_block(ckpt: Path) -> None:
+    engine = with_torch_decode(Engine.from_pretrained(str(ckpt), EngineConfig(block_size=4, num_blocks=12)))
+    decode = engine.runner.decode
+    assert decode is not None and engine.cache.num_blocks == engine.blocks.num_blocks + 1
+    for t in (engine.cache.k, engine.cache.v):
+        t.normal_()
+    before_k, before_v = engine.cache.k.clone(), engine.cache.v.clone()
+    tables = torch.tensor([[3, 7, 0], [5, 0, 0], [9, 2, 11]], dtype=torch.int32)
+    positions = [6, 1, 10]  # slots 7*4+2, 5*4+1, 11*4+2
+    logits = decode([1, 2, 3], positions, tables)  # 3 rows run as 4: one padding row
+    assert logits.shape == (3, engine.vocab_size) and decode.padded(3) == 4
+    changed = set()
+    for before, after in ((before_k, engine.cache.k), (before_v, engine.cache.v)):
+        diff = (before != after).flatten(3).any(-1)  # [layer, block, offset]
+        changed |= {(int(b), int(o)) for _, b, o in diff.nonzero().tolist()}
+    scratch = engine.blocks.num_blocks
+    assert changed == {(7, 2), (5, 1), (11, 2), (scratch, 0)}
+
+
+def test_graph_batch_sizes() -> None:
+    assert graph_batch_sizes(256)[:6] == [1, 2, 4, 8, 16, 32] and graph_batch_sizes(256)[-1] == 256
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_batch_sizes(1000)[-1] == 256
+
+
+def test_unsupported_models_stay_eager(tmp_path: Path) -> None:
+    moe = Engine.from_pretrained(str(make_ckpt(tmp_path, "qwen3_moe", 0)), EngineConfig())
+    assert "MoE" in (unsupported_reason(moe.model) or "")
+    assert moe.runner.decode is None and moe.runner.decode_kernel is None  # CPU: no kernels either
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (8, 2, 32), (6, 2, 64)])
+def test_paged_decode_reference_is_dense_attention(hq: int, hkv: int, d: int) -> None:
+    g = torch.Generator().manual_seed(hq * d)
+    bs, n_blocks = 4, 40
+    k_cache = torch.randn(n_blocks * bs, hkv, d, generator=g, dtype=torch.float64)
+    v_cache = torch.randn(n_blocks * bs, hkv, d, generator=g, dtype=torch.float64)
+    lens = [1, 3, 4, 5, 17, 30]
+    perm = torch.randperm(n_blocks, generator=g)
+    tables = torch.zeros(len(lens), 8, dtype=torch.int32)
+    o = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // bs)
+        tables[i, :nb] = perm[o : o + nb].to(torch.int32)
+        o += nb
+    q = torch.randn(len(lens), hq, d, generator=g, dtype=torch.float64)
+    got = paged_decode_reference(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
+                                 block_size=bs, scale=d**-0.5)  # fmt: skip
+    for i, n in enumerate(lens):
+        slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs for p in range(n)])
+        k = k_cache[slots].transpose(0, 1).repeat_interleave(hq // hkv, 0)  # [hq, n, d]
+        v = v_cache[slots].transpose(0, 1).repeat_interleave(hq // hkv, 0)
+        want = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=d**-0.5)[:, 0]
+        torch.testing.assert_close(got[i], want)
