@@ -18,18 +18,31 @@ from miles_hpc.config import ConfigError
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from miles_hpc.config import load_config
+    from miles_hpc.loop.controller import run_local
     from miles_hpc.loop.run_dir import prepare_run_dir, resolve_model
+    from miles_hpc.loop.smoke import model_smoke_check
 
     cfg = load_config(args.config, args.overrides)
     paths = prepare_run_dir(cfg)
     print(f"[miles-hpc] run {cfg.name}: resolved config -> {paths.config}")
     model_dir = resolve_model(cfg, paths)
     print(f"[miles-hpc] starting model: {model_dir}")
-    from miles_hpc.loop.smoke import model_smoke_check
-
     print(f"[miles-hpc] {model_smoke_check(model_dir, cfg.model.dtype)}")
-    # The rollout (engine), training (FSDP2) and weight-sync stages are not built yet: say so plainly.
-    print("[miles-hpc] stages built so far: config, model, tokenizer, trajectory store; the RL loop is not built yet")
+    summary = run_local(cfg)
+    first, last = summary["reward_first"], summary["reward_last"]
+    if first is not None:
+        print(f"[miles-hpc] done: {summary['steps']} steps, mean reward {first:.3f} (first steps) -> {last:.3f} "
+              "(last steps)")  # fmt: skip
+    for key in ("trajectories", "tensorboard", "metrics", "checkpoints"):
+        print(f"[miles-hpc] {key:12s} {summary[key]}")
+    return 0
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from miles_hpc.config import load_config
+    from miles_hpc.loop.controller import run_train_worker
+
+    run_train_worker(load_config(args.config, args.overrides))
     return 0
 
 
@@ -110,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="YAML config file")
     run.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     run.set_defaults(func=_cmd_run)
+
+    worker = sub.add_parser("worker", help="one worker process of a run (what srun or `run` starts)")
+    worker.add_argument("--role", required=True, choices=["train"], help="train: a trainer rank (RANK etc. from env)")
+    worker.add_argument("config", help="the run's config (RUN/config.yaml)")
+    worker.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    worker.set_defaults(func=_cmd_worker)
 
     init = sub.add_parser("init-model", help="write a random-init HF-format checkpoint with a local tokenizer")
     init.add_argument("--arch", required=True, choices=ARCHS)

@@ -27,6 +27,8 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "DataConfig",
+    "RewardConfig",
+    "AlgoConfig",
     "RolloutConfig",
     "TrainConfig",
     "SyncConfig",
@@ -75,9 +77,56 @@ class DataConfig:
     prompt_key: str = field(default="prompt", metadata=_help("column holding the prompt"))
     label_key: str = field(default="label", metadata=_help("column holding the reference answer"))
     shuffle: bool = field(default=True, metadata=_help("shuffle prompts each epoch (seeded)"))
+    task: str = field(default="arith", metadata=_help("built-in synthetic task when prompts is None"))
+    apply_chat_template: bool = field(default=True, metadata=_help("render prompts with the tokenizer's template"))
+    system_prompt: str | None = field(default=None, metadata=_help("system message put before each prompt"))
 
     def __post_init__(self) -> None:
         _require(bool(self.prompt_key), "prompt_key", "must be a non-empty string")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RewardConfig:
+    """How a finished sample is scored."""
+
+    fn: str = field(default="miles_hpc.rollout.rewards:exact_match", metadata=_help("dotted path module:function"))
+    overlong_buffer: int = field(default=0, metadata=_help("DAPO overlong penalty ramp length in tokens (0 = off)"))
+    overlong_penalty: float = field(default=1.0, metadata=_help("penalty at max_new_tokens, ramped over the buffer"))
+
+    def __post_init__(self) -> None:
+        _require(":" in self.fn or "." in self.fn, "fn", f"must be a dotted path like pkg.mod:func, got {self.fn!r}")
+        _require(self.overlong_buffer >= 0, "overlong_buffer", f"must be >= 0, got {self.overlong_buffer}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AlgoConfig:
+    """The RL algorithm: advantages, policy loss, regularisers, off-policy correction."""
+
+    advantage: Literal["grpo", "dr_grpo", "reinforce_pp"] = field(default="grpo", metadata=_help("estimator"))
+    std_normalize: bool = field(default=True, metadata=_help("GRPO: divide by the group std"))
+    policy_loss: Literal["ppo_clip", "gspo"] = field(default="ppo_clip", metadata=_help("token or sequence ratio"))
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = field(
+        default="token_mean", metadata=_help("how token losses become one number")
+    )
+    clip_low: float = field(default=0.2, metadata=_help("PPO ratio clip below 1"))
+    clip_high: float = field(default=0.2, metadata=_help("PPO ratio clip above 1 (DAPO clip-higher: 0.28)"))
+    dual_clip: float | None = field(default=None, metadata=_help("dual-clip bound c > 1 for negative advantages"))
+    kl_coef: float = field(default=0.0, metadata=_help("KL penalty to the reference model (0 = off)"))
+    kl_type: Literal["k1", "k2", "k3"] = field(default="k3", metadata=_help("KL estimator"))
+    entropy_coef: float = field(default=0.0, metadata=_help("entropy bonus"))
+    tis_cap: float | None = field(default=None, metadata=_help("truncated IS (train/rollout) cap; None = off"))
+    mis_low: float | None = field(default=None, metadata=_help("mask tokens with IS ratio below (icepop)"))
+    mis_high: float | None = field(default=None, metadata=_help("mask tokens with IS ratio above (icepop)"))
+    dynamic_sampling: bool = field(default=False, metadata=_help("DAPO: drop zero-variance groups, refill"))
+    max_sampling_rounds: int = field(default=4, metadata=_help("dynamic sampling: generate at most this often"))
+
+    def __post_init__(self) -> None:
+        _require(0.0 <= self.clip_low < 1.0, "clip_low", f"must be in [0, 1), got {self.clip_low}")
+        _require(self.clip_high >= 0.0, "clip_high", f"must be >= 0, got {self.clip_high}")
+        _require(self.dual_clip is None or self.dual_clip > 1.0, "dual_clip", "must be > 1 (or null)")
+        _require(self.kl_coef >= 0.0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
+        _require(self.tis_cap is None or self.tis_cap > 0.0, "tis_cap", "must be > 0 (or null)")
+        _require(self.max_sampling_rounds >= 1, "max_sampling_rounds", "must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,8 +163,19 @@ class TrainConfig:
     warmup_steps: int = field(default=0, metadata=_help("linear warm-up steps"))
     grad_clip: float = field(default=1.0, metadata=_help("max global grad norm (0 = off)"))
     max_tokens_per_microbatch: int = field(default=4096, metadata=_help("token budget of a packed micro-batch"))
+    lr_schedule: Literal["constant", "cosine"] = field(default="constant", metadata=_help("after warm-up"))
+    min_lr_ratio: float = field(default=0.1, metadata=_help("cosine floor as a fraction of lr"))
+    adam_betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=_help("AdamW betas"))
+    adam_eps: float = field(default=1e-8, metadata=_help("AdamW eps"))
+    updates_per_step: int = field(default=1, metadata=_help("optimizer steps (mini-batches) per rollout batch"))
+    activation_checkpointing: bool = field(default=False, metadata=_help("recompute layer activations in backward"))
+    mixed_precision: bool = field(default=True, metadata=_help("bf16 compute with fp32 master weights (GPU only)"))
+    checkpoint_interval: int = field(default=0, metadata=_help("save RUN/checkpoints/step_N every N steps (0 = end only)"))
 
     def __post_init__(self) -> None:
+        _require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
+        _require(self.checkpoint_interval >= 0, "checkpoint_interval", "must be >= 0")
         _require(self.world_size >= 1, "world_size", f"must be >= 1, got {self.world_size}")
         _require(self.lr > 0.0, "lr", f"must be > 0, got {self.lr}")
         _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
@@ -159,8 +219,11 @@ class RunConfig:
     run_dir: str = field(default="runs/run", metadata=_help("RUN directory (config.yaml, trajectories, tb, ...)"))
     seed: int = field(default=0, metadata=_help("seed of model init, data order and sampling"))
     steps: int = field(default=10, metadata=_help("train steps"))
+    resume: bool | None = field(default=None, metadata=_help("resume from RUN/checkpoints; None = if one exists"))
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)

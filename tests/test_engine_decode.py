@@ -18,6 +18,7 @@ from miles_hpc.engine.cuda_graphs import DecodeRunner, graph_batch_sizes
 from miles_hpc.engine.decode_forward import DecodeForward, unsupported_reason
 from miles_hpc.engine.decode_ops import TorchDecodeOps, paged_decode_reference
 from miles_hpc.engine.types import GenerateResult
+from miles_hpc.models import iter_hf_tensors, load_pretrained
 
 
 def with_torch_decode(engine: Engine) -> Engine:
@@ -64,6 +65,19 @@ def test_fused_decode_matches_engine(ckpt: Path, stagger: bool) -> None:
         assert got[rid].output_ids == r.output_ids, rid
         assert max(abs(a - b) for a, b in zip(got[rid].output_logprobs, r.output_logprobs)) < 1e-5
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_weight_updates_reach_the_fused_projections(ckpt: Path, tmp_path: Path) -> None:
+    engine = with_torch_decode(Engine.from_pretrained(str(ckpt), EngineConfig(block_size=4)))
+    q = engine.model.model.layers[0].self_attn.q_proj.weight
+    assert q.data_ptr() == engine.runner.decode.forward.qkv[0][0].data_ptr()  # type: ignore[union-attr]
+    other = load_pretrained(make_ckpt(tmp_path, engine.model.config.model_type, 1))
+    engine.update_weights(iter_hf_tensors(other), version="1")
+    ps = prompts([4, 11, 2], seed=5)
+    want = run_all(Engine.from_pretrained(str(tmp_path), EngineConfig(block_size=4)), ps, 8, stagger=False)
+    got = run_all(engine, ps, 8, stagger=False)
+    assert all(got[rid].output_ids == w.output_ids for rid, w in want.items())
+    assert engine.checksums() == Engine.from_pretrained(str(tmp_path), EngineConfig()).checksums()
 
 
 def test_padding_rows_write_only_the_scratch_block(ckpt: Path) -> None:

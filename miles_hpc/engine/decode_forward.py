@@ -2,10 +2,12 @@
 
 Stage: engine (`cuda_graphs.DecodeRunner` captures it; on CPU it runs with `TorchDecodeOps` as a reference).
 
-It reads the model's own modules and parameters (no copies), so weight updates (in-place `copy_`) apply to it and
-to the graphs that captured it. Per layer: fused add + RMSNorm, q/k/v GEMMs, one fused QK-norm + RoPE + KV-cache
-write, the paged-decode attention kernel, o_proj, fused add + RMSNorm, gate/up GEMMs, fused SiLU * up, down
-GEMM. Same math and roundings as `CausalLM.forward` with `PagedAttention` (decode_ops.py's contract).
+It reads the model's own parameters (no copies), so weight updates (in-place `copy_`) apply to it and to the
+graphs that captured it. To run q/k/v and gate/up as one GEMM each, construction re-seats those parameters as views
+of one buffer per layer (`fuse_projections`: same values, same Parameter objects, one allocation). Per layer: fused
+add + RMSNorm, the qkv GEMM, one fused QK-norm + RoPE + KV-cache write, the paged-decode attention kernel, o_proj,
+fused add + RMSNorm, the gate_up GEMM, fused SiLU * up, down. Same math and roundings as `CausalLM.forward` with
+`PagedAttention` (decode_ops.py's contract).
 
 Invariants: no host sync and no data-dependent shapes (CUDA-graph safe); the KV of row i goes to slot
 `block_tables[i, p // block_size] * block_size + p % block_size` at its position p; logits of every row.
@@ -16,6 +18,8 @@ the largest position, read on the host).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from miles_hpc.models import CausalLM
 from miles_hpc.models.layers import SwiGLUMLP
@@ -35,6 +39,26 @@ def unsupported_reason(model: CausalLM) -> str | None:
     return None
 
 
+@torch.no_grad()
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Re-seat the weights (and biases) of `linears` as row blocks of one new buffer; returns (weight, bias) of the
+    fused linear. The Parameters stay the same objects with the same values, so loading, weight updates (in-place)
+    and checksums by name are unaffected; a later copy into one of them is a copy into the fused buffer."""
+    has_bias = [lin.bias is not None for lin in linears]
+    if any(has_bias) != all(has_bias):
+        raise ValueError("cannot fuse linears where only some have a bias")
+    weight = torch.cat([lin.weight for lin in linears])
+    bias = torch.cat([lin.bias for lin in linears if lin.bias is not None]) if all(has_bias) else None
+    o = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = weight[o : o + n]
+        if bias is not None and lin.bias is not None:
+            lin.bias.data = bias[o : o + n]
+        o += n
+    return weight, bias
+
+
 class DecodeForward:
     """`(ids [n], positions [n], block_tables [n, W] int32, logits_out [n, vocab]) -> None` for a dense model."""
 
@@ -45,6 +69,12 @@ class DecodeForward:
         self.model, self.cache, self.ops = model, cache, ops
         self.block_size = cache.block_size
         self.silu = model.config.hidden_act in ("silu", "swish")
+        self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.gate_up: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for layer in model.model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            self.qkv.append(fuse_linears([att.q_proj, att.k_proj, att.v_proj]))
+            self.gate_up.append(fuse_linears([mlp.gate_proj, mlp.up_proj]))
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, logits_out: torch.Tensor
@@ -63,8 +93,10 @@ class DecodeForward:
             att = layer.self_attn
             kc, vc = self.cache.flat(i)
             qn, kn = att.q_norm, att.k_norm
+            qkv = F.linear(h, *self.qkv[i])
+            nq, nkv = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
             q = ops.qk_norm_rope_store(
-                att.q_proj(h), att.k_proj(h), att.v_proj(h),
+                qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :],
                 None if qn is None else qn.weight, None if kn is None else kn.weight, 0.0 if qn is None else qn.eps,
                 cos, sin, kc, vc, slots,
             )  # fmt: skip
@@ -73,7 +105,9 @@ class DecodeForward:
             post = layer.post_attention_layernorm
             h = ops.add_rms_norm(residual, o, post.weight, post.eps)
             mlp = layer.mlp
-            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+            gate_up = F.linear(h, *self.gate_up[i])
+            inter = gate_up.shape[1] // 2
+            gate, up = gate_up[:, :inter], gate_up[:, inter:]
             act = ops.silu_mul(gate, up) if self.silu else mlp.act(gate) * up
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else m.model.norm
             h = ops.add_rms_norm(residual, mlp.down_proj(act), nxt.weight, nxt.eps)

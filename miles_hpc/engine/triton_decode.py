@@ -99,7 +99,7 @@ def _decode_stage1(
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # p rounded as flash attention does
         m_i = m_new
 
     nonempty = l_i > 0.0

@@ -1,0 +1,141 @@
+"""Start-up and tear-down around the loop (stage: loop): what `miles-hpc run` and `miles-hpc worker` do.
+
+`run_local`: this process becomes trainer rank 0 (the controller); engines and trainer ranks 1..W-1 are local
+subprocesses (`cluster/local.py`). Whatever happens, they are stopped by handle when the run ends.
+`run_train_worker`: a trainer rank started by someone else (`run_local`, srun): ranks > 0 follow the controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from miles_hpc.cluster.local import LocalCluster, free_port
+from miles_hpc.config import RunConfig
+from miles_hpc.loop.run_dir import RunPaths, prepare_run_dir, resolve_model
+
+
+def build_trainer(cfg: RunConfig, model_dir: Path) -> Any:
+    from miles_hpc.train.fsdp import FSDPTrainer
+
+    if cfg.train.backend != "fsdp":
+        raise ValueError(f"train.backend: {cfg.train.backend!r} is not available yet (fsdp is)")
+    return FSDPTrainer(str(model_dir), cfg.train, cfg.algo, device="cpu", seed=cfg.seed,
+                       total_steps=cfg.steps * cfg.train.updates_per_step)
+
+
+def run_local(cfg: RunConfig) -> dict[str, Any]:
+    """The whole run on this machine; returns a summary (reward at start and end, where the outputs are)."""
+    paths = prepare_run_dir(cfg)
+    model_dir = resolve_model(cfg, paths)
+    master_port = free_port()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(cfg.train.world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(master_port))  # fmt: skip
+    with LocalCluster(cfg, paths.root, model_dir, paths.config) as cluster:
+        urls = cluster.start_engines()
+        cluster.start_trainer_ranks(master_port)
+        return _controller(cfg, paths, model_dir, urls, cluster.api_key, cluster.admin_key)
+
+
+def run_train_worker(cfg: RunConfig) -> None:
+    """Trainer rank > 0: build the same trainer and follow the controller's commands."""
+    from miles_hpc.loop.trainer_ranks import follow
+    from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
+
+    info = world_from_env(device="cpu")
+    init_trainer_world(info)
+    try:
+        paths = RunPaths(Path(cfg.run_dir))
+        follow(build_trainer(cfg, resolve_model(cfg, paths)))
+    finally:
+        teardown()
+
+
+def _controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str], api_key: str,
+                admin_key: str) -> dict[str, Any]:  # fmt: skip
+    from transformers import AutoTokenizer
+
+    from miles_hpc.data.prompts import PromptIterator, load_prompts
+    from miles_hpc.data.store import TrajectoryWriter
+    from miles_hpc.data.tasks import make_task
+    from miles_hpc.loop.trainer_ranks import RankedTrainer
+    from miles_hpc.metrics import MetricsLogger
+    from miles_hpc.train.checkpoint import latest_checkpoint
+    from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
+
+    init_trainer_world(world_from_env(device="cpu"))
+    trainer = RankedTrainer(build_trainer(cfg, model_dir))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        d = cfg.data
+        records = (load_prompts(d.prompts, prompt_key=d.prompt_key, label_key=d.label_key) if d.prompts
+                   else make_task(d.task, n=4096, seed=cfg.seed))  # fmt: skip
+        prompts = PromptIterator(records, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=d.shuffle)
+        start_step = 0
+        ckpt = latest_checkpoint(paths.root) if cfg.resume is not False else None
+        if cfg.resume is True and ckpt is None:
+            raise FileNotFoundError(f"resume=true but {paths.checkpoints} holds no checkpoint")
+        if ckpt is not None:
+            extra = trainer.load(ckpt)
+            start_step = int(extra["next_step"])
+            prompts.load_state_dict(extra["prompts"])
+            print(f"[miles-hpc] resumed from {ckpt} at step {start_step}")
+        store = None
+        if cfg.store.enabled:
+            store = TrajectoryWriter(paths.trajectories, prefix=f"traj-s{start_step:06d}", model=str(model_dir),
+                                     run_id=cfg.name, max_shard_bytes=cfg.store.max_shard_bytes,
+                                     compression=cfg.store.compression)  # fmt: skip
+        metrics = MetricsLogger(paths.root, total_steps=cfg.steps)
+        try:
+            rewards = asyncio.run(_run_async(cfg, trainer, urls, api_key, admin_key, prompts, tokenizer, store,
+                                             metrics, paths, start_step))  # fmt: skip
+        finally:
+            metrics.close()
+            if store is not None:
+                store.close()
+        if cfg.steps > start_step:
+            trainer.save(paths.checkpoints / f"step_{cfg.steps}",
+                         {"next_step": cfg.steps, "weight_version": cfg.steps, "prompts": prompts.state_dict()})
+        k = max(1, min(10, len(rewards) // 2))
+        return {
+            "steps": len(rewards),
+            "reward_first": statistics.fmean(rewards[:k]) if rewards else None,
+            "reward_last": statistics.fmean(rewards[-k:]) if rewards else None,
+            "trajectories": str(paths.trajectories), "tensorboard": str(paths.tensorboard),
+            "metrics": str(paths.metrics), "checkpoints": str(paths.checkpoints),
+        }  # fmt: skip
+    finally:
+        trainer.shutdown()
+        teardown()
+
+
+async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str, admin_key: str, prompts: Any,
+                     tokenizer: Any, store: Any, metrics: Any, paths: RunPaths, start_step: int) -> list[float]:  # fmt: skip
+    from miles_hpc.data.prompts import render_prompt
+    from miles_hpc.loop.sync import LoopContext, run
+    from miles_hpc.rollout.client import EngineClient
+    from miles_hpc.rollout.plugins import load_object
+    from miles_hpc.rollout.router import Router
+    from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
+
+    clients = [EngineClient(u, api_key=api_key, admin_api_key=admin_key) for u in urls]
+    router = Router(clients, owns_clients=True)
+    sync = BroadcastSync(clients, BroadcastSpec(master_address="127.0.0.1", master_port=free_port(),
+                                                backend="gloo", bucket_bytes=cfg.sync.bucket_bytes))  # fmt: skip
+    d = cfg.data
+    ctx = LoopContext(
+        cfg=cfg, trainer=trainer, router=router, sync=sync, prompts=prompts,
+        render=lambda rec: render_prompt(rec, tokenizer, apply_chat_template=d.apply_chat_template,
+                                         system_prompt=d.system_prompt),
+        tokenizer=tokenizer, reward_fn=load_object(cfg.reward.fn, kind="reward function"), store=store,
+        metrics=metrics, checkpoints=paths.checkpoints,
+    )  # fmt: skip
+    async with router:
+        await sync.connect()
+        try:
+            return await run(ctx, start_step)
+        finally:
+            await sync.close()

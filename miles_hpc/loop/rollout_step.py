@@ -1,0 +1,87 @@
+"""One rollout step of the synchronous loop: prompts -> groups of samples with rewards (stage: loop).
+
+Invariants:
+- A sample's ``tokens`` are the rendered prompt ids followed by exactly the ids the engine returned (TITO: nothing is
+  re-tokenised), ``loss_mask`` is 1 on those generated ids only, ``rollout_logprobs`` and ``policy_version`` come
+  from the engine per token.
+- Every sample of a prompt shares a ``group_id`` and goes to one engine (router affinity), so the prompt's KV is
+  computed once.
+- A reward function that fails marks only its sample FAILED (reward 0, error in ``metadata["reward_error"]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from miles_hpc.config import RolloutConfig
+from miles_hpc.data.prompts import PromptRecord
+from miles_hpc.data.sample import Sample, SampleStatus
+from miles_hpc.rollout.responses import GenerateOutput
+from miles_hpc.rollout.rewards import RewardInput, score_samples
+from miles_hpc.rollout.router import Router
+
+_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+
+
+@dataclass(slots=True)
+class Rollout:
+    record: PromptRecord
+    sample: Sample
+    response_text: str
+
+
+def sampling_params(cfg: RolloutConfig) -> dict[str, Any]:
+    """SGLang sampling_params from the rollout config (only keys SGLang knows)."""
+    return {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+            "top_k": cfg.top_k}  # fmt: skip
+
+
+def to_sample(out: GenerateOutput, prompt_ids: list[int], prompt_id: int, group_id: int) -> Sample:
+    p, r = len(prompt_ids), len(out.output_ids)
+    logprobs = out.output_logprobs if out.output_logprobs is not None else [0.0] * r
+    return Sample(
+        prompt_id=prompt_id, group_id=group_id, tokens=prompt_ids + list(out.output_ids), prompt_len=p,
+        loss_mask=[0] * p + [1] * r, rollout_logprobs=[0.0] * p + list(logprobs),
+        policy_version=[-1] * p + [int(v) for v in out.token_versions()], reward=0.0,
+        status=_STATUS[out.finish_reason.type], routed_experts=out.routed_experts, metadata={},
+    )  # fmt: skip
+
+
+async def generate_groups(
+    router: Router,
+    records: Sequence[PromptRecord],
+    prompt_ids: Sequence[list[int]],
+    cfg: RolloutConfig,
+    tokenizer: Any,
+    *,
+    first_group_id: int,
+) -> list[list[Rollout]]:
+    """``cfg.samples_per_prompt`` samples for every record, all in flight at once."""
+    params = sampling_params(cfg)
+
+    async def one(record: PromptRecord, ids: list[int], group_id: int) -> Rollout:
+        out = await router.generate(ids, params, affinity_key=group_id, return_logprob=True)
+        text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+        return Rollout(record, to_sample(out, ids, record.prompt_id, group_id), text)
+
+    tasks = [
+        [asyncio.ensure_future(one(rec, ids, first_group_id + g)) for _ in range(cfg.samples_per_prompt)]
+        for g, (rec, ids) in enumerate(zip(records, prompt_ids))
+    ]
+    return [list(await asyncio.gather(*group)) for group in tasks]
+
+
+async def score(groups: list[list[Rollout]], reward_fn: Any, *, timeout_s: float = 60.0) -> None:
+    """Fill ``sample.reward`` (and FAILED status on a reward error) for every rollout, concurrently."""
+    flat = [r for g in groups for r in g]
+    inputs = [RewardInput(prompt=r.record.prompt, response=r.response_text, label=r.record.label, sample=r.sample,
+                          metadata=r.record.metadata) for r in flat]  # fmt: skip
+    outcomes = await score_samples(inputs, reward_fn, timeout_s=timeout_s)
+    for r, o in zip(flat, outcomes):
+        r.sample.reward = float(o.reward)
+        if o.failed:
+            r.sample.status = SampleStatus.FAILED
+            r.sample.metadata["reward_error"] = o.error

@@ -1,0 +1,155 @@
+"""The synchronous RL loop (stage: loop; STYLE 1: it reads like the algorithm).
+
+    for step: generate n samples per prompt -> rewards -> advantages -> train step -> weight sync (+ verify)
+              -> append samples to the HDF5 store -> metrics -> checkpoint
+
+Checked every step: every generated token carries the weight version the trainer published last (``step``),
+the trainer re-hashes every sample's tokens (TITO), rollout vs train log-probs are compared (``mismatch/*``), and
+the engines' weight checksums equal the trainer's after each sync.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from miles_hpc.config import RunConfig
+from miles_hpc.data.prompts import PromptIterator
+from miles_hpc.data.store import TrajectoryWriter
+from miles_hpc.loop.rollout_step import Rollout, generate_groups, score
+from miles_hpc.loop.trainer_ranks import RankedTrainer
+from miles_hpc.metrics import MetricsLogger
+from miles_hpc.rollout.filters import drop_zero_variance_groups
+from miles_hpc.rollout.router import Router
+from miles_hpc.sync.broadcast import BroadcastSync
+from miles_hpc.train.advantages import compute_advantages
+from miles_hpc.train.batch import TrainBatch
+
+
+@dataclass(slots=True)
+class LoopContext:
+    cfg: RunConfig
+    trainer: RankedTrainer
+    router: Router
+    sync: BroadcastSync
+    prompts: PromptIterator
+    render: Any  # PromptRecord -> list[int]
+    tokenizer: Any
+    reward_fn: Any
+    store: TrajectoryWriter | None
+    metrics: MetricsLogger
+    checkpoints: Any  # path of RUN/checkpoints
+
+
+class LoopError(RuntimeError):
+    """A per-step check failed (version skew, verification); the message says which and where."""
+
+
+async def run(ctx: LoopContext, start_step: int) -> list[float]:
+    """Train from ``start_step`` to ``cfg.steps``; returns the mean reward of each step."""
+    cfg = ctx.cfg
+    rewards: list[float] = []
+    if start_step > 0:  # resumed: the engines loaded the base model, give them the trainer's weights
+        await publish(ctx, version=start_step)
+    for step in range(start_step, cfg.steps):
+        t0 = time.perf_counter()
+        groups, rounds = await rollout(ctx, step)
+        t_rollout = time.perf_counter() - t0
+        check_versions(groups, step)
+        batch = to_train_batch(groups, cfg)
+        t1 = time.perf_counter()
+        train_metrics = ctx.trainer.train_step(batch)
+        t_train = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        await publish(ctx, version=step + 1)
+        t_sync = time.perf_counter() - t2
+        samples = [r.sample for g in groups for r in g]
+        for s in samples:
+            s.train_step = step
+        if ctx.store is not None:
+            ctx.store.append(samples)
+        step_rewards = [s.reward for s in samples]
+        rewards.append(statistics.fmean(step_rewards))
+        ctx.metrics.log(step, {
+            **rollout_metrics(samples), **train_metrics, "weight_version": step + 1, "rollout/rounds": rounds,
+            "time/rollout_s": t_rollout, "time/train_s": t_train, "time/sync_s": t_sync,
+            "perf/tokens_per_s": batch.num_tokens / max(1e-9, time.perf_counter() - t0),
+        })  # fmt: skip
+        if cfg.train.checkpoint_interval and (step + 1) % cfg.train.checkpoint_interval == 0:
+            save_checkpoint(ctx, step + 1)
+    return rewards
+
+
+async def rollout(ctx: LoopContext, step: int) -> tuple[list[list[Rollout]], int]:
+    """Groups for one step; with dynamic sampling, drop zero-variance groups and generate more until full."""
+    cfg = ctx.cfg
+    want = cfg.rollout.prompts_per_step
+    kept: list[list[Rollout]] = []
+    rounds = 0
+    while len(kept) < want:
+        rounds += 1
+        records = ctx.prompts.next_batch()
+        groups = await generate_groups(ctx.router, records, [ctx.render(r) for r in records], cfg.rollout,
+                                       ctx.tokenizer, first_group_id=step * 1_000_000 + rounds * 10_000)  # fmt: skip
+        await score(groups, ctx.reward_fn)
+        if not cfg.algo.dynamic_sampling:
+            return groups, rounds
+        useful, _ = drop_zero_variance_groups([[r.sample for r in g] for g in groups])
+        useful_ids = {g[0].group_id for g in useful}
+        kept += [g for g in groups if g[0].sample.group_id in useful_ids]
+        if rounds >= cfg.algo.max_sampling_rounds and len(kept) < want:
+            kept += [g for g in groups if g[0].sample.group_id not in useful_ids][: want - len(kept)]
+    return kept[:want], rounds
+
+
+def check_versions(groups: list[list[Rollout]], step: int) -> None:
+    """In the synchronous loop every generated token comes from the weights published after step - 1."""
+    for g in groups:
+        for r in g:
+            versions = set(r.sample.policy_version[r.sample.prompt_len :])
+            if versions - {step}:
+                raise LoopError(f"step {step}: sample of group {r.sample.group_id} has tokens from weight "
+                                f"versions {sorted(versions)}; the engines should hold version {step}")  # fmt: skip
+
+
+def to_train_batch(groups: list[list[Rollout]], cfg: RunConfig) -> TrainBatch:
+    samples = [r.sample for g in groups for r in g]
+    adv = compute_advantages([s.reward for s in samples], [s.group_id for s in samples],
+                             [s.response_len for s in samples], cfg.algo)  # fmt: skip
+    return TrainBatch(
+        tokens=[list(s.tokens) for s in samples],
+        loss_mask=[list(s.loss_mask) for s in samples],
+        rollout_logprobs=[list(s.rollout_logprobs) for s in samples],
+        advantages=[[a * m for m in s.loss_mask] for a, s in zip(adv, samples)],
+        token_hash=[s.token_hash for s in samples],
+        group_ids=[s.group_id for s in samples],
+    )
+
+
+async def publish(ctx: LoopContext, version: int) -> None:
+    """Weights of the trainer -> every engine, then verify the engines' checksums against what was sent."""
+    await ctx.router.pause("retract")
+    try:
+        sent = await ctx.sync.push(ctx.trainer.state_for_sync(), str(version))
+        await ctx.sync.verify(sent)
+    finally:
+        await ctx.router.continue_generation()
+
+
+def rollout_metrics(samples: list[Any]) -> dict[str, float]:
+    rewards = [s.reward for s in samples]
+    lens = [s.response_len for s in samples]
+    status = [int(s.status) for s in samples]
+    return {
+        "reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
+        "response_len_mean": statistics.fmean(lens), "response_len_max": max(lens),
+        "rollout/truncated_frac": status.count(1) / len(status), "rollout/failed_frac": status.count(3) / len(status),
+        "rollout/samples": len(samples),
+    }  # fmt: skip
+
+
+def save_checkpoint(ctx: LoopContext, next_step: int) -> None:
+    extra = {"next_step": next_step, "weight_version": next_step, "prompts": ctx.prompts.state_dict()}
+    ctx.trainer.save(ctx.checkpoints / f"step_{next_step}", extra)

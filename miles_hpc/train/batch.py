@@ -1,0 +1,41 @@
+"""The training batch: what the controller hands every trainer rank for one step (stage: train).
+
+The trainer never sees `Sample` objects or HTTP: the loop flattens samples into this record. Invariants:
+- ``tokens[i]`` = prompt + response ids of sample i, exactly the ids the engine generated (``token_hash[i]`` is the
+  rollout side's hash of them; the trainer re-checks it: TITO).
+- ``loss_mask[i]``, ``rollout_logprobs[i]``, ``advantages[i]`` have ``len(tokens[i])`` entries; positions with mask 0
+  (prompt, tool output) carry no loss. ``rollout_logprobs[i][t]`` is the engine's log-prob of ``tokens[i][t]``.
+- ``advantages`` are per token (sequence-level estimators broadcast over the response).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainBatch:
+    tokens: list[list[int]]
+    loss_mask: list[list[int]]
+    rollout_logprobs: list[list[float]]
+    advantages: list[list[float]]
+    token_hash: list[str] = field(default_factory=list)
+    group_ids: list[int] = field(default_factory=list)
+    ref_logprobs: list[list[float]] | None = None  # reference-model log-probs, when a KL penalty is on
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        for name in ("loss_mask", "rollout_logprobs", "advantages"):
+            rows = getattr(self, name)
+            if len(rows) != n:
+                raise ValueError(f"TrainBatch.{name}: {len(rows)} rows for {n} samples")
+            for i, (row, toks) in enumerate(zip(rows, self.tokens)):
+                if len(row) != len(toks):
+                    raise ValueError(f"TrainBatch.{name}[{i}]: {len(row)} entries for {len(toks)} tokens")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)

@@ -1,0 +1,136 @@
+"""Trainer checkpoints: sharded model + optimizer (torch.distributed.checkpoint), LR schedule, RNG, loop state.
+
+Stage: train. Layout of one checkpoint (DESIGN section 3: ``RUN/checkpoints/step_N/``):
+
+    step_N/dcp/            DCP shards of {"model", "optim"} (each rank writes its own shards; resharding on load
+                           to another world size is DCP's job)
+    step_N/trainer.pt      {"scheduler": LambdaLR state, "step": optimizer steps}   (rank 0)
+    step_N/rng_rank{r}.pt  torch CPU (+ CUDA) RNG state of rank r
+    step_N/extra.json      the loop's state (step, data position, weight version, ...): JSON, inspectable
+    step_N/meta.json       written last, before the rename
+
+Invariants:
+- Atomic: everything is written to ``step_N.partial/`` and renamed to ``step_N/`` by rank 0 once every rank has
+  finished, so a crash mid-save never leaves a directory that looks complete; `latest_checkpoint` ignores
+  ``.partial`` directories and directories without ``meta.json``.
+- save and load are collectives over the trainer world; the directory must be on a filesystem all ranks share.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path", "CHECKPOINT_FORMAT"]
+
+CHECKPOINT_FORMAT = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step}"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under ``RUN/checkpoints``, or None."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and p.is_dir() and (p / "meta.json").is_file()
+    ]
+    return max(found)[1] if found else None
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    *,
+    step: int,
+    extra: dict[str, Any],
+) -> Path:
+    """Write a checkpoint to `path` atomically (collective). `extra` must be JSON-serialisable."""
+    final = Path(path)
+    tmp = final.with_name(final.name + ".partial")
+    rank = dist.get_rank()
+    try:
+        extra_text = json.dumps(extra, indent=2, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint extra state must be JSON-serialisable: {e}") from None
+    if rank == 0:
+        if tmp.exists():  # left by a crashed save
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    _barrier()
+    if rank == 0:
+        torch.save({"scheduler": scheduler.state_dict(), "step": step}, tmp / "trainer.pt")
+        (tmp / "extra.json").write_text(extra_text + "\n")
+        meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": dist.get_world_size()}
+        (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
+        if final.exists():  # re-saving the same step: move the old one aside first, never leave neither
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+    _barrier()
+    return final
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> tuple[int, dict[str, Any]]:
+    """Restore model, optimizer, scheduler and this rank's RNG from `path` (collective); returns (step, extra)."""
+    root = Path(path)
+    if not (root / "meta.json").is_file():
+        raise FileNotFoundError(f"{root}: not a complete checkpoint (no meta.json)")
+    meta = json.loads((root / "meta.json").read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{root}: checkpoint format {meta.get('format')}, this code reads {CHECKPOINT_FORMAT}")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(root / "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    trainer = torch.load(root / "trainer.pt", weights_only=True)
+    scheduler.load_state_dict(trainer["scheduler"])
+    rng_file = root / f"rng_rank{dist.get_rank()}.pt"
+    if rng_file.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seed
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    extra = json.loads((root / "extra.json").read_text())
+    return int(trainer["step"]), extra
