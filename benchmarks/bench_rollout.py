@@ -70,27 +70,62 @@ def copy_bandwidth(device: str) -> float | None:
     return 2 * src.numel() * reps / (start.elapsed_time(end) / 1e3)
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[GenerateResult]]:
+def run_engine(
+    engine: Engine, prompts: list[list[int]], new_tokens: int, step_times: list[float] | None = None
+) -> tuple[float, list[GenerateResult]]:
+    """Wall time to run `prompts` to completion; `step_times` (if given) gets each step's wall time."""
     results: list[GenerateResult] = []
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     for p in prompts:
         req = GenerateRequest(rid=uuid.uuid4().hex, input_ids=tuple(p), sampling=params)
         engine.submit(req, results.append)
+    run = engine.runner.run
+    run_s = [0.0]
+
+    def timed_run(batch):  # noqa: ANN001, ANN202
+        tr = time.perf_counter()
+        out = run(batch)
+        run_s[0] += time.perf_counter() - tr
+        return out
+
+    if step_times is not None:
+        engine.runner.run = timed_run  # type: ignore[method-assign]
     while len(results) < len(prompts):
+        ts = time.perf_counter()
         engine.step()
+        if step_times is not None:
+            step_times.append(time.perf_counter() - ts)
     sync(str(engine.device))
-    return time.perf_counter() - t0, results
+    elapsed = time.perf_counter() - t0
+    if step_times is not None:
+        engine.runner.run = run  # type: ignore[method-assign]
+        step_times.append(run_s[0])  # last entry: total time inside runner.run
+    return elapsed, results
 
 
-def run_hf(model_dir: Path, prompts: list[list[int]], new_tokens: int, device: str, dtype: torch.dtype) -> float:
+def step_summary(times: list[float]) -> dict[str, object]:
+    """Where the engine's wall time went: the first steps (prefill), the per-step distribution after them, and the
+    share of the time spent inside `runner.run` (the forward and sampling) rather than in scheduling."""
+    times, run_s = times[:-1], times[-1]
+    rest = sorted(times[3:]) or [0.0]
+    slow = sorted(range(len(times)), key=lambda i: -times[i])[:5]
+    return {"steps": len(times), "first3_steps_s": round(sum(times[:3]), 4), "rest_s": round(sum(rest), 4),
+            "runner_s": round(run_s, 4), "step_median_ms": round(rest[len(rest) // 2] * 1e3, 3),
+            "step_p90_ms": round(rest[9 * len(rest) // 10] * 1e3, 3),
+            "slowest_steps_ms": {i: round(times[i] * 1e3, 2) for i in slow}}  # fmt: skip
+
+
+def run_hf(
+    model_dir: Path, prompts: list[list[int]], warm: list[list[int]], new_tokens: int, device: str, dtype: torch.dtype
+) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     ids = torch.tensor(prompts, device=device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+        model.generate(torch.tensor(warm, device=device), max_new_tokens=4, do_sample=False, pad_token_id=0)
         sync(device)
         t0 = time.perf_counter()
         out = model.generate(ids, **kwargs)
@@ -111,6 +146,11 @@ def bench_prefix(engine: Engine, vocab: int, prefix_len: int, device: str) -> di
     g = torch.Generator().manual_seed(1)
     rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
     prefix, tail = rand(prefix_len), rand(16)
+    # Warm both paths once with other tokens (first-call costs such as attention-kernel plans are not caching).
+    warm = rand(prefix_len)
+    run_engine(engine, [warm + rand(16)], 1)
+    run_engine(engine, [warm + rand(16)], 1)
+    run_engine(engine, [rand(prefix_len + 16)], 1)
     run_engine(engine, [prefix + rand(16)], 1)  # fills the cache with the prefix
     t_cached, (hit,) = run_engine(engine, [prefix + tail], 1)
     t_fresh, (miss,) = run_engine(engine, [rand(prefix_len + 16)], 1)
@@ -150,8 +190,12 @@ def main() -> None:
         vocab = engine.model.config.vocab_size
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
-        run_engine(engine, prompts[:2], 4)  # warm-up (allocations, kernels, graphs)
-        t_ours, results = run_engine(engine, prompts, new_tokens)
+        # Warm-up, as HF gets: a batch of the same shape with other tokens (no prefix-cache hits), 4 new tokens,
+        # so one-time costs (lazy kernel loading, allocator growth, kernel compilation) stay out of both timings.
+        warm = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+        run_engine(engine, warm, 4)
+        step_times: list[float] = []
+        t_ours, results = run_engine(engine, prompts, new_tokens, step_times)
         assert all(r.completion_tokens == new_tokens for r in results)
         tokens = batch * new_tokens
         line: dict[str, object] = {
@@ -160,6 +204,7 @@ def main() -> None:
             "triton_kernels": args.triton_kernels, "cuda_graphs": args.cuda_graphs,
             "engine_tok_s": round(tokens / t_ours, 1), "engine_s": round(t_ours, 3),
         }  # fmt: skip
+        line["step_summary"] = step_summary(step_times)
         bw = copy_bandwidth(args.device)
         if bw is not None:
             step_bytes = decode_bytes_per_step(engine, batch, prompt_len + new_tokens / 2)
@@ -173,7 +218,7 @@ def main() -> None:
         if gpu:
             torch.cuda.empty_cache()
         if not args.skip_hf:
-            t_hf = run_hf(model_dir, prompts, new_tokens, args.device, dtype)
+            t_hf = run_hf(model_dir, prompts, warm, new_tokens, args.device, dtype)
             line.update(hf_generate_tok_s=round(tokens / t_hf, 1), speedup_vs_hf=round(t_hf / t_ours, 2))
             if bw is not None:
                 line["hf_roofline_frac"] = round(tokens / t_hf / line["roofline_tok_s"], 4)  # type: ignore[operator]

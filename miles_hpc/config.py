@@ -171,11 +171,16 @@ class TrainConfig:
     activation_checkpointing: bool = field(default=False, metadata=_help("recompute layer activations in backward"))
     mixed_precision: bool = field(default=True, metadata=_help("bf16 compute with fp32 master weights (GPU only)"))
     checkpoint_interval: int = field(default=0, metadata=_help("save RUN/checkpoints/step_N every N steps (0 = end only)"))
+    sft_warmup_steps: int = field(default=0, metadata=_help("supervised steps on prompt labels before RL"))
+    sft_warmup_shuffle_labels: bool = field(
+        default=False, metadata=_help("warm up on other prompts' labels: teach the answer format, not the answers")
+    )
 
     def __post_init__(self) -> None:
         _require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
         _require(self.checkpoint_interval >= 0, "checkpoint_interval", "must be >= 0")
+        _require(self.sft_warmup_steps >= 0, "sft_warmup_steps", "must be >= 0")
         _require(self.world_size >= 1, "world_size", f"must be >= 1, got {self.world_size}")
         _require(self.lr > 0.0, "lr", f"must be > 0, got {self.lr}")
         _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")

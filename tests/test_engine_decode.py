@@ -134,3 +134,26 @@ def test_paged_decode_reference_is_dense_attention(hq: int, hkv: int, d: int) ->
         v = v_cache[slots].transpose(0, 1).repeat_interleave(hq // hkv, 0)
         want = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=d**-0.5)[:, 0]
         torch.testing.assert_close(got[i], want)
+
+
+def test_equal_length_prompts_prefill_as_one_batch(ckpt: Path) -> None:
+    # Adjacent fresh prompts of equal length share one SDPA call; mixed with other lengths and decodes.
+    from test_engine_core import check_greedy
+
+    from miles_hpc.models import load_pretrained as load
+
+    engine = Engine.from_pretrained(str(ckpt), EngineConfig(block_size=4, max_prefill_tokens=64))
+    ps = prompts([9, 9, 9, 5, 9, 9, 3, 3], seed=11)
+    results: dict[str, GenerateResult] = {}
+    submit(engine, results, *(greedy_req(str(i), p, 6) for i, p in enumerate(ps)))
+    drain(engine, results)
+    check_greedy(load(ckpt), ps, results, 6)
+
+
+def test_adjacent_equal_fresh_prefills_are_grouped() -> None:
+    from miles_hpc.engine.paged_attention import AttentionMetadata
+
+    meta = AttentionMetadata.build([0, 0, 0, 7, 0, 0, 3], [4, 4, 4, 1, 4, 2, 5], torch.zeros(7, 4, dtype=torch.int32),
+                                   4, torch.device("cpu"))  # fmt: skip
+    got = [(p.q_start, p.q_end, p.count, p.key_slots is None) for p in meta.prefills]
+    assert got == [(0, 12, 3, True), (13, 17, 1, True), (17, 19, 1, True), (19, 24, 1, False)]

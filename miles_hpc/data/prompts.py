@@ -237,6 +237,11 @@ class PromptIterator:
         self._order_epoch = -1
         self._order: list[int] = []
 
+    @property
+    def records(self) -> list[PromptRecord]:
+        """The records iterated over, in dataset order."""
+        return self._records
+
     def __len__(self) -> int:
         """Records per epoch."""
         return len(self._records)

@@ -24,7 +24,9 @@ class DecodeOps(Protocol):
         """x [T, H] -> RMSNorm(x) [T, H]."""
         ...
 
-    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         """residual += delta (in place, rounded as `residual + delta`); returns RMSNorm(residual)."""
         ...
 
@@ -103,7 +105,9 @@ class TorchDecodeOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return weight * _rms(x, eps)
 
-    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         residual.copy_(residual + delta)
         return weight * _rms(residual, eps)
 

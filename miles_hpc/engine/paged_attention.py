@@ -10,7 +10,8 @@ Per-step metadata (`AttentionMetadata`) is built once per step as tensors, the l
   per layer over keys gathered by a padded slot matrix with a length mask (built only in that case: it is
   [B, max_ctx]). Whole decode batches of dense models skip this class: `DecodeForward` in a CUDA graph.
 - prefill chunks: a loop over sequences (cost per sequence, never per token); a chunk starting at 0 attends its own
-  fresh K/V with `is_causal`, a later chunk gathers its prefix from the cache and uses a causal mask offset by the
+  fresh K/V with `is_causal` (adjacent such chunks of equal length, as a batch of same-length prompts gives, in one
+  batched call), a later chunk gathers its prefix from the cache and uses a causal mask offset by the
   prefix length (query j at absolute position start+j sees keys 0..start+j).
 GQA uses SDPA's `enable_gqa`; the cache stores only the KV heads.
 """
@@ -36,6 +37,7 @@ class PrefillSeq:
     q_end: int
     key_slots: torch.Tensor | None  # [ctx] cache slots of prefix + new keys; None when the chunk starts at 0
     mask: torch.Tensor | None  # bool [1, 1, n, ctx]; None when the chunk starts at 0
+    count: int = 1  # chunks starting at 0: this many adjacent sequences of equal length, attended in one batch
 
 
 @dataclass(slots=True)
@@ -105,7 +107,11 @@ class AttentionMetadata:
                 continue
             qs, n, s = q_starts[i], lens[i], starts[i]
             if s == 0:
-                prefills.append(PrefillSeq(qs, qs + n, None, None))
+                last = prefills[-1] if prefills else None
+                if last and last.key_slots is None and last.q_end == qs and n * last.count == qs - last.q_start:
+                    last.q_end, last.count = qs + n, last.count + 1  # one more of the same length, right after
+                else:
+                    prefills.append(PrefillSeq(qs, qs + n, None, None))
                 continue
             kpos = torch.arange(s + n, device=device)
             slots = tables[i, kpos // block_size] * block_size + kpos % block_size
@@ -170,10 +176,20 @@ class PagedAttention:
             qs = q[:, :, p.q_start : p.q_end]
             if p.key_slots is None:
                 ks, vs = k[:, :, p.q_start : p.q_end], v[:, :, p.q_start : p.q_end]
+                if p.count > 1:  # [1, H, count * n, D] -> [count, H, n, D]: one causal SDPA for the run
+                    qs, ks, vs = (_split_rows(x, p.count) for x in (qs, ks, vs))
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+                if p.count > 1:
+                    o = o.transpose(0, 1).reshape(1, o.shape[1], -1, o.shape[3])
             else:
                 ks = kc[p.key_slots].transpose(0, 1).unsqueeze(0)
                 vs = vc[p.key_slots].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
             out[:, :, p.q_start : p.q_end] = o
         return out
+
+
+def _split_rows(x: torch.Tensor, count: int) -> torch.Tensor:
+    """[1, H, count * n, D] -> [count, H, n, D] (a view)."""
+    _, h, t, d = x.shape
+    return x[0].view(h, count, t // count, d).transpose(0, 1)

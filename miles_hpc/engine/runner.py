@@ -107,11 +107,12 @@ class ModelRunner:
         positions = [s.start for s in batch]
         rows = torch.tensor([s.r.row for s in batch], dtype=torch.int64)
         width = -(-(max(positions) + 1) // self.bm.block_size)
+        sb = self._sampling_batch(batch)  # its host-to-device copies go before the forward, not after it
         logits = decode([s.r.tokens[s.start] for s in batch], positions, self.bm.tables[rows, :width])
         sampled = [i for i, s in enumerate(batch) if s.sample]
         if len(sampled) < len(batch):
             logits = logits[torch.tensor(sampled, dtype=torch.int64, device=self.device)]
-        tokens, logprobs = self._sample(batch, logits)
+        tokens, logprobs = self._sample(batch, logits, sb)
         return StepOutput(tokens, logprobs, [None] * len(batch))
 
     def _metadata(self, batch: Sequence[Scheduled]) -> AttentionMetadata:
@@ -152,14 +153,11 @@ class ModelRunner:
         self.cache.routing.index_copy_(0, meta.slot_mapping, routed[0].to(self.cache.routing.dtype))
         return logits[0]
 
-    def _sample(self, batch: Sequence[Scheduled], logits: torch.Tensor) -> tuple[list[int | None], list[float | None]]:
-        tokens: list[int | None] = [None] * len(batch)
-        logprobs: list[float | None] = [None] * len(batch)
-        idx = [i for i, s in enumerate(batch) if s.sample]
-        if not idx:
-            return tokens, logprobs
-        reqs = [batch[i].r for i in idx]
-        sb = SamplingBatch.build(
+    def _sampling_batch(self, batch: Sequence[Scheduled]) -> SamplingBatch | None:
+        reqs = [s.r for s in batch if s.sample]
+        if not reqs:
+            return None
+        return SamplingBatch.build(
             [r.req.sampling for r in reqs],
             [r.seed for r in reqs],
             [r.num_output for r in reqs],  # the output index being sampled: the noise counter
@@ -167,7 +165,17 @@ class ModelRunner:
             self.vocab,
             self.device,
         )
-        tok_t, lp_t = sample(logits, sb)
+
+    def _sample(
+        self, batch: Sequence[Scheduled], logits: torch.Tensor, sb: SamplingBatch | None = None
+    ) -> tuple[list[int | None], list[float | None]]:
+        """`sb`: the step's `_sampling_batch`, when built ahead (before an async forward, to overlap its copies)."""
+        tokens: list[int | None] = [None] * len(batch)
+        logprobs: list[float | None] = [None] * len(batch)
+        idx = [i for i, s in enumerate(batch) if s.sample]
+        if not idx:
+            return tokens, logprobs
+        tok_t, lp_t = sample(logits, sb if sb is not None else self._sampling_batch(batch))
         for i, t, lp in zip(idx, tok_t.tolist(), lp_t.tolist()):
             tokens[i], logprobs[i] = t, lp
         return tokens, logprobs

@@ -19,6 +19,20 @@ from .triton_decode import paged_decode
 
 
 @triton.jit
+def _round(x, MODE: tl.constexpr):
+    """float32 x rounded to the activation dtype and back (MODE 0: float32, 1: bfloat16, 2: float16). bfloat16 is
+    rounded to nearest-even on the bits: a convert pair could be folded or fused by the compiler, this cannot."""
+    if MODE == 1:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    elif MODE == 2:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     X, Delta, W, Y,
     stride_x, stride_d, stride_y,
@@ -26,35 +40,35 @@ def _add_rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    MODE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     dt = Y.dtype.element_ty
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    h = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        d = tl.load(Delta + row * stride_d + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(dt)
-        tl.store(X + row * stride_x + offs, x, mask=mask)
-    h = x.to(tl.float32)
+        d = tl.load(Delta + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
+        h = _round(h + d, MODE)
+        tl.store(X + row * stride_x + offs, h.to(dt), mask=mask)
     r = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
-    hn = (h * r).to(dt).to(tl.float32)
+    hn = _round(h * r, MODE)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + offs, (w * hn).to(dt), mask=mask)
 
 
 @triton.jit
-def _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
-    """One head split in halves: RMSNorm over both (optional), then HF's half-split RoPE, torch's roundings."""
-    dt = x1.dtype
+def _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, D: tl.constexpr, HAS_NORM: tl.constexpr, MODE: tl.constexpr):
+    """One head split in halves: RMSNorm over both (optional), then HF's half-split RoPE, torch's roundings.
+    Returns float32 values already rounded to the activation dtype."""
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     if HAS_NORM:
         r = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / D + eps)
-        a = (w1 * (a * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        b = (w2 * (b * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    o1 = ((a * c1).to(dt).to(tl.float32) - (b * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((b * c2).to(dt).to(tl.float32) + (a * s2).to(dt).to(tl.float32)).to(dt)
+        a = _round(w1 * _round(a * r, MODE), MODE)
+        b = _round(w2 * _round(b * r, MODE), MODE)
+    o1 = _round(_round(a * c1, MODE) - _round(b * s1, MODE), MODE)
+    o2 = _round(_round(b * c2, MODE) + _round(a * s2, MODE), MODE)
     return o1, o2
 
 
@@ -68,6 +82,7 @@ def _qk_norm_rope_store_kernel(
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    MODE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     h = tl.program_id(1)  # 0..HQ-1: query heads; HQ..: kv heads
@@ -84,10 +99,10 @@ def _qk_norm_rope_store_kernel(
         x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
         w1 = tl.load(QW + offs, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(QW + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        o1, o2 = _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, D, HAS_NORM)
+        o1, o2 = _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, D, HAS_NORM, MODE)
         dst = QOut + t * stride_qo_t + h * stride_qo_h
-        tl.store(dst + offs, o1, mask=mask)
-        tl.store(dst + HALF + offs, o2, mask=mask)
+        tl.store(dst + offs, o1.to(QOut.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF + offs, o2.to(QOut.dtype.element_ty), mask=mask)
     else:
         kh = h - HQ
         slot = tl.load(Slots + t).to(tl.int64)
@@ -96,7 +111,7 @@ def _qk_norm_rope_store_kernel(
         x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
         w1 = tl.load(KW + offs, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(KW + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        o1, o2 = _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, D, HAS_NORM)
+        o1, o2 = _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, D, HAS_NORM, MODE)
         dst = KC + slot * stride_kc_t + kh * stride_kc_h
         tl.store(dst + offs, o1.to(KC.dtype.element_ty), mask=mask)
         tl.store(dst + HALF + offs, o2.to(KC.dtype.element_ty), mask=mask)
@@ -108,15 +123,21 @@ def _qk_norm_rope_store_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    G, U, Out, stride_g, stride_u, stride_o, N: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr
+):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    dt = Out.dtype.element_ty
     g = tl.load(G + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(Out + row * stride_o + offs, (s * u).to(dt), mask=mask)
+    s = _round(g / (1.0 + tl.exp(-g)), MODE)
+    tl.store(Out + row * stride_o + offs, (s * u).to(Out.dtype.element_ty), mask=mask)
+
+
+def _mode(dtype: torch.dtype) -> int:
+    """The `_round` mode of an activation dtype."""
+    return {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -131,7 +152,9 @@ class TritonDecodeOps(DecodeOps):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm(_rows(x), None, weight, eps)
 
-    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         return self._norm(_rows(residual), _rows(delta), weight, eps)
 
     @staticmethod
@@ -142,7 +165,8 @@ class TritonDecodeOps(DecodeOps):
         block = triton.next_power_of_2(n)
         _add_rms_norm_kernel[(t,)](
             x, d, weight, y, x.stride(0), d.stride(0), y.stride(0), eps,
-            N=n, BLOCK=block, HAS_DELTA=delta is not None, num_warps=max(1, min(16, block // 256)),
+            N=n, BLOCK=block, HAS_DELTA=delta is not None, MODE=_mode(x.dtype),
+            num_warps=max(1, min(16, block // 256)),
         )  # fmt: skip
         return y
 
@@ -174,7 +198,8 @@ class TritonDecodeOps(DecodeOps):
             q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1),
             eps,
-            HQ=hq, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=1,
+            HQ=hq, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, MODE=_mode(q.dtype),
+            num_warps=1,
         )  # fmt: skip
         return q_out
 
@@ -184,7 +209,8 @@ class TritonDecodeOps(DecodeOps):
         out = torch.empty_like(gate)
         block = min(4096, triton.next_power_of_2(n))
         _silu_mul_kernel[(t, triton.cdiv(n, block))](
-            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), N=n, BLOCK=block, num_warps=4
+            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), N=n, BLOCK=block, MODE=_mode(gate.dtype),
+            num_warps=4,
         )
         return out
 

@@ -127,7 +127,7 @@ async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str
                                                 backend="gloo", bucket_bytes=cfg.sync.bucket_bytes))  # fmt: skip
     d = cfg.data
     ctx = LoopContext(
-        cfg=cfg, trainer=trainer, router=router, sync=sync, prompts=prompts,
+        cfg=cfg, trainer=trainer, router=router, sync=sync, prompts=prompts, records=prompts.records,
         render=lambda rec: render_prompt(rec, tokenizer, apply_chat_template=d.apply_chat_template,
                                          system_prompt=d.system_prompt),
         tokenizer=tokenizer, reward_fn=load_object(cfg.reward.fn, kind="reward function"), store=store,

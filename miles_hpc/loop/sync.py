@@ -20,6 +20,7 @@ from miles_hpc.data.prompts import PromptIterator
 from miles_hpc.data.store import TrajectoryWriter
 from miles_hpc.loop.rollout_step import Rollout, generate_groups, score
 from miles_hpc.loop.trainer_ranks import RankedTrainer
+from miles_hpc.loop.warmup import warmup_batches
 from miles_hpc.metrics import MetricsLogger
 from miles_hpc.rollout.filters import drop_zero_variance_groups
 from miles_hpc.rollout.router import Router
@@ -35,6 +36,7 @@ class LoopContext:
     router: Router
     sync: BroadcastSync
     prompts: PromptIterator
+    records: Any  # the prompt records (for the warm-up)
     render: Any  # PromptRecord -> list[int]
     tokenizer: Any
     reward_fn: Any
@@ -51,6 +53,9 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
     """Train from ``start_step`` to ``cfg.steps``; returns the mean reward of each step."""
     cfg = ctx.cfg
     rewards: list[float] = []
+    if start_step == 0 and cfg.train.sft_warmup_steps:
+        warmup(ctx)
+        await publish(ctx, version=0)
     if start_step > 0:  # resumed: the engines loaded the base model, give them the trainer's weights
         await publish(ctx, version=start_step)
     for step in range(start_step, cfg.steps):
@@ -80,6 +85,21 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
         if cfg.train.checkpoint_interval and (step + 1) % cfg.train.checkpoint_interval == 0:
             save_checkpoint(ctx, step + 1)
     return rewards
+
+
+def warmup(ctx: LoopContext) -> None:
+    """Supervised warm-up on the prompt data (loop/warmup.py), logged to the console only."""
+    cfg = ctx.cfg
+    batches = warmup_batches(ctx.records, ctx.render, ctx.tokenizer, steps=cfg.train.sft_warmup_steps,
+                             batch_size=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
+                             shuffle_labels=cfg.train.sft_warmup_shuffle_labels, seed=cfg.seed)  # fmt: skip
+    for i, batch in enumerate(batches):
+        m = ctx.trainer.train_step(batch)
+        # Warm-up batches carry rollout log-probs of 0, so the trainer's mean |train - rollout| log-prob difference
+        # is the answer tokens' mean negative log-likelihood before the update.
+        if (i + 1) % 10 == 0 or i + 1 == cfg.train.sft_warmup_steps:
+            nll = m["mismatch/mean_abs_logprob_diff"]
+            print(f"[miles-hpc] warm-up {i + 1}/{cfg.train.sft_warmup_steps} | answer nll {nll:.3f}", flush=True)
 
 
 async def rollout(ctx: LoopContext, step: int) -> tuple[list[list[Rollout]], int]:
