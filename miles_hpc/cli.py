@@ -33,6 +33,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if first is not None:
         print(f"[miles-hpc] done: {summary['steps']} steps, mean reward {first:.3f} (first steps) -> {last:.3f} "
               "(last steps)")  # fmt: skip
+    else:
+        print(f"[miles-hpc] nothing to do: the run is already at steps={cfg.steps} (raise steps= to continue)")
     for key in ("trajectories", "tensorboard", "metrics", "checkpoints"):
         print(f"[miles-hpc] {key:12s} {summary[key]}")
     return 0
@@ -151,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except FileNotFoundError as e:
+    except (FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -51,7 +51,7 @@ def test_pinned_output() -> None:
     assert [(r.prompt, r.label) for r in make_task("arith", n=3, seed=0)] == PINNED
 
 
-PINNED = [("6+3=", "9"), ("0+4=", "4"), ("5+1=", "6")]
+PINNED = [("4+2=", "6"), ("8+1=", "9"), ("0+7=", "7")]
 
 
 def test_unknown_task_and_bad_n() -> None:
@@ -59,3 +59,10 @@ def test_unknown_task_and_bad_n() -> None:
         make_task("nope", n=1, seed=0)
     with pytest.raises(ValueError, match="n must be >= 1"):
         make_task("arith", n=0, seed=0)
+
+
+def test_arith_answers_are_uniform() -> None:
+    # No constant answer may be an attractor for RL: each sum 0..9 is about 10% of the prompts.
+    labels = [r.label for r in make_task("arith", n=5000, seed=3)]
+    for digit in "0123456789":
+        assert 0.08 < labels.count(digit) / len(labels) < 0.12

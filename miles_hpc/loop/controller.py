@@ -75,9 +75,12 @@ def _controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str
                    else make_task(d.task, n=4096, seed=cfg.seed))  # fmt: skip
         prompts = PromptIterator(records, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=d.shuffle)
         start_step = 0
-        ckpt = latest_checkpoint(paths.root) if cfg.resume is not False else None
+        ckpt = latest_checkpoint(paths.root)
         if cfg.resume is True and ckpt is None:
             raise FileNotFoundError(f"resume=true but {paths.checkpoints} holds no checkpoint")
+        if cfg.resume is False and ckpt is not None:
+            # Starting over here would mix two runs' metrics, trajectories and checkpoints in one directory.
+            raise FileExistsError(f"resume=false but {ckpt} exists: choose another run_dir or remove it")
         if ckpt is not None:
             extra = trainer.load(ckpt)
             start_step = int(extra["next_step"])

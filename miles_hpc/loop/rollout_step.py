@@ -58,17 +58,24 @@ async def generate_groups(
     tokenizer: Any,
     *,
     first_group_id: int,
+    seed: int,
 ) -> list[list[Rollout]]:
-    """``cfg.samples_per_prompt`` samples for every record, all in flight at once."""
+    """``cfg.samples_per_prompt`` samples for every record, all in flight at once.
+
+    Every sample carries its own ``sampling_seed`` derived from (run seed, group id, index in group), so its tokens
+    do not depend on the batch, on the engine it lands on or on the engine's history: a resumed run generates what
+    the uninterrupted run would have.
+    """
     params = sampling_params(cfg)
 
-    async def one(record: PromptRecord, ids: list[int], group_id: int) -> Rollout:
-        out = await router.generate(ids, params, affinity_key=group_id, return_logprob=True)
+    async def one(record: PromptRecord, ids: list[int], group_id: int, j: int) -> Rollout:
+        seeded = {**params, "sampling_seed": (seed * 1_000_003 + group_id * 1_024 + j) % (2**31 - 1)}
+        out = await router.generate(ids, seeded, affinity_key=group_id, return_logprob=True)
         text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
         return Rollout(record, to_sample(out, ids, record.prompt_id, group_id), text)
 
     tasks = [
-        [asyncio.ensure_future(one(rec, ids, first_group_id + g)) for _ in range(cfg.samples_per_prompt)]
+        [asyncio.ensure_future(one(rec, ids, first_group_id + g, j)) for j in range(cfg.samples_per_prompt)]
         for g, (rec, ids) in enumerate(zip(records, prompt_ids))
     ]
     return [list(await asyncio.gather(*group)) for group in tasks]

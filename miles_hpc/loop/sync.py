@@ -112,7 +112,8 @@ async def rollout(ctx: LoopContext, step: int) -> tuple[list[list[Rollout]], int
         rounds += 1
         records = ctx.prompts.next_batch()
         groups = await generate_groups(ctx.router, records, [ctx.render(r) for r in records], cfg.rollout,
-                                       ctx.tokenizer, first_group_id=step * 1_000_000 + rounds * 10_000)  # fmt: skip
+                                       ctx.tokenizer, first_group_id=step * 1_000_000 + rounds * 10_000,
+                                       seed=cfg.seed)  # fmt: skip
         await score(groups, ctx.reward_fn)
         if not cfg.algo.dynamic_sampling:
             return groups, rounds
