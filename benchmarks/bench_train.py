@@ -1,0 +1,127 @@
+"""Trainer throughput and MFU of our FSDP2 backend versus a plain `transformers` training step, same GPU, same run.
+
+Prints one JSON line per side: tokens/s, model TFLOP/s and MFU = model FLOPs / time / peak. Model FLOPs per token
+are the usual 6 x (matmul parameters, LM head included) plus causal attention 6 x layers x heads x head_dim x seq
+(forward + backward); the peak is the dense bf16 datasheet figure (989 TFLOP/s on H100/H200 SXM, `--peak-tflops`).
+Our `train_step` also runs one no-grad forward for the PPO old log-probs; that work is not counted as model FLOPs
+(`hw_tflops` adds it).
+
+    python benchmarks/bench_train.py                 # ~1.1B Qwen3 shapes, seq 4096, batch 2, bf16, one GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from miles_hpc.config import AlgoConfig, TrainConfig
+from miles_hpc.data.sample import token_hash
+from miles_hpc.models import ModelConfig, build_model, save_pretrained
+from miles_hpc.train.batch import TrainBatch
+
+SHAPE_1B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=2048,
+                intermediate_size=6144, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                tie_word_embeddings=True, hidden_act="silu", attention_bias=False, torch_dtype="bfloat16")  # fmt: skip
+
+
+def model_flops_per_token(cfg: ModelConfig, seq: int) -> tuple[float, int]:
+    d, layers = cfg.hidden_size, cfg.num_hidden_layers
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * cfg.intermediate_size
+    matmul_params = layers * per_layer + cfg.vocab_size * d  # LM head (tied or not, it is a matmul)
+    attention = 6 * layers * q * seq  # causal: half of 12 * layers * q * seq
+    return 6 * matmul_params + attention, matmul_params
+
+
+def timed(fn, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int) -> float:
+    from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
+    from miles_hpc.train.fsdp import FSDPTrainer
+
+    os.environ.setdefault("MASTER_PORT", "29533")
+    init_trainer_world(world_from_env(device="cuda"))
+    cfg = TrainConfig(lr=1e-5, max_tokens_per_microbatch=sum(len(s) for s in seqs), mixed_precision=True)
+    trainer = FSDPTrainer(str(model_dir), cfg, AlgoConfig(), device="cuda", seed=0)
+    g = torch.Generator().manual_seed(0)
+    batch = TrainBatch(
+        tokens=seqs, loss_mask=[[0] + [1] * (len(s) - 1) for s in seqs],
+        rollout_logprobs=[[0.0] * len(s) for s in seqs],
+        advantages=[[float(a)] * len(s) for a, s in zip(torch.randn(len(seqs), generator=g).tolist(), seqs)],
+        token_hash=[token_hash(s) for s in seqs],
+    )  # fmt: skip
+    try:
+        return timed(lambda: trainer.train_step(batch), steps, warmup)
+    finally:
+        del trainer
+        teardown()
+        torch.cuda.empty_cache()
+
+
+def bench_hf(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.tensor(seqs, device="cuda")
+
+    def step() -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return timed(step, steps, warmup)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    cfg = ModelConfig.from_hf_dict(SHAPE_1B)
+    g = torch.Generator().manual_seed(1)
+    seqs = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).tolist()
+    tokens = args.batch * args.seq
+    flops_tok, matmul_params = model_flops_per_token(cfg, args.seq)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        torch.manual_seed(0)
+        save_pretrained(build_model(cfg, dtype=torch.bfloat16), model_dir)
+        sides = [("miles_hpc_fsdp2", bench_ours)] + ([] if args.skip_hf else [("transformers_adamw_fused", bench_hf)])
+        for name, fn in sides:
+            t = fn(model_dir, seqs, args.steps, args.warmup)
+            line = {
+                "bench": "train", "side": name, "device": torch.cuda.get_device_name(), "params_matmul": matmul_params,
+                "seq": args.seq, "batch": args.batch, "step_s": round(t, 4), "tokens_per_s": round(tokens / t, 1),
+                "model_tflops": round(flops_tok * tokens / t / 1e12, 1),
+                "mfu": round(flops_tok * tokens / t / 1e12 / args.peak_tflops, 4),
+            }  # fmt: skip
+            if name == "miles_hpc_fsdp2":  # + the no-grad old-log-prob forward (2 x matmul params + attention / 3)
+                extra = 2 * matmul_params + (flops_tok - 6 * matmul_params) / 3
+                line["hw_tflops"] = round((flops_tok + extra) * tokens / t / 1e12, 1)
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
