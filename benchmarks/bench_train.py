@@ -3,8 +3,7 @@
 Prints one JSON line per side: tokens/s, model TFLOP/s and MFU = model FLOPs / time / peak. Model FLOPs per token
 are the usual 6 x (matmul parameters, LM head included) plus causal attention 6 x layers x heads x head_dim x seq
 (forward + backward); the peak is the dense bf16 datasheet figure (989 TFLOP/s on H100/H200 SXM, `--peak-tflops`).
-Our `train_step` also runs one no-grad forward for the PPO old log-probs; that work is not counted as model FLOPs
-(`hw_tflops` adds it).
+With one update per step (the default) our `train_step` runs no extra forward for the PPO old log-probs.
 
     python benchmarks/bench_train.py                 # ~1.1B Qwen3 shapes, seq 4096, batch 2, bf16, one GPU
 """
@@ -117,9 +116,6 @@ def main() -> None:
                 "model_tflops": round(flops_tok * tokens / t / 1e12, 1),
                 "mfu": round(flops_tok * tokens / t / 1e12 / args.peak_tflops, 4),
             }  # fmt: skip
-            if name == "miles_hpc_fsdp2":  # + the no-grad old-log-prob forward (2 x matmul params + attention / 3)
-                extra = 2 * matmul_params + (flops_tok - 6 * matmul_params) / 3
-                line["hw_tflops"] = round((flops_tok + extra) * tokens / t / 1e12, 1)
             print(json.dumps(line), flush=True)
 
 

@@ -137,9 +137,11 @@ class FSDPTrainer:
     def _microbatch(self, batch: TrainBatch, ids: list[int]) -> PackedMicroBatch:
         return pack_samples(batch, ids, self.device) if ids else dummy_microbatch(self.device)
 
-    def _forward(self, mb: PackedMicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, mb: PackedMicroBatch, with_entropy: bool, entropy_grad: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = self.model(mb.input_ids, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens)
-        return token_logprobs(logits, mb, with_entropy=with_entropy)
+        return token_logprobs(logits, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     # ------------------------------------------------------------------ Trainer verbs
     @torch.no_grad()
@@ -168,30 +170,35 @@ class FSDPTrainer:
         grad_norms: list[float] = []
 
         # Pass 1 (no grad): old log-probs under the weights before any update of this step; mismatch vs rollout.
+        # With one update per step nothing has changed when pass 2 runs its forward, so its detached log-probs ARE
+        # the old ones (ratio exactly 1): skip the extra forward, a third of the step's compute.
+        single_update = len(minibatches) == 1
         old: dict[int, torch.Tensor] = {}
         with torch.no_grad():
-            for plan in plans:
+            for plan in plans if not single_update else ():
                 for ids in plan:
                     mb = self._microbatch(batch, ids)
                     lp, _ = self._forward(mb, with_entropy=False)
                     if mb.is_dummy:
                         continue
                     old.update(zip(mb.sample_ids, mb.split(lp)))
-                    diff = (lp - mb.rollout_logprobs).abs() * mb.loss_mask
-                    acc.add_max("mismatch/max_abs_logprob_diff", float(diff.max()))
-                    acc.add_sum("mismatch/abs_diff_sum", float(diff.sum()))
+                    _add_mismatch(acc, lp, mb)
 
         # Pass 2: one optimizer step per mini-batch.
         for mini, plan in zip(minibatches, plans):
             total_tokens, num_seqs = _global_counts(batch, mini)
             for ids in plan:
                 mb = self._microbatch(batch, ids)
-                lp, ent = self._forward(mb, with_entropy=True)
+                lp, ent = self._forward(mb, with_entropy=True, entropy_grad=want_entropy)
                 if mb.is_dummy:
                     # Keeps the graph connected to every sharded parameter, so backward's reduce-scatter runs.
                     loss = lp.sum() * 0.0 + (ent.sum() * 0.0 if ent is not None else 0.0)
                 else:
-                    old_lp = torch.cat([old[i] for i in mb.sample_ids])
+                    if single_update:
+                        old_lp = lp.detach()
+                        _add_mismatch(acc, old_lp, mb)
+                    else:
+                        old_lp = torch.cat([old[i] for i in mb.sample_ids])
                     loss, stats = self.loss_fn(
                         lp, old_lp, mb.advantages, mb.loss_mask, mb.seq_ids, self.algo_cfg,
                         rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
@@ -354,3 +361,11 @@ def _checkpoint_forward(layer: torch.nn.Module) -> None:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     layer.forward = forward  # type: ignore[method-assign]
+
+
+def _add_mismatch(acc: _Metrics, lp: torch.Tensor, mb: Any) -> None:
+    """Train-vs-rollout log-prob differences over the loss tokens of one micro-batch (no grad)."""
+    with torch.no_grad():
+        diff = (lp.detach() - mb.rollout_logprobs).abs() * mb.loss_mask
+        acc.add_max("mismatch/max_abs_logprob_diff", float(diff.max()))
+        acc.add_sum("mismatch/abs_diff_sum", float(diff.sum()))

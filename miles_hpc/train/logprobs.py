@@ -93,10 +93,11 @@ def dummy_microbatch(device: torch.device) -> PackedMicroBatch:
 
 
 def token_logprobs(
-    logits: torch.Tensor, mb: PackedMicroBatch, *, with_entropy: bool
+    logits: torch.Tensor, mb: PackedMicroBatch, *, with_entropy: bool, entropy_grad: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token t | < t) per token, float32 [T] (0 at sequence starts), and the entropy of the distribution
-    that scored token t (also 0 at starts) when asked. Differentiable.
+    that scored token t (also 0 at starts) when asked. Differentiable (the entropy only with `entropy_grad`: as a
+    metric alone it must not keep a [T, vocab] float32 tensor alive for backward).
 
     Row t-1 of `logits` scores token t; rows that cross a sequence boundary are computed and then masked (one
     wasted row per sequence, which keeps the op a single dense log_softmax).
@@ -109,6 +110,7 @@ def token_logprobs(
     lp = lp.masked_fill(mb.is_start, 0.0)
     if not with_entropy:
         return lp, None
-    ent = -(logp.exp() * logp).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ent = -(logp.exp() * logp).sum(-1)
     ent = torch.cat([rows.new_zeros(1), ent]).masked_fill(mb.is_start, 0.0)
     return lp, ent
