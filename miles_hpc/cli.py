@@ -156,6 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:
+        from miles_hpc.rollout.plugins import PluginError
+
+        if not isinstance(e, PluginError):
+            raise
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -39,10 +39,13 @@ def test_init_model_loads_in_transformers(tmp_path: Path, arch: str) -> None:
 
 def test_run_writes_resolved_config_and_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
-    rc = main(["run", str(REPO / "configs/tiny_cpu.yaml"), f"run_dir={run_dir}", "rollout.temperature=0.5"])
+    # One short step: the full loop runs (its own tests are in test_loop_e2e.py); here the CLI's part matters.
+    overrides = [f"run_dir={run_dir}", "rollout.temperature=0.5", "steps=1", "rollout.prompts_per_step=2",
+                 "rollout.samples_per_prompt=2", "train.sft_warmup_steps=0", "train.world_size=1"]  # fmt: skip
+    rc = main(["run", str(REPO / "configs/tiny_cpu.yaml"), *overrides])
     assert rc == 0
     resolved = load_config(run_dir / "config.yaml")
-    assert resolved == load_config(REPO / "configs/tiny_cpu.yaml", [f"run_dir={run_dir}", "rollout.temperature=0.5"])
+    assert resolved == load_config(REPO / "configs/tiny_cpu.yaml", overrides)
     assert (run_dir / "model" / "config.json").is_file()
     assert not [p for p in run_dir.iterdir() if p.name.startswith(".model-")]  # temp dir renamed away
     assert "model ok" in capsys.readouterr().out
@@ -79,3 +82,10 @@ def test_console_script_entry_point() -> None:
     out = subprocess.run([sys.executable, "-m", "miles_hpc.cli", "--help"], capture_output=True, text=True, check=True)
     for command in ("run", "init-model", "inspect"):
         assert command in out.stdout
+
+
+def test_run_bad_reward_plugin_fails_fast(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["run", str(REPO / "configs/tiny_cpu.yaml"), f"run_dir={tmp_path / 'r'}", "reward.fn=no_such_pkg.mod:f"])
+    assert rc == 2
+    assert "no_such_pkg" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "rendezvous").exists()  # failed before any engine started

@@ -8,7 +8,6 @@ subprocesses (`cluster/local.py`). Whatever happens, they are stopped by handle 
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -29,15 +28,19 @@ def build_trainer(cfg: RunConfig, model_dir: Path) -> Any:
 
 def run_local(cfg: RunConfig) -> dict[str, Any]:
     """The whole run on this machine; returns a summary (reward at start and end, where the outputs are)."""
+    from miles_hpc.rollout.plugins import load_object
+
+    load_object(cfg.reward.fn, kind="reward function")  # a bad plug-in path fails before any process starts
     paths = prepare_run_dir(cfg)
     model_dir = resolve_model(cfg, paths)
     master_port = free_port()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(cfg.train.world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(master_port))  # fmt: skip
+    # This process is trainer rank 0; its world is passed explicitly (the process environment stays untouched).
+    world_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(cfg.train.world_size),
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}  # fmt: skip
     with LocalCluster(cfg, paths.root, model_dir, paths.config) as cluster:
         urls = cluster.start_engines()
         cluster.start_trainer_ranks(master_port)
-        return _controller(cfg, paths, model_dir, urls, cluster.api_key, cluster.admin_key)
+        return _controller(cfg, paths, model_dir, urls, cluster.api_key, cluster.admin_key, world_env)
 
 
 def run_train_worker(cfg: RunConfig) -> None:
@@ -55,7 +58,7 @@ def run_train_worker(cfg: RunConfig) -> None:
 
 
 def _controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str], api_key: str,
-                admin_key: str) -> dict[str, Any]:  # fmt: skip
+                admin_key: str, world_env: dict[str, str]) -> dict[str, Any]:  # fmt: skip
     from transformers import AutoTokenizer
 
     from miles_hpc.data.prompts import PromptIterator, load_prompts
@@ -66,7 +69,7 @@ def _controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str
     from miles_hpc.train.checkpoint import latest_checkpoint
     from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
 
-    init_trainer_world(world_from_env(device="cpu"))
+    init_trainer_world(world_from_env(world_env, device="cpu"))
     trainer = RankedTrainer(build_trainer(cfg, model_dir))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -102,6 +105,9 @@ def _controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str
         if cfg.steps > start_step:
             trainer.save(paths.checkpoints / f"step_{cfg.steps}",
                          {"next_step": cfg.steps, "weight_version": cfg.steps, "prompts": prompts.state_dict()})
+        # Release the other ranks only on success: after a failure they may sit in a collective that a shutdown
+        # broadcast would wait on forever; LocalCluster (or srun's --kill-on-bad-exit) stops them instead.
+        trainer.shutdown()
         k = max(1, min(10, len(rewards) // 2))
         return {
             "steps": len(rewards),
@@ -111,7 +117,6 @@ def _controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str
             "metrics": str(paths.metrics), "checkpoints": str(paths.checkpoints),
         }  # fmt: skip
     finally:
-        trainer.shutdown()
         teardown()
 
 
