@@ -68,7 +68,6 @@ def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int) 
     try:
         return timed(lambda: trainer.train_step(batch), steps, warmup)
     finally:
-        del trainer
         teardown()
         torch.cuda.empty_cache()
 

@@ -40,6 +40,7 @@ from typing import Any
 from aiohttp import web
 
 from miles_hpc import __version__
+from miles_hpc.atomic import write_text_atomic
 
 from . import protocol
 from .auth import ApiKeys, AuthLevel, decide
@@ -328,11 +329,7 @@ def _gpu_ids(device: str) -> list[int | str]:
 
 def write_rendezvous(path: str, info: dict[str, Any]) -> None:
     """Atomically (tmp + rename in the same directory): a reader sees no file or the whole file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(info, indent=2) + "\n")
-    os.replace(tmp, target)
+    write_text_atomic(path, json.dumps(info, indent=2) + "\n")
 
 
 async def run_server(engine: Engine, config: ServerConfig, model_path: str, sock: socket.socket) -> None:

@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_hpc.atomic import write_text_atomic
 from miles_hpc.config import RunConfig, dump_config
 
 
@@ -48,24 +49,11 @@ class RunPaths:
         return self.root / "model"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file + rename, so readers never see a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def prepare_run_dir(cfg: RunConfig) -> RunPaths:
     """Create RUN/ and write the resolved config."""
     paths = RunPaths(Path(cfg.run_dir))
     paths.root.mkdir(parents=True, exist_ok=True)
-    write_atomic(paths.config, dump_config(cfg))
+    write_text_atomic(paths.config, dump_config(cfg))
     return paths
 
 

@@ -22,11 +22,12 @@ import json
 import os
 import re
 import socket
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from miles_hpc.atomic import write_text_atomic
 from typing import Any
 
 # Flags the spec sets itself: extra_args may not repeat them (argparse would silently keep the last one).
@@ -160,7 +161,7 @@ class SGLangLaunchSpec:
             return None
         # JSON strings are valid YAML scalars, so no YAML library is needed to quote the keys safely.
         text = "".join(f"{k}: {json.dumps(v)}\n" for k, v in self.secrets_config().items())
-        _atomic_write(path, text, mode=0o600)
+        write_text_atomic(path, text, mode=0o600)
         return path
 
 
@@ -203,25 +204,10 @@ def record_path(rendezvous_dir: str | Path, index: int, *, starting: bool = Fals
     return Path(rendezvous_dir) / (f"engine-{index}.starting.json" if starting else f"engine-{index}.json")
 
 
-def _atomic_write(path: Path, text: str, *, mode: int = 0o644) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_engine_record(rendezvous_dir: str | Path, record: EngineRecord) -> Path:
     """Publish ``engine-<i>.json`` atomically (call when the engine answers /health)."""
     path = record_path(rendezvous_dir, record.index)
-    _atomic_write(path, json.dumps(record.to_json(), indent=1) + "\n")
+    write_text_atomic(path, json.dumps(record.to_json(), indent=1) + "\n")
     return path
 
 
@@ -229,7 +215,7 @@ def mark_engine_starting(rendezvous_dir: str | Path, index: int, *, node: str | 
     """Publish ``engine-<i>.starting.json`` (node, host, pid, time) when an engine process begins loading."""
     info = {"index": index, "node": node or socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
     path = record_path(rendezvous_dir, index, starting=True)
-    _atomic_write(path, json.dumps(info) + "\n")
+    write_text_atomic(path, json.dumps(info) + "\n")
     return path
 
 
