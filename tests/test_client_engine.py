@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import require
 
 from miles_hpc.rollout.client import EngineClient, EngineHTTPError
 from miles_hpc.rollout.responses import metric_sum
@@ -118,8 +119,7 @@ def stop_all(procs: list[EngineProcess]) -> None:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
-    if not HAVE_SERVER:
-        pytest.skip("the embedded engine server (miles-hpc serve) is not built")
+    require(HAVE_SERVER, "the embedded engine server (miles-hpc serve)")
     d = tmp_path_factory.mktemp("engine")
     keys = {"api_key": "plain-0123", "admin_api_key": "admin-4567"}
     for name, value in keys.items():

@@ -16,21 +16,11 @@ from miles_hpc.engine.config import EngineConfig
 from miles_hpc.engine.core import Engine, RequestError
 from miles_hpc.engine.types import GenerateRequest, GenerateResult, SamplingParams
 from miles_hpc.models import CausalLM, iter_hf_tensors, load_pretrained, save_pretrained
-from miles_hpc.models import ModelConfig, build_model
-from miles_hpc.models.presets import init_model, preset_config
 from miles_hpc.sync.checksum import tensor_checksum
 
-LP_TOL = 1e-5
+from engine_support import make_ckpt
 
-def make_ckpt(out: Path, arch: str, seed: int) -> Path:
-    """A tiny random checkpoint with a sharper init than the preset (std 0.2, untied head), so greedy text depends
-    on the whole context instead of repeating the last token."""
-    init_model(arch, "tiny", out, seed=seed)  # tokenizer + generation_config.json
-    hf = preset_config(arch, "tiny")
-    hf.update(initializer_range=0.2, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    save_pretrained(build_model(ModelConfig.from_hf_dict(hf)), out)
-    return out
+LP_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")

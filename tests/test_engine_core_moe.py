@@ -11,20 +11,10 @@ import torch
 
 from miles_hpc.engine.config import EngineConfig
 from miles_hpc.engine.core import Engine
-from miles_hpc.engine.types import GenerateRequest, GenerateResult, SamplingParams
+from miles_hpc.engine.types import GenerateRequest, SamplingParams
 from miles_hpc.models import CausalLM, load_pretrained
-from miles_hpc.models import ModelConfig, build_model, save_pretrained
-from miles_hpc.models.presets import init_model, preset_config
 
-def make_ckpt(out: Path, arch: str, seed: int) -> Path:
-    """A tiny random checkpoint with a sharper init than the preset (std 0.2, untied head), so greedy text depends
-    on the whole context instead of repeating the last token."""
-    init_model(arch, "tiny", out, seed=seed)  # tokenizer + generation_config.json
-    hf = preset_config(arch, "tiny")
-    hf.update(initializer_range=0.2, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    save_pretrained(build_model(ModelConfig.from_hf_dict(hf)), out)
-    return out
+from engine_support import make_ckpt, run
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +38,6 @@ def req(rid: str, prompt: list[int], n: int, start: int = 0, temperature: float 
 def plain_routing(model: CausalLM, tokens: list[int]) -> np.ndarray:
     _, routed = model(torch.tensor([tokens[:-1]]), return_routed_experts=True)
     return routed[0].numpy()
-
-
-def run(engine: Engine, *reqs: GenerateRequest) -> dict[str, GenerateResult]:
-    results: dict[str, GenerateResult] = {}
-    for r in reqs:
-        engine.submit(r, lambda res: results.__setitem__(res.rid, res))
-    while engine.step():
-        pass
-    return results
 
 
 def test_routed_experts_match_plain_model(ckpt: Path, plain: CausalLM) -> None:

@@ -10,10 +10,10 @@ import torch
 from miles_hpc.engine.config import EngineConfig
 from miles_hpc.engine.core import Engine
 from miles_hpc.engine.sampling import SamplingBatch, sample, uniform_noise
-from miles_hpc.engine.types import GenerateRequest, GenerateResult, SamplingParams
+from miles_hpc.engine.types import GenerateRequest, SamplingParams
 from miles_hpc.models import load_pretrained
-from miles_hpc.models import ModelConfig, build_model, save_pretrained
-from miles_hpc.models.presets import init_model, preset_config
+
+from engine_support import make_ckpt, run
 
 CPU = torch.device("cpu")
 
@@ -94,29 +94,10 @@ def test_mixed_batch_rows_are_independent_of_neighbours() -> None:
 
 # ---------------------------------------------------------------- end to end
 
-def make_ckpt(out: Path, arch: str, seed: int) -> Path:
-    """A tiny random checkpoint with a sharper init than the preset (std 0.2, untied head), so greedy text depends
-    on the whole context instead of repeating the last token."""
-    init_model(arch, "tiny", out, seed=seed)  # tokenizer + generation_config.json
-    hf = preset_config(arch, "tiny")
-    hf.update(initializer_range=0.2, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    save_pretrained(build_model(ModelConfig.from_hf_dict(hf)), out)
-    return out
-
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_ckpt(tmp_path_factory.mktemp("qwen3s"), "qwen3", 2)
-
-
-def run(engine: Engine, *reqs: GenerateRequest) -> dict[str, GenerateResult]:
-    results: dict[str, GenerateResult] = {}
-    for r in reqs:
-        engine.submit(r, lambda res: results.__setitem__(res.rid, res))
-    while engine.step():
-        pass
-    return results
 
 
 def req(rid: str, prompt: list[int], **sp: object) -> GenerateRequest:

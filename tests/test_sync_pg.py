@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+from conftest import require
 import torch
 
 from miles_hpc.sync.pg import CustomGroup, GroupSpec
@@ -149,8 +150,7 @@ def test_wire_compatible_with_sglang(sglang_rank: int) -> None:
     """Our group joins one made by SGLang's own ``init_custom_process_group`` (in SGLang's venv, its torch), as
     trainer rank 0 driving an SGLang engine (sglang_rank=1) and as an engine driven by an SGLang-style trainer."""
     python = SGLANG_VENV / "bin" / "python"
-    if not python.exists():
-        pytest.skip(f"no SGLang venv at {SGLANG_VENV} (make it with scripts/test_sglang.sh)")
+    require(python.exists(), f"SGLang venv at {SGLANG_VENV} (make it with scripts/test_sglang.sh --install-only)")
     port = free_port()
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     other = subprocess.Popen([str(python), "-c", _SGLANG_SIDE, str(port), str(sglang_rank)], stdout=subprocess.PIPE,
