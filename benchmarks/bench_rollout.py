@@ -6,7 +6,7 @@ Prints one JSON line per result:
   decode step must read (all weights + the KV of every sequence at the mean context) over the device-to-device copy
   bandwidth measured in the same run.
 - ``prefix_cache``: prefill time of a request whose long prefix is cached versus one with a fresh prompt of the same
-  length (max_new_tokens=1 each), and the ratio.
+  length (max_new_tokens=1 each, median of 5 fresh prefixes), and the ratio.
 
     python benchmarks/bench_rollout.py                       # CPU: the tiny preset
     python benchmarks/bench_rollout.py --device cuda --shape qwen3-0.6b --batch 64 --prompt-len 256 --new-tokens 512
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import tempfile
 import time
 import uuid
@@ -142,22 +143,32 @@ def decode_bytes_per_step(engine: Engine, batch: int, mean_context: float) -> fl
     return weights + batch * mean_context * kv_per_token
 
 
-def bench_prefix(engine: Engine, vocab: int, prefix_len: int, device: str) -> dict[str, object]:
+def bench_prefix(engine: Engine, vocab: int, prefix_len: int, device: str, reps: int = 5) -> dict[str, object]:
+    """Median over `reps` fresh prefixes of: the prefill (max_new_tokens=1) of a request whose first `prefix_len`
+    tokens an earlier request left in the cache, and of a request of the same length with nothing cached."""
     g = torch.Generator().manual_seed(1)
     rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
-    prefix, tail = rand(prefix_len), rand(16)
     # Warm both paths once with other tokens (first-call costs such as attention-kernel plans are not caching).
     warm = rand(prefix_len)
     run_engine(engine, [warm + rand(16)], 1)
     run_engine(engine, [warm + rand(16)], 1)
     run_engine(engine, [rand(prefix_len + 16)], 1)
-    run_engine(engine, [prefix + rand(16)], 1)  # fills the cache with the prefix
-    t_cached, (hit,) = run_engine(engine, [prefix + tail], 1)
-    t_fresh, (miss,) = run_engine(engine, [rand(prefix_len + 16)], 1)
+    cached_s, fresh_s, hits, misses = [], [], [], []
+    for _ in range(reps):
+        prefix = rand(prefix_len)
+        run_engine(engine, [prefix + rand(16)], 1)  # fills the cache with the prefix
+        t, (hit,) = run_engine(engine, [prefix + rand(16)], 1)
+        cached_s.append(t)
+        hits.append(hit.cached_tokens)
+        t, (miss,) = run_engine(engine, [rand(prefix_len + 16)], 1)
+        fresh_s.append(t)
+        misses.append(miss.cached_tokens)
+    t_cached, t_fresh = statistics.median(cached_s), statistics.median(fresh_s)
     return {
-        "bench": "rollout", "result": "prefix_cache", "device": device, "prefix_tokens": prefix_len,
-        "cached_tokens": hit.cached_tokens, "fresh_cached_tokens": miss.cached_tokens,
+        "bench": "rollout", "result": "prefix_cache", "device": device, "prefix_tokens": prefix_len, "new_tokens": 16,
+        "reps": reps, "cached_tokens": min(hits), "fresh_cached_tokens": max(misses),
         "prefill_cached_s": round(t_cached, 5), "prefill_fresh_s": round(t_fresh, 5),
+        "prefill_cached_all_s": [round(t, 5) for t in cached_s], "prefill_fresh_all_s": [round(t, 5) for t in fresh_s],
         "speedup": round(t_fresh / t_cached, 2),
     }  # fmt: skip
 

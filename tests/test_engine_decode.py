@@ -157,3 +157,30 @@ def test_adjacent_equal_fresh_prefills_are_grouped() -> None:
                                    4, torch.device("cpu"))  # fmt: skip
     got = [(p.q_start, p.q_end, p.count, p.key_slots is None) for p in meta.prefills]
     assert got == [(0, 12, 3, True), (13, 17, 1, True), (17, 19, 1, True), (19, 24, 1, False)]
+
+
+@pytest.mark.parametrize("extend", [0, 8])
+def test_short_prefills_run_as_rows_of_the_fused_step(ckpt: Path, extend: int) -> None:
+    # Cached-prefix requests prefill only their new suffix: with fused_extend_tokens >= the suffix it runs as rows
+    # of the fused step (each row attends the cache up to its own position) and must match the plain engine.
+    cfg = EngineConfig(block_size=4, fused_extend_tokens=extend)
+    base = prompts([17], seed=21)[0]
+    tails = prompts([3, 6, 1], seed=22)
+    ps = [base[:16] + t for t in tails]
+    ref_engine = Engine.from_pretrained(str(ckpt), cfg)
+    engine = with_torch_decode(Engine.from_pretrained(str(ckpt), cfg))
+    rows_per_call: list[int] = []
+    inner = engine.runner.decode.forward  # type: ignore[union-attr]
+    engine.runner.decode.forward = lambda *a: (rows_per_call.append(int((a[2][:, 0] != engine.blocks.num_blocks).sum())),  # type: ignore[union-attr]
+                                               inner(*a))[1]  # fmt: skip
+    for e in (ref_engine, engine):
+        run_all(e, [base], 2, stagger=False)  # caches the first 16 tokens (4 full blocks)
+    want = run_all(ref_engine, ps, 5, stagger=True)
+    rows_per_call.clear()
+    got = run_all(engine, ps, 5, stagger=True)
+    assert all(r.cached_tokens == 16 for r in got.values())
+    for rid, r in want.items():
+        assert got[rid].output_ids == r.output_ids, rid
+        assert max(abs(a - b) for a, b in zip(got[rid].output_logprobs, r.output_logprobs)) < 1e-5
+    # The 6-token suffix took one fused call with 6+ real rows, or none (extend=0: eager prefill, then decodes).
+    assert (max(rows_per_call) >= 6) == (extend >= 6)

@@ -50,6 +50,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     """On CUDA with `triton_kernels`: replay decode-only steps of dense models from CUDA graphs captured at start
     (one per padded batch size up to 256); False = run the same fused step eagerly."""
+    fused_extend_tokens: int = 32
+    """With the fused decode step: a step whose prefill chunks are each at most this many tokens (a cached-prefix
+    request's new suffix, a short follow-up turn) runs its tokens as rows of that step (each row attends the cache
+    up to its own position), so a short prefill costs one graph replay instead of an eager forward; 0 = never."""
 
     def __post_init__(self) -> None:
         if not self.device or not isinstance(self.device, str):
@@ -74,6 +78,10 @@ class EngineConfig:
         for name in ("triton_kernels", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.fused_extend_tokens, int) or isinstance(self.fused_extend_tokens, bool) or (
+            self.fused_extend_tokens < 0
+        ):
+            raise ValueError(f"fused_extend_tokens must be an int >= 0, got {self.fused_extend_tokens!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 

@@ -81,7 +81,8 @@ class Engine:
             enable_prefix_cache=config.enable_prefix_cache,
         )
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device,
-                                  triton_kernels=config.triton_kernels, cuda_graphs=config.cuda_graphs)  # fmt: skip
+                                  triton_kernels=config.triton_kernels, cuda_graphs=config.cuda_graphs,
+                                  fused_extend_tokens=config.fused_extend_tokens)  # fmt: skip
         self.limits = Limits(vocab_size=self.vocab_size, max_context_len=self.max_context_len,
                              kv_capacity_tokens=num_blocks * bs, num_moe_layers=self.num_moe_layers)  # fmt: skip
 

@@ -11,9 +11,12 @@ Invariants:
 - MoE models always capture routing (cheap next to the experts) into the cache's slot-indexed routing store, so
   every cached block carries the expert ids of its tokens.
 - One host sync per step for the results (`.tolist()`), none per token.
-- On CUDA with Triton (`triton_kernels`): decode rows use the paged-decode kernel; a decode-only step of a dense
-  model goes to `DecodeRunner` (fused `DecodeForward`, replayed from a CUDA graph when `cuda_graphs`), which needs
-  the cache's scratch block (one block past the allocator's) for its padding rows. MoE models stay eager.
+- On CUDA with Triton (`triton_kernels`): decode rows use the paged-decode kernel; a step of a dense model whose
+  chunks are all decodes or short prefills (<= `fused_extend_tokens`, no input log-probs) goes to `DecodeRunner`
+  (fused `DecodeForward`, replayed from a CUDA graph when `cuda_graphs`), which needs the cache's scratch block (one
+  block past the allocator's) for its padding rows. A short prefill chunk becomes one row per token: every row
+  writes its K/V before any row attends, and row j attends the cache up to its own position, which is causal
+  attention over prefix + chunk. MoE models stay eager.
 """
 
 from __future__ import annotations
@@ -55,9 +58,11 @@ class ModelRunner:
         *,
         triton_kernels: bool = False,
         cuda_graphs: bool = False,
+        fused_extend_tokens: int = 0,
     ) -> None:
         """`triton_kernels` / `cuda_graphs` take effect on CUDA where Triton imports (EngineConfig's knobs)."""
         self.model, self.cache, self.bm, self.device = model, cache, blocks, device
+        self.fused_extend_tokens = fused_extend_tokens
         self.vocab = model.config.vocab_size
         self.is_moe = model.num_moe_layers > 0
         self.decode_kernel: DecodeKernel | None = None
@@ -85,8 +90,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Sequence[Scheduled]) -> StepOutput:
-        if self.decode is not None and all(s.n == 1 and s.lp_rows is None for s in batch):
-            return self._run_decode(batch, self.decode)
+        if self.decode is not None and self._fits_rows(batch, self.decode.max_batch):
+            return self._run_rows(batch, self.decode)
         meta = self._metadata(batch)
         lp_counts = [0 if s.lp_rows is None else s.lp_rows[1] - s.lp_rows[0] for s in batch]
         n_lp = sum(lp_counts)
@@ -102,16 +107,33 @@ class ModelRunner:
                     o += c
         return StepOutput(tokens, logprobs, input_lps)
 
-    def _run_decode(self, batch: Sequence[Scheduled], decode: DecodeRunner) -> StepOutput:
-        """A step where every row is one token at the end of its sequence: no metadata, logits of every row."""
-        positions = [s.start for s in batch]
-        rows = torch.tensor([s.r.row for s in batch], dtype=torch.int64)
+    def _fits_rows(self, batch: Sequence[Scheduled], max_rows: int) -> bool:
+        """Whether the step can run as rows of the fused decode step (see the module docstring)."""
+        rows = 0
+        for s in batch:
+            if s.lp_rows is not None or (s.n > 1 and s.n > self.fused_extend_tokens):
+                return False
+            rows += s.n
+        return rows <= max_rows
+
+    def _run_rows(self, batch: Sequence[Scheduled], decode: DecodeRunner) -> StepOutput:
+        """One row per new token at its absolute position, with its sequence's block-table row; logits of every
+        row come back and each sampling sequence samples from its last row."""
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        sample_rows: list[int] = []
+        for s in batch:
+            ids.extend(s.r.tokens[s.start : s.start + s.n])
+            positions.extend(range(s.start, s.start + s.n))
+            rows.extend([s.r.row] * s.n)
+            if s.sample:
+                sample_rows.append(len(ids) - 1)
         width = -(-(max(positions) + 1) // self.bm.block_size)
         sb = self._sampling_batch(batch)  # its host-to-device copies go before the forward, not after it
-        logits = decode([s.r.tokens[s.start] for s in batch], positions, self.bm.tables[rows, :width])
-        sampled = [i for i, s in enumerate(batch) if s.sample]
-        if len(sampled) < len(batch):
-            logits = logits[torch.tensor(sampled, dtype=torch.int64, device=self.device)]
+        logits = decode(ids, positions, self.bm.tables[torch.tensor(rows, dtype=torch.int64), :width])
+        if len(sample_rows) < len(ids):
+            logits = logits[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
         tokens, logprobs = self._sample(batch, logits, sb)
         return StepOutput(tokens, logprobs, [None] * len(batch))
 
