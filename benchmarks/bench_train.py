@@ -3,7 +3,8 @@
 Prints one JSON line per side: tokens/s, model TFLOP/s and MFU = model FLOPs / time / peak. Model FLOPs per token
 are the usual 6 x (matmul parameters, LM head included) plus causal attention 6 x layers x heads x head_dim x seq
 (forward + backward); the peak is the dense bf16 datasheet figure (989 TFLOP/s on H100/H200 SXM, `--peak-tflops`).
-With one update per step (the default) our `train_step` runs no extra forward for the PPO old log-probs.
+With one update per step (the default) our `train_step` runs no extra forward for the PPO old log-probs. Ours runs
+twice: eager, and with `train.compile=true` (decoder layers compiled, attention eager; compile time is in warm-up).
 
     python benchmarks/bench_train.py                 # ~1.1B Qwen3 shapes, seq 4096, batch 2, bf16, one GPU
 """
@@ -50,13 +51,14 @@ def timed(fn, steps: int, warmup: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int) -> float:
+def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int, compile: bool = False) -> float:
     from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
     from miles_hpc.train.fsdp import FSDPTrainer
 
-    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ["MASTER_PORT"] = str(29533 + int(compile))  # a fresh store per run in this process
     init_trainer_world(world_from_env(device="cuda"))
-    cfg = TrainConfig(lr=1e-5, max_tokens_per_microbatch=sum(len(s) for s in seqs), mixed_precision=True)
+    cfg = TrainConfig(lr=1e-5, max_tokens_per_microbatch=sum(len(s) for s in seqs), mixed_precision=True,
+                      compile=compile)  # fmt: skip
     trainer = FSDPTrainer(str(model_dir), cfg, AlgoConfig(), device="cuda", seed=0)
     g = torch.Generator().manual_seed(0)
     batch = TrainBatch(
@@ -96,6 +98,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--sides", default="eager,compiled,hf", help="comma-separated subset of eager,compiled,hf")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf_dict(SHAPE_1B)
     g = torch.Generator().manual_seed(1)
@@ -106,7 +109,10 @@ def main() -> None:
         model_dir = Path(tmp) / "model"
         torch.manual_seed(0)
         save_pretrained(build_model(cfg, dtype=torch.bfloat16), model_dir)
-        sides = [("miles_hpc_fsdp2", bench_ours)] + ([] if args.skip_hf else [("transformers_adamw_fused", bench_hf)])
+        compiled = lambda *a: bench_ours(*a, compile=True)  # noqa: E731
+        runs = {"eager": ("miles_hpc_fsdp2", bench_ours), "compiled": ("miles_hpc_fsdp2_compiled", compiled),
+                "hf": ("transformers_adamw_fused", bench_hf)}  # fmt: skip
+        sides = [runs[k] for k in args.sides.split(",") if not (k == "hf" and args.skip_hf)]
         for name, fn in sides:
             t = fn(model_dir, seqs, args.steps, args.warmup)
             line = {

@@ -170,6 +170,9 @@ class TrainConfig:
     updates_per_step: int = field(default=1, metadata=_help("optimizer steps (mini-batches) per rollout batch"))
     activation_checkpointing: bool = field(default=False, metadata=_help("recompute layer activations in backward"))
     mixed_precision: bool = field(default=True, metadata=_help("bf16 compute with fp32 master weights (GPU only)"))
+    compile: bool = field(
+        default=False, metadata=_help("torch.compile each decoder layer, attention kept eager (GPU only; compiles at start)")
+    )
     checkpoint_interval: int = field(default=0, metadata=_help("save RUN/checkpoints/step_N every N steps (0 = end only)"))
     sft_warmup_steps: int = field(default=0, metadata=_help("supervised steps on prompt labels before RL"))
     sft_warmup_shuffle_labels: bool = field(

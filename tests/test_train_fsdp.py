@@ -182,3 +182,23 @@ def test_tito_hash_mismatch_raises(world: None, tiny_model: Path) -> None:
     batch.token_hash = []
     with pytest.raises(ValueError, match="token_hash"):
         trainer.train_step(batch)
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e6, float("inf")])
+def test_sharded_clip_equals_torch_clip(world: None, tiny_model: Path, max_norm: float) -> None:
+    from miles_hpc.train.fsdp import clip_sharded_grads_
+
+    trainer = FSDPTrainer(tiny_model, TrainConfig(), AlgoConfig(), device="cpu", seed=0)
+    params = [p for p in trainer.model.parameters()]
+    g = torch.Generator().manual_seed(0)
+    for p in params:
+        p.grad = p.detach().clone()
+        p.grad.to_local().copy_(torch.randn(p.to_local().shape, generator=g))
+    shadows = [p.detach().clone().requires_grad_() for p in params]
+    for s, p in zip(shadows, params):
+        s.grad = p.grad.detach().clone()
+    want = torch.nn.utils.clip_grad_norm_(shadows, max_norm).full_tensor()  # torch's DTensor path
+    got = clip_sharded_grads_(iter(params), max_norm)
+    assert torch.allclose(got, want, rtol=1e-6) and got > 1.0
+    for p, s in zip(params, shadows):
+        assert torch.allclose(p.grad.to_local(), s.grad.to_local(), rtol=1e-6, atol=0)

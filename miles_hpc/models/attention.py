@@ -14,6 +14,9 @@ model keeps state between calls, so one model object serves trainer-style and en
 
 Default (`sdpa_attention`): causal torch SDPA per row; with `cu_seqlens` (B == 1, several sequences packed into
 the row) a loop over the sequences, so attention never crosses a boundary and costs sum(t_i^2), not T^2.
+`CausalLM.forward` validates `cu_seqlens` once and hands the layers a host (CPU) copy, so reading the bounds costs
+no device sync per layer. Under `torch.compile` (the trainer's `train.compile`) the default backend stays eager:
+its loop depends on the bounds, which change every micro-batch, and would otherwise re-specialise the graph.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> list
     return bounds
 
 
+@torch.compiler.disable
 def sdpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -125,11 +125,14 @@ class CausalLM(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         b, t = input_ids.shape
+        host_cu = None
         if cu_seqlens is not None:
-            check_cu_seqlens(cu_seqlens, b, t)
+            # One host read here; the layers get a host copy, so no attention call waits for the device.
+            host_cu = torch.tensor(check_cu_seqlens(cu_seqlens, b, t), dtype=torch.int32)
         if position_ids is None:
             position_ids = self._default_positions(t, cu_seqlens, input_ids.device)
-        elif position_ids.dim() == 1:
+        cu_seqlens = host_cu
+        if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
         if routing_replay is not None:
             expected = (b, t, self.num_moe_layers, self.top_k)

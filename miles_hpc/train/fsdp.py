@@ -22,13 +22,14 @@ Invariants:
   `updates_per_step == 1` the ratio is exactly 1 at the update.
 - TITO: `train_step` re-hashes every sample's tokens on every rank and raises before any collective on mismatch.
 - Master weights are float32; with `mixed_precision` on a GPU, compute is bf16 and gradient reduction fp32.
+- `train.compile` (GPU) compiles each decoder layer in place before sharding; attention stays eager (attention.py).
 """
 
 from __future__ import annotations
 
 import math
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,14 +96,23 @@ class FSDPTrainer:
                 _checkpoint_forward(layer)
         mp = None
         if train_cfg.mixed_precision and self.device.type == "cuda":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            # Gradients are reduced in fp32 across ranks; a world of 1 reduces nothing, and the bf16 gradient
+            # becomes the fp32 sharded one exactly either way, so it skips the fp32 staging copy.
+            reduce_dtype = torch.float32 if self._world > 1 else None
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        if train_cfg.compile and self.device.type == "cuda":
+            for layer in model.model.layers:
+                layer.compile()  # in place: parameter names (and so checkpoints and sync) are unchanged
         mesh = init_device_mesh(self.device.type, (self._world,))
         kw: dict[str, Any] = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+        # Layers free their gathered parameters after forward (re-gathered in backward) only when there is more
+        # than one shard: with one rank it saves nothing and costs a second copy-and-cast per layer. The root's
+        # parameters (embedding, final norm, LM head) are needed first in backward: kept.
         for layer in model.model.layers:
-            fully_shard(layer, **kw)
-        fully_shard(model, **kw)
+            fully_shard(layer, reshard_after_forward=self._world > 1, **kw)
+        fully_shard(model, reshard_after_forward=False, **kw)
         self.model: CausalLM = model
-        self.optimizer = build_optimizer(train_cfg, model.named_parameters())
+        self.optimizer = build_optimizer(train_cfg, model.named_parameters(), self.device)
         self.scheduler = build_scheduler(train_cfg, self.optimizer, total_steps)
 
     # ------------------------------------------------------------------ protocol properties
@@ -167,7 +177,7 @@ class FSDPTrainer:
         plans = [self._plan(batch, mini) for mini in minibatches]
         want_entropy = self.algo_cfg.entropy_coef != 0.0
         acc = _Metrics()
-        grad_norms: list[float] = []
+        grad_norms: list[torch.Tensor] = []
 
         # Pass 1 (no grad): old log-probs under the weights before any update of this step; mismatch vs rollout.
         # With one update per step nothing has changed when pass 2 runs its forward, so its detached log-probs ARE
@@ -184,57 +194,46 @@ class FSDPTrainer:
                     old.update(zip(mb.sample_ids, mb.split(lp)))
                     _add_mismatch(acc, lp, mb)
 
-        # Pass 2: one optimizer step per mini-batch.
+        # Pass 2: one optimizer step per mini-batch. Metrics stay on the device until the optimizer step has been
+        # launched, then come to the host: no device sync leaves the GPU idle while the host catches up.
         for mini, plan in zip(minibatches, plans):
             total_tokens, num_seqs = _global_counts(batch, mini)
+            pending: list[tuple[PackedMicroBatch, torch.Tensor, torch.Tensor, Mapping[str, float], torch.Tensor | None]] = []
             for ids in plan:
                 mb = self._microbatch(batch, ids)
                 lp, ent = self._forward(mb, with_entropy=True, entropy_grad=want_entropy)
                 if mb.is_dummy:
                     # Keeps the graph connected to every sharded parameter, so backward's reduce-scatter runs.
                     loss = lp.sum() * 0.0 + (ent.sum() * 0.0 if ent is not None else 0.0)
-                else:
-                    if single_update:
-                        old_lp = lp.detach()
-                        _add_mismatch(acc, old_lp, mb)
-                    else:
-                        old_lp = torch.cat([old[i] for i in mb.sample_ids])
-                    loss, stats = self.loss_fn(
-                        lp, old_lp, mb.advantages, mb.loss_mask, mb.seq_ids, self.algo_cfg,
-                        rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
-                        entropy=ent if want_entropy else None, num_seqs=num_seqs, total_tokens=total_tokens,
-                    )  # fmt: skip
-                    n_tok = float(mb.loss_mask.sum())
-                    acc.add_sum("loss", float(loss.detach()))
-                    acc.add_sum("loss_tokens", n_tok)
-                    acc.add_sum("entropy_sum", float((ent.detach() * mb.loss_mask).sum()))
-                    for k, v in stats.items():
-                        if k in _SUMMED:
-                            acc.add_sum(k, v)
-                        elif k in _MAXED:
-                            acc.add_max(k, v)
-                        elif k != "entropy":
-                            acc.add_weighted(k, v, n_tok)
+                    (loss * self._world).backward()
+                    continue
+                old_lp = lp.detach() if single_update else torch.cat([old[i] for i in mb.sample_ids])
+                loss, stats = self.loss_fn(
+                    lp, old_lp, mb.advantages, mb.loss_mask, mb.seq_ids, self.algo_cfg,
+                    rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
+                    entropy=ent if want_entropy else None, num_seqs=num_seqs, total_tokens=total_tokens,
+                )  # fmt: skip
                 (loss * self._world).backward()
+                assert ent is not None
+                pending.append((mb, loss.detach(), ent.detach(), stats, old_lp if single_update else None))
             grad_norms.append(self._clip_and_step())
+            for mb, loss, ent, stats, train_lp in pending:
+                _record(acc, mb, loss, ent, stats, train_lp)
         metrics = self._reduce_metrics(acc, batch, len(minibatches))
-        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)  # already global: identical on every rank
+        metrics["grad_norm"] = float(torch.stack(grad_norms).mean())  # already global: identical on every rank
         return metrics
 
-    def _clip_and_step(self) -> float:
-        """Clip the global grad norm (FSDP2: clip_grad_norm_ over DTensors reduces across shards), step AdamW and
-        the schedule; returns the pre-clip norm (identical on every rank)."""
+    def _clip_and_step(self) -> torch.Tensor:
+        """Clip the global grad norm, step AdamW and the schedule; returns the pre-clip norm as a device scalar
+        (identical on every rank)."""
         max_norm = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else math.inf
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        norm = clip_sharded_grads_(self.model.parameters(), max_norm)
         self._last_lr = self.lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self._step += 1
-        return float(norm)
+        return norm.detach().float()
 
     def _reduce_metrics(self, acc: _Metrics, batch: TrainBatch, num_updates: int) -> dict[str, float]:
         sums, maxes = acc.reduce(self.device)
@@ -300,6 +299,29 @@ def check_token_hashes(batch: TrainBatch) -> None:
             )
 
 
+def clip_sharded_grads_(params: Iterator[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_` for FSDP2 parameters (every one a DTensor sharded over the world): the global L2 norm from
+    the local shards' norms and one all-reduce, the scaling in place on the local shards; no host sync. Same
+    result as torch's DTensor path (coef = max_norm / (norm + 1e-6), capped at 1), without its per-op dispatch."""
+    local = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if not isinstance(p.grad, DTensor):
+            raise TypeError("clip_sharded_grads_ needs FSDP2-sharded parameters (DTensor gradients)")
+        local.append(p.grad.to_local())
+    if not local:
+        return torch.zeros(())
+    sq = torch.stack([n.float() for n in torch._foreach_norm(local, 2.0)]).pow(2).sum()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(sq)
+    norm = sq.sqrt()
+    if math.isfinite(max_norm):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(local, coef.to(local[0].dtype))
+    return norm
+
+
 def _global_counts(batch: TrainBatch, indices: list[int]) -> tuple[int, int]:
     """Masked tokens and sequences with at least one of them, over a whole mini-batch (every rank holds it).
     The first token of a sequence never carries loss (no logits before it), as in pack_samples."""
@@ -361,6 +383,31 @@ def _checkpoint_forward(layer: torch.nn.Module) -> None:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     layer.forward = forward  # type: ignore[method-assign]
+
+
+def _record(
+    acc: _Metrics,
+    mb: PackedMicroBatch,
+    loss: torch.Tensor,
+    ent: torch.Tensor,
+    stats: Mapping[str, float],
+    train_lp: torch.Tensor | None,
+) -> None:
+    """One micro-batch's metrics into `acc` (the host reads). `train_lp`: its detached training log-probs, when
+    they are the step's old log-probs (one update per step) and so the train-vs-rollout mismatch is measured here."""
+    if train_lp is not None:
+        _add_mismatch(acc, train_lp, mb)
+    n_tok = float(mb.loss_mask.sum())
+    acc.add_sum("loss", float(loss))
+    acc.add_sum("loss_tokens", n_tok)
+    acc.add_sum("entropy_sum", float((ent * mb.loss_mask).sum()))
+    for k, v in stats.items():
+        if k in _SUMMED:
+            acc.add_sum(k, v)
+        elif k in _MAXED:
+            acc.add_max(k, v)
+        elif k != "entropy":
+            acc.add_weighted(k, v, n_tok)
 
 
 def _add_mismatch(acc: _Metrics, lp: torch.Tensor, mb: Any) -> None:

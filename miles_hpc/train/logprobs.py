@@ -7,6 +7,8 @@ the logits at t-1 of the same sequence; the first token of every sequence has no
 
 from __future__ import annotations
 
+import importlib.util
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +26,7 @@ class PackedMicroBatch:
     sample_ids: tuple[int, ...]  # batch indices, in packing order
     input_ids: torch.Tensor  # long [1, T]
     position_ids: torch.Tensor  # long [1, T], restarting at 0 per sequence
-    cu_seqlens: torch.Tensor  # int32 [n+1]
+    cu_seqlens: torch.Tensor  # int32 [n+1], on the host (the model reads the bounds; no device sync)
     seq_ids: torch.Tensor  # long [T], 0..n-1: which sequence of this micro-batch a token belongs to
     is_start: torch.Tensor  # bool [T], the first token of each sequence
     loss_mask: torch.Tensor  # float32 [T] (0 on each sequence's first token)
@@ -50,27 +52,27 @@ def pack_samples(batch: TrainBatch, sample_ids: Sequence[int], device: torch.dev
     if not sample_ids:
         raise ValueError("pack_samples needs at least one sample (use dummy_microbatch)")
     lengths = [len(batch.tokens[i]) for i in sample_ids]
-
-    def flat(rows: Sequence[Sequence[float]], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor([v for i in sample_ids for v in rows[i]], dtype=dtype, device=device)
-
-    cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    # Built on the host as one integer and one float table, so a micro-batch costs two host-to-device copies.
+    tokens = torch.tensor([t for i in sample_ids for t in batch.tokens[i]], dtype=torch.long)
     positions = torch.cat([torch.arange(n) for n in lengths])
-    is_start = positions == 0
-    mask = flat(batch.loss_mask, torch.float32)
-    mask = mask.masked_fill(is_start.to(device), 0.0)
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    ints = torch.stack([tokens, positions, seq_ids]).to(device)
+    rows = [batch.loss_mask, batch.advantages, batch.rollout_logprobs]
+    if batch.ref_logprobs is not None:
+        rows.append(batch.ref_logprobs)
+    floats = torch.tensor([[v for i in sample_ids for v in r[i]] for r in rows], dtype=torch.float32).to(device)
+    is_start = ints[1] == 0
     return PackedMicroBatch(
         sample_ids=tuple(sample_ids),
-        input_ids=flat(batch.tokens, torch.long).unsqueeze(0),
-        position_ids=positions.to(device).unsqueeze(0),
-        cu_seqlens=cu.to(device=device, dtype=torch.int32),
-        seq_ids=seq_ids.to(device),
-        is_start=is_start.to(device),
-        loss_mask=mask,
-        advantages=flat(batch.advantages, torch.float32),
-        rollout_logprobs=flat(batch.rollout_logprobs, torch.float32),
-        ref_logprobs=flat(batch.ref_logprobs, torch.float32) if batch.ref_logprobs is not None else None,
+        input_ids=ints[0].unsqueeze(0),
+        position_ids=ints[1].unsqueeze(0),
+        cu_seqlens=torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32),
+        seq_ids=ints[2],
+        is_start=is_start,
+        loss_mask=floats[0].masked_fill(is_start, 0.0),
+        advantages=floats[1],
+        rollout_logprobs=floats[2],
+        ref_logprobs=floats[3] if batch.ref_logprobs is not None else None,
     )
 
 
@@ -82,7 +84,7 @@ def dummy_microbatch(device: torch.device) -> PackedMicroBatch:
         sample_ids=(),
         input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
         position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=device),
+        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
         seq_ids=torch.zeros(1, dtype=torch.long, device=device),
         is_start=torch.ones(1, dtype=torch.bool, device=device),
         loss_mask=z,
@@ -97,20 +99,113 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token t | < t) per token, float32 [T] (0 at sequence starts), and the entropy of the distribution
     that scored token t (also 0 at starts) when asked. Differentiable (the entropy only with `entropy_grad`: as a
-    metric alone it must not keep a [T, vocab] float32 tensor alive for backward).
+    metric alone it adds nothing to backward).
 
     Row t-1 of `logits` scores token t; rows that cross a sequence boundary are computed and then masked (one
-    wasted row per sequence, which keeps the op a single dense log_softmax).
+    wasted row per sequence, which keeps the op dense). The float32 math runs in row chunks (`LogProbEntropy`), so
+    a step never holds a float32 [T, vocab] tensor: at T = 8192 and a 152k vocabulary that is 5 GB per copy.
     """
-    # TODO(perf): chunk over T for large vocabularies: [T, V] float32 is the peak activation of a step.
-    rows = logits[0, :-1].float()
-    logp = torch.log_softmax(rows, dim=-1)
-    target = mb.input_ids[0, 1:].unsqueeze(-1)
-    lp = torch.cat([rows.new_zeros(1), logp.gather(-1, target).squeeze(-1)])
-    lp = lp.masked_fill(mb.is_start, 0.0)
+    # Every row, the last one scoring a placeholder target: slicing (or indexing) the [1, T, vocab] logits instead
+    # would make autograd zero-fill and copy a full-size gradient; the unused row gets a zero gradient from the
+    # [T] slice below.
+    ids = mb.input_ids[0]
+    target = torch.cat([ids[1:], ids[:1]])
+    lp, ent = LogProbEntropy.apply(logits.flatten(0, 1), target, with_entropy)  # a view: its backward is one too
+    zero = lp.new_zeros(1)
+    lp = torch.cat([zero, lp[:-1]]).masked_fill(mb.is_start, 0.0)
     if not with_entropy:
         return lp, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        ent = -(logp.exp() * logp).sum(-1)
-    ent = torch.cat([rows.new_zeros(1), ent]).masked_fill(mb.is_start, 0.0)
-    return lp, ent
+    if not (entropy_grad and torch.is_grad_enabled()):
+        ent = ent.detach()
+    return lp, torch.cat([zero, ent[:-1]]).masked_fill(mb.is_start, 0.0)
+
+
+CHUNK_ELEMENTS = 1 << 28
+"""float32 elements of one chunk's temporaries (1 GiB): rows per chunk = this // vocab."""
+
+
+def _chunks(n: int, vocab: int) -> list[tuple[int, int]]:
+    step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def _math_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)  # float32, or float64 for float64 logits (gradcheck)
+
+
+class LogProbEntropy(torch.autograd.Function):
+    """(logits [N, V] any float dtype, target [N]) -> (log_softmax(logits)[target], entropy) in float32. On CUDA
+    with Triton: one pass per row each way (logprob_kernels.py); elsewhere torch by row chunks in float32 (float64
+    for float64 logits). Saves the logits as given (bf16 under mixed precision) plus two float32 [N] vectors; the
+    backward recomputes the softmax per chunk and writes the logits' gradient in their dtype:
+      d lp / dz = onehot(target) - p,      d H / dz = -p * (log p + H).
+    Without `with_entropy` the entropy output is an empty tensor."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, with_entropy: bool):  # type: ignore[override]
+        kernels = _kernels(logits)
+        if kernels is not None:
+            lse, lp, ent = kernels.forward(logits, target, with_entropy)
+        else:
+            lse, lp, ent = _forward_torch(logits, target, with_entropy)
+        ctx.save_for_backward(logits, target, lse, ent)
+        ctx.with_entropy = with_entropy
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None):  # type: ignore[override]
+        logits, target, lse, ent = ctx.saved_tensors
+        g_ent = g_ent if ctx.with_entropy else None
+        kernels = _kernels(logits)
+        if kernels is not None:
+            return kernels.backward(logits, target, lse, ent, g_lp, g_ent), None, None
+        return _backward_torch(logits, target, lse, ent, g_lp, g_ent), None, None
+
+
+def _kernels(logits: torch.Tensor) -> types.ModuleType | None:
+    """The Triton implementation (logprob_kernels.py) for CUDA logits with unit stride along the vocabulary."""
+    if logits.device.type != "cuda" or logits.stride(-1) != 1 or importlib.util.find_spec("triton") is None:
+        return None
+    from miles_hpc.train import logprob_kernels
+
+    return logprob_kernels
+
+
+def _forward_torch(
+    logits: torch.Tensor, target: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, vocab = logits.shape
+    lse = torch.empty(n, dtype=_math_dtype(logits), device=logits.device)
+    picked = torch.empty_like(lse)
+    ent = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
+    for a, b in _chunks(n, vocab):
+        z = logits[a:b].to(lse.dtype)
+        lse[a:b] = torch.logsumexp(z, dim=-1)
+        picked[a:b] = z.gather(1, target[a:b, None]).squeeze(1)
+        if with_entropy:  # H = lse - sum(p * z)
+            ent[a:b] = lse[a:b] - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return lse, picked - lse, ent
+
+
+def _backward_torch(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor,
+    g_lp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+) -> torch.Tensor:
+    grad = torch.empty_like(logits)
+    for a, b in _chunks(*logits.shape):
+        z = logits[a:b].to(lse.dtype)
+        logp = z - lse[a:b, None]
+        p = logp.exp()
+        g = torch.zeros_like(z)
+        if g_lp is not None:
+            g = (-p * g_lp[a:b, None]).scatter_add_(1, target[a:b, None], g_lp[a:b, None])
+        if g_ent is not None:
+            g -= p * (logp + ent[a:b, None]) * g_ent[a:b, None]
+        grad[a:b] = g
+    return grad

@@ -12,21 +12,45 @@ trainer has applied the logits shift. Invariants:
   (a sequence is never split across micro-batches).
 - ``old_logprobs``, ``rollout_logprobs``, ``ref_logprobs`` and ``advantages`` are constants (detached here); the
   gradient flows through ``logprobs`` (and ``entropy`` when the trainer computed it with grad).
-- The loss is computed in float32 whatever the input dtype; metrics are plain floats read with one device sync.
+- The loss is computed in float32 whatever the input dtype; metrics stay on the device (`DeviceMetrics`) until
+  first read, then all come to the host in one sync: a trainer reads them after launching backward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Literal
 
 import torch
 
 from miles_hpc.config import AlgoConfig
 
-__all__ = ["policy_loss", "kl_penalty", "aggregate", "sequence_log_ratio", "LossAgg", "KLType"]
+__all__ = ["policy_loss", "kl_penalty", "aggregate", "sequence_log_ratio", "DeviceMetrics", "LossAgg", "KLType"]
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 KLType = Literal["k1", "k2", "k3"]
+
+
+class DeviceMetrics(Mapping[str, float]):
+    """Named float metrics held as one device tensor until first read; the first read syncs once for all."""
+
+    def __init__(self, names: tuple[str, ...], values: torch.Tensor) -> None:
+        self._names, self._values = names, values
+        self._floats: dict[str, float] | None = None
+
+    def _read(self) -> dict[str, float]:
+        if self._floats is None:
+            self._floats = dict(zip(self._names, self._values.tolist()))
+        return self._floats
+
+    def __getitem__(self, key: str) -> float:
+        return self._read()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: KLType) -> torch.Tensor:
@@ -126,7 +150,7 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     num_seqs: int | None = None,
     total_tokens: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Mapping[str, float]]:
     """The policy loss of one packed micro-batch and its metrics.
 
     Per token (r = ratio, A = advantage, eps_l/eps_h = ``clip_low``/``clip_high``, c = ``dual_clip``):
@@ -219,7 +243,7 @@ def policy_loss(
                 _masked_mean(1.0 - keep, mask, n_masked),
                 _masked_mean(kl_penalty(logprobs.detach(), old, "k3"), mask, n_masked),
             ]
-        ).tolist()  # one device sync for all metrics
+        )
     names = ("pg_loss", "clip_frac", "dual_clip_frac", "ratio_mean", "ratio_max", "kl", "entropy", "tis_mean",
              "mis_masked_frac", "approx_kl")
-    return loss, dict(zip(names, values))
+    return loss, DeviceMetrics(names, values)
