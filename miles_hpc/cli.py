@@ -86,7 +86,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_context_len=args.max_context_len, max_running_requests=args.max_running_requests, seed=args.seed,
         )  # fmt: skip
         server_cfg = ServerConfig(host=args.host, port=args.port, keys=keys, rendezvous=args.rendezvous,
-                                  max_request_bytes=int(args.max_request_mb * (1 << 20)))  # fmt: skip
+                                  max_request_bytes=int(args.max_request_mb * (1 << 20)),
+                                  weight_sync_timeout_s=args.weight_update_timeout)  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -111,6 +112,8 @@ def _add_serve_parser(sub: Any) -> None:
     srv.add_argument("--seed", type=int, default=0, help="seeds requests that bring no sampling_seed")
     srv.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body (413 beyond)")
     srv.add_argument("--rendezvous", help="write {host, port, pid, url, ...} JSON here once listening")
+    srv.add_argument("--weight-update-timeout", type=float, default=600.0,
+                     help="seconds a weight-update group waits for a peer (joining, each receive) before failing")  # fmt: skip
     srv.set_defaults(func=_cmd_serve)
 
 

@@ -202,9 +202,13 @@ class SyncConfig:
     pause_mode: Literal["abort", "retract", "in_place"] = field(
         default="retract", metadata=_help("what generation does during a weight update")
     )
+    timeout_s: float = field(
+        default=300.0, metadata=_help("an engine that has not taken its part of an update by then is dropped")
+    )
 
     def __post_init__(self) -> None:
         _require(self.bucket_bytes >= 1 << 10, "bucket_bytes", f"must be >= 1024, got {self.bucket_bytes}")
+        _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

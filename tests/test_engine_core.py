@@ -370,3 +370,26 @@ def test_tensor_checksum_covers_dtype_shape_and_bits() -> None:
     assert tensor_checksum(flipped) != tensor_checksum(b)
     # Pinned: trainer and engine must agree across versions of this code.
     assert tensor_checksum(torch.ones(2, 3, dtype=torch.bfloat16)) == "c3ddc26b39874a5fcf806c641c3fac0f"
+
+
+def test_half_updated_engine_refuses_to_continue(ckpt: Path, tmp_path: Path) -> None:
+    # A trainer that dies mid-update (buckets without a version, the versioned last one never sent) must not leave
+    # an engine serving a mix of old and new tensors.
+    engine = Engine.from_pretrained(str(ckpt), EngineConfig(block_size=4))
+    named = list(iter_hf_tensors(perturbed(ckpt, 4)))
+    engine.pause("retract")
+    engine.update_weights(named[:3], version=None)
+    assert engine.half_updated and engine.model_info()["weights_half_updated"] is True
+    with pytest.raises(RequestError, match="half-updated.*after version 0"):
+        engine.resume()
+    engine.update_weights(named[3:], version="1")  # the update completes: consistent again
+    engine.resume()
+    assert not engine.half_updated and engine.weight_version == "1"
+    # Or the weights are reloaded whole from disk.
+    engine.pause("in_place")
+    engine.update_weights(named[:2], version=None)
+    engine.update_weights_from_disk(str(ckpt), version="0")
+    engine.resume()
+    # Updates while generation runs (SGLang's unpaused update_weights_from_tensor) are not multi-part updates.
+    engine.update_weights(named[:1], version=None)
+    assert not engine.half_updated

@@ -82,7 +82,7 @@ class LocalCluster:
             argv = [sys.executable, "-m", "miles_hpc.cli", "serve", str(self.model_dir), "--port", "0",
                     "--rendezvous", str(self.rendezvous / f"engine-{i}.json"), "--seed", str(self.cfg.seed + i),
                     "--api-key-file", str(keys / "api_key"), "--admin-api-key-file", str(keys / "admin_api_key"),
-                    "--dtype", self.cfg.model.dtype]  # fmt: skip
+                    "--dtype", self.cfg.model.dtype, "--weight-update-timeout", str(self.cfg.sync.timeout_s)]  # fmt: skip
             self._spawn(f"engine-{i}", argv)
         return self._wait_engines(n, timeout_s)
 

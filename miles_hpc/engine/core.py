@@ -96,6 +96,7 @@ class Engine:
         self._control_waiting = 0
         self._thread: threading.Thread | None = None
         self._version = "0"
+        self._half_updated = False  # see `resume`
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._counters = Counters()
 
@@ -245,7 +246,15 @@ class Engine:
             self.abort(None, message="aborted by pause_generation")
 
     def resume(self) -> None:
-        """Continue stepping (`/continue_generation`)."""
+        """Continue stepping (`/continue_generation`). Refused (RequestError) while the weights are half-updated:
+        a multi-part update started while paused (parts without a `weight_version`) and its versioned last part
+        never came (the trainer died mid-update). Such an engine serves nothing until an update with a version,
+        `/update_weight_version`, or a whole checkpoint from disk makes its weights consistent again."""
+        if self._half_updated:
+            raise RequestError(
+                f"weights are half-updated (an update begun after version {self._version} never finished); "
+                "finish the update or reload weights from disk before continuing generation"
+            )
         with self._cond:
             self._paused = False
             self._cond.notify_all()
@@ -268,12 +277,15 @@ class Engine:
         with self._between_steps():
             started: list[str] = []
             try:
+                if self._paused and version is None:
+                    self._half_updated = True  # a bucket of a multi-part update: committed by a versioned one
                 applied = apply_named(self.model, _recording(named, started))
             finally:
                 if flush_cache and started:
                     self.blocks.flush()
             if version is not None:
                 self._version = str(version)
+                self._half_updated = False
         return applied
 
     def update_weights_from_disk(self, path: str, *, version: str | None, flush_cache: bool = True) -> None:
@@ -281,6 +293,7 @@ class Engine:
         The checkpoint's names and shapes are all checked before any tensor is applied."""
         self.update_weights(iter_checkpoint(self.model, path), version=version, flush_cache=flush_cache)
         self.model_path = str(path)
+        self._half_updated = False  # every tensor of a whole checkpoint: consistent weights again
 
     def checksums(self) -> dict[str, str]:
         """HF name -> `sync.checksum.tensor_checksum` of the engine's tensor (Hub per-expert layout for MoE)."""
@@ -301,10 +314,15 @@ class Engine:
     def weight_version(self) -> str:
         return self._version
 
+    @property
+    def half_updated(self) -> bool:
+        return self._half_updated
+
     def set_weight_version(self, version: str) -> None:
         """Name the current weights (`/update_weight_version`); tokens sampled from the next step carry it."""
         with self._between_steps():
             self._version = str(version)
+            self._half_updated = False  # the caller declares the current weights complete
 
     # ---------------------------------------------------------------- results
     def _finish(self, r: Req) -> tuple[GenerateResult, DoneCallback]:
@@ -331,6 +349,7 @@ class Engine:
             "model_type": self.model.config.model_type,
             "is_generation": True,
             "weight_version": self._version,
+            "weights_half_updated": self._half_updated,
             "vocab_size": self.vocab_size,
             "max_context_len": self.max_context_len,
             "num_moe_layers": self.num_moe_layers,

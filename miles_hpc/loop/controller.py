@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_hpc.cluster.local import LocalCluster, free_port
-from miles_hpc.config import RunConfig
+from miles_hpc.config import ConfigError, RunConfig
 from miles_hpc.loop.run_dir import RunPaths, prepare_run_dir, resolve_model
 
 
@@ -31,6 +31,9 @@ def run_local(cfg: RunConfig) -> dict[str, Any]:
     from miles_hpc.rollout.plugins import load_object
 
     load_object(cfg.reward.fn, kind="reward function")  # a bad plug-in path fails before any process starts
+    if cfg.sync.strategy != "broadcast":  # the other strategies are not wired into the loop yet
+        raise ConfigError(f"sync.strategy: {cfg.sync.strategy!r} is not available in `miles-hpc run` yet; "
+                          "use 'broadcast'")  # fmt: skip
     paths = prepare_run_dir(cfg)
     model_dir = resolve_model(cfg, paths)
     master_port = free_port()
@@ -128,21 +131,22 @@ async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str
     from miles_hpc.rollout.plugins import load_object
     from miles_hpc.rollout.router import Router
     from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
+    from miles_hpc.sync.publish import Publisher
 
     clients = [EngineClient(u, api_key=api_key, admin_api_key=admin_key) for u in urls]
-    router = Router(clients, owns_clients=True)
-    sync = BroadcastSync(clients, BroadcastSpec(master_address="127.0.0.1", master_port=free_port(),
-                                                backend="gloo", bucket_bytes=cfg.sync.bucket_bytes))  # fmt: skip
+    sync = BroadcastSync(BroadcastSpec(master_address="127.0.0.1", next_port=free_port, backend="gloo",
+                                       bucket_bytes=cfg.sync.bucket_bytes, timeout_s=cfg.sync.timeout_s))  # fmt: skip
+    router = Router(clients, owns_clients=True, on_readmit=lambda i, c: publisher.readmit_check(i, c))
+    publisher = Publisher(sync, router, pause_mode=cfg.sync.pause_mode)
     d = cfg.data
     ctx = LoopContext(
-        cfg=cfg, trainer=trainer, router=router, sync=sync, prompts=prompts, records=prompts.records,
+        cfg=cfg, trainer=trainer, router=router, publisher=publisher, prompts=prompts, records=prompts.records,
         render=lambda rec: render_prompt(rec, tokenizer, apply_chat_template=d.apply_chat_template,
                                          system_prompt=d.system_prompt),
         tokenizer=tokenizer, reward_fn=load_object(cfg.reward.fn, kind="reward function"), store=store,
         metrics=metrics, checkpoints=paths.checkpoints,
     )  # fmt: skip
     async with router:
-        await sync.connect()
         try:
             return await run(ctx, start_step)
         finally:

@@ -24,7 +24,7 @@ from miles_hpc.loop.warmup import warmup_batches
 from miles_hpc.metrics import MetricsLogger
 from miles_hpc.rollout.filters import drop_zero_variance_groups
 from miles_hpc.rollout.router import Router
-from miles_hpc.sync.broadcast import BroadcastSync
+from miles_hpc.sync.publish import Publisher
 from miles_hpc.train.advantages import compute_advantages
 from miles_hpc.train.batch import TrainBatch
 
@@ -34,7 +34,7 @@ class LoopContext:
     cfg: RunConfig
     trainer: RankedTrainer
     router: Router
-    sync: BroadcastSync
+    publisher: Publisher
     prompts: PromptIterator
     records: Any  # the prompt records (for the warm-up)
     render: Any  # PromptRecord -> list[int]
@@ -68,7 +68,7 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
         train_metrics = ctx.trainer.train_step(batch)
         t_train = time.perf_counter() - t1
         t2 = time.perf_counter()
-        await publish(ctx, version=step + 1)
+        sync_metrics = await publish(ctx, version=step + 1)
         t_sync = time.perf_counter() - t2
         samples = [r.sample for g in groups for r in g]
         for s in samples:
@@ -78,7 +78,8 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
         step_rewards = [s.reward for s in samples]
         rewards.append(statistics.fmean(step_rewards))
         ctx.metrics.log(step, {
-            **rollout_metrics(samples), **train_metrics, "weight_version": step + 1, "rollout/rounds": rounds,
+            **rollout_metrics(samples), **train_metrics, **sync_metrics, "weight_version": step + 1,
+            "rollout/rounds": rounds,
             "time/rollout_s": t_rollout, "time/train_s": t_train, "time/sync_s": t_sync,
             "perf/tokens_per_s": batch.num_tokens / max(1e-9, time.perf_counter() - t0),
         })  # fmt: skip
@@ -149,14 +150,11 @@ def to_train_batch(groups: list[list[Rollout]], cfg: RunConfig) -> TrainBatch:
     )
 
 
-async def publish(ctx: LoopContext, version: int) -> None:
-    """Weights of the trainer -> every engine, then verify the engines' checksums against what was sent."""
-    await ctx.router.pause("retract")
-    try:
-        sent = await ctx.sync.push(ctx.trainer.state_for_sync(), str(version))
-        await ctx.sync.verify(sent)
-    finally:
-        await ctx.router.continue_generation()
+async def publish(ctx: LoopContext, version: int) -> dict[str, float]:
+    """Weights of the trainer -> every engine, verified against what was sent (sync/publish.py: pause mode, failed
+    engines dropped, checksums); returns the sync metrics."""
+    report = await ctx.publisher.publish(ctx.trainer.state_for_sync, str(version))
+    return {"sync/engines": report.engines, "sync/dropped_engines": len(report.dropped)}
 
 
 def rollout_metrics(samples: list[Any]) -> dict[str, float]:

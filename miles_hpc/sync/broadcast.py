@@ -3,19 +3,20 @@
 Trainer rank 0 and every engine rank form one process group (``sync/pg.py``; gloo on CPU, NCCL/RCCL on GPU).
 Per bucket of HF-named tensors, rank 0 announces names/dtypes/shapes to every engine with
 ``/update_weights_from_distributed`` and, concurrently, broadcasts the tensors in that order; the engines receive
-and load them. The last bucket carries the new ``weight_version`` and flushes the prefix cache. Afterwards
-:meth:`BroadcastSync.verify` compares every engine's per-tensor checksums with the trainer's and stops the run
-naming the first tensor that differs.
+and load them. The last bucket carries the new ``weight_version`` and flushes the prefix cache. Verification and
+the pause/continue cycle are the publisher's (publish.py).
 
 Invariants: the tensor order of announce and broadcast is the same list; a bucket is never split across the two;
 tensors are cast to the rollout dtype before they leave, so the checksum the trainer computes is of exactly the
-bytes sent.
+bytes sent. A group spans exactly `clients`: `connect` with another set destroys it and builds a new one (on a
+fresh port: a TCPStore port is not reused). An engine whose announce fails makes the bucket fail with an
+`EngineSyncError` naming it (the group is then unusable: the publisher reconnects without that engine).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,16 +24,15 @@ import torch
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.sync.checksum import tensor_checksum
 from miles_hpc.sync.pg import CustomGroup, GroupSpec
+from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError
 
-
-class WeightSyncError(RuntimeError):
-    """A weight update failed or did not verify; the message names the engine and tensor."""
+__all__ = ["BroadcastSpec", "BroadcastSync"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BroadcastSpec:
     master_address: str
-    master_port: int
+    next_port: Callable[[], int]  # a free TCP port on master_address, asked once per (re)connect
     backend: str = "gloo"
     bucket_bytes: int = 512 << 20
     group_name: str = "weight_update_group"
@@ -41,25 +41,43 @@ class BroadcastSpec:
 
 
 class BroadcastSync:
-    """Rank-0 side of the broadcast strategy over ``clients`` (one engine rank each: tp size 1)."""
+    """Rank-0 side of the broadcast strategy (engines of tp size 1: one rank each)."""
 
-    def __init__(self, clients: Sequence[EngineClient], spec: BroadcastSpec) -> None:
-        self.clients = list(clients)
+    name = "broadcast"
+
+    def __init__(self, spec: BroadcastSpec) -> None:
         self.spec = spec
         self.group: CustomGroup | None = None
+        self._clients: list[EngineClient] = []
 
-    async def connect(self) -> None:
+    @property
+    def clients(self) -> Sequence[EngineClient]:
+        return tuple(self._clients)
+
+    async def connect(self, clients: Sequence[EngineClient]) -> None:
         """Create the group: rank 0 here, engine i at rank 1 + i; the engines join while we do."""
+        await self.close()
         s = self.spec
-        world = 1 + len(self.clients)
-        group_spec = GroupSpec(backend=s.backend, master_address=s.master_address, master_port=s.master_port,
+        port = s.next_port()
+        world = 1 + len(clients)
+        group_spec = GroupSpec(backend=s.backend, master_address=s.master_address, master_port=port,
                                rank=0, world_size=world, group_name=s.group_name, timeout_s=s.timeout_s)  # fmt: skip
         joins = [
-            c.init_weights_update_group(s.master_address, s.master_port, 1 + i, world,
+            c.init_weights_update_group(s.master_address, port, 1 + i, world,
                                         group_name=s.group_name, backend=s.backend)  # fmt: skip
-            for i, c in enumerate(self.clients)
+            for i, c in enumerate(clients)
         ]
-        self.group, *_ = await asyncio.gather(asyncio.to_thread(CustomGroup, group_spec), *joins)
+        results = await asyncio.gather(asyncio.to_thread(CustomGroup, group_spec), *joins, return_exceptions=True)
+        failed = [c.url for c, r in zip(clients, results[1:]) if isinstance(r, BaseException)]
+        if isinstance(results[0], BaseException) or failed:
+            if not isinstance(results[0], BaseException):
+                results[0].destroy()
+            err = next(r for r in results if isinstance(r, BaseException))
+            if failed:
+                raise EngineSyncError(failed, f"joining the weight update group failed on {failed}: {err}") from err
+            raise WeightSyncError(f"creating the weight update group on trainer rank 0 failed: {err}") from err
+        self.group = results[0]
+        self._clients = list(clients)
 
     async def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, str]:
         """Send every tensor of ``named`` in buckets; return the trainer-side checksums of what was sent."""
@@ -96,33 +114,22 @@ class BroadcastSync:
         announces = [
             c.update_weights_from_distributed(names, dtypes, shapes, group_name=self.spec.group_name,
                                               weight_version=version, flush_cache=last)  # fmt: skip
-            for c in self.clients
+            for c in self._clients
         ]
         results = await asyncio.gather(asyncio.to_thread(send), *announces, return_exceptions=True)
-        errors = [(c.url, r) for c, r in zip([None, *self.clients], results) if isinstance(r, BaseException)]
-        if errors:
-            where, err = errors[0]
-            raise WeightSyncError(f"weight update of bucket {names[0]}..{names[-1]} failed on "
-                                  f"{where or 'trainer rank 0'}: {err}") from err  # fmt: skip
-
-    async def verify(self, expected: dict[str, str]) -> None:
-        """Every engine holds exactly the tensors sent: compare per-tensor checksums (names are HF names)."""
-        answers = await asyncio.gather(*(c.weights_checksums() for c in self.clients))
-        for client, answer in zip(self.clients, answers):
-            got: dict[str, str] = {}
-            for rank in answer.ranks:
-                got.update(rank.checksums)
-            for name, want in expected.items():
-                if got.get(name) != want:
-                    raise WeightSyncError(
-                        f"weight checksum mismatch on {client.url} for tensor {name!r}: "
-                        f"trainer {want}, engine {got.get(name, 'missing')}"
-                    )
+        failed = [(c.url, r) for c, r in zip(self._clients, results[1:]) if isinstance(r, BaseException)]
+        span = f"{names[0]}..{names[-1]}"
+        if failed:
+            url, err = failed[0]
+            raise EngineSyncError([u for u, _ in failed], f"weight update of bucket {span} failed on {url}: {err}")
+        if isinstance(results[0], BaseException):
+            raise WeightSyncError(f"broadcast of bucket {span} failed on trainer rank 0: {results[0]}") from results[0]
 
     async def close(self) -> None:
         if self.group is None:
             return
-        await asyncio.gather(*(c.destroy_weights_update_group(self.spec.group_name) for c in self.clients),
+        await asyncio.gather(*(c.destroy_weights_update_group(self.spec.group_name) for c in self._clients),
                              return_exceptions=True)  # fmt: skip
         self.group.destroy()
         self.group = None
+        self._clients = []

@@ -1,0 +1,224 @@
+"""Weight-sync benchmarks: one JSON line per result, one section per concern (DESIGN section 6).
+
+Sections (`--sections a,b` or `--only a`; all by default):
+- delta: the BF16 delta codec (`miles_hpc.sync.delta_codec`) on real AdamW RL steps. Per learning rate: a fresh
+  random-init Qwen3-shaped model with fp32 master weights takes `--steps` GRPO-style steps (loss = -advantage x
+  log-prob of random token sequences, advantages normalised per group); after each step every HF tensor is cast to
+  bf16 and coded against the previous bf16 copy, as the trainer does when it publishes. Reported per lr, summed
+  over steps and tensors: fraction of bf16 values changed; delta bytes (framed, all headers included) / full bf16
+  bytes; XOR + zstd baseline (if `zstandard` is installed); two entropy bounds of the update, order-0
+  (`entropy_iid_ratio`: change mask iid, ulp differences iid) and conditioned on the exponent of the old value
+  (`entropy_ctx_ratio`, the context the codec uses, so it can beat the order-0 bound); encode/decode speed in
+  full-tensor GB/s (with and without the `tensor_checksum` both a full and a delta send compute); and whether
+  encode + send delta + decode beats sending the full bytes over a `--link-gbps` link (codec time only, checksums
+  being common to both).
+
+    python benchmarks/bench_weight_sync.py                                   # CPU, ~25M-param model, < 2 min
+    python benchmarks/bench_weight_sync.py --only delta --size small         # the "small" preset, seconds
+    python benchmarks/bench_weight_sync.py --only delta --device cuda --size 1b --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from miles_hpc.models import ModelConfig, build_model, iter_hf_tensors
+from miles_hpc.models.presets import preset_config
+from miles_hpc.sync.checksum import tensor_checksum
+from miles_hpc.sync.delta_codec import decode, encode, to_bytes
+
+# Few-layer Qwen3 shapes on top of the "small" preset (its byte-level vocabulary): big enough matrices for
+# realistic per-tensor statistics, small enough for CPU.
+SIZES: dict[str, dict[str, int]] = {
+    "small": {},
+    "25m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 12,
+            "num_key_value_heads": 4, "head_dim": 64},
+    "100m": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 64},
+    "1b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 16, "num_attention_heads": 16,
+           "num_key_value_heads": 8, "head_dim": 128},  # bench_train.py's ~1.1B shapes, byte vocabulary
+}  # fmt: skip
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn(*args)
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- delta section
+def grpo_step(model: torch.nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace, g: torch.Generator) -> None:
+    """One policy-gradient step: groups of `--group` completions per random prompt, random rewards."""
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    n = args.prompts * args.group
+    prompt = torch.randint(0, vocab, (args.prompts, args.prompt_len), generator=g).repeat_interleave(args.group, 0)
+    completion = torch.randint(0, vocab, (n, args.seq - args.prompt_len), generator=g)
+    ids = torch.cat([prompt, completion], 1).to(device)
+    reward = torch.rand(args.prompts, args.group, generator=g)
+    adv = ((reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-6)).reshape(n, 1).to(device)
+    logits = model(ids)[:, args.prompt_len - 1 : -1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, args.prompt_len :, None]).squeeze(-1)
+    loss = -(adv * logp).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _keys16(bits: torch.Tensor) -> torch.Tensor:
+    u = bits.long() & 0xFFFF
+    return u ^ (0x8000 + (u >> 15) * 0x7FFF)
+
+
+def entropy_bits(old: torch.Tensor, new: torch.Tensor) -> tuple[float, float]:
+    """(order-0, exponent-of-old-conditioned) empirical entropy in bits of the bf16 update old -> new.
+
+    Order-0: N H(K/N) for the change mask plus K times the entropy of the nonzero ulp differences. Conditioned:
+    the same per exponent field of `old`, summed. Independent of the codec's own code.
+    """
+    ob, nb = old.reshape(-1).view(torch.int16).cpu(), new.reshape(-1).view(torch.int16).cpu()
+    d = _keys16(nb) - _keys16(ob)
+    exp = (ob.long() >> 7) & 0xFF
+    changed = d != 0
+
+    def mask_bits(n: torch.Tensor, k: torch.Tensor) -> float:
+        p = (k / n.clamp(min=1)).clamp(1e-300, 1 - 1e-16)
+        hb = torch.where((k > 0) & (k < n), -(p * torch.log2(p) + (1 - p) * torch.log2(1 - p)), 0.0)
+        return float((n * hb).sum())
+
+    def value_bits(groups: torch.Tensor, values: torch.Tensor) -> float:
+        _, cnt = torch.unique(groups * (1 << 18) + values + (1 << 17), return_counts=True)
+        _, gcnt = torch.unique(groups, return_counts=True)
+        cnt, gcnt = cnt.double(), gcnt.double()
+        return float((gcnt * torch.log2(gcnt)).sum() - (cnt * torch.log2(cnt)).sum())
+
+    n_all, k_all = torch.tensor([float(d.numel())]), torch.tensor([float(changed.sum())])
+    zeros = torch.zeros(int(changed.sum()), dtype=torch.long)
+    iid = mask_bits(n_all, k_all) + value_bits(zeros, d[changed])
+    n_e, k_e = torch.bincount(exp, minlength=256).double(), torch.bincount(exp[changed], minlength=256).double()
+    ctx = mask_bits(n_e, k_e) + value_bits(exp[changed], d[changed])
+    return iid, ctx
+
+
+def bench_delta(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    device = torch.device(args.device)
+    hf = preset_config("qwen3", "small") | SIZES[args.size]
+    cfg = ModelConfig.from_hf_dict(hf)
+    try:
+        import zstandard
+    except ImportError:
+        zstandard = None
+    warm = torch.randn(1 << 16, device=device).bfloat16()
+    decode(warm, encode(warm, warm + 1e-3))  # first-call costs (CUDA context, kernels) out of the timings
+    for lr in (float(x) for x in args.lrs.split(",")):
+        torch.manual_seed(args.seed)
+        model = build_model(cfg, dtype=torch.float32, device=device).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
+        g = torch.Generator().manual_seed(args.seed)
+        prev = {name: t.detach().to(torch.bfloat16) for name, t in iter_hf_tensors(model)}
+        tot: Counter[str] = Counter()
+        kinds: Counter[str] = Counter()
+        per_step: list[tuple[float, float]] = []
+        for _ in range(args.steps):
+            grpo_step(model, opt, args, g)
+            step: Counter[str] = Counter()
+            for name, t in iter_hf_tensors(model):
+                old, new = prev[name], t.detach().to(torch.bfloat16)
+                _, t_ck = timed(device, tensor_checksum, new)
+                payload, t_enc = timed(device, encode, old, new)
+                out, t_dec = timed(device, decode, old, payload)
+                if not torch.equal(out.view(torch.int16), new.view(torch.int16)):
+                    raise AssertionError(f"{name}: decode is not bit-exact")
+                iid, ctx = entropy_bits(old, new)
+                kinds[payload.kind] += 1
+                step.update(
+                    numel=new.numel(), changed=int((old.view(torch.int16) != new.view(torch.int16)).sum()),
+                    full_bytes=new.numel() * 2, delta_bytes=len(to_bytes(payload)), iid_bits=iid, ctx_bits=ctx,
+                    t_enc=t_enc, t_dec=t_dec, t_ck=t_ck,
+                )  # fmt: skip
+                if zstandard is not None:
+                    xor = (old.view(torch.int16) ^ new.view(torch.int16)).cpu().numpy().tobytes()
+                    step["zstd_bytes"] += len(zstandard.ZstdCompressor(level=args.zstd_level).compress(xor))
+                prev[name] = new
+            per_step.append((step["changed"] / step["numel"], step["delta_bytes"] / step["full_bytes"]))
+            tot.update(step)
+        full = tot["full_bytes"]
+        t_codec = (tot["t_enc"] - tot["t_ck"]) + (tot["t_dec"] - tot["t_ck"])  # each side computes one checksum
+        link = args.link_gbps * 1e9
+        line = {
+            "bench": "weight_sync", "section": "delta", "device": _device_name(device), "model": f"qwen3-{args.size}",
+            "params": sum(p.numel() for p in model.parameters()), "lr": lr, "steps": args.steps,
+            "tensors_per_step": len(prev), "kinds": dict(kinds),
+            "changed_frac": round(tot["changed"] / tot["numel"], 5),
+            "delta_ratio": round(tot["delta_bytes"] / full, 5),
+            "xor_zstd_ratio": round(tot["zstd_bytes"] / full, 5) if zstandard is not None else None,
+            "entropy_iid_ratio": round(tot["iid_bits"] / 8 / full, 5),
+            "entropy_ctx_ratio": round(tot["ctx_bits"] / 8 / full, 5),
+            "per_step_changed_frac": [round(c, 5) for c, _ in per_step],
+            "per_step_delta_ratio": [round(r, 5) for _, r in per_step],
+            "encode_gbps": round(full / tot["t_enc"] / 1e9, 4),
+            "decode_gbps": round(full / tot["t_dec"] / 1e9, 4),
+            "checksum_gbps": round(full / tot["t_ck"] / 1e9, 4),
+            "encode_gbps_excl_checksum": round(full / max(tot["t_enc"] - tot["t_ck"], 1e-9) / 1e9, 4),
+            "decode_gbps_excl_checksum": round(full / max(tot["t_dec"] - tot["t_ck"], 1e-9) / 1e9, 4),
+            "link_gbps": args.link_gbps, "full_send_s": round(full / link, 6),
+            "delta_send_s": round(t_codec + tot["delta_bytes"] / link, 6),
+            "delta_faster_than_link": t_codec + tot["delta_bytes"] / link < full / link,
+        }  # fmt: skip
+        yield line
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu x{torch.get_num_threads()} threads"
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], Iterator[dict[str, Any]]]] = {"delta": bench_delta}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--only", choices=sorted(SECTIONS), help="run this one section (overrides --sections)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    d = ap.add_argument_group("delta")
+    d.add_argument("--size", choices=sorted(SIZES), default="25m", help="model shape (Qwen3, byte vocabulary)")
+    d.add_argument("--lrs", default="1e-6,3e-6,1e-5", help="comma-separated AdamW learning rates")
+    d.add_argument("--steps", type=int, default=3, help="RL steps per learning rate")
+    d.add_argument("--prompts", type=int, default=2)
+    d.add_argument("--group", type=int, default=4, help="completions per prompt (GRPO group)")
+    d.add_argument("--seq", type=int, default=128, help="tokens per sequence, prompt included")
+    d.add_argument("--prompt-len", type=int, default=32)
+    d.add_argument("--zstd-level", type=int, default=3)
+    d.add_argument("--link-gbps", type=float, default=25.0, help="link speed (GB/s) the delta send competes with")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = [args.only] if args.only else [s for s in args.sections.split(",") if s]
+    unknown = [s for s in names if s not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    for name in names:
+        for line in SECTIONS[name](args):
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,522 @@
+"""Weight-delta codec of the "delta" sync strategy: which rollout-dtype values changed since the last publish, and how.
+
+Stage: sync (pure: imports only `sync.checksum`, which imports nothing of ours, so the engine may import this too).
+Invariants: `decode(old, encode(old, new))` has exactly the bits of `new` (NaN payloads, infinities, -0.0 and
+subnormals included) or raises `DeltaError`; `decode` verifies `tensor_checksum` of its result; a payload is never
+larger than the raw tensor plus the framing ("full" is sent instead). Element-wise work is vectorised torch on the
+tensors' device; Python loops run only over context classes (at most `max_classes`) and code sections.
+
+Model. A 2-byte (bfloat16, float16) or 4-byte (float32) pattern u maps to the order-preserving integer
+    key(u) = u XOR (sign bit of u set ? 0xFFFF : 0x8000)        (0xFFFFFFFF / 0x80000000 for 32-bit patterns),
+a bijection under which -0.0 and +0.0 are neighbours and NaNs sit at both ends. The "ulp difference" of an element
+is d = key(new) - key(old), nonzero exactly where the bits differ. After a small AdamW step ~1-3% of bf16 values
+change, mostly by d = +-1. The smaller |w|, the finer its ulp and the likelier a step changes it; the decoder knows
+`old`, so elements are split into context classes by the exponent field of `old` and each class is coded on its own
+(this beats the order-0 entropy of the update). The classes, contiguous exponent ranges, are chosen by dynamic
+programming over per-exponent histograms, minimising the estimated coded size plus a per-class header cost.
+
+Codes. One MSB-first bit stream; per class, in ascending exponent order:
+  1. positions: the ranks, among the class's elements in flat index order, of the changed ones, as a *set*;
+  2. signs: one bit per changed element (1: d < 0), in the same order;
+  3. escapes: the ranks, among the class's changed elements, of those with |d| > 1, as a *set*;
+  4. magnitudes: |d| - 2 of each escape, Rice-coded.
+A *set* of s ranks out of n is coded as its complement when s > n / 2 ("inverted"), then as gaps r_i - r_{i-1} - 1
+(r_{-1} = -1) in Rice codes, within a few percent of the entropy of geometric gaps. A Rice code with parameter k
+splits v into q = v >> k and k low bits, in separate sections so that both decode without a sequential scan: a
+*unary section* (q zeros then a one per value: its ones are the value boundaries), the k-bit remainders, then W-bit
+raw values of the escaped ones (q >= 32 is written as 32 zeros and a one, no remainder; W = bit length of n for gaps,
+the dtype width for magnitudes). k minimises the exact coded length.
+
+Counts (`DeltaPayload.counts`): [C, low_1 .. low_{C-1}] (class c covers exponent fields [low_c, low_{c+1}), low_0 =
+0), then per class: positions (inverted, s, k, unary bits), escapes (inverted, s, k, unary bits), magnitudes (k,
+unary bits). The body is the bit stream, zero-padded to whole bytes.
+
+Framing (`to_bytes`; integers are unsigned LEB128 varints unless sized):
+    b"MHWD" | u8 version=1 | u8 kind (0 same, 1 delta, 2 full) | u8 dtype (1 bfloat16, 2 float16, 3 float32)
+    | varint ndim | varint dim * ndim | u8 checksum length | checksum digest bytes
+    | varint len(counts) | varint count * len(counts) | varint len(body) | body | u32 LE CRC-32 of all before it
+"full" bodies are the little-endian bytes of `new`; "same" bodies are empty.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import zlib
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from miles_hpc.sync.checksum import tensor_checksum
+
+__all__ = ["DeltaError", "DeltaPayload", "decode", "encode", "from_bytes", "to_bytes"]
+
+Kind = Literal["same", "delta", "full"]
+_KINDS: tuple[Kind, ...] = ("same", "delta", "full")
+MAGIC = b"MHWD"
+VERSION = 1
+_Q_CAP = 32  # Rice quotients >= this are escaped to raw bits: one outlier gap costs ~W bits, not gap >> k
+_CLASS_HEADER_BITS = 96.0  # the DP's price of one more class: ~10 varints of counts
+_MAX_CODED_BITS = 62  # k and W stay below this, so every shift fits int64
+
+
+class DeltaError(ValueError):
+    """A payload that cannot be applied: corrupt, truncated, of another tensor, or made against another base."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    dtype: torch.dtype
+    bits: torch.dtype  # the same-width signed integer view
+    width: int  # bits per value
+    exp_shift: int  # exponent field = (bits >> exp_shift) & (n_exp - 1)
+    n_exp: int
+    code: int  # dtype byte of the framing
+
+
+_SPECS: dict[str, _Spec] = {
+    "bfloat16": _Spec(torch.bfloat16, torch.int16, 16, 7, 256, 1),
+    "float16": _Spec(torch.float16, torch.int16, 16, 10, 32, 2),
+    "float32": _Spec(torch.float32, torch.int32, 32, 23, 256, 3),
+}
+_BY_CODE = {s.code: name for name, s in _SPECS.items()}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeltaPayload:
+    """One tensor's update: "same" (no change), "delta" (coded changes) or "full" (raw bytes of the new tensor)."""
+
+    kind: Kind
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    shape: tuple[int, ...]
+    data: bytes  # "delta": the coded bit stream; "full": little-endian bytes of the new tensor; "same": empty
+    counts: tuple[int, ...] = ()  # "delta" only: class bounds and per-class code parameters (module docstring)
+    checksum: str  # `tensor_checksum` of the new tensor; `decode` verifies its result against it
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise DeltaError(f"unknown payload kind {self.kind!r}; expected one of {_KINDS}")
+        if self.dtype not in _SPECS:
+            raise DeltaError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(_SPECS)}")
+        if any(not isinstance(s, int) or s < 0 for s in self.shape):
+            raise DeltaError(f"bad shape {self.shape!r}")
+        if any(not isinstance(c, int) or c < 0 for c in self.counts):
+            raise DeltaError("counts must be non-negative ints")
+        try:
+            bytes.fromhex(self.checksum)
+        except ValueError:
+            raise DeltaError(f"checksum {self.checksum!r} is not hex") from None
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Bytes of the new tensor itself (what a full send carries)."""
+        return math.prod(self.shape) * _SPECS[self.dtype].width // 8
+
+
+# ---------------------------------------------------------------- public API
+def encode(old: torch.Tensor, new: torch.Tensor, *, max_classes: int = 16) -> DeltaPayload:
+    """Code `new` against `old` (same shape and dtype, any device); `max_classes` bounds the context classes."""
+    if old.dtype != new.dtype or old.shape != new.shape:
+        raise DeltaError(f"old {old.dtype} {tuple(old.shape)} and new {new.dtype} {tuple(new.shape)} differ")
+    name = str(new.dtype).removeprefix("torch.")
+    if name not in _SPECS:
+        raise DeltaError(f"unsupported dtype {name!r}; supported: {', '.join(_SPECS)}")
+    spec = _SPECS[name]
+    head = {"dtype": name, "shape": tuple(new.shape), "checksum": tensor_checksum(new)}
+    ob, nb = _flat_bits(old, spec), _flat_bits(new, spec)
+    idx = torch.nonzero(ob != nb).flatten()
+    if idx.numel() == 0:
+        return DeltaPayload(kind="same", data=b"", **head)
+    coded = _encode_changes(ob, nb, idx, spec, max_classes)
+    if coded is None or len(coded[0]) + len(_varints(coded[1])) >= nb.numel() * spec.width // 8:
+        return DeltaPayload(kind="full", data=_raw_bytes(nb), **head)
+    return DeltaPayload(kind="delta", data=coded[0], counts=coded[1], **head)
+
+
+def decode(old: torch.Tensor, payload: DeltaPayload) -> torch.Tensor:
+    """The new tensor (on `old`'s device), bit-exact; `DeltaError` on any mismatch, malformed stream or bad checksum."""
+    spec = _SPECS[payload.dtype]
+    if old.dtype != spec.dtype or tuple(old.shape) != payload.shape:
+        raise DeltaError(f"payload is for {payload.dtype} {payload.shape}, but old is {old.dtype} {tuple(old.shape)}")
+    ob = _flat_bits(old, spec)
+    if payload.kind == "same":
+        if payload.data or payload.counts:
+            raise DeltaError("a 'same' payload carries no data")
+        out_bits = ob.clone()
+    elif payload.kind == "full":
+        out_bits = _from_raw(payload.data, spec, ob.numel(), old.device)
+    else:
+        out_bits = _decode_changes(ob, payload.data, payload.counts, spec)
+    out = out_bits.view(spec.dtype).reshape(payload.shape)
+    got = tensor_checksum(out)
+    if got != payload.checksum:
+        raise DeltaError(
+            f"checksum mismatch after applying a {payload.kind!r} payload: got {got}, expected {payload.checksum} "
+            "(corrupt payload, or `old` is not the tensor the delta was made against)"
+        )
+    return out
+
+
+def to_bytes(payload: DeltaPayload) -> bytes:
+    """Self-describing framing of a payload for files and the wire (module docstring)."""
+    digest = bytes.fromhex(payload.checksum)
+    head = bytearray(MAGIC)
+    head += bytes([VERSION, _KINDS.index(payload.kind), _SPECS[payload.dtype].code])
+    head += _varints((len(payload.shape), *payload.shape))
+    head += bytes([len(digest)]) + digest
+    head += _varints((len(payload.counts), *payload.counts, len(payload.data)))
+    frame = bytes(head) + payload.data
+    return frame + zlib.crc32(frame).to_bytes(4, "little")
+
+
+def from_bytes(b: bytes) -> DeltaPayload:
+    """Parse `to_bytes` output; `DeltaError` names what is wrong with corrupt or truncated input."""
+    b = bytes(b)
+    if len(b) < len(MAGIC) + 3:
+        raise DeltaError(f"truncated delta payload: {len(b)} bytes")
+    if b[:4] != MAGIC:
+        raise DeltaError(f"not a delta payload: magic {b[:4]!r}, expected {MAGIC!r}")
+    if b[4] != VERSION:
+        raise DeltaError(f"unsupported delta payload version {b[4]} (this reader knows {VERSION})")
+    if b[5] >= len(_KINDS) or b[6] not in _BY_CODE:
+        raise DeltaError(f"corrupt delta payload header: kind byte {b[5]}, dtype byte {b[6]}")
+    cur = _Cursor(b, 7)
+    ndim = cur.varint()
+    if ndim > 64:
+        raise DeltaError(f"corrupt delta payload header: {ndim} dimensions")
+    shape = tuple(cur.varint() for _ in range(ndim))
+    digest = cur.take(cur.take(1)[0])
+    n_counts = cur.varint()
+    if n_counts > len(b):
+        raise DeltaError(f"corrupt delta payload header: {n_counts} counts in {len(b)} bytes")
+    counts = tuple(cur.varint() for _ in range(n_counts))
+    body = cur.take(cur.varint())
+    if len(b) - cur.pos < 4:
+        raise DeltaError(f"truncated delta payload: {len(b) - cur.pos} of the 4 CRC bytes after the body")
+    if len(b) - cur.pos > 4:
+        raise DeltaError(f"delta payload has {len(b) - cur.pos - 4} bytes after its body, expected none")
+    if zlib.crc32(b[: cur.pos]) != int.from_bytes(b[cur.pos :], "little"):
+        raise DeltaError("delta payload CRC-32 mismatch: the bytes are corrupt")
+    payload = DeltaPayload(
+        kind=_KINDS[b[5]], dtype=_BY_CODE[b[6]], shape=shape, data=body, counts=counts, checksum=digest.hex()
+    )
+    if payload.kind == "full" and len(body) != payload.raw_nbytes:
+        raise DeltaError(f"'full' payload has {len(body)} bytes, shape {shape} needs {payload.raw_nbytes}")
+    return payload
+
+
+# ---------------------------------------------------------------- delta coding
+def _encode_changes(
+    ob: torch.Tensor, nb: torch.Tensor, idx: torch.Tensor, spec: _Spec, max_classes: int
+) -> tuple[bytes, tuple[int, ...]] | None:
+    """(body, counts) of the changes at flat indices `idx`, or None when the estimate already exceeds raw size."""
+    d = _keys(nb[idx], spec) - _keys(ob[idx], spec)
+    mag = d.abs()
+    exp_all = _exponents(ob, spec)
+    exp_chg = exp_all[idx]
+    esc = mag > 1
+
+    def hist(x: torch.Tensor, w: torch.Tensor | None = None) -> np.ndarray:
+        return torch.bincount(x, weights=w, minlength=spec.n_exp).double().cpu().numpy()
+
+    n_e, k_e = hist(exp_all), hist(exp_chg)
+    lows, est_bits = _partition(n_e, k_e, hist(exp_chg[esc]), hist(exp_chg[esc], (mag[esc] - 2).double()), max_classes)
+    if est_bits >= ob.numel() * spec.width:
+        return None  # dense and wide changes: a full send wins, skip emitting the bits
+    bounds = [0, *lows, spec.n_exp]
+    counts = [len(bounds) - 1, *lows]
+    w = _BitWriter(ob.device)
+    if len(bounds) > 2:
+        # One stable sort by exponent lays every class out contiguously, each in flat index order: a class's
+        # changed ranks are the nonzeros of its slice of the sorted change mask, and a stable sort of the changes
+        # by exponent puts their differences in the same order. (Cost independent of the number of classes.)
+        changed_sorted = (ob != nb)[torch.argsort(exp_all, stable=True)]
+        d = d[torch.argsort(exp_chg, stable=True)]
+        starts = np.concatenate([[0], np.cumsum(n_e)]).astype(np.int64)[bounds]
+        k_starts = np.concatenate([[0], np.cumsum(k_e)]).astype(np.int64)[bounds]
+    for c in range(len(bounds) - 1):
+        if len(bounds) == 2:  # one class: ranks are flat indices
+            n_c, ranks, d_c = ob.numel(), idx, d
+        else:
+            n_c = int(starts[c + 1] - starts[c])
+            ranks = torch.nonzero(changed_sorted[starts[c] : starts[c + 1]]).flatten()
+            d_c = d[k_starts[c] : k_starts[c + 1]]
+        counts += _put_set(w, ranks, n_c)
+        w.fixed((d_c < 0).to(torch.int64), 1)
+        m_c = d_c.abs()
+        big = m_c > 1
+        counts += _put_set(w, torch.nonzero(big).flatten(), m_c.numel())
+        counts += _put_rice(w, m_c[big] - 2, spec.width)
+    return w.getvalue(), tuple(counts)
+
+
+def _decode_changes(ob: torch.Tensor, data: bytes, counts: tuple[int, ...], spec: _Spec) -> torch.Tensor:
+    c = _Cursor(counts, 0)
+    n_classes = c.next()
+    if not 1 <= n_classes <= spec.n_exp:
+        raise DeltaError(f"corrupt delta counts: {n_classes} classes")
+    lows = [c.next() for _ in range(n_classes - 1)]
+    bounds = [0, *lows, spec.n_exp]
+    if any(a >= b for a, b in itertools.pairwise(bounds)):
+        raise DeltaError(f"corrupt delta counts: class bounds {bounds} are not increasing")
+    r = _BitReader(data, ob.device)
+    if n_classes > 1:  # the encoder's layout: classes contiguous after a stable sort by exponent
+        exp_all = _exponents(ob, spec)
+        order = torch.argsort(exp_all, stable=True)
+        n_e = torch.bincount(exp_all, minlength=spec.n_exp).cpu().numpy()
+        starts = np.concatenate([[0], np.cumsum(n_e)]).astype(np.int64)[bounds]
+    idx_parts, d_parts = [], []
+    for k in range(n_classes):
+        members = None if n_classes == 1 else order[starts[k] : starts[k + 1]]
+        ranks = _get_set(r, c, ob.numel() if members is None else members.numel())
+        neg = r.fixed(ranks.numel(), 1).bool()
+        mag = torch.ones(ranks.numel(), dtype=torch.int64, device=ob.device)
+        big = _get_set(r, c, ranks.numel())
+        mag[big] = _get_rice(r, c, big.numel(), spec.width) + 2
+        idx_parts.append(ranks if members is None else members[ranks])
+        d_parts.append(torch.where(neg, -mag, mag))
+    if c.pos != len(counts):
+        raise DeltaError(f"corrupt delta counts: {len(counts) - c.pos} unused")
+    r.finish()
+    idx, d = torch.cat(idx_parts), torch.cat(d_parts)
+    key = _keys(ob[idx], spec) + d
+    if key.numel() and (int(key.min()) < 0 or int(key.max()) >= 1 << spec.width):
+        raise DeltaError("corrupt delta: a difference moves a value outside its dtype's bit patterns")
+    out = ob.clone()
+    out[idx] = _unkeys(key, spec)
+    return out
+
+
+def _partition(
+    n_e: np.ndarray, k_e: np.ndarray, x_e: np.ndarray, s_e: np.ndarray, max_classes: int
+) -> tuple[list[int], float]:
+    """Contiguous exponent ranges (their lower bounds, first one omitted) minimising the estimated coded bits.
+
+    Per exponent: n_e elements, k_e changed, x_e escapes (|d| > 1), s_e the sum of their |d| - 2. A class of n
+    elements costs n H(k/n) (positions) + k (signs) + k H(x/k) (escapes) + x h(s/x) (magnitudes, h = entropy of a
+    geometric law of that mean) + a header. Exact DP over segments of the populated exponents.
+    """
+    used = np.nonzero(n_e)[0]
+    pre = [np.concatenate([[0.0], np.cumsum(a[used])]) for a in (n_e, k_e, x_e, s_e)]
+    i, j = np.triu_indices(len(used) + 1, 1)
+    n, k, x, s = (p[j] - p[i] for p in pre)
+    mu = np.divide(s, x, out=np.zeros_like(s), where=x > 0)
+    geo = (1 + mu) * np.log2(1 + mu) - mu * np.log2(np.where(mu > 0, mu, 1.0))
+    cost = np.full((len(used) + 1, len(used) + 1), np.inf)
+    cost[i, j] = n * _h2(k, n) + k + k * _h2(x, k) + x * geo + _CLASS_HEADER_BITS
+    best = np.full(len(used) + 1, np.inf)
+    best[0] = 0.0
+    back, totals = [], []
+    for _ in range(max(1, max_classes)):
+        tot = best[:, None] + cost
+        arg = tot.argmin(0)
+        best = tot[arg, np.arange(len(used) + 1)]
+        back.append(arg)
+        totals.append(best[-1])
+    m = int(np.argmin(totals))
+    starts, end = [], len(used)
+    for level in range(m, -1, -1):
+        end = int(back[level][end])
+        starts.append(end)
+    return [int(used[t]) for t in reversed(starts[:-1])], float(totals[m])
+
+
+def _h2(k: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Binary entropy (bits) of k/n, 0 where n == 0."""
+    p = np.clip(np.divide(k, n, out=np.zeros_like(k), where=n > 0), 1e-300, 1.0)
+    q = np.clip(1.0 - p, 1e-300, 1.0)
+    return np.where((p > 1e-300) & (q > 1e-300), -(p * np.log2(p) + q * np.log2(q)), 0.0)
+
+
+# ---------------------------------------------------------------- sets and Rice codes
+def _put_set(w: _BitWriter, ranks: torch.Tensor, n: int) -> list[int]:
+    """Code sorted distinct `ranks` in [0, n): [inverted, size, k, unary bits]."""
+    inverted = 2 * ranks.numel() > n
+    if inverted:
+        ranks = _complement(ranks, n)
+    gaps = torch.diff(ranks.long(), prepend=ranks.new_full((1,), -1).long()) - 1
+    return [int(inverted), ranks.numel(), *_put_rice(w, gaps, max(1, n.bit_length()))]
+
+
+def _get_set(r: _BitReader, c: _Cursor, n: int) -> torch.Tensor:
+    inverted, size = c.next(), c.next()
+    if inverted > 1 or size > n:
+        raise DeltaError(f"corrupt delta counts: set of {size} out of {n} (inverted={inverted})")
+    ranks = torch.cumsum(_get_rice(r, c, size, max(1, n.bit_length())) + 1, 0) - 1
+    if size and int(ranks[-1]) >= n:
+        raise DeltaError(f"corrupt delta: rank {int(ranks[-1])} out of {n}")
+    return _complement(ranks, n) if inverted else ranks
+
+
+def _complement(ranks: torch.Tensor, n: int) -> torch.Tensor:
+    keep = torch.ones(n, dtype=torch.bool, device=ranks.device)
+    keep[ranks] = False
+    return torch.nonzero(keep).flatten()
+
+
+def _put_rice(w: _BitWriter, v: torch.Tensor, width: int) -> list[int]:
+    """Rice-code non-negative `v` (escapes raw in `width` bits) with the cheapest k: [k, unary bits]."""
+    if v.numel() == 0:
+        return [0, 0]
+    k = _best_k(v, width)
+    q = v >> k
+    esc = q >= _Q_CAP
+    q = torch.where(esc, _Q_CAP, q)
+    w.unary(q)
+    w.fixed(v[~esc] & ((1 << k) - 1), k)
+    w.fixed(v[esc], width)
+    return [k, int(q.sum()) + v.numel()]
+
+
+def _get_rice(r: _BitReader, c: _Cursor, n: int, width: int) -> torch.Tensor:
+    k, qbits = c.next(), c.next()
+    if k > _MAX_CODED_BITS or qbits < n or (n == 0 and qbits):
+        raise DeltaError(f"corrupt delta counts: Rice k={k}, {qbits} unary bits for {n} values")
+    ends = torch.nonzero(r.take(qbits)).flatten()
+    if ends.numel() != n or (n and int(ends[-1]) != qbits - 1):
+        raise DeltaError(f"corrupt delta: unary section has {ends.numel()} codes, expected {n}")
+    q = torch.diff(ends, prepend=ends.new_full((1,), -1)) - 1
+    esc = q == _Q_CAP
+    if n and int(q.max()) > _Q_CAP:
+        raise DeltaError("corrupt delta: Rice quotient above the escape cap")
+    v = torch.empty(n, dtype=torch.int64, device=r.device)
+    v[~esc] = (q[~esc] << k) | r.fixed(n - int(esc.sum()), k)
+    v[esc] = r.fixed(int(esc.sum()), width)
+    return v
+
+
+def _best_k(v: torch.Tensor, width: int) -> int:
+    """The k of least exact coded length, searched around log2 of the mean (Rice cost is unimodal in k)."""
+    guess = max(0, int(math.log2(max(float(v.double().mean()) * math.log(2), 1.0))))
+    costs = {}
+    for k in range(max(0, guess - 2), min(guess + 3, _MAX_CODED_BITS)):
+        q = v >> k
+        esc = q >= _Q_CAP
+        costs[k] = int(torch.where(esc, _Q_CAP + 1 + width, q + 1 + k).sum())
+    return min(costs, key=lambda k: (costs[k], k))
+
+
+# ---------------------------------------------------------------- bits
+class _BitWriter:
+    """MSB-first bit stream built from vectorised sections (0/1 uint8 tensors), packed once at the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.parts: list[torch.Tensor] = []
+
+    def fixed(self, v: torch.Tensor, width: int) -> None:
+        if width and v.numel():
+            shifts = torch.arange(width - 1, -1, -1, device=v.device)
+            self.parts.append(((v[:, None] >> shifts) & 1).to(torch.uint8).flatten())
+
+    def unary(self, q: torch.Tensor) -> None:
+        bits = torch.zeros(int(q.sum()) + q.numel(), dtype=torch.uint8, device=q.device)
+        bits[torch.cumsum(q + 1, 0) - 1] = 1
+        self.parts.append(bits)
+
+    def getvalue(self) -> bytes:
+        bits = torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.uint8, device=self.device)
+        bits = torch.cat([bits, bits.new_zeros(-bits.numel() % 8)]).view(-1, 8).to(torch.int32)
+        packed = (bits << torch.arange(7, -1, -1, device=bits.device, dtype=torch.int32)).sum(1)
+        return packed.to(torch.uint8).cpu().numpy().tobytes()
+
+
+class _BitReader:
+    def __init__(self, data: bytes, device: torch.device) -> None:
+        self.device = device
+        raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).to(device)
+        self.bits = ((raw[:, None] >> torch.arange(7, -1, -1, device=device, dtype=torch.uint8)) & 1).flatten()
+        self.pos = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        if self.pos + n > self.bits.numel():
+            raise DeltaError(f"corrupt delta: body ends at bit {self.bits.numel()}, a section needs {self.pos + n}")
+        self.pos += n
+        return self.bits[self.pos - n : self.pos]
+
+    def fixed(self, n: int, width: int) -> torch.Tensor:
+        if width == 0:
+            return torch.zeros(n, dtype=torch.int64, device=self.device)
+        b = self.take(n * width).view(n, width).long()
+        return (b << torch.arange(width - 1, -1, -1, device=self.device)).sum(1)
+
+    def finish(self) -> None:
+        rest = self.bits[self.pos :]
+        if rest.numel() >= 8 or bool(rest.any()):
+            raise DeltaError(f"corrupt delta: {rest.numel()} bits left after the last section")
+
+
+class _Cursor:
+    """Reads ints (from counts) or bytes/varints (from a frame), raising DeltaError past the end."""
+
+    def __init__(self, buf: bytes | tuple[int, ...], pos: int) -> None:
+        self.buf, self.pos = buf, pos
+
+    def next(self) -> int:
+        if self.pos >= len(self.buf):
+            raise DeltaError(f"corrupt delta: counts end after {len(self.buf)} values")
+        self.pos += 1
+        return int(self.buf[self.pos - 1])
+
+    def take(self, n: int) -> bytes:
+        if self.pos + n > len(self.buf):
+            raise DeltaError(f"truncated delta payload: needs {self.pos + n} bytes, has {len(self.buf)}")
+        self.pos += n
+        return bytes(self.buf[self.pos - n : self.pos])
+
+    def varint(self) -> int:
+        value = 0
+        for shift in range(0, 70, 7):
+            byte = self.take(1)[0]
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return value
+        raise DeltaError("corrupt delta payload header: varint longer than 10 bytes")
+
+
+def _varints(values: tuple[int, ...] | list[int]) -> bytes:
+    out = bytearray()
+    for v in values:
+        while v >= 0x80:
+            out.append((v & 0x7F) | 0x80)
+            v >>= 7
+        out.append(v)
+    return bytes(out)
+
+
+# ---------------------------------------------------------------- bit patterns
+def _flat_bits(t: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(spec.bits)
+
+
+def _exponents(bits: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    """The exponent field of each pattern, as int16 (the narrowest type bincount and a stable sort take)."""
+    return ((bits >> spec.exp_shift) & (spec.n_exp - 1)).to(torch.int16)
+
+
+def _keys(bits: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    """Order-preserving int64 keys of bit patterns (module docstring)."""
+    top = 1 << (spec.width - 1)
+    u = bits.long() & ((1 << spec.width) - 1)
+    return u ^ (top + (u >> (spec.width - 1)) * (top - 1))
+
+
+def _unkeys(key: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    top, full = 1 << (spec.width - 1), (1 << spec.width) - 1
+    u = key ^ (full - (key >> (spec.width - 1)) * (top - 1))
+    return (u - ((u >> (spec.width - 1)) << spec.width)).to(spec.bits)  # into the signed range of the view
+
+
+def _raw_bytes(bits: torch.Tensor) -> bytes:
+    arr = bits.cpu().numpy()
+    return (arr.byteswap() if sys.byteorder != "little" else arr).tobytes()
+
+
+def _from_raw(data: bytes, spec: _Spec, numel: int, device: torch.device) -> torch.Tensor:
+    if len(data) != numel * spec.width // 8:
+        raise DeltaError(f"'full' payload has {len(data)} bytes, the tensor needs {numel * spec.width // 8}")
+    arr = np.frombuffer(data, dtype=np.dtype(f"<i{spec.width // 8}")).astype(f"=i{spec.width // 8}")
+    return torch.from_numpy(arr).to(device)

@@ -1,0 +1,73 @@
+"""The `WeightSync` protocol every strategy implements, its errors, and checksum verification (stage: sync).
+
+A strategy moves the trainer's HF-named tensors to a set of engines and sets their `weight_version`; the
+`Publisher` (publish.py) wraps every strategy in the same cycle: pause -> transfer -> verify -> continue, and
+handles engines that fail. A strategy knows nothing of pausing, routers or retries.
+
+Contract of a strategy:
+- `connect(clients)` (re)builds whatever the transfer needs to reach exactly these engines (a process group, a
+  directory); called again when the set of engines changes; `clients` says the current set.
+- `push(named, version)` consumes the whole iterator (trainer-side iterators are collectives: every rank steps
+  through them), sends, and returns the checksum (`sync.checksum.tensor_checksum`) of each tensor as the engines
+  must now hold it. The last part of the update carries `version`; an engine that received only part of it
+  refuses to continue generation (engine/core.py `resume`), so a trainer that dies mid-push never leaves a
+  half-updated engine serving.
+- Failures raise `EngineSyncError` naming the engines that failed when the strategy can tell (the publisher then
+  takes them out of the fleet and retries with the others), `WeightSyncError` otherwise (the run stops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from miles_hpc.rollout.client import EngineClient
+
+__all__ = ["EngineSyncError", "WeightSync", "WeightSyncError", "verify_checksums"]
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update failed or did not verify; the message names the engine and tensor."""
+
+
+class EngineSyncError(WeightSyncError):
+    """Some engines failed their part of an update; the others may be retried without them."""
+
+    def __init__(self, failed: Sequence[str], message: str) -> None:
+        super().__init__(message)
+        self.failed = tuple(failed)  # engine URLs
+
+
+@runtime_checkable
+class WeightSync(Protocol):
+    """One weight-update strategy (broadcast, p2p, delta, colocated, lora): see the module docstring."""
+
+    name: str
+
+    @property
+    def clients(self) -> Sequence[EngineClient]: ...
+
+    async def connect(self, clients: Sequence[EngineClient]) -> None: ...
+
+    async def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, str]: ...
+
+    async def close(self) -> None: ...
+
+
+async def verify_checksums(clients: Sequence[EngineClient], expected: dict[str, str]) -> None:
+    """Every engine holds exactly the tensors sent: compare its per-tensor checksums (HF names) with `expected`;
+    raise naming the engine and the first tensor that differs."""
+    answers = await asyncio.gather(*(c.weights_checksums() for c in clients))
+    for client, answer in zip(clients, answers):
+        got: dict[str, str] = {}
+        for rank in answer.ranks:
+            got.update(rank.checksums)
+        for name, want in expected.items():
+            if got.get(name) != want:
+                raise WeightSyncError(
+                    f"weight checksum mismatch on {client.url} for tensor {name!r}: "
+                    f"trainer {want}, engine {got.get(name, 'missing')}"
+                )

@@ -1,0 +1,140 @@
+"""The publish cycle around every weight-sync strategy: pause -> transfer -> verify -> continue (stage: sync).
+
+`Publisher.publish(named_fn, version)`:
+1. targets = the router's available engines, plus quarantined engines that answer `/health` again (they need the
+   current weights before they may serve: the router's re-admission hook `readmit_check` refuses an engine whose
+   `weight_version` is not the published one);
+2. pause the targets (`sync.pause_mode`: abort | retract | in_place);
+3. (re)connect the strategy when the targets changed, then `push` (the strategy's transfer; the last part sets
+   `weight_version`);
+4. an `EngineSyncError` names the engines whose part failed; a broken collective fails every member, so those
+   that no longer answer `/health` (dead or hung) are quarantined (the run goes on with the others), the rest of
+   the trainer's iterator is drained (it is a collective on every trainer rank), and the push is retried once
+   with the remaining engines from a fresh iterator; anything else stops the run. Engines still blocked in the
+   broken group free themselves after their own receive timeout (`miles-hpc serve --weight-update-timeout`,
+   set from `sync.timeout_s`), so a retry can wait up to that long;
+5. verify every target's per-tensor checksums against what was sent (a mismatch stops the run, naming the tensor);
+6. continue generation on the updated engines (also after a failure, so nothing stays paused by accident; an
+   engine left half-updated refuses to continue, engine/core.py, and stays out of the fleet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from miles_hpc.rollout.client import EngineClient
+from miles_hpc.rollout.requests import PauseMode
+from miles_hpc.rollout.router import Router
+from miles_hpc.sync.protocol import EngineSyncError, WeightSync, WeightSyncError, verify_checksums
+
+__all__ = ["PublishReport", "Publisher"]
+
+log = logging.getLogger(__name__)
+
+NamedFn = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True, slots=True)
+class PublishReport:
+    version: str
+    engines: int  # engines that hold `version` now
+    dropped: tuple[str, ...]  # engines taken out of the fleet during this publish
+    tensors: int
+    seconds: float
+
+
+class Publisher:
+    """Runs the publish cycle of one strategy over the engines of one router."""
+
+    def __init__(self, sync: WeightSync, router: Router, *, pause_mode: PauseMode = "retract") -> None:
+        self.sync, self.router, self.pause_mode = sync, router, pause_mode
+        self.version: str | None = None  # the last version every live engine verified
+
+    async def publish(self, named_fn: NamedFn, version: str) -> PublishReport:
+        t0 = time.perf_counter()
+        targets = await self._targets()
+        if not targets:
+            raise WeightSyncError(f"no engine to publish weight version {version} to: every engine is out")
+        dropped: list[str] = []
+        answers = await asyncio.gather(*(c.pause(self.pause_mode) for c in targets), return_exceptions=True)
+        for c, a in zip(targets, answers):
+            if isinstance(a, BaseException):
+                self._drop(c, a, dropped)
+        targets = paused = [c for c in targets if c.url not in dropped]
+        if not targets:
+            raise WeightSyncError(f"no engine to publish weight version {version} to: none could be paused")
+        try:
+            sent: dict[str, str] = {}
+            for attempt in (0, 1):
+                it = iter(named_fn())
+                try:
+                    if list(self.sync.clients) != targets:
+                        await self.sync.connect(targets)
+                    sent = await self.sync.push(it, version)
+                    break
+                except EngineSyncError as e:
+                    _drain(it)
+                    await self.sync.close()
+                    # A collective breaks for every member when one dies: drop the engines that are gone (or
+                    # hung: no /health answer), retry with the ones that answer.
+                    named_failed = [c for c in targets if c.url in set(e.failed)]
+                    alive = await asyncio.gather(*(self._alive(c) for c in named_failed))
+                    failed = {c.url for c, ok in zip(named_failed, alive) if not ok}
+                    for c in targets:
+                        if c.url in failed:
+                            self._drop(c, e, dropped)
+                    targets = [c for c in targets if c.url not in failed]
+                    if attempt == 1 or not targets:
+                        raise WeightSyncError(f"weight version {version}: {e}") from e
+                    log.warning("weight sync: retrying with %d engines", len(targets))
+                except BaseException:
+                    _drain(it)
+                    raise
+            await verify_checksums(targets, sent)
+            self.version = version
+        finally:
+            await asyncio.gather(*(c.continue_generation() for c in paused if c.url not in dropped),
+                                 return_exceptions=True)  # fmt: skip
+        return PublishReport(version, len(targets), tuple(dropped), len(sent), time.perf_counter() - t0)
+
+    def _drop(self, client: EngineClient, error: BaseException, dropped: list[str]) -> None:
+        """Out of the fleet (the router fails over its work); the next publish tries it again."""
+        dropped.append(client.url)
+        for i, c in enumerate(self.router.clients):
+            if c is client:
+                self.router.quarantine(i, error)
+        log.warning("weight sync: dropped %s: %s", client.url, error)
+
+    async def readmit_check(self, i: int, client: EngineClient) -> None:
+        """The router's re-admission hook: an engine serves again only with the published weights."""
+        info = await client.model_info()
+        if self.version is not None and str(info.get("weight_version")) != self.version:
+            raise WeightSyncError(f"{client.url} holds weight version {info.get('weight_version')!r}, the trainer "
+                                  f"published {self.version!r}: it gets the weights at the next publish")  # fmt: skip
+
+    async def _targets(self) -> list[EngineClient]:
+        """Available engines, plus quarantined ones that are alive again, in the router's order."""
+        quarantined = self.router.selector.quarantined
+        alive = await asyncio.gather(*(self._alive(self.router.clients[i]) for i in sorted(quarantined)))
+        back = {i for i, ok in zip(sorted(quarantined), alive) if ok}
+        return [c for i, c in enumerate(self.router.clients) if i not in quarantined or i in back]
+
+    @staticmethod
+    async def _alive(client: EngineClient) -> bool:
+        try:
+            await client.health(timeout=5.0, retries=0)
+        except Exception:  # noqa: BLE001 (any failure means: not a target this time)
+            return False
+        return True
+
+
+def _drain(it: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Step through the rest of a trainer-side iterator: every trainer rank runs the same collectives."""
+    for _ in it:
+        pass

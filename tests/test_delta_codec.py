@@ -1,0 +1,243 @@
+"""The BF16 weight-delta codec (sync/delta_codec.py): bit-exact round trips, framing, corruption, and coded size.
+
+Updates are made here in the order-preserving key space with numpy, independently of the codec's own key code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from miles_hpc.sync.checksum import tensor_checksum
+from miles_hpc.sync.delta_codec import DeltaError, DeltaPayload, decode, encode, from_bytes, to_bytes
+
+WIDTH = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
+INT = {16: (np.uint16, torch.int16, np.int16), 32: (np.uint32, torch.int32, np.int32)}
+
+
+def to_keys(t: torch.Tensor) -> np.ndarray:
+    """Order-preserving unsigned keys of the bit patterns (sign-magnitude -> offset binary), as int64."""
+    w = WIDTH[t.dtype]
+    u = t.contiguous().view(INT[w][1]).numpy().view(INT[w][0]).astype(np.int64).reshape(-1)
+    neg = u >> (w - 1) == 1
+    return np.where(neg, (~u) & ((1 << w) - 1), u | (1 << (w - 1)))
+
+
+def from_keys(k: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    w = WIDTH[dtype]
+    pos = k >> (w - 1) == 1
+    u = np.where(pos, k ^ (1 << (w - 1)), (~k) & ((1 << w) - 1)).astype(INT[w][0])
+    return torch.from_numpy(u.view(INT[w][2])).view(dtype).reshape(shape)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(INT[WIDTH[t.dtype]][1])
+
+
+def perturb(old: torch.Tensor, density: float, rng: np.random.Generator, big: float = 0.05) -> torch.Tensor:
+    """Move a `density` fraction of values by +-1 ulp, a `big` share of those by up to +-300 ulps (in key space)."""
+    k = to_keys(old)
+    n = k.size
+    chosen = rng.random(n) < density if density < 1 else np.ones(n, bool)
+    step = rng.choice([-1, 1], n) * np.where(rng.random(n) < big, rng.integers(2, 300, n), 1)
+    k2 = np.clip(k + chosen * step, 0, (1 << WIDTH[old.dtype]) - 1)
+    k2 = np.where(chosen & (k2 == k), k ^ 1, k2)  # a clipped move still changes the value
+    return from_keys(k2, old.dtype, tuple(old.shape))
+
+
+def weights(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 0.02).to(dtype)
+
+
+def roundtrip(old: torch.Tensor, new: torch.Tensor) -> DeltaPayload:
+    p = encode(old, new)
+    assert torch.equal(bits(decode(old, p)), bits(new))
+    q = from_bytes(to_bytes(p))
+    assert q == p
+    assert torch.equal(bits(decode(old, q)), bits(new))
+    assert p.checksum == tensor_checksum(new)
+    return p
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(0,), (), (1,), (7, 13), (3, 5, 64), (20000,)])
+@pytest.mark.parametrize("density", [0.0, 1e-4, 0.02, 0.5, 1.0])
+def test_roundtrip_shapes_dtypes_densities(dtype: torch.dtype, shape: tuple[int, ...], density: float) -> None:
+    old = weights(shape, dtype, seed=1)
+    new = perturb(old, density, np.random.default_rng(2))
+    p = roundtrip(old, new)
+    if torch.equal(bits(old), bits(new)):
+        assert p.kind == "same" and p.data == b""
+    if p.kind == "delta":
+        assert len(p.data) < p.raw_nbytes
+
+
+def test_special_values_roundtrip() -> None:
+    # NaNs with payloads and both signs, infinities, signed zeros, subnormals, the largest finite values.
+    specials = [0x7FC0, 0x7FC1, 0x7F81, 0xFFC3, 0xFF80, 0x7F80, 0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x7F7F, 0xFF7F]
+    old = torch.tensor(np.array(specials * 50, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
+    shuffled = torch.tensor(np.random.default_rng(0).permutation(old.view(torch.int16).numpy()))
+    for new in (shuffled.view(torch.bfloat16), perturb(old, 0.3, np.random.default_rng(1))):
+        roundtrip(old, new)
+    # single flips among neighbours: -0.0 <-> +0.0, inf -> largest finite, NaN -> another NaN payload
+    pairs = [(0x8000, 0x0000), (0x0000, 0x8000), (0x7F80, 0x7F7F), (0x7FC0, 0x7FC1), (0x0001, 0x8001)]
+    for a, b in pairs:
+        o = torch.tensor(np.array([a] * 64, np.uint16).view(np.int16)).view(torch.bfloat16)
+        n = o.view(torch.int16).clone()
+        n[5] = int(np.array(b, np.uint16).view(np.int16))
+        p = roundtrip(o, n.view(torch.bfloat16))
+        assert p.kind in ("delta", "full")
+
+
+def test_large_ulp_jumps_and_sign_crossings() -> None:
+    rng = np.random.default_rng(3)
+    old = weights((4096,), torch.bfloat16, seed=3)
+    k = to_keys(old)
+    chosen = rng.random(k.size) < 0.01
+    k2 = np.where(chosen, np.clip(k + rng.integers(-40000, 40000, k.size), 0, 0xFFFF), k)
+    assert roundtrip(old, from_keys(k2, torch.bfloat16, (4096,))).kind == "delta"
+    # every value crosses zero (sign flip): big jumps, dense
+    roundtrip(old, -old)
+
+
+def test_dense_random_update_falls_back_to_full() -> None:
+    old, new = weights((64, 64), torch.bfloat16, 4), weights((64, 64), torch.bfloat16, 5)
+    p = roundtrip(old, new)
+    assert p.kind == "full" and len(p.data) == old.numel() * 2 and p.counts == ()
+    f32 = weights((1000,), torch.float32, 6)
+    assert roundtrip(f32, weights((1000,), torch.float32, 7)).kind == "full"
+    assert roundtrip(f32, f32 + 1e-3).kind == "delta"  # every value moves, ~5e5 ulps: still under 32 bits each
+
+
+def test_identical_is_same_and_decode_copies() -> None:
+    old = weights((128, 3), torch.bfloat16, 7)
+    p = roundtrip(old, old.clone())
+    assert p.kind == "same" and len(to_bytes(p)) < 64
+    out = decode(old, p)
+    assert out.data_ptr() != old.data_ptr()
+
+
+def test_non_contiguous_inputs() -> None:
+    old = weights((64, 48), torch.bfloat16, 8)
+    new = perturb(old, 0.05, np.random.default_rng(8))
+    p = encode(old.t(), new.t())
+    assert p.shape == (48, 64)
+    assert torch.equal(bits(decode(old.t(), p)), bits(new.t()))
+
+
+def test_corrupt_payload_is_detected_by_checksum_or_structure() -> None:
+    old = weights((8192,), torch.bfloat16, 9)
+    new = perturb(old, 0.02, np.random.default_rng(9))
+    p = encode(old, new)
+    assert p.kind == "delta"
+    for i in range(0, len(p.data), max(1, len(p.data) // 40)):
+        data = bytearray(p.data)
+        data[i] ^= 0x10
+        with pytest.raises(DeltaError):
+            decode(old, dataclasses.replace(p, data=bytes(data)))
+    bad_counts = list(p.counts)
+    bad_counts[2] += 1
+    with pytest.raises(DeltaError):
+        decode(old, dataclasses.replace(p, counts=tuple(bad_counts)))
+    full = encode(old, weights((8192,), torch.bfloat16, 10))
+    data = bytearray(full.data)
+    data[100] ^= 1
+    with pytest.raises(DeltaError, match="checksum mismatch"):
+        decode(old, dataclasses.replace(full, data=bytes(data)))
+
+
+def test_wrong_base_shape_or_dtype_raises() -> None:
+    old = weights((256,), torch.bfloat16, 11)
+    new = perturb(old, 0.02, np.random.default_rng(11))
+    p = encode(old, new)
+    other = perturb(old, 0.02, np.random.default_rng(12))
+    with pytest.raises(DeltaError, match="checksum mismatch"):
+        decode(other, p)
+    with pytest.raises(DeltaError, match="payload is for bfloat16"):
+        decode(old.reshape(16, 16), p)
+    with pytest.raises(DeltaError, match="payload is for bfloat16"):
+        decode(old.half(), p)
+    with pytest.raises(DeltaError):
+        encode(old, new.half())
+    with pytest.raises(DeltaError, match="unsupported dtype"):
+        encode(old.to(torch.int16), new.to(torch.int16))
+
+
+def test_framing_flips_and_truncations_raise() -> None:
+    old = weights((2048,), torch.bfloat16, 13)
+    frame = to_bytes(encode(old, perturb(old, 0.02, np.random.default_rng(13))))
+    assert frame[:4] == b"MHWD"
+    for i in range(len(frame)):
+        flipped = bytearray(frame)
+        flipped[i] ^= 0x01
+        with pytest.raises(DeltaError):
+            from_bytes(bytes(flipped))
+    for n in (0, 3, 7, 12, len(frame) // 2, len(frame) - 1):
+        with pytest.raises(DeltaError, match="truncated|CRC|corrupt|after its body"):
+            from_bytes(frame[:n])
+    with pytest.raises(DeltaError, match="after its body"):
+        from_bytes(frame + b"\0")
+    with pytest.raises(DeltaError, match="magic"):
+        from_bytes(b"XXXX" + frame[4:])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    shape=st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple),
+    density=st.sampled_from([0.0, 1e-3, 0.02, 0.2, 0.7, 1.0]),
+    big=st.sampled_from([0.0, 0.05, 0.5]),
+)
+def test_property_roundtrip(seed: int, dtype: torch.dtype, shape: tuple[int, ...], density: float, big: float) -> None:
+    rng = np.random.default_rng(seed)
+    old = from_keys(rng.integers(0, 1 << WIDTH[dtype], math.prod(shape)), dtype, shape)  # any bit patterns
+    roundtrip(old, perturb(old, density, rng, big=big))
+
+
+def entropy_bound_bits(old: torch.Tensor, new: torch.Tensor) -> float:
+    """Order-0 empirical entropy: N H(K/N) for the change mask + K H(ulp difference | changed)."""
+    d = to_keys(new) - to_keys(old)
+    n, changed = d.size, d[d != 0]
+    k = changed.size
+    p = k / n
+    mask = n * -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
+    _, cnt = np.unique(changed, return_counts=True)
+    return mask + float(-(cnt * np.log2(cnt / k)).sum())
+
+
+def test_coded_size_is_near_the_entropy_of_a_sparse_one_ulp_update() -> None:
+    # 2% of values move by +-1 ulp independently of their magnitude: exponent classes cannot help, so the whole
+    # payload (framing included) must be within 3% of the order-0 entropy (~1.01% of the bf16 bytes).
+    old = weights((1 << 20,), torch.bfloat16, 14)
+    new = perturb(old, 0.02, np.random.default_rng(14), big=0.0)
+    bound = entropy_bound_bits(old, new)
+    coded = len(to_bytes(roundtrip(old, new))) * 8
+    assert coded <= 1.03 * bound, (coded / bound, coded / 8 / old.numel() / 2)
+
+
+def test_exponent_context_beats_the_order0_bound_on_adam_like_updates() -> None:
+    # AdamW moves every weight by ~lr, so small weights (fine ulps) change far more often than large ones.
+    old32 = torch.randn(1 << 18, generator=torch.Generator().manual_seed(15)) * 0.02
+    step = 1e-6 * torch.randn(old32.shape, generator=torch.Generator().manual_seed(16)).sign()
+    old, new = old32.bfloat16(), (old32 + step).bfloat16()
+    assert 0.005 < float((bits(old) != bits(new)).float().mean()) < 0.1
+    coded = len(to_bytes(roundtrip(old, new))) * 8
+    assert coded < 0.9 * entropy_bound_bits(old, new)
+
+
+@pytest.mark.gpu
+def test_cuda_roundtrip_matches_cpu() -> None:
+    old = weights((4096, 64), torch.bfloat16, 17)
+    new = perturb(old, 0.02, np.random.default_rng(17))
+    p = encode(old.cuda(), new.cuda())
+    assert p == encode(old, new)
+    out = decode(old.cuda(), p)
+    assert out.is_cuda and torch.equal(bits(out.cpu()), bits(new))
