@@ -16,6 +16,9 @@ Sections (`--sections a,b` or `--only a`; all by default):
     python benchmarks/bench_weight_sync.py                                   # CPU, ~25M-param model, < 2 min
     python benchmarks/bench_weight_sync.py --only delta --size small         # the "small" preset, seconds
     python benchmarks/bench_weight_sync.py --only delta --device cuda --size 1b --steps 2
+    python benchmarks/bench_weight_sync.py --only transfer                   # real engine processes, CPU gloo
+
+- transfer: one publish per strategy to real `miles-hpc serve` engines on this host (sync_transfer.py).
 """
 
 from __future__ import annotations
@@ -188,7 +191,16 @@ def _device_name(device: torch.device) -> str:
     return f"cpu x{torch.get_num_threads()} threads"
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], Iterator[dict[str, Any]]]] = {"delta": bench_delta}
+def bench_transfer(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    from sync_transfer import bench_transfer as run  # benchmarks/ is on sys.path when this file runs
+
+    yield from run(args, SIZES)
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], Iterator[dict[str, Any]]]] = {
+    "delta": bench_delta,
+    "transfer": bench_transfer,
+}
 
 
 def main() -> None:
@@ -208,6 +220,11 @@ def main() -> None:
     d.add_argument("--prompt-len", type=int, default=32)
     d.add_argument("--zstd-level", type=int, default=3)
     d.add_argument("--link-gbps", type=float, default=25.0, help="link speed (GB/s) the delta send competes with")
+    t = ap.add_argument_group("transfer")
+    t.add_argument("--transfer-size", choices=sorted(SIZES), default="100m", help="model shape published")
+    t.add_argument("--engines", default="1,2", help="comma-separated engine counts")
+    t.add_argument("--reps", type=int, default=3, help="timed publishes per setting (median reported)")
+    t.add_argument("--bucket-mb", type=int, default=512, help="broadcast bucket size")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -28,7 +28,8 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   # Pin the CPU torch first: on these machines 2.13.0 is a local CPU wheel; the project's range then accepts it
   # instead of pulling a multi-GB CUDA build. Set MILES_TORCH_SPEC to use another torch.
   "$VENV/bin/python" -m pip install -q "${MILES_TORCH_SPEC:-torch==2.13.0}"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"
+  # mpi: mpi4py's wheels load the system MPI at run time; without one the MPI tier skips (CI installs Open MPI).
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,mpi]"
   touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

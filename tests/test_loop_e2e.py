@@ -70,6 +70,27 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
         assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), key
 
 
+def test_delta_strategy_runs_the_loop(tmp_path: Path) -> None:
+    # The same loop with `sync.strategy=delta`: version 1 goes out whole (no base yet), later ones as deltas under
+    # RUN/weights/v<N>/, every one verified by the engines' checksums; two engines, both kept current.
+    run_dir = tmp_path / "run"
+    run(run_dir, "steps=2", "sync.strategy=delta", "rollout.num_engines=2", "train.world_size=1")
+    m = metrics(run_dir)
+    assert [r["weight_version"] for r in m] == [1, 2] and all(r["sync/engines"] == 2 for r in m)
+    versions = sorted(p.name for p in (run_dir / "weights").iterdir())
+    assert versions == ["v1", "v2"]
+    manifest = json.loads((run_dir / "weights" / "v2" / "manifest.json").read_text())
+    assert manifest["base_version"] == "1" and manifest["version"] == "2"
+
+
+def test_unavailable_strategy_fails_before_anything_starts(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"),
+            f"run_dir={tmp_path / 'run'}", "sync.strategy=p2p"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode != 0 and "sync.strategy: 'p2p' is not available" in proc.stderr
+    assert not (tmp_path / "run" / "rendezvous").exists()
+
+
 @pytest.mark.slow
 def test_demo_config_learns(tmp_path: Path) -> None:
     # A shorter version of the README's main command: the reward must rise well above chance (0.1).

@@ -9,9 +9,11 @@ Levels (each route declares one; see server.py's route table):
   ``Authorization: Bearer <api-key>``; the admin key does NOT unlock them (as SGLang); without ``--api-key`` they
   are open, even when an admin key is set.
 - ADMIN (SGLang's ``ADMIN_OPTIONAL``: every weight-update, pause/continue, abort_request, flush_cache,
-  update_weight_version, weights_checker route): with ``--admin-api-key`` they need the admin key and the plain key
-  is refused (401); with only ``--api-key`` the plain key unlocks them; with no key they are open. SGLang marks
-  ``/abort_request`` admin too, so a plain-key client cannot abort other tenants' requests when an admin key is set.
+  update_weight_version, weights_checker route; every route of ``WeightEndpoints.routes()``, so also our
+  ``/update_weights_from_delta``, which makes the engine read files it names): with ``--admin-api-key`` they need
+  the admin key and the plain key is refused (401); with only ``--api-key`` the plain key unlocks them; with no key
+  they are open. SGLang marks ``/abort_request`` admin too, so a plain-key client cannot abort other tenants'
+  requests when an admin key is set.
 - Unknown paths are NORMAL (so a probe without the key learns nothing but 401, as with SGLang's middleware).
 
 Invariants: keys are compared with ``hmac.compare_digest`` (constant time); a missing or malformed header is a 401,

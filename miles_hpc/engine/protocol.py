@@ -379,6 +379,11 @@ SCHEMAS: dict[str, dict[str, F]] = {
         "load_format": F(only(None, "tensors arrive as they are broadcast")),
     },
     "destroy_weights_update_group": {"rid": F(string), "group_name": F(string, "weight_update_group")},
+    "update_weights_from_delta": {  # our extension (docs/engine.md; engine/delta_receiver.py), not SGLang's
+        **_WEIGHT_COMMON,
+        "manifest_path": F(string, required=True),
+        "base_version": F(string),  # null: the manifest holds full tensors
+    },
 }
 
 

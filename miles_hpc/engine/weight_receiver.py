@@ -16,8 +16,8 @@ Invariants:
 - One group per ``group_name``; joining a name twice is an error (SGLang's too), ``destroy`` frees it.
 
 :class:`WeightEndpoints` holds the HTTP handlers of every way new weights reach this engine (disk, tensor,
-distributed), of the weight version and of ``/weights_checker``; they answer SGLang's ``{success, message}``
-(400 on failure) and run one at a time, in arrival order.
+distributed, and our delta files: delta_receiver.py), of the weight version and of ``/weights_checker``; they
+answer SGLang's ``{success, message}`` (400 on failure) and run one at a time, in arrival order.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from miles_hpc.sync.pg import CustomGroup, GroupSpec
 
 from . import protocol
 from .core import Engine, RequestError
+from .delta_receiver import apply_version
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,7 @@ class WeightEndpoints:
             "/init_weights_update_group": self.init_group,
             "/update_weights_from_distributed": self.update_from_distributed,
             "/destroy_weights_update_group": self.destroy_group,
+            "/update_weights_from_delta": self.update_from_delta,  # our extension (delta_receiver.py)
         }
 
     async def _parse(self, endpoint: str, request: web.Request, limit: int | None = None) -> dict[str, Any]:
@@ -251,6 +253,16 @@ class WeightEndpoints:
             self.engine.update_weights(named, version=p["weight_version"], flush_cache=p["flush_cache"])
 
         return await self._apply(p, work, "Succeeded to update parameter online.")
+
+    async def update_from_delta(self, request: web.Request) -> web.Response:
+        """Apply a version written by the delta strategy (``manifest_path``: its directory); delta_receiver.py."""
+        p = await self._parse("update_weights_from_delta", request)
+
+        def work() -> None:
+            apply_version(self.engine, p["manifest_path"], base_version=p["base_version"],
+                          weight_version=p["weight_version"], flush_cache=p["flush_cache"])  # fmt: skip
+
+        return await self._apply(p, work, "Succeeded to update model weights from delta.")
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         p = await self._parse("destroy_weights_update_group", request)

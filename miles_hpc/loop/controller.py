@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_hpc.cluster.local import LocalCluster, free_port
-from miles_hpc.config import ConfigError, RunConfig
+from miles_hpc.config import RunConfig
 from miles_hpc.loop.run_dir import RunPaths, prepare_run_dir, resolve_model
 
 
@@ -29,11 +29,10 @@ def build_trainer(cfg: RunConfig, model_dir: Path) -> Any:
 def run_local(cfg: RunConfig) -> dict[str, Any]:
     """The whole run on this machine; returns a summary (reward at start and end, where the outputs are)."""
     from miles_hpc.rollout.plugins import load_object
+    from miles_hpc.sync.factory import check_strategy
 
     load_object(cfg.reward.fn, kind="reward function")  # a bad plug-in path fails before any process starts
-    if cfg.sync.strategy != "broadcast":  # the other strategies are not wired into the loop yet
-        raise ConfigError(f"sync.strategy: {cfg.sync.strategy!r} is not available in `miles-hpc run` yet; "
-                          "use 'broadcast'")  # fmt: skip
+    check_strategy(cfg)  # a strategy the local run cannot drive fails before any process starts
     paths = prepare_run_dir(cfg)
     model_dir = resolve_model(cfg, paths)
     master_port = free_port()
@@ -130,12 +129,11 @@ async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str
     from miles_hpc.rollout.client import EngineClient
     from miles_hpc.rollout.plugins import load_object
     from miles_hpc.rollout.router import Router
-    from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
+    from miles_hpc.sync.factory import build_sync
     from miles_hpc.sync.publish import Publisher
 
     clients = [EngineClient(u, api_key=api_key, admin_api_key=admin_key) for u in urls]
-    sync = BroadcastSync(BroadcastSpec(master_address="127.0.0.1", next_port=free_port, backend="gloo",
-                                       bucket_bytes=cfg.sync.bucket_bytes, timeout_s=cfg.sync.timeout_s))  # fmt: skip
+    sync = build_sync(cfg, paths.root, "127.0.0.1", free_port)
     router = Router(clients, owns_clients=True, on_readmit=lambda i, c: publisher.readmit_check(i, c))
     publisher = Publisher(sync, router, pause_mode=cfg.sync.pause_mode)
     d = cfg.data

@@ -345,6 +345,22 @@ class EngineClient:
         )
         return _message(await self._call(rq.UPDATE_WEIGHTS_FROM_DISK, body))
 
+    async def update_weights_from_delta(
+        self,
+        manifest_path: str | Path,
+        *,
+        base_version: str | None,
+        weight_version: str | None = None,
+        flush_cache: bool | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """Our extension (embedded engine only): apply the version written under ``manifest_path`` by the delta
+        strategy (``sync/delta.py``); ``base_version`` None for a manifest of full tensors."""
+        body = rq.update_weights_from_delta_body(
+            str(manifest_path), base_version=base_version, weight_version=weight_version, flush_cache=flush_cache
+        )
+        return _message(await self._call(rq.EXTENSIONS["update_weights_from_delta"], body, timeout=timeout))
+
     async def destroy_weights_update_group(self, group_name: str = rq.DEFAULT_GROUP) -> str:
         return _message(
             await self._call(rq.DESTROY_WEIGHTS_UPDATE_GROUP, rq.destroy_weights_update_group_body(group_name))

@@ -86,6 +86,12 @@ DESTROY_WEIGHTS_UPDATE_GROUP = Endpoint("POST", "/destroy_weights_update_group",
 LOAD_LORA_ADAPTER = Endpoint("POST", "/load_lora_adapter", admin=True, idempotent=False)
 UNLOAD_LORA_ADAPTER = Endpoint("POST", "/unload_lora_adapter", admin=True, idempotent=False)
 
+# Routes only the embedded engine serves (our extensions, docs/engine.md). Kept out of the module-level Endpoint
+# constants above: tests/sglang_schema_check.py checks each of those against SGLang's own app.
+EXTENSIONS: dict[str, Endpoint] = {
+    "update_weights_from_delta": Endpoint("POST", "/update_weights_from_delta", admin=True, idempotent=False),
+}
+
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 
 
@@ -260,6 +266,25 @@ def update_weights_from_disk_body(
     _set(body, "weight_version", None if weight_version is None else str(weight_version))
     _set(body, "flush_cache", flush_cache)
     _set(body, "keep_pause", keep_pause)
+    return body
+
+
+def update_weights_from_delta_body(
+    manifest_path: str,
+    *,
+    base_version: str | None,
+    weight_version: str | None = None,
+    flush_cache: bool | None = None,
+    abort_all_requests: bool | None = None,
+) -> dict[str, Any]:
+    """``POST /update_weights_from_delta`` (our extension, docs/engine.md): apply the weight version whose manifest
+    and payload files are in directory ``manifest_path``; ``base_version`` is the version the delta was coded
+    against (None: the manifest holds full tensors)."""
+    body: dict[str, Any] = {"manifest_path": str(manifest_path)}
+    _set(body, "base_version", None if base_version is None else str(base_version))
+    _set(body, "weight_version", None if weight_version is None else str(weight_version))
+    _set(body, "flush_cache", flush_cache)
+    _set(body, "abort_all_requests", abort_all_requests)
     return body
 
 

@@ -1,6 +1,7 @@
 """Weight-delta codec of the "delta" sync strategy: which rollout-dtype values changed since the last publish, and how.
 
-Stage: sync (pure: imports only `sync.checksum`, which imports nothing of ours, so the engine may import this too).
+Stage: sync (pure: imports only `sync.checksum` and `sync.bitcodes`, which import nothing of ours, so the engine
+may import this too).
 Invariants: `decode(old, encode(old, new))` has exactly the bits of `new` (NaN payloads, infinities, -0.0 and
 subnormals included) or raises `DeltaError`; `decode` verifies `tensor_checksum` of its result; a payload is never
 larger than the raw tensor plus the framing ("full" is sent instead). Element-wise work is vectorised torch on the
@@ -15,7 +16,8 @@ change, mostly by d = +-1. The smaller |w|, the finer its ulp and the likelier a
 (this beats the order-0 entropy of the update). The classes, contiguous exponent ranges, are chosen by dynamic
 programming over per-exponent histograms, minimising the estimated coded size plus a per-class header cost.
 
-Codes. One MSB-first bit stream; per class, in ascending exponent order:
+Codes (their building blocks live in `bitcodes.py`). One MSB-first bit stream; per class, in ascending exponent
+order:
   1. positions: the ranks, among the class's elements in flat index order, of the changed ones, as a *set*;
   2. signs: one bit per changed element (1: d < 0), in the same order;
   3. escapes: the ranks, among the class's changed elements, of those with |d| > 1, as a *set*;
@@ -50,21 +52,17 @@ from typing import Literal
 import numpy as np
 import torch
 
+from miles_hpc.sync import bitcodes as bc
+from miles_hpc.sync.bitcodes import DeltaError
 from miles_hpc.sync.checksum import tensor_checksum
 
-__all__ = ["DeltaError", "DeltaPayload", "decode", "encode", "from_bytes", "to_bytes"]
+__all__ = ["DeltaError", "DeltaPayload", "decode", "encode", "encode_full", "from_bytes", "to_bytes"]
 
 Kind = Literal["same", "delta", "full"]
 _KINDS: tuple[Kind, ...] = ("same", "delta", "full")
 MAGIC = b"MHWD"
 VERSION = 1
-_Q_CAP = 32  # Rice quotients >= this are escaped to raw bits: one outlier gap costs ~W bits, not gap >> k
 _CLASS_HEADER_BITS = 96.0  # the DP's price of one more class: ~10 varints of counts
-_MAX_CODED_BITS = 62  # k and W stay below this, so every shift fits int64
-
-
-class DeltaError(ValueError):
-    """A payload that cannot be applied: corrupt, truncated, of another tensor, or made against another base."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +129,20 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, max_classes: int = 16) -> De
     if idx.numel() == 0:
         return DeltaPayload(kind="same", data=b"", **head)
     coded = _encode_changes(ob, nb, idx, spec, max_classes)
-    if coded is None or len(coded[0]) + len(_varints(coded[1])) >= nb.numel() * spec.width // 8:
+    if coded is None or len(coded[0]) + len(bc.varints(coded[1])) >= nb.numel() * spec.width // 8:
         return DeltaPayload(kind="full", data=_raw_bytes(nb), **head)
     return DeltaPayload(kind="delta", data=coded[0], counts=coded[1], **head)
+
+
+def encode_full(new: torch.Tensor) -> DeltaPayload:
+    """A "full" payload of `new` (no base needed: `decode` checks only the shape and dtype of its `old`)."""
+    name = str(new.dtype).removeprefix("torch.")
+    if name not in _SPECS:
+        raise DeltaError(f"unsupported dtype {name!r}; supported: {', '.join(_SPECS)}")
+    nb = _flat_bits(new, _SPECS[name])
+    return DeltaPayload(
+        kind="full", dtype=name, shape=tuple(new.shape), data=_raw_bytes(nb), checksum=tensor_checksum(new)
+    )
 
 
 def decode(old: torch.Tensor, payload: DeltaPayload) -> torch.Tensor:
@@ -165,9 +174,9 @@ def to_bytes(payload: DeltaPayload) -> bytes:
     digest = bytes.fromhex(payload.checksum)
     head = bytearray(MAGIC)
     head += bytes([VERSION, _KINDS.index(payload.kind), _SPECS[payload.dtype].code])
-    head += _varints((len(payload.shape), *payload.shape))
+    head += bc.varints((len(payload.shape), *payload.shape))
     head += bytes([len(digest)]) + digest
-    head += _varints((len(payload.counts), *payload.counts, len(payload.data)))
+    head += bc.varints((len(payload.counts), *payload.counts, len(payload.data)))
     frame = bytes(head) + payload.data
     return frame + zlib.crc32(frame).to_bytes(4, "little")
 
@@ -183,7 +192,7 @@ def from_bytes(b: bytes) -> DeltaPayload:
         raise DeltaError(f"unsupported delta payload version {b[4]} (this reader knows {VERSION})")
     if b[5] >= len(_KINDS) or b[6] not in _BY_CODE:
         raise DeltaError(f"corrupt delta payload header: kind byte {b[5]}, dtype byte {b[6]}")
-    cur = _Cursor(b, 7)
+    cur = bc.Cursor(b, 7)
     ndim = cur.varint()
     if ndim > 64:
         raise DeltaError(f"corrupt delta payload header: {ndim} dimensions")
@@ -228,7 +237,7 @@ def _encode_changes(
         return None  # dense and wide changes: a full send wins, skip emitting the bits
     bounds = [0, *lows, spec.n_exp]
     counts = [len(bounds) - 1, *lows]
-    w = _BitWriter(ob.device)
+    w = bc.BitWriter(ob.device)
     if len(bounds) > 2:
         # One stable sort by exponent lays every class out contiguously, each in flat index order: a class's
         # changed ranks are the nonzeros of its slice of the sorted change mask, and a stable sort of the changes
@@ -244,17 +253,17 @@ def _encode_changes(
             n_c = int(starts[c + 1] - starts[c])
             ranks = torch.nonzero(changed_sorted[starts[c] : starts[c + 1]]).flatten()
             d_c = d[k_starts[c] : k_starts[c + 1]]
-        counts += _put_set(w, ranks, n_c)
+        counts += bc.put_set(w, ranks, n_c)
         w.fixed((d_c < 0).to(torch.int64), 1)
         m_c = d_c.abs()
         big = m_c > 1
-        counts += _put_set(w, torch.nonzero(big).flatten(), m_c.numel())
-        counts += _put_rice(w, m_c[big] - 2, spec.width)
+        counts += bc.put_set(w, torch.nonzero(big).flatten(), m_c.numel())
+        counts += bc.put_rice(w, m_c[big] - 2, spec.width)
     return w.getvalue(), tuple(counts)
 
 
 def _decode_changes(ob: torch.Tensor, data: bytes, counts: tuple[int, ...], spec: _Spec) -> torch.Tensor:
-    c = _Cursor(counts, 0)
+    c = bc.Cursor(counts, 0)
     n_classes = c.next()
     if not 1 <= n_classes <= spec.n_exp:
         raise DeltaError(f"corrupt delta counts: {n_classes} classes")
@@ -262,7 +271,7 @@ def _decode_changes(ob: torch.Tensor, data: bytes, counts: tuple[int, ...], spec
     bounds = [0, *lows, spec.n_exp]
     if any(a >= b for a, b in itertools.pairwise(bounds)):
         raise DeltaError(f"corrupt delta counts: class bounds {bounds} are not increasing")
-    r = _BitReader(data, ob.device)
+    r = bc.BitReader(data, ob.device)
     if n_classes > 1:  # the encoder's layout: classes contiguous after a stable sort by exponent
         exp_all = _exponents(ob, spec)
         order = torch.argsort(exp_all, stable=True)
@@ -271,11 +280,11 @@ def _decode_changes(ob: torch.Tensor, data: bytes, counts: tuple[int, ...], spec
     idx_parts, d_parts = [], []
     for k in range(n_classes):
         members = None if n_classes == 1 else order[starts[k] : starts[k + 1]]
-        ranks = _get_set(r, c, ob.numel() if members is None else members.numel())
+        ranks = bc.get_set(r, c, ob.numel() if members is None else members.numel())
         neg = r.fixed(ranks.numel(), 1).bool()
         mag = torch.ones(ranks.numel(), dtype=torch.int64, device=ob.device)
-        big = _get_set(r, c, ranks.numel())
-        mag[big] = _get_rice(r, c, big.numel(), spec.width) + 2
+        big = bc.get_set(r, c, ranks.numel())
+        mag[big] = bc.get_rice(r, c, big.numel(), spec.width) + 2
         idx_parts.append(ranks if members is None else members[ranks])
         d_parts.append(torch.where(neg, -mag, mag))
     if c.pos != len(counts):
@@ -329,162 +338,6 @@ def _h2(k: np.ndarray, n: np.ndarray) -> np.ndarray:
     p = np.clip(np.divide(k, n, out=np.zeros_like(k), where=n > 0), 1e-300, 1.0)
     q = np.clip(1.0 - p, 1e-300, 1.0)
     return np.where((p > 1e-300) & (q > 1e-300), -(p * np.log2(p) + q * np.log2(q)), 0.0)
-
-
-# ---------------------------------------------------------------- sets and Rice codes
-def _put_set(w: _BitWriter, ranks: torch.Tensor, n: int) -> list[int]:
-    """Code sorted distinct `ranks` in [0, n): [inverted, size, k, unary bits]."""
-    inverted = 2 * ranks.numel() > n
-    if inverted:
-        ranks = _complement(ranks, n)
-    gaps = torch.diff(ranks.long(), prepend=ranks.new_full((1,), -1).long()) - 1
-    return [int(inverted), ranks.numel(), *_put_rice(w, gaps, max(1, n.bit_length()))]
-
-
-def _get_set(r: _BitReader, c: _Cursor, n: int) -> torch.Tensor:
-    inverted, size = c.next(), c.next()
-    if inverted > 1 or size > n:
-        raise DeltaError(f"corrupt delta counts: set of {size} out of {n} (inverted={inverted})")
-    ranks = torch.cumsum(_get_rice(r, c, size, max(1, n.bit_length())) + 1, 0) - 1
-    if size and int(ranks[-1]) >= n:
-        raise DeltaError(f"corrupt delta: rank {int(ranks[-1])} out of {n}")
-    return _complement(ranks, n) if inverted else ranks
-
-
-def _complement(ranks: torch.Tensor, n: int) -> torch.Tensor:
-    keep = torch.ones(n, dtype=torch.bool, device=ranks.device)
-    keep[ranks] = False
-    return torch.nonzero(keep).flatten()
-
-
-def _put_rice(w: _BitWriter, v: torch.Tensor, width: int) -> list[int]:
-    """Rice-code non-negative `v` (escapes raw in `width` bits) with the cheapest k: [k, unary bits]."""
-    if v.numel() == 0:
-        return [0, 0]
-    k = _best_k(v, width)
-    q = v >> k
-    esc = q >= _Q_CAP
-    q = torch.where(esc, _Q_CAP, q)
-    w.unary(q)
-    w.fixed(v[~esc] & ((1 << k) - 1), k)
-    w.fixed(v[esc], width)
-    return [k, int(q.sum()) + v.numel()]
-
-
-def _get_rice(r: _BitReader, c: _Cursor, n: int, width: int) -> torch.Tensor:
-    k, qbits = c.next(), c.next()
-    if k > _MAX_CODED_BITS or qbits < n or (n == 0 and qbits):
-        raise DeltaError(f"corrupt delta counts: Rice k={k}, {qbits} unary bits for {n} values")
-    ends = torch.nonzero(r.take(qbits)).flatten()
-    if ends.numel() != n or (n and int(ends[-1]) != qbits - 1):
-        raise DeltaError(f"corrupt delta: unary section has {ends.numel()} codes, expected {n}")
-    q = torch.diff(ends, prepend=ends.new_full((1,), -1)) - 1
-    esc = q == _Q_CAP
-    if n and int(q.max()) > _Q_CAP:
-        raise DeltaError("corrupt delta: Rice quotient above the escape cap")
-    v = torch.empty(n, dtype=torch.int64, device=r.device)
-    v[~esc] = (q[~esc] << k) | r.fixed(n - int(esc.sum()), k)
-    v[esc] = r.fixed(int(esc.sum()), width)
-    return v
-
-
-def _best_k(v: torch.Tensor, width: int) -> int:
-    """The k of least exact coded length, searched around log2 of the mean (Rice cost is unimodal in k)."""
-    guess = max(0, int(math.log2(max(float(v.double().mean()) * math.log(2), 1.0))))
-    costs = {}
-    for k in range(max(0, guess - 2), min(guess + 3, _MAX_CODED_BITS)):
-        q = v >> k
-        esc = q >= _Q_CAP
-        costs[k] = int(torch.where(esc, _Q_CAP + 1 + width, q + 1 + k).sum())
-    return min(costs, key=lambda k: (costs[k], k))
-
-
-# ---------------------------------------------------------------- bits
-class _BitWriter:
-    """MSB-first bit stream built from vectorised sections (0/1 uint8 tensors), packed once at the end."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.parts: list[torch.Tensor] = []
-
-    def fixed(self, v: torch.Tensor, width: int) -> None:
-        if width and v.numel():
-            shifts = torch.arange(width - 1, -1, -1, device=v.device)
-            self.parts.append(((v[:, None] >> shifts) & 1).to(torch.uint8).flatten())
-
-    def unary(self, q: torch.Tensor) -> None:
-        bits = torch.zeros(int(q.sum()) + q.numel(), dtype=torch.uint8, device=q.device)
-        bits[torch.cumsum(q + 1, 0) - 1] = 1
-        self.parts.append(bits)
-
-    def getvalue(self) -> bytes:
-        bits = torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.uint8, device=self.device)
-        bits = torch.cat([bits, bits.new_zeros(-bits.numel() % 8)]).view(-1, 8).to(torch.int32)
-        packed = (bits << torch.arange(7, -1, -1, device=bits.device, dtype=torch.int32)).sum(1)
-        return packed.to(torch.uint8).cpu().numpy().tobytes()
-
-
-class _BitReader:
-    def __init__(self, data: bytes, device: torch.device) -> None:
-        self.device = device
-        raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).to(device)
-        self.bits = ((raw[:, None] >> torch.arange(7, -1, -1, device=device, dtype=torch.uint8)) & 1).flatten()
-        self.pos = 0
-
-    def take(self, n: int) -> torch.Tensor:
-        if self.pos + n > self.bits.numel():
-            raise DeltaError(f"corrupt delta: body ends at bit {self.bits.numel()}, a section needs {self.pos + n}")
-        self.pos += n
-        return self.bits[self.pos - n : self.pos]
-
-    def fixed(self, n: int, width: int) -> torch.Tensor:
-        if width == 0:
-            return torch.zeros(n, dtype=torch.int64, device=self.device)
-        b = self.take(n * width).view(n, width).long()
-        return (b << torch.arange(width - 1, -1, -1, device=self.device)).sum(1)
-
-    def finish(self) -> None:
-        rest = self.bits[self.pos :]
-        if rest.numel() >= 8 or bool(rest.any()):
-            raise DeltaError(f"corrupt delta: {rest.numel()} bits left after the last section")
-
-
-class _Cursor:
-    """Reads ints (from counts) or bytes/varints (from a frame), raising DeltaError past the end."""
-
-    def __init__(self, buf: bytes | tuple[int, ...], pos: int) -> None:
-        self.buf, self.pos = buf, pos
-
-    def next(self) -> int:
-        if self.pos >= len(self.buf):
-            raise DeltaError(f"corrupt delta: counts end after {len(self.buf)} values")
-        self.pos += 1
-        return int(self.buf[self.pos - 1])
-
-    def take(self, n: int) -> bytes:
-        if self.pos + n > len(self.buf):
-            raise DeltaError(f"truncated delta payload: needs {self.pos + n} bytes, has {len(self.buf)}")
-        self.pos += n
-        return bytes(self.buf[self.pos - n : self.pos])
-
-    def varint(self) -> int:
-        value = 0
-        for shift in range(0, 70, 7):
-            byte = self.take(1)[0]
-            value |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                return value
-        raise DeltaError("corrupt delta payload header: varint longer than 10 bytes")
-
-
-def _varints(values: tuple[int, ...] | list[int]) -> bytes:
-    out = bytearray()
-    for v in values:
-        while v >= 0x80:
-            out.append((v & 0x7F) | 0x80)
-            v >>= 7
-        out.append(v)
-    return bytes(out)
 
 
 # ---------------------------------------------------------------- bit patterns

@@ -1,0 +1,110 @@
+"""The `transfer` section of bench_weight_sync.py: time one publish per strategy to real engine processes.
+
+Engines are real `miles-hpc serve` processes on this machine, loaded with a random-init checkpoint of the chosen
+shape; the trainer side is this process, publishing perturbed weights through `sync.publish.Publisher` (pause ->
+push -> verify checksums -> continue), exactly what the RL loop runs. Per strategy and engine count: bytes moved
+(rollout dtype), push seconds and GB/s (median of `--reps` publishes), the whole cycle's seconds, and as the
+physical reference measured in the same run, this host's memcpy bandwidth for the same bytes (a broadcast to E
+engines on one host cannot beat E copies of the bytes through memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles_hpc.cluster.local import free_port
+from miles_hpc.models import ModelConfig, build_model, iter_hf_tensors, save_pretrained
+from miles_hpc.models.presets import preset_config
+from miles_hpc.rollout.client import EngineClient
+from miles_hpc.rollout.router import Router, RouterConfig
+from miles_hpc.rollout.sglang import wait_for_engines
+from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
+from miles_hpc.sync.publish import Publisher
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src)
+    return 3 * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def bench_transfer(args: argparse.Namespace, sizes: dict[str, dict[str, int]]) -> Iterator[dict[str, Any]]:
+    hf = preset_config("qwen3", "small") | sizes[args.transfer_size] | {"torch_dtype": "float32"}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        torch.manual_seed(args.seed)
+        model = build_model(ModelConfig.from_hf_dict(hf))
+        save_pretrained(model, model_dir)
+        for engines in [int(e) for e in args.engines.split(",")]:
+            yield asyncio.run(_one(args, model, model_dir, Path(tmp) / f"rdv{engines}", engines))
+
+
+async def _one(args: argparse.Namespace, model: torch.nn.Module, model_dir: Path, rdv: Path, n: int) -> dict[str, Any]:
+    rdv.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "miles_hpc.cli", "serve", str(model_dir), "--port", "0",
+                          "--rendezvous", str(rdv / f"engine-{i}.json"), "--max-total-tokens", "4096"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)  # fmt: skip
+        for i in range(n)
+    ]
+    try:
+        urls = [r.url for r in wait_for_engines(rdv, n, timeout=300, poll_s=0.1)]
+        named = [(k, v.detach().clone()) for k, v in iter_hf_tensors(model)]
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        sync = BroadcastSync(BroadcastSpec(master_address="127.0.0.1", next_port=free_port,
+                                           bucket_bytes=args.bucket_mb << 20, timeout_s=300))  # fmt: skip
+        pushes: list[float] = []
+        cycles: list[float] = []
+        async with Router([EngineClient(u) for u in urls], RouterConfig(health_interval_s=30), owns_clients=True) as r:
+            publisher = Publisher(sync, r, pause_mode="in_place")
+            inner = sync.push
+
+            async def timed_push(it, version):  # type: ignore[no-untyped-def]
+                t0 = time.perf_counter()
+                out = await inner(it, version)
+                pushes.append(time.perf_counter() - t0)
+                return out
+
+            sync.push = timed_push  # type: ignore[method-assign]
+            try:
+                for rep in range(args.reps + 1):  # the first publish also builds the group: not timed
+                    for _, t in named:
+                        t.add_(1e-3)
+                    t0 = time.perf_counter()
+                    await publisher.publish(lambda: iter(named), str(rep + 1))
+                    cycles.append(time.perf_counter() - t0)
+            finally:
+                await sync.close()
+        push_s, cycle_s = statistics.median(pushes[1:]), statistics.median(cycles[1:])
+        return {
+            "bench": "weight_sync", "section": "transfer", "strategy": "broadcast", "transport": "gloo (loopback)",
+            "device": "cpu", "engines": n, "size": args.transfer_size, "bytes": nbytes, "reps": args.reps,
+            "push_s": round(push_s, 4), "push_gbps": round(nbytes / push_s / 1e9, 3),
+            "bytes_delivered_gbps": round(n * nbytes / push_s / 1e9, 3), "cycle_s": round(cycle_s, 4),
+            "memcpy_gbps": round(memcpy_gbps(nbytes), 2),
+        }  # fmt: skip
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()

@@ -1,0 +1,134 @@
+"""The receiving side of the "delta" weight sync: ``POST /update_weights_from_delta`` (our extension).
+
+Stage: engine (weight sync, engine side). The trainer (``sync/delta.py``) writes a version directory
+(``sync/delta_manifest.py``: manifest + payload files) and names it here; `apply_version` reads it, decodes each
+tensor against this engine's current value of that HF tensor (the same name mapping as ``/weights_checker``:
+``models.hf_target``, per-expert views of fused MoE tensors), and applies the results with
+``Engine.update_weights``, the last part carrying the new ``weight_version``.
+
+Invariants:
+- Nothing is written before everything that can be checked was: the manifest, the base version (the engine must
+  hold exactly the version the delta was coded against, and not be half-updated), every name, shape and dtype
+  against the model, and every payload frame (read, CRC-checked, matched against its manifest entry).
+- Each decoded tensor is verified against the checksum the trainer computed (the codec does it), so a wrong base
+  cannot go unnoticed. A tensor that fails only then (the engine's weights were not the base despite the version)
+  stops the update part-way: the parts already applied carried no version, so a paused engine is left
+  half-updated (``Engine.resume`` refuses) and the trainer sends full tensors next time.
+- Deltas need this engine's tensor dtype to equal the payload's (the rollout dtype); "full" payloads are cast
+  like every other weight update.
+- The caller (``WeightEndpoints``) serialises this with every other weight change and runs it in a worker thread.
+Every error names the file and the tensor; the server answers it with HTTP 400.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from miles_hpc.models import hf_target
+from miles_hpc.sync.delta_codec import DeltaError, decode
+from miles_hpc.sync.delta_manifest import Entry, Manifest, read_manifest, read_payload
+
+from .core import Engine, RequestError
+
+__all__ = ["DeltaReport", "apply_version"]
+
+BUCKET_BYTES = 64 << 20  # decoded tensors held before they are applied (one `update_weights` part)
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaReport:
+    version: str
+    tensors: int  # entries of the manifest
+    changed: int  # tensors written (not "same")
+    bytes_read: int  # payload bytes (each read twice: checked, then decoded)
+
+
+def apply_version(
+    engine: Engine,
+    manifest_path: str | os.PathLike[str],
+    *,
+    base_version: str | None,
+    weight_version: str | None,
+    flush_cache: bool,
+) -> DeltaReport:
+    """Read, check, decode and apply the version in directory `manifest_path` (module docstring)."""
+    directory = Path(manifest_path)
+    m = read_manifest(directory)
+    where = directory / "manifest.json"
+    if base_version != m.base_version:
+        raise RequestError(f"base_version {base_version!r} in the request, {m.base_version!r} in {where}")
+    version = m.version if weight_version is None else weight_version
+    if version != m.version:
+        raise RequestError(f"weight_version {weight_version!r} in the request, {m.version!r} in {where}")
+    if m.base_version is not None:
+        if engine.weight_version != m.base_version:
+            raise RequestError(f"engine holds weight version {engine.weight_version!r}, the delta in {directory} is "
+                               f"against {m.base_version!r}: it needs the full tensors")  # fmt: skip
+        if engine.half_updated:
+            raise RequestError(f"engine weights are half-updated, not version {m.base_version!r}: a delta cannot "
+                               "apply; it needs the full tensors")  # fmt: skip
+    targets = _targets(engine, m, directory)
+    for e in m.tensors:  # every frame readable and as described before anything is written
+        read_payload(directory, e)
+    changed = 0
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, new in _decoded(directory, m, targets):
+        if bucket and size + new.numel() * new.element_size() > BUCKET_BYTES:
+            engine.update_weights(bucket, version=None, flush_cache=False)
+            bucket, size = [], 0
+        bucket.append((name, new))
+        size += new.numel() * new.element_size()
+        changed += 1
+    # The last part carries the version (and flushes the prefix cache); an empty one only names the weights.
+    engine.update_weights(bucket, version=version, flush_cache=flush_cache)
+    return DeltaReport(version=version, tensors=len(m.tensors), changed=changed, bytes_read=2 * m.total_bytes)
+
+
+def _targets(engine: Engine, m: Manifest, directory: Path) -> dict[str, torch.Tensor]:
+    """HF name -> the view of the model's parameter it fills; checks names, shapes and delta dtypes."""
+    model = engine.model
+    params = dict(model.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    for e in m.tensors:
+        where = f"tensor {e.name!r} of {directory}"
+        if model.config.tie_word_embeddings and e.name == "lm_head.weight":
+            continue  # the embedding itself, as loading and every other update skip it
+        try:
+            target = hf_target(model, e.name, params)
+        except KeyError:
+            raise RequestError(f"{where}: no such tensor in this {model.config.model_type} model") from None
+        if tuple(target.shape) != e.shape:
+            raise RequestError(f"{where}: shape {e.shape}, the model's is {tuple(target.shape)}")
+        held = str(target.dtype).removeprefix("torch.")
+        if e.kind != "full" and held != e.dtype:
+            raise RequestError(f"{where}: a {e.dtype} delta, but this engine holds {held}: deltas need the engine "
+                               f"in the rollout dtype (send full tensors, or serve with --dtype {e.dtype})")  # fmt: skip
+        out[e.name] = target
+    return out
+
+
+def _decoded(directory: Path, m: Manifest, targets: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, new tensor) of each changed entry, decoded against the engine's current value and verified."""
+    for e in m.tensors:
+        if e.name not in targets:
+            continue
+        target = targets[e.name]
+        new = _decode(directory, e, target)
+        if e.kind != "same":
+            yield e.name, new
+
+
+def _decode(directory: Path, e: Entry, target: torch.Tensor) -> torch.Tensor:
+    payload = read_payload(directory, e)
+    # "full" needs no base: decode against an empty tensor of its own dtype (update_weights casts it).
+    old = target if e.kind != "full" else torch.empty(e.shape, dtype=getattr(torch, e.dtype), device=target.device)
+    try:
+        return decode(old, payload)
+    except DeltaError as err:
+        raise RequestError(f"tensor {e.name!r} in {directory / e.file}: {err}") from err

@@ -1,0 +1,197 @@
+"""Bit-level codes of the weight-delta codec (stage: sync; pure torch/numpy, imports nothing of ours).
+
+`delta_codec.py` states the format; this module holds its building blocks: an MSB-first bit stream built from
+vectorised sections (`BitWriter`, `BitReader`), Rice codes with an escape for outliers (`put_rice`, `get_rice`),
+sets of ranks coded as Rice-coded gaps (`put_set`, `get_set`), and LEB128 varints (`varints`, `Cursor`).
+
+Invariants: every writer returns the counts its reader needs (they travel in the payload's `counts`, not in the bit
+stream), so each section decodes with vectorised ops, never a sequential scan; every reader raises `DeltaError`
+(never IndexError or a silent wrong value) on a stream or counts that do not fit, and keeps every shift below
+64 bits (`MAX_CODED_BITS`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+__all__ = [
+    "MAX_CODED_BITS",
+    "Q_CAP",
+    "BitReader",
+    "BitWriter",
+    "Cursor",
+    "DeltaError",
+    "best_k",
+    "complement",
+    "get_rice",
+    "get_set",
+    "put_rice",
+    "put_set",
+    "varints",
+]
+
+Q_CAP = 32  # Rice quotients >= this are escaped to raw bits: one outlier gap costs ~W bits, not gap >> k
+MAX_CODED_BITS = 62  # k and W stay below this, so every shift fits int64
+
+
+class DeltaError(ValueError):
+    """A payload that cannot be applied: corrupt, truncated, of another tensor, or made against another base."""
+
+
+# ---------------------------------------------------------------- sets and Rice codes
+def put_set(w: BitWriter, ranks: torch.Tensor, n: int) -> list[int]:
+    """Code sorted distinct `ranks` in [0, n): [inverted, size, k, unary bits]."""
+    inverted = 2 * ranks.numel() > n
+    if inverted:
+        ranks = complement(ranks, n)
+    gaps = torch.diff(ranks.long(), prepend=ranks.new_full((1,), -1).long()) - 1
+    return [int(inverted), ranks.numel(), *put_rice(w, gaps, max(1, n.bit_length()))]
+
+
+def get_set(r: BitReader, c: Cursor, n: int) -> torch.Tensor:
+    inverted, size = c.next(), c.next()
+    if inverted > 1 or size > n:
+        raise DeltaError(f"corrupt delta counts: set of {size} out of {n} (inverted={inverted})")
+    ranks = torch.cumsum(get_rice(r, c, size, max(1, n.bit_length())) + 1, 0) - 1
+    if size and int(ranks[-1]) >= n:
+        raise DeltaError(f"corrupt delta: rank {int(ranks[-1])} out of {n}")
+    return complement(ranks, n) if inverted else ranks
+
+
+def complement(ranks: torch.Tensor, n: int) -> torch.Tensor:
+    keep = torch.ones(n, dtype=torch.bool, device=ranks.device)
+    keep[ranks] = False
+    return torch.nonzero(keep).flatten()
+
+
+def put_rice(w: BitWriter, v: torch.Tensor, width: int) -> list[int]:
+    """Rice-code non-negative `v` (escapes raw in `width` bits) with the cheapest k: [k, unary bits]."""
+    if v.numel() == 0:
+        return [0, 0]
+    k = best_k(v, width)
+    q = v >> k
+    esc = q >= Q_CAP
+    q = torch.where(esc, Q_CAP, q)
+    w.unary(q)
+    w.fixed(v[~esc] & ((1 << k) - 1), k)
+    w.fixed(v[esc], width)
+    return [k, int(q.sum()) + v.numel()]
+
+
+def get_rice(r: BitReader, c: Cursor, n: int, width: int) -> torch.Tensor:
+    k, qbits = c.next(), c.next()
+    if k > MAX_CODED_BITS or qbits < n or (n == 0 and qbits):
+        raise DeltaError(f"corrupt delta counts: Rice k={k}, {qbits} unary bits for {n} values")
+    ends = torch.nonzero(r.take(qbits)).flatten()
+    if ends.numel() != n or (n and int(ends[-1]) != qbits - 1):
+        raise DeltaError(f"corrupt delta: unary section has {ends.numel()} codes, expected {n}")
+    q = torch.diff(ends, prepend=ends.new_full((1,), -1)) - 1
+    esc = q == Q_CAP
+    if n and int(q.max()) > Q_CAP:
+        raise DeltaError("corrupt delta: Rice quotient above the escape cap")
+    v = torch.empty(n, dtype=torch.int64, device=r.device)
+    v[~esc] = (q[~esc] << k) | r.fixed(n - int(esc.sum()), k)
+    v[esc] = r.fixed(int(esc.sum()), width)
+    return v
+
+
+def best_k(v: torch.Tensor, width: int) -> int:
+    """The k of least exact coded length, searched around log2 of the mean (Rice cost is unimodal in k)."""
+    guess = max(0, int(math.log2(max(float(v.double().mean()) * math.log(2), 1.0))))
+    costs = {}
+    for k in range(max(0, guess - 2), min(guess + 3, MAX_CODED_BITS)):
+        q = v >> k
+        esc = q >= Q_CAP
+        costs[k] = int(torch.where(esc, Q_CAP + 1 + width, q + 1 + k).sum())
+    return min(costs, key=lambda k: (costs[k], k))
+
+
+# ---------------------------------------------------------------- bits
+class BitWriter:
+    """MSB-first bit stream built from vectorised sections (0/1 uint8 tensors), packed once at the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.parts: list[torch.Tensor] = []
+
+    def fixed(self, v: torch.Tensor, width: int) -> None:
+        if width and v.numel():
+            shifts = torch.arange(width - 1, -1, -1, device=v.device)
+            self.parts.append(((v[:, None] >> shifts) & 1).to(torch.uint8).flatten())
+
+    def unary(self, q: torch.Tensor) -> None:
+        bits = torch.zeros(int(q.sum()) + q.numel(), dtype=torch.uint8, device=q.device)
+        bits[torch.cumsum(q + 1, 0) - 1] = 1
+        self.parts.append(bits)
+
+    def getvalue(self) -> bytes:
+        bits = torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.uint8, device=self.device)
+        bits = torch.cat([bits, bits.new_zeros(-bits.numel() % 8)]).view(-1, 8).to(torch.int32)
+        packed = (bits << torch.arange(7, -1, -1, device=bits.device, dtype=torch.int32)).sum(1)
+        return packed.to(torch.uint8).cpu().numpy().tobytes()
+
+
+class BitReader:
+    def __init__(self, data: bytes, device: torch.device) -> None:
+        self.device = device
+        raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).to(device)
+        self.bits = ((raw[:, None] >> torch.arange(7, -1, -1, device=device, dtype=torch.uint8)) & 1).flatten()
+        self.pos = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        if self.pos + n > self.bits.numel():
+            raise DeltaError(f"corrupt delta: body ends at bit {self.bits.numel()}, a section needs {self.pos + n}")
+        self.pos += n
+        return self.bits[self.pos - n : self.pos]
+
+    def fixed(self, n: int, width: int) -> torch.Tensor:
+        if width == 0:
+            return torch.zeros(n, dtype=torch.int64, device=self.device)
+        b = self.take(n * width).view(n, width).long()
+        return (b << torch.arange(width - 1, -1, -1, device=self.device)).sum(1)
+
+    def finish(self) -> None:
+        rest = self.bits[self.pos :]
+        if rest.numel() >= 8 or bool(rest.any()):
+            raise DeltaError(f"corrupt delta: {rest.numel()} bits left after the last section")
+
+
+class Cursor:
+    """Reads ints (from counts) or bytes/varints (from a frame), raising DeltaError past the end."""
+
+    def __init__(self, buf: bytes | tuple[int, ...], pos: int) -> None:
+        self.buf, self.pos = buf, pos
+
+    def next(self) -> int:
+        if self.pos >= len(self.buf):
+            raise DeltaError(f"corrupt delta: counts end after {len(self.buf)} values")
+        self.pos += 1
+        return int(self.buf[self.pos - 1])
+
+    def take(self, n: int) -> bytes:
+        if self.pos + n > len(self.buf):
+            raise DeltaError(f"truncated delta payload: needs {self.pos + n} bytes, has {len(self.buf)}")
+        self.pos += n
+        return bytes(self.buf[self.pos - n : self.pos])
+
+    def varint(self) -> int:
+        value = 0
+        for shift in range(0, 70, 7):
+            byte = self.take(1)[0]
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return value
+        raise DeltaError("corrupt delta payload header: varint longer than 10 bytes")
+
+
+def varints(values: tuple[int, ...] | list[int]) -> bytes:
+    out = bytearray()
+    for v in values:
+        while v >= 0x80:
+            out.append((v & 0x7F) | 0x80)
+            v >>= 7
+        out.append(v)
+    return bytes(out)
