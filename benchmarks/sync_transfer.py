@@ -6,12 +6,18 @@ push -> verify checksums -> continue), exactly what the RL loop runs. Per strate
 (rollout dtype), push seconds and GB/s (median of `--reps` publishes), the whole cycle's seconds, and as the
 physical reference measured in the same run, this host's memcpy bandwidth for the same bytes (a broadcast to E
 engines on one host cannot beat E copies of the bytes through memory).
+
+Strategies: `broadcast` (every publish moves the full tensors over gloo), `colocated` (full tensors through a
+shared-memory segment per bucket; on GPU, CUDA IPC handles) and `delta` (each publish perturbs 2% of the values
+by one ulp, about what an RL step at lr 1e-6 does to bf16 weights; the first publish is full and untimed, then
+deltas go through RUN/weights files; `bytes` stays the full size so GB/s compare as "model bytes updated per s").
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -31,7 +37,13 @@ from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.router import Router, RouterConfig
 from miles_hpc.rollout.sglang import wait_for_engines
 from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
+from miles_hpc.sync.colocated import ColocatedSpec, ColocatedSync
+from miles_hpc.sync.delta import DeltaSpec, DeltaSync
+from miles_hpc.sync.protocol import WeightSync
 from miles_hpc.sync.publish import Publisher
+
+
+TRANSPORTS = {"broadcast": "gloo (loopback)", "delta": "files (RUN/weights)", "colocated": "shared memory"}
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -51,12 +63,34 @@ def bench_transfer(args: argparse.Namespace, sizes: dict[str, dict[str, int]]) -
         torch.manual_seed(args.seed)
         model = build_model(ModelConfig.from_hf_dict(hf))
         save_pretrained(model, model_dir)
-        for engines in [int(e) for e in args.engines.split(",")]:
-            yield asyncio.run(_one(args, model, model_dir, Path(tmp) / f"rdv{engines}", engines))
+        for strategy in args.strategies.split(","):
+            for engines in [int(e) for e in args.engines.split(",")]:
+                work = Path(tmp) / f"{strategy}{engines}"
+                yield asyncio.run(_one(args, model, model_dir, work, engines, strategy))
 
 
-async def _one(args: argparse.Namespace, model: torch.nn.Module, model_dir: Path, rdv: Path, n: int) -> dict[str, Any]:
-    rdv.mkdir()
+def _perturb_ulps(t: torch.Tensor, frac: float, g: torch.Generator) -> None:
+    """Move `frac` of the values of a float tensor by one ulp (bit pattern +-1), in place."""
+    bits = t.view({2: torch.int16, 4: torch.int32}[t.element_size()]).view(-1)
+    idx = torch.randperm(bits.numel(), generator=g)[: max(1, int(frac * bits.numel()))]
+    step = torch.randint(0, 2, (idx.numel(),), generator=g, dtype=bits.dtype) * 2 - 1
+    bits[idx] += step
+
+
+def _make_sync(strategy: str, work: Path, bucket_mb: int) -> WeightSync:
+    if strategy == "delta":
+        return DeltaSync(DeltaSpec(run_dir=work, timeout_s=300))
+    if strategy == "colocated":
+        return ColocatedSync(ColocatedSpec(bucket_bytes=bucket_mb << 20, timeout_s=300))
+    return BroadcastSync(BroadcastSpec(master_address="127.0.0.1", next_port=free_port,
+                                       bucket_bytes=bucket_mb << 20, timeout_s=300))  # fmt: skip
+
+
+async def _one(
+    args: argparse.Namespace, model: torch.nn.Module, model_dir: Path, work: Path, n: int, strategy: str
+) -> dict[str, Any]:
+    rdv = work / "rendezvous"
+    rdv.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen([sys.executable, "-m", "miles_hpc.cli", "serve", str(model_dir), "--port", "0",
@@ -68,8 +102,8 @@ async def _one(args: argparse.Namespace, model: torch.nn.Module, model_dir: Path
         urls = [r.url for r in wait_for_engines(rdv, n, timeout=300, poll_s=0.1)]
         named = [(k, v.detach().clone()) for k, v in iter_hf_tensors(model)]
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        sync = BroadcastSync(BroadcastSpec(master_address="127.0.0.1", next_port=free_port,
-                                           bucket_bytes=args.bucket_mb << 20, timeout_s=300))  # fmt: skip
+        sync = _make_sync(strategy, work, args.bucket_mb)
+        g = torch.Generator().manual_seed(args.seed)
         pushes: list[float] = []
         cycles: list[float] = []
         async with Router([EngineClient(u) for u in urls], RouterConfig(health_interval_s=30), owns_clients=True) as r:
@@ -86,19 +120,23 @@ async def _one(args: argparse.Namespace, model: torch.nn.Module, model_dir: Path
             try:
                 for rep in range(args.reps + 1):  # the first publish also builds the group: not timed
                     for _, t in named:
-                        t.add_(1e-3)
+                        _perturb_ulps(t, 0.02, g)
                     t0 = time.perf_counter()
                     await publisher.publish(lambda: iter(named), str(rep + 1))
                     cycles.append(time.perf_counter() - t0)
             finally:
                 await sync.close()
         push_s, cycle_s = statistics.median(pushes[1:]), statistics.median(cycles[1:])
+        moved = nbytes
+        if strategy == "delta":  # what the last publish actually wrote
+            moved = json.loads((work / "weights" / f"v{args.reps + 1}" / "manifest.json").read_text())["total_bytes"]
         return {
-            "bench": "weight_sync", "section": "transfer", "strategy": "broadcast", "transport": "gloo (loopback)",
+            "bench": "weight_sync", "section": "transfer", "strategy": strategy,
+            "transport": TRANSPORTS[strategy],
             "device": "cpu", "engines": n, "size": args.transfer_size, "bytes": nbytes, "reps": args.reps,
             "push_s": round(push_s, 4), "push_gbps": round(nbytes / push_s / 1e9, 3),
             "bytes_delivered_gbps": round(n * nbytes / push_s / 1e9, 3), "cycle_s": round(cycle_s, 4),
-            "memcpy_gbps": round(memcpy_gbps(nbytes), 2),
+            "moved_bytes": moved, "memcpy_gbps": round(memcpy_gbps(nbytes), 2),
         }  # fmt: skip
     finally:
         for p in procs:

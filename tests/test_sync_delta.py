@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_client_engine import HAVE_SERVER, EngineProcess, stop_all, tiny_model
+from sync_support import bf16_fleet, engine_sums, router_of
+from test_client_engine import HAVE_SERVER, EngineProcess, tiny_model
 
 from miles_hpc.engine import delta_receiver
 from miles_hpc.engine.config import EngineConfig
@@ -22,7 +23,6 @@ from miles_hpc.engine.core import Engine, RequestError
 from miles_hpc.engine.delta_receiver import apply_version
 from miles_hpc.models import iter_hf_tensors, load_pretrained
 from miles_hpc.rollout.client import EngineClient, EngineHTTPError
-from miles_hpc.rollout.router import Router, RouterConfig
 from miles_hpc.sync.checksum import tensor_checksum
 from miles_hpc.sync.delta import DeltaSpec, DeltaSync, Staged
 from miles_hpc.sync.delta_codec import encode, encode_full
@@ -31,7 +31,6 @@ from miles_hpc.sync.protocol import WeightSyncError
 from miles_hpc.sync.publish import Publisher
 
 needs_server = pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine server (miles-hpc serve) is not built")
-ADMIN = "admin-key-delta"
 Named = list[tuple[str, torch.Tensor]]
 
 
@@ -67,28 +66,8 @@ def sums(named: Named) -> dict[str, str]:
 # ---------------------------------------------------------------- engines
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineProcess]]:
-    d = tmp_path_factory.mktemp("delta-engines")
-    (d / "admin_key").write_text(ADMIN + "\n")
-    (d / "admin_key").chmod(0o600)
-    args = ("--dtype", "bfloat16", "--admin-api-key-file", str(d / "admin_key"))
-    procs = [EngineProcess(tiny_model(), d / f"engine-{i}.json", args=args) for i in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.wait_ready(90)
+    with bf16_fleet(tmp_path_factory.mktemp("delta-engines")) as procs:
         yield procs
-    finally:
-        stop_all(procs)
-
-
-def router_of(procs: list[EngineProcess]) -> Router:
-    clients = [EngineClient(f"http://127.0.0.1:{p.port}", admin_api_key=ADMIN, connect_retries=0) for p in procs]
-    return Router(clients, RouterConfig(health_interval_s=60), owns_clients=True)
-
-
-async def engine_sums(client: EngineClient) -> dict[str, str]:
-    return (await client.weights_checksums()).ranks[0].checksums
 
 
 @needs_server

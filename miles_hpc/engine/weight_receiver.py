@@ -40,6 +40,7 @@ from miles_hpc.sync.pg import CustomGroup, GroupSpec
 from . import protocol
 from .core import Engine, RequestError
 from .delta_receiver import apply_version
+from .tensor_handles import load_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -215,9 +216,13 @@ class WeightEndpoints:
         return await self._apply(p, work, "Succeeded to update model weights.", num_paused_requests=0)
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
-        """``serialized_named_tensors``: one entry per TP rank (one here), each the base64 of a safetensors file
-        (``safetensors.torch.save({hf_name: tensor})``). SGLang puts a pickled ``MultiprocessingSerializer``
-        payload there instead; unpickling bytes from the network runs arbitrary code, so we never accept that."""
+        """``serialized_named_tensors``: one entry per TP rank (one here), each base64 of either
+        - SGLang's ``MultiprocessingSerializer`` pickle of ``[(hf_name, tensor)]`` holding CUDA IPC handles or our
+          shared-memory slices (the ``colocated`` strategy), opened by the restricted unpickler of
+          tensor_handles.py, never by ``pickle.loads``; or
+        - a safetensors file (``safetensors.torch.save({hf_name: tensor})``; ``load_format="safetensors"``, or
+          recognised by its header when ``load_format`` is absent).
+        The tensors are copied into the model once and dropped (that releases the handles)."""
         p = await self._parse("update_weights_from_tensor", request, self._max_tensor_bytes)
         blobs = p["serialized_named_tensors"]
         if len(blobs) != 1:
@@ -229,10 +234,21 @@ class WeightEndpoints:
             from safetensors.torch import load
 
             try:
-                named = load(base64.b64decode(blobs[0], validate=True))
-            except (binascii.Error, SafetensorError) as e:
-                raise ValueError(f"serialized_named_tensors[0] is not base64 safetensors: {e}") from e
-            self.engine.update_weights(named.items(), version=p["weight_version"], flush_cache=p["flush_cache"])
+                raw = base64.b64decode(blobs[0], validate=True)
+            except binascii.Error as e:
+                raise ValueError(f"serialized_named_tensors[0] is not base64: {e}") from e
+            # A safetensors file starts with its header length (8 bytes) and the header's "{"; a pickle with 0x80.
+            if p["load_format"] is None and raw[:1] == b"\x80" and raw[8:9] != b"{":
+                named = load_named_tensors(raw, self.engine.device)
+            else:
+                try:
+                    named = list(load(raw).items())
+                except SafetensorError as e:
+                    raise ValueError(f"serialized_named_tensors[0] is not base64 safetensors: {e}") from e
+            try:
+                self.engine.update_weights(named, version=p["weight_version"], flush_cache=p["flush_cache"])
+            finally:
+                named.clear()  # the last references: CUDA IPC handles and shared-memory mappings go now
 
         return await self._apply(p, work, "Succeeded to update model weights.")
 

@@ -345,6 +345,26 @@ class EngineClient:
         )
         return _message(await self._call(rq.UPDATE_WEIGHTS_FROM_DISK, body))
 
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool | None = None,
+        abort_all_requests: bool | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """One update part by tensor handles or bytes, one entry per TP rank (``sync/colocated.py`` builds them)."""
+        body = rq.update_weights_from_tensor_body(
+            serialized_named_tensors,
+            load_format=load_format,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+        )
+        return _message(await self._call(rq.UPDATE_WEIGHTS_FROM_TENSOR, body, timeout=timeout))
+
     async def update_weights_from_delta(
         self,
         manifest_path: str | Path,

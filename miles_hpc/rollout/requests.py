@@ -82,6 +82,7 @@ WEIGHTS_CHECKER = Endpoint("POST", "/weights_checker", admin=True, idempotent=Tr
 INIT_WEIGHTS_UPDATE_GROUP = Endpoint("POST", "/init_weights_update_group", admin=True, idempotent=False)
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = Endpoint("POST", "/update_weights_from_distributed", admin=True, idempotent=False)
 UPDATE_WEIGHTS_FROM_DISK = Endpoint("POST", "/update_weights_from_disk", admin=True, idempotent=False)
+UPDATE_WEIGHTS_FROM_TENSOR = Endpoint("POST", "/update_weights_from_tensor", admin=True, idempotent=False)
 DESTROY_WEIGHTS_UPDATE_GROUP = Endpoint("POST", "/destroy_weights_update_group", admin=True, idempotent=False)
 LOAD_LORA_ADAPTER = Endpoint("POST", "/load_lora_adapter", admin=True, idempotent=False)
 UNLOAD_LORA_ADAPTER = Endpoint("POST", "/unload_lora_adapter", admin=True, idempotent=False)
@@ -266,6 +267,26 @@ def update_weights_from_disk_body(
     _set(body, "weight_version", None if weight_version is None else str(weight_version))
     _set(body, "flush_cache", flush_cache)
     _set(body, "keep_pause", keep_pause)
+    return body
+
+
+def update_weights_from_tensor_body(
+    serialized_named_tensors: Sequence[str],
+    *,
+    load_format: str | None = None,
+    weight_version: str | None = None,
+    flush_cache: bool | None = None,
+    abort_all_requests: bool | None = None,
+) -> dict[str, Any]:
+    """``POST /update_weights_from_tensor`` (``UpdateWeightsFromTensorReqInput``): one base64 string per TP rank
+    (SGLang: a ``MultiprocessingSerializer`` pickle of ``[(name, tensor)]``; docs/engine.md for the embedded engine)."""
+    if not serialized_named_tensors or not all(isinstance(x, str) for x in serialized_named_tensors):
+        raise ValueError("serialized_named_tensors must be a non-empty list of base64 strings, one per TP rank")
+    body: dict[str, Any] = {"serialized_named_tensors": list(serialized_named_tensors)}
+    _set(body, "load_format", load_format)
+    _set(body, "flush_cache", flush_cache)
+    _set(body, "abort_all_requests", abort_all_requests)
+    _set(body, "weight_version", None if weight_version is None else str(weight_version))
     return body
 
 

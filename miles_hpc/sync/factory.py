@@ -14,12 +14,13 @@ import torch
 
 from miles_hpc.config import ConfigError, RunConfig
 from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
+from miles_hpc.sync.colocated import ColocatedSpec, ColocatedSync
 from miles_hpc.sync.delta import DeltaSpec, DeltaSync
 from miles_hpc.sync.protocol import WeightSync
 
 __all__ = ["RUNNABLE", "build_sync", "check_strategy"]
 
-RUNNABLE = ("broadcast", "delta")
+RUNNABLE = ("broadcast", "delta", "colocated")
 
 
 def check_strategy(cfg: RunConfig) -> None:
@@ -37,5 +38,9 @@ def build_sync(
     if s.strategy == "delta":
         rollout_dtype = getattr(torch, cfg.model.dtype)
         return DeltaSync(DeltaSpec(run_dir=run_dir, rollout_dtype=rollout_dtype, timeout_s=s.timeout_s))
+    if s.strategy == "colocated":  # the engines of a local run share the trainer's host
+        rollout_dtype = getattr(torch, cfg.model.dtype)
+        return ColocatedSync(ColocatedSpec(bucket_bytes=s.bucket_bytes, rollout_dtype=rollout_dtype,
+                                           timeout_s=s.timeout_s))  # fmt: skip
     return BroadcastSync(BroadcastSpec(master_address=master_address, next_port=next_port, backend=backend,
                                        bucket_bytes=s.bucket_bytes, timeout_s=s.timeout_s))  # fmt: skip

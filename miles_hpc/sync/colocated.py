@@ -1,0 +1,285 @@
+"""Colocated weight sync: trainer and engines on one host hand tensors over by handle (stage: sync; DESIGN 6).
+
+Per bucket of HF-named tensors (``bucket_bytes`` in the rollout dtype), trainer rank 0 calls every engine's
+``/update_weights_from_tensor`` with one payload in SGLang's own format: base64 of a ``ForkingPickler`` dump of
+``list[(name, tensor)]`` (SGLang's ``MultiprocessingSerializer.serialize(..., output_str=True)``). Only handles cross
+HTTP, never tensor bytes:
+- CUDA tensors go by torch's CUDA IPC reduction (``rebuild_cuda_tensor``), with the device named by its UUID as
+  SGLang's patched reductions do, so the same strategy drives real SGLang engines colocated on the trainer's GPUs
+  (tp size 1: one payload per engine). A tensor already in the rollout dtype is shared as it is (no copy at all);
+  the engine copies it into its weights once.
+- CPU tensors (the CPU tier; real SGLang never sees them) are copied once into a POSIX shared-memory segment per
+  bucket (``/dev/shm/miles_hpc_<pid>_<random>``, mode 0600, reserved with ``posix_fallocate`` so a full /dev/shm is
+  a clear error, never a SIGBUS), and the pickle names each tensor by the persistent id
+  ``("miles-hpc/shm", segment, offset, dtype, shape)``: our one extension of the format, which the embedded engine
+  maps (engine/tensor_handles.py) and copies from. We chose this over torch's CPU reductions: their default passes
+  file descriptors through the sending process's resource sharer, which unrelated processes cannot reach, and their
+  "file_system" variant depends on the torch_shm_manager daemon and on reference counts that an engine which never
+  opened the segment would leak. Here the trainer owns each segment and unlinks it once every engine answered.
+
+Invariants: tensors are cast to the rollout dtype before they leave, so the returned checksums are of exactly the
+bytes the engines read; the last bucket carries ``weight_version`` and flushes the prefix cache; a bucket's tensors
+and its segment live until every engine answered (success, error or timeout), then go (CUDA IPC blocks return to the
+allocator once the engines dropped them, ``torch.cuda.ipc_collect``); the iterator's tensors must stay valid until
+their bucket is sent (as for broadcast). Engines must run on this host as the same user: ``connect`` refuses an
+engine URL that is not a local address, naming it. An engine whose call fails makes the bucket fail with an
+``EngineSyncError`` naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+
+from miles_hpc.rollout.client import EngineClient
+from miles_hpc.sync.checksum import tensor_checksum
+from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError
+
+__all__ = ["SHM_TAG", "ColocatedSpec", "ColocatedSync", "ShmSlice", "is_local_url", "serialize_named"]
+
+log = logging.getLogger(__name__)
+
+SHM_TAG = "miles-hpc/shm"  # the persistent id's tag; engine/tensor_handles.py reads the same
+SHM_DIR = "/dev/shm"
+_ALIGN = 64  # every tensor starts at a multiple of this in its segment (any dtype's alignment, a cache line)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ColocatedSpec:
+    bucket_bytes: int = 512 << 20
+    """A bucket is sent once it holds this many bytes (rollout dtype): one update call per engine per bucket, and
+    the peak extra memory (CPU: one shared-memory segment of this size)."""
+    rollout_dtype: torch.dtype | None = None
+    """The engines' dtype; tensors are cast to it before they leave (None: the trainer's dtype)."""
+    timeout_s: float = 300.0
+    """Seconds one engine may take to map and copy one bucket."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes <= 0 or self.timeout_s <= 0:
+            raise ValueError("bucket_bytes and timeout_s must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class ShmSlice:
+    """Where one CPU tensor lies: pickled as a persistent id, opened by the engine."""
+
+    segment: str
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class _Pickler(ForkingPickler):
+    """ForkingPickler with our two reductions: CUDA tensors by IPC handle with the GPU's UUID, `ShmSlice` as a
+    persistent id. Per instance, so no process-global reduction or sharing strategy changes."""
+
+    def __init__(self, file: io.BytesIO, gpu_uuid: Callable[[int], str]) -> None:
+        super().__init__(file)
+        self._gpu_uuid = gpu_uuid
+
+    def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
+        if isinstance(obj, ShmSlice):
+            return (SHM_TAG, obj.segment, obj.offset, obj.dtype, obj.shape)
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return cuda_reduction(obj, self._gpu_uuid)
+        return NotImplemented
+
+
+def cuda_reduction(t: torch.Tensor, gpu_uuid: Callable[[int], str]) -> tuple[Any, tuple[Any, ...]]:
+    """torch's CUDA IPC reduction of `t` with the device index replaced by the GPU's UUID (SGLang's convention)."""
+    from torch.multiprocessing import reductions
+
+    if not t.is_cuda or type(t) is not torch.Tensor or t.layout != torch.strided:
+        raise WeightSyncError(f"colocated sync sends plain strided CUDA tensors by handle, got a {type(t).__name__} "
+                              f"on {t.device} ({t.layout})")  # fmt: skip
+    fn, args = reductions.reduce_tensor(t)
+    return fn, (*args[:6], gpu_uuid(args[6]), *args[7:])
+
+
+def serialize_named(items: Sequence[tuple[str, torch.Tensor | ShmSlice]], gpu_uuid: Callable[[int], str]) -> str:
+    """One `serialized_named_tensors` entry: base64 of the ForkingPickler dump of `items`."""
+    buf = io.BytesIO()
+    _Pickler(buf, gpu_uuid).dump(list(items))
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def is_local_url(url: str) -> bool:
+    """Whether the URL's host is an address of this machine (loopback, or one a socket can bind here)."""
+    host = urlsplit(url).hostname
+    if not host:
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for family, _, _, _, addr in infos:
+        if ipaddress.ip_address(str(addr[0]).split("%")[0]).is_loopback:
+            return True
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.bind((addr[0], 0, *addr[2:]))  # only addresses of this host's interfaces bind
+            return True
+        except OSError:
+            continue
+    return False
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """One bucket as the engines will see it; holds its tensors and segment until `release`."""
+
+    items: list[tuple[str, torch.Tensor | ShmSlice]] = field(default_factory=list)
+    checksums: dict[str, str] = field(default_factory=dict)
+    segment: shared_memory.SharedMemory | None = None
+    cuda: bool = False
+
+    def release(self) -> None:
+        self.items.clear()
+        if self.segment is not None:
+            try:
+                self.segment.close()
+            except BufferError:  # a view is still referenced somewhere: the mapping goes with it
+                log.warning("colocated sync: segment %s still mapped here; unlinking it anyway", self.segment.name)
+            self.segment.unlink()
+            self.segment = None
+        if self.cuda:
+            torch.cuda.ipc_collect()  # free sent blocks whose engine-side references are gone
+
+
+def stage_bucket(pending: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> _Bucket:
+    """Cast every tensor to `dtype`: CUDA tensors stay on their device, CPU tensors go into one new segment."""
+    bucket = _Bucket()
+    try:
+        cpu: list[tuple[int, int]] = []  # (index in pending, offset)
+        total = 0
+        for i, (_, t) in enumerate(pending):
+            if not t.is_cuda:
+                cpu.append((i, total))
+                total += -(-t.numel() * (dtype or t.dtype).itemsize // _ALIGN) * _ALIGN
+        flat = _new_segment(bucket, max(total, _ALIGN)) if cpu else None  # (empty tensors only: a tiny one)
+        offsets = dict(cpu)
+        sent: torch.Tensor | None = None
+        for i, (name, t) in enumerate(pending):
+            want = dtype or t.dtype
+            if t.is_cuda:
+                sent = t.detach().to(want).contiguous()
+                bucket.items.append((name, sent))
+                bucket.cuda = True
+            else:
+                off, n = offsets[i], t.numel() * want.itemsize
+                assert flat is not None and bucket.segment is not None
+                sent = flat[off : off + n].view(want).view(t.shape) if n else torch.empty(t.shape, dtype=want)
+                sent.copy_(t.detach())
+                bucket.items.append((name, ShmSlice(bucket.segment.name, off, str(want).removeprefix("torch."),
+                                                    tuple(t.shape))))  # fmt: skip
+            bucket.checksums[name] = tensor_checksum(sent)
+        del flat, sent  # no view of the segment may outlive the bucket (release unmaps it)
+    except BaseException:
+        bucket.release()
+        raise
+    return bucket
+
+
+def _new_segment(bucket: _Bucket, size: int) -> torch.Tensor:
+    name = f"miles_hpc_{os.getpid()}_{secrets.token_hex(8)}"
+    try:
+        bucket.segment = shared_memory.SharedMemory(name=name, create=True, size=size)
+        # Reserve the pages now: writing into a sparse segment on a full tmpfs is a SIGBUS, not an error.
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize if os.path.isdir(SHM_DIR) else 0
+        raise WeightSyncError(f"cannot reserve a {size} B shared-memory segment in {SHM_DIR} ({free} B free): {e}; "
+                              f"lower sync.bucket_bytes or give the job a larger /dev/shm") from e  # fmt: skip
+    return torch.frombuffer(bucket.segment.buf, dtype=torch.uint8)
+
+
+class ColocatedSync:
+    """Rank-0 side of the colocated strategy (module docstring). One push at a time, from one event loop."""
+
+    name = "colocated"
+
+    def __init__(self, spec: ColocatedSpec) -> None:
+        self.spec = spec
+        self._clients: list[EngineClient] = []
+        self._uuids: dict[int, str] = {}
+
+    @property
+    def clients(self) -> Sequence[EngineClient]:
+        return tuple(self._clients)
+
+    async def connect(self, clients: Sequence[EngineClient]) -> None:
+        """Nothing to build; every engine must be on this host (handles mean nothing elsewhere)."""
+        remote = [c.url for c in clients if not await asyncio.to_thread(is_local_url, c.url)]
+        if remote:
+            raise WeightSyncError(f"engine {remote[0]} is not on this host: the colocated strategy hands over CUDA "
+                                  f"IPC and shared-memory handles, which only processes of one host can open; use "
+                                  f"sync.strategy=broadcast or delta for remote engines")  # fmt: skip
+        self._clients = list(clients)
+
+    async def close(self) -> None:
+        self._clients = []
+
+    async def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, str]:
+        """Send every tensor of `named` in buckets; return the checksums of what the engines now hold."""
+        if not self._clients:
+            raise WeightSyncError("push before connect()")
+        sums: dict[str, str] = {}
+        pending: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        it = iter(named)
+        nxt = next(it, None)
+        while nxt is not None:  # stepped on the caller's thread: trainer-side iterators run collectives
+            name, t = nxt
+            pending.append((name, t))
+            size += t.numel() * (self.spec.rollout_dtype or t.dtype).itemsize
+            nxt = next(it, None)
+            if size >= self.spec.bucket_bytes or nxt is None:
+                sums.update(await self._send(pending, version if nxt is None else None))
+                pending, size = [], 0
+        return sums
+
+    async def _send(self, pending: list[tuple[str, torch.Tensor]], version: str | None) -> dict[str, str]:
+        bucket = await asyncio.to_thread(stage_bucket, pending, self.spec.rollout_dtype)
+        try:
+            # One pickle per engine: each CUDA IPC reduction takes a reference that one engine gives back.
+            payloads = [serialize_named(bucket.items, self._gpu_uuid) for _ in self._clients]
+            results = await asyncio.gather(
+                *(c.update_weights_from_tensor([p], weight_version=version, flush_cache=version is not None,
+                                               timeout=self.spec.timeout_s)
+                  for c, p in zip(self._clients, payloads)),
+                return_exceptions=True,
+            )  # fmt: skip
+        finally:
+            await asyncio.to_thread(bucket.release)
+        failed = [(c.url, r) for c, r in zip(self._clients, results) if isinstance(r, BaseException)]
+        if failed:
+            url, err = failed[0]
+            span = f"{pending[0][0]}..{pending[-1][0]}"
+            raise EngineSyncError([u for u, _ in failed], f"weight update of bucket {span} failed on {url}: {err}")
+        return bucket.checksums
+
+    def _gpu_uuid(self, index: int) -> str:
+        if index not in self._uuids:
+            self._uuids[index] = str(torch.cuda.get_device_properties(index).uuid)
+        return self._uuids[index]

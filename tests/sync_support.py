@@ -1,0 +1,41 @@
+"""Shared helpers of the weight-sync tests over real engines: a fleet of bf16 `miles-hpc serve` processes behind
+an admin key, a router over them, and an engine's checksums."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from test_client_engine import EngineProcess, stop_all, tiny_model
+
+from miles_hpc.rollout.client import EngineClient
+from miles_hpc.rollout.router import Router, RouterConfig
+
+ADMIN = "admin-key-sync-tests"
+
+
+@contextmanager
+def bf16_fleet(d: Path, n: int = 2) -> Iterator[list[EngineProcess]]:
+    """`n` engines serving the tiny model in bf16 (the rollout dtype of the sync tests), admin key from a file."""
+    (d / "admin_key").write_text(ADMIN + "\n")
+    (d / "admin_key").chmod(0o600)
+    args = ("--dtype", "bfloat16", "--admin-api-key-file", str(d / "admin_key"))
+    procs = [EngineProcess(tiny_model(), d / f"engine-{i}.json", args=args) for i in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.wait_ready(90)
+        yield procs
+    finally:
+        stop_all(procs)
+
+
+def router_of(procs: list[EngineProcess]) -> Router:
+    clients = [EngineClient(f"http://127.0.0.1:{p.port}", admin_api_key=ADMIN, connect_retries=0) for p in procs]
+    return Router(clients, RouterConfig(health_interval_s=60), owns_clients=True)
+
+
+async def engine_sums(client: EngineClient) -> dict[str, str]:
+    return (await client.weights_checksums()).ranks[0].checksums
