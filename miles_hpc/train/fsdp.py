@@ -54,7 +54,9 @@ from miles_hpc.train.packing import pack_microbatches, split_across_ranks, split
 
 __all__ = ["FSDPTrainer", "LossFn"]
 
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[..., tuple[torch.Tensor, Mapping[str, float]]]
+# A micro-batch's metrics waiting for the host: (micro-batch, loss, entropy, loss stats, train log-probs if mismatch)
+_Pending = tuple[PackedMicroBatch, torch.Tensor, torch.Tensor, Mapping[str, float], torch.Tensor | None]
 # policy_loss metrics that are micro-batch means over masked tokens (averaged with token weights across
 # micro-batches and ranks); pg_loss is globally normalised (summed); ratio_max is a max.
 _SUMMED = ("pg_loss",)
@@ -198,7 +200,7 @@ class FSDPTrainer:
         # launched, then come to the host: no device sync leaves the GPU idle while the host catches up.
         for mini, plan in zip(minibatches, plans):
             total_tokens, num_seqs = _global_counts(batch, mini)
-            pending: list[tuple[PackedMicroBatch, torch.Tensor, torch.Tensor, Mapping[str, float], torch.Tensor | None]] = []
+            pending: list[_Pending] = []
             for ids in plan:
                 mb = self._microbatch(batch, ids)
                 lp, ent = self._forward(mb, with_entropy=True, entropy_grad=want_entropy)
