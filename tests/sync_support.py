@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from test_client_engine import EngineProcess, stop_all, tiny_model
+from test_client_engine import EngineProcess, engine_fleet
 
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.router import Router, RouterConfig
@@ -21,15 +21,8 @@ def bf16_fleet(d: Path, n: int = 2) -> Iterator[list[EngineProcess]]:
     (d / "admin_key").write_text(ADMIN + "\n")
     (d / "admin_key").chmod(0o600)
     args = ("--dtype", "bfloat16", "--admin-api-key-file", str(d / "admin_key"))
-    procs = [EngineProcess(tiny_model(), d / f"engine-{i}.json", args=args) for i in range(n)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.wait_ready(90)
+    with engine_fleet(d, n, args, wait=True) as procs:
         yield procs
-    finally:
-        stop_all(procs)
 
 
 def router_of(procs: list[EngineProcess]) -> Router:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,24 @@ def stop_all(procs: list[EngineProcess]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def engine_fleet(
+    d: Path, n: int, args: tuple[str, ...] = (), *, wait: bool = False
+) -> Iterator[list[EngineProcess]]:
+    """`n` engines serving the tiny model, rendezvous files `d/engine-<i>.json`; all stopped on exit. `wait`: until
+    every one listens (else the caller waits, e.g. with `wait_for_engines`)."""
+    procs = [EngineProcess(tiny_model(), d / f"engine-{i}.json", args=args) for i in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        if wait:
+            for p in procs:
+                p.wait_ready(90)
+        yield procs
+    finally:
+        stop_all(procs)
 
 
 @pytest.fixture(scope="module")

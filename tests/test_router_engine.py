@@ -13,7 +13,7 @@ import signal
 from collections.abc import Iterator
 
 import pytest
-from test_client_engine import HAVE_SERVER, EngineProcess, stop_all, tiny_model
+from test_client_engine import HAVE_SERVER, EngineProcess, engine_fleet
 
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.responses import GenerateOutput, metric_sum
@@ -26,14 +26,8 @@ N_NEW = 160
 
 @pytest.fixture
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineProcess]]:
-    rendezvous = tmp_path_factory.mktemp("rendezvous")
-    procs = [EngineProcess(tiny_model(), rendezvous / f"engine-{i}.json") for i in range(3)]
-    try:
-        for p in procs:
-            p.start()
+    with engine_fleet(tmp_path_factory.mktemp("rendezvous"), 3) as procs:
         yield procs
-    finally:
-        stop_all(procs)
 
 
 async def _score(client: EngineClient, prompt: list[int], out: GenerateOutput) -> list[float | None]:

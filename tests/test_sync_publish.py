@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_client_engine import HAVE_SERVER, EngineProcess, stop_all, tiny_model
+from test_client_engine import HAVE_SERVER, EngineProcess, engine_fleet, tiny_model
 
 from miles_hpc.cluster.local import free_port
 from miles_hpc.models import iter_hf_tensors, load_pretrained
@@ -30,15 +30,9 @@ pytestmark = pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine ser
 
 @pytest.fixture
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineProcess]]:
-    rendezvous = tmp_path_factory.mktemp("rendezvous")
     args = ("--weight-update-timeout", "5")  # a peer dying mid-update frees the others after 5 s
-    procs = [EngineProcess(tiny_model(), rendezvous / f"engine-{i}.json", args=args) for i in range(3)]
-    try:
-        for p in procs:
-            p.start()
+    with engine_fleet(tmp_path_factory.mktemp("rendezvous"), 3, args) as procs:
         yield procs
-    finally:
-        stop_all(procs)
 
 
 def weights(seed: int) -> list[tuple[str, torch.Tensor]]:

@@ -176,13 +176,11 @@ class DeltaSync:
         payload: DeltaPayload
         if kept is not None and kept.shape == new.shape and kept.dtype == new.dtype:
             payload = encode(kept, new)  # "same", "delta", or "full" when the delta is not smaller
-        else:
-            payload = encode_full(
-                new
-            )  # no kept copy (first push, a new name) or another layout: nothing to code against
+        else:  # no kept copy (first push, a new name) or another layout: nothing to code against
+            payload = encode_full(new)
         writer.add(name, payload)
         if full_writer is not None:
-            full_writer.add(name, payload if payload.kind == "full" else encode_full(new))
+            full_writer.add(name, payload if payload.kind == "full" else encode_full(new, payload.checksum))
         staged.checksums[name] = payload.checksum
         staged.tensors[name] = kept if payload.kind == "same" and kept is not None else new
 

@@ -134,14 +134,15 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, max_classes: int = 16) -> De
     return DeltaPayload(kind="delta", data=coded[0], counts=coded[1], **head)
 
 
-def encode_full(new: torch.Tensor) -> DeltaPayload:
-    """A "full" payload of `new` (no base needed: `decode` checks only the shape and dtype of its `old`)."""
+def encode_full(new: torch.Tensor, checksum: str | None = None) -> DeltaPayload:
+    """A "full" payload of `new` (no base needed: `decode` checks only the shape and dtype of its `old`).
+    `checksum`: `tensor_checksum(new)` when the caller already has it (it is not recomputed)."""
     name = str(new.dtype).removeprefix("torch.")
     if name not in _SPECS:
         raise DeltaError(f"unsupported dtype {name!r}; supported: {', '.join(_SPECS)}")
     nb = _flat_bits(new, _SPECS[name])
     return DeltaPayload(
-        kind="full", dtype=name, shape=tuple(new.shape), data=_raw_bytes(nb), checksum=tensor_checksum(new)
+        kind="full", dtype=name, shape=tuple(new.shape), data=_raw_bytes(nb), checksum=checksum or tensor_checksum(new)
     )
 
 
