@@ -23,12 +23,20 @@ fi
 
 STAMP="$VENV/.sglang-installed"
 if [ ! -f "$STAMP" ]; then
+  # The install peaks at ~14 GB on disk (venv + unpacked wheels): say so before pip fails half-way with ENOSPC.
+  FREE_GB=$(df -Pk "$(dirname "$VENV")" | awk 'NR==2 {print int($4 / 1048576)}')
+  if [ "$FREE_GB" -lt 16 ]; then
+    echo "[test_sglang] only ${FREE_GB} GB free under $(dirname "$VENV"); the sglang venv needs ~16 GB" \
+      "(set SGLANG_VENV to a roomier disk)" >&2
+    df -h "$(dirname "$VENV")" >&2
+    exit 3
+  fi
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   echo "[test_sglang] installing $SPEC into $VENV (CUDA torch: ~11 GB, a few minutes) ..." >&2
-  if ! "$VENV/bin/python" -m pip install -q "$SPEC"; then
+  if ! "$VENV/bin/python" -m pip install -q --no-cache-dir "$SPEC"; then
     echo "[test_sglang] $SPEC did not install; trying the newest sglang that does" >&2
-    "$VENV/bin/python" -m pip install -q sglang
+    "$VENV/bin/python" -m pip install -q --no-cache-dir sglang
   fi
   touch "$STAMP"
 fi
