@@ -36,7 +36,7 @@ from .runner import ModelRunner
 from .scheduler import Req, Scheduler
 from .types import FinishReason, GenerateRequest, GenerateResult
 from .validate import Limits, RequestError, validate_request
-from .weights import apply_named, checksums, eos_token_ids, iter_checkpoint
+from .weights import apply_named, checksums, eos_token_ids, iter_checkpoint, piece_checksums
 
 __all__ = ["DoneCallback", "Engine", "PauseMode", "RequestError"]
 
@@ -299,6 +299,11 @@ class Engine:
         """HF name -> `sync.checksum.tensor_checksum` of the engine's tensor (Hub per-expert layout for MoE)."""
         with self._between_steps():
             return checksums(self.model)
+
+    def piece_checksums(self, boxes: dict[str, list[list[int]]]) -> dict[str, str]:
+        """`sync.checksum.piece_key` -> checksum of each box (``[lo0, hi0, lo1, hi1, ...]``) of each HF tensor."""
+        with self._between_steps():
+            return piece_checksums(self.model, boxes)
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache; False (and nothing flushed) while requests are running or waiting, as SGLang."""

@@ -379,6 +379,18 @@ SCHEMAS: dict[str, dict[str, F]] = {
         "load_format": F(only(None, "tensors arrive as they are broadcast")),
     },
     "destroy_weights_update_group": {"rid": F(string), "group_name": F(string, "weight_update_group")},
+    "update_weights_from_p2p": {  # our extension (docs/engine.md; the p2p strategy, sync/p2p.py)
+        **_WEIGHT_COMMON,
+        "names": F(list_of(string), required=True),
+        "dtypes": F(list_of(one_of(*DTYPE_NAMES, *(f"torch.{d}" for d in DTYPE_NAMES))), required=True),
+        "shapes": F(list_of(list_of(at_least(0))), required=True),
+        "pieces": F(list_of(list_of(list_of(at_least(0)))), required=True),
+        "group_name": F(string, "weight_update_group"),
+    },
+    "weights_piece_checksums": {  # our extension: checksums of boxes of tensors (p2p verification)
+        "names": F(list_of(string), required=True),
+        "boxes": F(list_of(list_of(list_of(at_least(0)))), required=True),
+    },
     "update_weights_from_delta": {  # our extension (docs/engine.md; engine/delta_receiver.py), not SGLang's
         **_WEIGHT_COMMON,
         "manifest_path": F(string, required=True),
@@ -387,15 +399,34 @@ SCHEMAS: dict[str, dict[str, F]] = {
 }
 
 
+def parse_box(flat: list[int], shape: list[int] | None, path: str, name: str) -> tuple[tuple[int, int], ...]:
+    """``[lo0, hi0, lo1, hi1, ...]`` -> per-dim (lo, hi), checked against ``shape`` when it is known."""
+    dims = tuple(zip(flat[0::2], flat[1::2]))
+    if len(flat) % 2 or (shape is not None and len(dims) != len(shape)):
+        raise BadRequest(f"field `{path}` of {name!r}: needs lo, hi for each of its {len(shape or ())} dims, "
+                         f"got {flat}")  # fmt: skip
+    if any(not lo < hi for lo, hi in dims) or (shape is not None and any(hi > n for (_, hi), n in zip(dims, shape))):
+        raise BadRequest(f"field `{path}` of {name!r}: box {flat} is empty or outside shape {shape}")
+    return dims
+
+
 def parse_control(endpoint: str, body: Any) -> dict[str, Any]:
     """Body of a control/weight endpoint (``SCHEMAS[endpoint]``) -> dict with every field (defaults filled)."""
     out = parse_object(body, SCHEMAS[endpoint])
-    if endpoint == "update_weights_from_distributed":
+    if endpoint in ("update_weights_from_distributed", "update_weights_from_p2p"):
         n = len(out["names"])
         if not n == len(out["dtypes"]) == len(out["shapes"]):
             raise BadRequest(f"fields `names`/`dtypes`/`shapes` differ in length: {n}/{len(out['dtypes'])}/"
                              f"{len(out['shapes'])}")
         out["dtypes"] = [d.removeprefix("torch.") for d in out["dtypes"]]
+    if endpoint == "update_weights_from_p2p":
+        if len(out["pieces"]) != len(out["names"]):
+            raise BadRequest(f"field `pieces`: {len(out['pieces'])} entries for {len(out['names'])} names")
+        out["pieces"] = [[(p[0], parse_box(p[1:], shape, f"pieces[{i}][{j}]", name)) for j, p in enumerate(ps)]
+                         for i, (name, shape, ps) in enumerate(zip(out["names"], out["shapes"], out["pieces"]))]
+    if endpoint == "weights_piece_checksums":
+        if len(out["boxes"]) != len(out["names"]):
+            raise BadRequest(f"field `boxes`: {len(out['boxes'])} entries for {len(out['names'])} names")
     if endpoint == "init_weights_update_group" and not out["rank_offset"] < out["world_size"]:
         raise BadRequest(f"field `rank_offset`: {out['rank_offset']} is not a rank of a {out['world_size']}-rank group")
     if endpoint == "init_weights_update_group" and not 0 < out["master_port"] < 65536:

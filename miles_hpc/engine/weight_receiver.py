@@ -113,6 +113,42 @@ class WeightReceiver:
             bucket.append((name, t))
         return bucket
 
+    def receive_pieces(
+        self,
+        group_name: str,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        pieces: Sequence[Sequence[tuple[int, tuple[tuple[int, int], ...]]]],
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Allocate one announced bucket and receive each tensor's pieces from the trainer ranks that hold them
+        (the p2p strategy): receives are posted in the announced order, which is the order the ranks send in.
+        The pieces of a tensor must cover it exactly once (checked before anything is posted)."""
+        for name, dtype, shape, ps in zip(names, dtypes, shapes, pieces, strict=True):
+            if dtype not in TORCH_DTYPES:
+                raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+            _check_cover(name, shape, [dims for _, dims in ps])
+        group = self._group(group_name)
+        for name, ps in zip(names, pieces, strict=True):
+            bad = [src for src, _ in ps if not 0 <= src < group.world_size]
+            if bad:
+                raise ValueError(f"tensor {name!r}: piece from rank {bad[0]}, outside the {group.world_size}-rank group")
+        bucket: list[tuple[str, torch.Tensor]] = []
+        works, landing = [], []
+        for name, dtype, shape, ps in zip(names, dtypes, shapes, pieces, strict=True):
+            t = torch.empty(tuple(shape), dtype=TORCH_DTYPES[dtype], device=group.device)
+            for src, dims in ps:
+                view = t[tuple(slice(lo, hi) for lo, hi in dims)]
+                buf = view if view.is_contiguous() else torch.empty_like(view, memory_format=torch.contiguous_format)
+                works.append(group.irecv(buf, src))
+                if buf is not view:
+                    landing.append((view, buf))
+            bucket.append((name, t))
+        group.wait_all(works)
+        for view, buf in landing:
+            view.copy_(buf)
+        return bucket
+
     def destroy(self, group_name: str) -> None:
         with self._lock:
             group = self._groups.pop(group_name, None)
@@ -135,6 +171,23 @@ class WeightReceiver:
             if name not in self._groups:
                 raise KeyError(f"no weight update group {name!r} on this engine: call /init_weights_update_group")
             return self._groups[name]
+
+
+def _check_cover(name: str, shape: Sequence[int], boxes: Sequence[tuple[tuple[int, int], ...]]) -> None:
+    """The boxes tile the tensor: inside it, pairwise disjoint, as many elements as it has."""
+    total = 1
+    for n in shape:
+        total *= n
+    sizes = []
+    for dims in boxes:
+        size = 1
+        for lo, hi in dims:
+            size *= hi - lo
+        sizes.append(size)
+    overlap = any(all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(x, y))
+                  for i, x in enumerate(boxes) for y in boxes[i + 1 :])  # fmt: skip
+    if overlap or sum(sizes) != total:
+        raise ValueError(f"tensor {name!r}: the announced pieces do not cover shape {list(shape)} exactly once")
 
 
 # ---------------------------------------------------------------------------------------------- HTTP handlers
@@ -165,6 +218,8 @@ class WeightEndpoints:
             "/update_weights_from_distributed": self.update_from_distributed,
             "/destroy_weights_update_group": self.destroy_group,
             "/update_weights_from_delta": self.update_from_delta,  # our extension (delta_receiver.py)
+            "/update_weights_from_p2p": self.update_from_p2p,  # our extension (the p2p strategy)
+            "/weights_piece_checksums": self.piece_checksums,  # our extension (p2p verification)
         }
 
     async def _parse(self, endpoint: str, request: web.Request, limit: int | None = None) -> dict[str, Any]:
@@ -269,6 +324,25 @@ class WeightEndpoints:
             self.engine.update_weights(named, version=p["weight_version"], flush_cache=p["flush_cache"])
 
         return await self._apply(p, work, "Succeeded to update parameter online.")
+
+    async def update_from_p2p(self, request: web.Request) -> web.Response:
+        """One bucket sent point-to-point by the trainer ranks (``pieces``: what comes from which rank)."""
+        p = await self._parse("update_weights_from_p2p", request)
+
+        def work() -> None:
+            named = self.receiver.receive_pieces(p["group_name"], p["names"], p["dtypes"], p["shapes"], p["pieces"])
+            self.engine.update_weights(named, version=p["weight_version"], flush_cache=p["flush_cache"])
+
+        return await self._apply(p, work, "Succeeded to update parameter online.")
+
+    async def piece_checksums(self, request: web.Request) -> web.Response:
+        p = await self._parse("weights_piece_checksums", request)
+        try:
+            sums = await asyncio.to_thread(self.engine.piece_checksums, dict(zip(p["names"], p["boxes"])))
+        except (KeyError, ValueError) as e:
+            return _answer({"message": f"Failed to compute piece checksums: {e}"}, False)
+        return web.json_response({"success": True, "message": f"checksums of {len(sums)} pieces",
+                                  "checksums": sums, "weight_version": self.engine.weight_version})  # fmt: skip
 
     async def update_from_delta(self, request: web.Request) -> web.Response:
         """Apply a version written by the delta strategy (``manifest_path``: its directory); delta_receiver.py."""

@@ -133,7 +133,7 @@ async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str
     from miles_hpc.sync.publish import Publisher
 
     clients = [EngineClient(u, api_key=api_key, admin_api_key=admin_key) for u in urls]
-    sync = build_sync(cfg, paths.root, "127.0.0.1", free_port)
+    sync = build_sync(cfg, paths.root, "127.0.0.1", free_port, trainer=trainer)
     router = Router(clients, owns_clients=True, on_readmit=lambda i, c: publisher.readmit_check(i, c))
     publisher = Publisher(sync, router, pause_mode=cfg.sync.pause_mode)
     d = cfg.data

@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from miles_hpc.sync.p2p import rank_action
 from miles_hpc.train.batch import TrainBatch
 from miles_hpc.train.dist import broadcast_object
 from miles_hpc.train.protocol import Trainer
 
-_VERBS = ("compute_logprobs", "train_step", "state_for_sync", "checksums", "save", "load")
+_VERBS = ("compute_logprobs", "train_step", "state_for_sync", "checksums", "save", "load", "p2p")
 
 
 class RankedTrainer:
@@ -56,6 +58,19 @@ class RankedTrainer:
         self._fan_out("load", str(path))
         return self.trainer.load(path)
 
+    @property
+    def world_size(self) -> int:
+        return self.trainer.world_size
+
+    def shard_map(self) -> Any:
+        """Rank 0's view of what every rank holds (no collective)."""
+        return self.trainer.shard_map()  # type: ignore[attr-defined]
+
+    def p2p(self, action: str, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """Run the p2p weight-sync ``action`` (sync/p2p.py) on every rank; their results, in rank order."""
+        self._fan_out("p2p", action, args)
+        return _gather(rank_action(self.trainer, action, args))
+
     def shutdown(self) -> None:
         self._fan_out("shutdown")
 
@@ -68,7 +83,19 @@ def follow(trainer: Trainer) -> None:
             return
         if verb not in _VERBS:
             raise RuntimeError(f"trainer rank {trainer.rank}: unknown command {verb!r} from the controller")
+        if verb == "p2p":
+            _gather(rank_action(trainer, *args))
+            continue
         result = getattr(trainer, verb)(*args)
         if verb == "state_for_sync":
             for _ in result:  # a collective generator: step through it with rank 0
                 pass
+
+
+def _gather(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``result`` on rank 0, in rank order (an empty list elsewhere)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [result]
+    out: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(result, out if dist.get_rank() == 0 else None, dst=0)
+    return out

@@ -61,24 +61,29 @@ def hf_target(model: CausalLM, name: str, params: dict[str, torch.nn.Parameter] 
     return params[f"{prefix}.gate_up_proj"].data[j, rows]
 
 
+def hf_parts(config: ModelConfig, name: str, shape: Iterable[int]) -> list[tuple[str, tuple[int | slice, ...]]]:
+    """The HF tensors carved out of our state-dict tensor `name`: (HF name, index into ours), in Hub order.
+
+    `()` indexes the whole tensor; fused experts give `(j, rows)` / `(j,)` per expert; a tied `lm_head` gives none.
+    """
+    if config.tie_word_embeddings and name == "lm_head.weight":
+        return []
+    if name.endswith(".experts.gate_up_proj"):
+        prefix, inter = name[: -len(".gate_up_proj")], config.moe_intermediate_size
+        return [part for j in range(next(iter(shape)))
+                for part in ((f"{prefix}.{j}.gate_proj.weight", (j, slice(0, inter))),
+                             (f"{prefix}.{j}.up_proj.weight", (j, slice(inter, 2 * inter))))]  # fmt: skip
+    if name.endswith(".experts.down_proj"):
+        prefix = name[: -len(".down_proj")]
+        return [(f"{prefix}.{j}.down_proj.weight", (j,)) for j in range(next(iter(shape)))]
+    return [(name, ())]
+
+
 def iter_hf_tensors(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) in the Hub layout: per-expert MoE tensors, no `lm_head.weight` when tied. Views, no copy."""
-    tied = model.config.tie_word_embeddings
-    inter = model.config.moe_intermediate_size
     for name, t in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        if name.endswith(".experts.gate_up_proj"):
-            prefix = name[: -len(".gate_up_proj")]
-            for j in range(t.shape[0]):
-                yield f"{prefix}.{j}.gate_proj.weight", t[j, :inter]
-                yield f"{prefix}.{j}.up_proj.weight", t[j, inter:]
-        elif name.endswith(".experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
-            for j in range(t.shape[0]):
-                yield f"{prefix}.{j}.down_proj.weight", t[j]
-        else:
-            yield name, t
+        for hf_name, index in hf_parts(model.config, name, t.shape):
+            yield hf_name, t[index] if index else t
 
 
 def expected_hf_shapes(model: CausalLM, present: Iterable[str] = ()) -> dict[str, tuple[int, ...]]:

@@ -381,6 +381,33 @@ class EngineClient:
         )
         return _message(await self._call(rq.EXTENSIONS["update_weights_from_delta"], body, timeout=timeout))
 
+    async def update_weights_from_p2p(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[object],
+        shapes: Sequence[Sequence[int]],
+        pieces: Sequence[Sequence[Sequence[int]]],
+        *,
+        group_name: str = rq.DEFAULT_GROUP,
+        weight_version: str | None = None,
+        flush_cache: bool | None = None,
+    ) -> str:
+        """Our extension (embedded engine only): announce one bucket the trainer ranks send point-to-point (the
+        p2p strategy, ``sync/p2p.py``); returns when the engine has received and applied it."""
+        body = rq.update_weights_from_p2p_body(names, dtypes, shapes, pieces, group_name=group_name,
+                                               weight_version=weight_version, flush_cache=flush_cache)  # fmt: skip
+        return _message(await self._call(rq.EXTENSIONS["update_weights_from_p2p"], body))
+
+    async def weights_piece_checksums(
+        self, names: Sequence[str], boxes: Sequence[Sequence[Sequence[int]]]
+    ) -> dict[str, str]:
+        """Our extension: ``sync.checksum.piece_key`` -> checksum of each box of each named tensor."""
+        obj = await self._call(rq.EXTENSIONS["weights_piece_checksums"], rq.weights_piece_checksums_body(names, boxes))
+        sums = obj.get("checksums") if isinstance(obj, dict) else None
+        if not isinstance(sums, dict):
+            raise EngineProtocolError(self.url, "POST /weights_piece_checksums", f"no checksums in {str(obj)[:200]}")
+        return {str(k): str(v) for k, v in sums.items()}
+
     async def destroy_weights_update_group(self, group_name: str = rq.DEFAULT_GROUP) -> str:
         return _message(
             await self._call(rq.DESTROY_WEIGHTS_UPDATE_GROUP, rq.destroy_weights_update_group_body(group_name))

@@ -91,6 +91,8 @@ UNLOAD_LORA_ADAPTER = Endpoint("POST", "/unload_lora_adapter", admin=True, idemp
 # constants above: tests/sglang_schema_check.py checks each of those against SGLang's own app.
 EXTENSIONS: dict[str, Endpoint] = {
     "update_weights_from_delta": Endpoint("POST", "/update_weights_from_delta", admin=True, idempotent=False),
+    "update_weights_from_p2p": Endpoint("POST", "/update_weights_from_p2p", admin=True, idempotent=False),
+    "weights_piece_checksums": Endpoint("POST", "/weights_piece_checksums", admin=True, idempotent=True),
 }
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
@@ -288,6 +290,36 @@ def update_weights_from_tensor_body(
     _set(body, "abort_all_requests", abort_all_requests)
     _set(body, "weight_version", None if weight_version is None else str(weight_version))
     return body
+
+
+def update_weights_from_p2p_body(
+    names: Sequence[str],
+    dtypes: Sequence[object],
+    shapes: Sequence[Sequence[int]],
+    pieces: Sequence[Sequence[Sequence[int]]],
+    *,
+    group_name: str = DEFAULT_GROUP,
+    weight_version: str | None = None,
+    flush_cache: bool | None = None,
+) -> dict[str, Any]:
+    """``POST /update_weights_from_p2p`` (our extension, docs/engine.md): one bucket that the trainer ranks send
+    point-to-point; ``pieces[i]`` lists what arrives of ``names[i]``, each ``[trainer rank, lo0, hi0, lo1, ...]``,
+    in the order the sends are posted."""
+    body = update_weights_from_distributed_body(names, dtypes, shapes, group_name=group_name,
+                                                weight_version=weight_version, flush_cache=flush_cache)  # fmt: skip
+    if len(pieces) != len(names):
+        raise ValueError(f"pieces has {len(pieces)} entries for {len(names)} names")
+    body["pieces"] = [[_ints(p, f"piece of {n}") for p in ps] for n, ps in zip(names, pieces)]
+    return body
+
+
+def weights_piece_checksums_body(names: Sequence[str], boxes: Sequence[Sequence[Sequence[int]]]) -> dict[str, Any]:
+    """``POST /weights_piece_checksums`` (our extension): checksums of boxes of tensors, ``boxes[i]`` a list of
+    ``[lo0, hi0, lo1, hi1, ...]`` of ``names[i]``."""
+    if len(boxes) != len(names):
+        raise ValueError(f"boxes has {len(boxes)} entries for {len(names)} names")
+    return {"names": [str(n) for n in names], "boxes": [[_ints(b, f"box of {n}") for b in bs]
+                                                         for n, bs in zip(names, boxes)]}  # fmt: skip
 
 
 def update_weights_from_delta_body(

@@ -24,7 +24,7 @@ import torch
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.sync.checksum import tensor_checksum
 from miles_hpc.sync.pg import CustomGroup, GroupSpec
-from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError
+from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, verify_checksums
 
 __all__ = ["BroadcastSpec", "BroadcastSync"]
 
@@ -44,6 +44,8 @@ class BroadcastSync:
     """Rank-0 side of the broadcast strategy (engines of tp size 1: one rank each)."""
 
     name = "broadcast"
+    takes_named = True
+    verify = staticmethod(verify_checksums)
 
     def __init__(self, spec: BroadcastSpec) -> None:
         self.spec = spec

@@ -35,3 +35,8 @@ def tensor_checksum(t: torch.Tensor) -> str:
             arr = arr.byteswap()
         h.update(np.ascontiguousarray(arr).tobytes())
     return h.hexdigest()
+
+
+def piece_key(name: str, dims: tuple[tuple[int, int], ...]) -> str:
+    """Name of the checksum of one box of a tensor (the p2p strategy verifies per held piece): ``name@0:4,0:8``."""
+    return f"{name}@" + ",".join(f"{lo}:{hi}" for lo, hi in dims)

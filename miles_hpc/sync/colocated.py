@@ -47,7 +47,7 @@ import torch
 
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError
+from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, verify_checksums
 
 __all__ = ["SHM_TAG", "ColocatedSpec", "ColocatedSync", "ShmSlice", "is_local_url", "serialize_named"]
 
@@ -218,6 +218,8 @@ class ColocatedSync:
     """Rank-0 side of the colocated strategy (module docstring). One push at a time, from one event loop."""
 
     name = "colocated"
+    takes_named = True
+    verify = staticmethod(verify_checksums)
 
     def __init__(self, spec: ColocatedSpec) -> None:
         self.spec = spec

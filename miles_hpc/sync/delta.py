@@ -36,7 +36,7 @@ import torch
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.sync.delta_codec import DeltaPayload, encode, encode_full
 from miles_hpc.sync.delta_manifest import PARTIAL, Manifest, VersionWriter
-from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError
+from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, verify_checksums
 
 __all__ = ["DeltaSpec", "DeltaSync", "Staged"]
 
@@ -84,6 +84,8 @@ class DeltaSync:
     """The "delta" strategy (module docstring). Not thread-safe: one push at a time, from one event loop."""
 
     name = "delta"
+    takes_named = True
+    verify = staticmethod(verify_checksums)
 
     def __init__(self, spec: DeltaSpec) -> None:
         self.spec = spec

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,11 +17,14 @@ from miles_hpc.config import ConfigError, RunConfig
 from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
 from miles_hpc.sync.colocated import ColocatedSpec, ColocatedSync
 from miles_hpc.sync.delta import DeltaSpec, DeltaSync
+from miles_hpc.sync.p2p import P2PSpec, P2PSync, ShardSource
 from miles_hpc.sync.protocol import WeightSync
 
 __all__ = ["RUNNABLE", "build_sync", "check_strategy"]
 
-RUNNABLE = ("broadcast", "delta", "colocated")
+log = logging.getLogger(__name__)
+
+RUNNABLE = ("broadcast", "p2p", "delta", "colocated")
 
 
 def check_strategy(cfg: RunConfig) -> None:
@@ -29,12 +33,21 @@ def check_strategy(cfg: RunConfig) -> None:
                           f"use one of {', '.join(RUNNABLE)}")  # fmt: skip
 
 
-def build_sync(
-    cfg: RunConfig, run_dir: Path, master_address: str, next_port: Callable[[], int], backend: str = "gloo"
-) -> WeightSync:
-    """`next_port`: a free TCP port on `master_address` (broadcast groups); `backend`: gloo (CPU) or nccl."""
+def build_sync(cfg: RunConfig, run_dir: Path, master_address: str, next_port: Callable[[], int],
+               backend: str = "gloo", trainer: ShardSource | None = None) -> WeightSync:  # fmt: skip
+    """`next_port`: a free TCP port on `master_address` (process groups); `backend`: gloo (CPU) or nccl;
+    `trainer`: the controller's handle on every trainer rank (p2p sends from each of them)."""
     check_strategy(cfg)
     s = cfg.sync
+    if s.strategy == "p2p" and cfg.rollout.backend == "sglang":
+        # SGLang has no per-rank receive endpoint (docs/weight_sync.md): its engines take the broadcast.
+        log.warning("sync.strategy p2p: SGLang engines receive weights by broadcast only; using broadcast")
+    elif s.strategy == "p2p":
+        if trainer is None:
+            raise ValueError("sync.strategy p2p needs the trainer ranks' handle (build_sync(..., trainer=...))")
+        return P2PSync(P2PSpec(master_address=master_address, next_port=next_port, backend=backend,
+                               bucket_bytes=s.bucket_bytes, rollout_dtype=getattr(torch, cfg.model.dtype),
+                               timeout_s=s.timeout_s), trainer)  # fmt: skip
     if s.strategy == "delta":
         rollout_dtype = getattr(torch, cfg.model.dtype)
         return DeltaSync(DeltaSpec(run_dir=run_dir, rollout_dtype=rollout_dtype, timeout_s=s.timeout_s))

@@ -134,6 +134,23 @@ class CustomGroup:
         """Receive into ``tensor`` (in place) what rank ``src`` sent with the same ``tag``."""
         self._run(tensor, lambda t: self._backend().recv([t], src, tag))
 
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> dist.Work:
+        """Post a send of contiguous ``tensor`` (leave it untouched until the work is waited on)."""
+        return self._backend().send([self._wire(tensor)], dst, tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> dist.Work:
+        """Post a receive into contiguous ``tensor`` (it holds the data once the work is waited on)."""
+        return self._backend().recv([self._wire(tensor)], src, tag)
+
+    def wait_all(self, works: list[dist.Work]) -> None:
+        """Wait for posted sends/receives; on CUDA also for the device (callers read the tensors next).
+
+        Between two ranks, operations pair up in the order both sides post them: post in one agreed order."""
+        for w in works:
+            w.wait()
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+
     def barrier(self) -> None:
         # An all-reduce of one element works the same on gloo and NCCL (NCCL's own barrier guesses a device).
         flag = torch.ones(1, device=self._device)
@@ -154,6 +171,17 @@ class CustomGroup:
         if self._pg is None:
             raise RuntimeError(f"process group {self.spec.group_name!r} was destroyed")
         return self._pg
+
+    def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor as the backend moves it (float8 as bytes on gloo); posted operations need contiguous ones."""
+        if tensor.device.type != self._device.type or (self._device.type == "cuda" and tensor.device != self._device):
+            raise ValueError(f"{self.spec.backend} group {self.spec.group_name!r} needs tensors on {self._device}, "
+                             f"got {tensor.device}")  # fmt: skip
+        if not tensor.is_contiguous():
+            raise ValueError(f"group {self.spec.group_name!r}: a posted send/receive needs a contiguous tensor")
+        if self.spec.backend == "gloo" and tensor.dtype in _GLOO_AS_BYTES:
+            return tensor.reshape(-1).view(torch.uint8)
+        return tensor
 
     def _run(self, tensor: torch.Tensor, op: Callable[[torch.Tensor], Any], write_back: bool = True) -> None:
         if tensor.device.type != self._device.type:

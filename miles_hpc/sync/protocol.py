@@ -12,6 +12,10 @@ Contract of a strategy:
   must now hold it. The last part of the update carries `version`; an engine that received only part of it
   refuses to continue generation (engine/core.py `resume`), so a trainer that dies mid-push never leaves a
   half-updated engine serving.
+- `takes_named`: False for a strategy that moves the trainer's shards itself (p2p): the publisher then hands
+  `push` an empty iterator instead of building the gathered one.
+- `verify(clients, expected)` checks that every engine holds what `push` returned (`verify_checksums`: one
+  checksum per tensor; p2p: one per held piece, `verify_pieces`).
 - Failures raise `EngineSyncError` naming the engines that failed when the strategy can tell (the publisher then
   takes them out of the fleet and retries with the others), `WeightSyncError` otherwise (the run stops).
 """
@@ -19,14 +23,15 @@ Contract of a strategy:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from miles_hpc.rollout.client import EngineClient
+from miles_hpc.sync.plan import Box
 
-__all__ = ["EngineSyncError", "WeightSync", "WeightSyncError", "verify_checksums"]
+__all__ = ["EngineSyncError", "WeightSync", "WeightSyncError", "verify_checksums", "verify_pieces"]
 
 
 class WeightSyncError(RuntimeError):
@@ -46,6 +51,7 @@ class WeightSync(Protocol):
     """One weight-update strategy (broadcast, p2p, delta, colocated, lora): see the module docstring."""
 
     name: str
+    takes_named: bool
 
     @property
     def clients(self) -> Sequence[EngineClient]: ...
@@ -53,6 +59,8 @@ class WeightSync(Protocol):
     async def connect(self, clients: Sequence[EngineClient]) -> None: ...
 
     async def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, str]: ...
+
+    async def verify(self, clients: Sequence[EngineClient], expected: dict[str, str]) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -71,3 +79,17 @@ async def verify_checksums(clients: Sequence[EngineClient], expected: dict[str, 
                     f"weight checksum mismatch on {client.url} for tensor {name!r}: "
                     f"trainer {want}, engine {got.get(name, 'missing')}"
                 )
+
+
+async def verify_pieces(clients: Sequence[EngineClient], pieces: Mapping[str, Sequence[Box]],
+                        expected: dict[str, str]) -> None:  # fmt: skip
+    """As `verify_checksums`, per piece: each engine hashes the given boxes of its tensors (`piece_key` names);
+    the boxes partition each tensor, so equal piece checksums mean equal tensors."""
+    names = list(pieces)
+    boxes = [[[x for d in b.dims for x in d] for b in pieces[n]] for n in names]
+    answers = await asyncio.gather(*(c.weights_piece_checksums(names, boxes) for c in clients))
+    for client, got in zip(clients, answers):
+        for key, want in expected.items():
+            if got.get(key) != want:
+                raise WeightSyncError(f"weight checksum mismatch on {client.url} for tensor piece {key!r}: "
+                                      f"trainer {want}, engine {got.get(key, 'missing')}")  # fmt: skip

@@ -31,7 +31,7 @@ import torch
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.requests import PauseMode
 from miles_hpc.rollout.router import Router
-from miles_hpc.sync.protocol import EngineSyncError, WeightSync, WeightSyncError, verify_checksums
+from miles_hpc.sync.protocol import EngineSyncError, WeightSync, WeightSyncError
 
 __all__ = ["PublishReport", "Publisher"]
 
@@ -72,7 +72,7 @@ class Publisher:
         try:
             sent: dict[str, str] = {}
             for attempt in (0, 1):
-                it = iter(named_fn())
+                it = iter(named_fn() if self.sync.takes_named else ())
                 try:
                     if list(self.sync.clients) != targets:
                         await self.sync.connect(targets)
@@ -96,7 +96,7 @@ class Publisher:
                 except BaseException:
                     _drain(it)
                     raise
-            await verify_checksums(targets, sent)
+            await self.sync.verify(targets, sent)
             self.version = version
         finally:
             await asyncio.gather(*(c.continue_generation() for c in paused if c.url not in dropped),

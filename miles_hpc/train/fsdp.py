@@ -51,6 +51,7 @@ from miles_hpc.train.logprobs import PackedMicroBatch, dummy_microbatch, pack_sa
 from miles_hpc.train.losses import policy_loss
 from miles_hpc.train.optim import build_optimizer, build_scheduler
 from miles_hpc.train.packing import pack_microbatches, split_across_ranks, split_minibatches
+from miles_hpc.train.shards import ShardMap, shard_map
 
 __all__ = ["FSDPTrainer", "LossFn"]
 
@@ -266,6 +267,10 @@ class FSDPTrainer:
         # lazily: each DTensor is all-gathered only when iter_hf_tensors reaches it.
         view = types.SimpleNamespace(config=self.config, state_dict=lambda: _GatheredStateDict(self.model))
         yield from iter_hf_tensors(view)  # type: ignore[arg-type]
+
+    def shard_map(self) -> ShardMap:
+        """What every rank holds of each HF tensor and this rank's part of it (p2p sync; no collective)."""
+        return shard_map(self.model, self._rank, self._world)
 
     def checksums(self, dtype: torch.dtype | None = None) -> dict[str, str]:
         out: dict[str, str] = {}

@@ -1,0 +1,277 @@
+"""Point-to-point weight sync: every trainer rank sends its own shards straight to the engines (stage: sync;
+DESIGN section 6, strategy "p2p"; the plan is ``sync/plan.py``).
+
+One process group spans trainer ranks ``0..R-1`` and engine ``i`` at rank ``R + i`` (engines of tp size 1: each
+needs every tensor whole). Per bucket of HF tensors (``bucket_bytes`` of full tensors, in Hub order), trainer
+rank 0 tells each engine which pieces to expect from which trainer rank (``/update_weights_from_p2p``, our
+extension); meanwhile every trainer rank posts one send per piece it holds, per engine, in plan order, and the
+engines post the matching receives in the same order. Nothing is gathered: a trainer rank's link carries its shard
+bytes times the number of engines, the bound of the p2p design.
+
+The trainer side runs on every trainer rank: the controller calls ``trainer.p2p(action, args)`` (a
+``RankedTrainer`` verb, loop/trainer_ranks.py), which runs :func:`rank_action` on each rank and returns their
+results in rank order. A rank never raises out of an action (its error comes back as a result), so a failed
+update never breaks the ranks' command loop.
+
+Verification without a gather: each trainer rank hashes the piece it holds of every tensor (rollout dtype,
+``sync.checksum.piece_key`` names), and each engine hashes the same boxes of its tensors
+(``/weights_piece_checksums``, our extension); the boxes partition each tensor, so equal piece checksums mean equal
+tensors. Real SGLang has no per-rank receive: against it, use ``broadcast`` (docs/weight_sync.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from miles_hpc.rollout.client import EngineClient
+from miles_hpc.sync.checksum import piece_key, tensor_checksum
+from miles_hpc.sync.pg import CustomGroup, GroupSpec
+from miles_hpc.sync.plan import Box, EngineRank, Transfer, engine_layout, plan_transfers
+from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, verify_pieces
+
+__all__ = ["P2PSpec", "P2PSync", "buckets_of", "rank_action"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class P2PSpec:
+    master_address: str
+    next_port: Callable[[], int]  # a free TCP port on master_address, asked once per (re)connect
+    backend: str = "gloo"
+    bucket_bytes: int = 512 << 20
+    group_name: str = "p2p_weight_group"
+    rollout_dtype: torch.dtype | None = None  # None: send the trainer's dtype
+    timeout_s: float = 300.0
+
+
+class ShardSource(Protocol):
+    """What the strategy needs of the trainer side (``RankedTrainer`` on trainer rank 0)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def shard_map(self) -> Any: ...  # train.shards.ShardMap: shapes, every rank's boxes, this rank's data
+
+    def p2p(self, action: str, args: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+
+def buckets_of(shapes: dict[str, tuple[int, ...]], esize: int, bucket_bytes: int) -> list[list[str]]:
+    """Names in order, cut into buckets of at least ``bucket_bytes`` of full tensors (the last may be smaller)."""
+    out: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        if size >= bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += esize * _numel(shape)
+    return [b for b in out if b]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _by_name(plan: Iterable[Transfer]) -> dict[str, list[Transfer]]:
+    out: dict[str, list[Transfer]] = defaultdict(list)
+    for t in plan:
+        out[t.name].append(t)
+    return out
+
+
+class P2PSync:
+    """Rank-0 side of the p2p strategy: the group, the engines' announcements, the merged piece checksums."""
+
+    name = "p2p"
+    takes_named = False  # every trainer rank sends its own shards; the gathered iterator is never built
+
+    def __init__(self, spec: P2PSpec, trainer: ShardSource) -> None:
+        self.spec = spec
+        self.trainer = trainer
+        self._clients: list[EngineClient] = []
+        self._joined = False
+        self._pieces: dict[str, list[Box]] = {}  # boxes of the last push, for verify
+
+    @property
+    def clients(self) -> Sequence[EngineClient]:
+        return tuple(self._clients)
+
+    def _dtype(self, like: torch.dtype) -> torch.dtype:
+        return self.spec.rollout_dtype or like
+
+    async def connect(self, clients: Sequence[EngineClient]) -> None:
+        await self.close()
+        s, world = self.spec, self.trainer.world_size
+        port = s.next_port()
+        size = world + len(clients)
+        args = {"group_name": s.group_name, "master_address": s.master_address, "master_port": port,
+                "world_size": size, "backend": s.backend, "timeout_s": s.timeout_s}  # fmt: skip
+        joins = [c.init_weights_update_group(s.master_address, port, world + i, size, group_name=s.group_name,
+                                             backend=s.backend) for i, c in enumerate(clients)]  # fmt: skip
+        results = await asyncio.gather(asyncio.to_thread(self.trainer.p2p, "join", args), *joins,
+                                       return_exceptions=True)  # fmt: skip
+        self._joined, self._clients = True, list(clients)  # close() undoes whatever part did join
+        failed = [c.url for c, r in zip(clients, results[1:]) if isinstance(r, BaseException)]
+        trainer_errors = _errors(results[0])
+        if failed or trainer_errors:
+            await self.close()
+            err = next((r for r in results[1:] if isinstance(r, BaseException)), None)
+            if failed:
+                raise EngineSyncError(failed, f"joining the p2p weight group failed on {failed}: {err}")
+            raise WeightSyncError(f"creating the p2p weight group failed: {trainer_errors[0]}")
+
+    async def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, str]:
+        """Every trainer rank sends its pieces; returns the piece checksums (``piece_key`` -> checksum)."""
+        if not self._joined:
+            raise WeightSyncError("push before connect()")
+        for _ in named:  # the publisher hands p2p an empty iterator (takes_named); never gather anyway
+            raise WeightSyncError("p2p sends every rank's own shards: it takes no gathered tensors")
+        sm = self.trainer.shard_map()
+        world, replicas = self.trainer.world_size, len(self._clients)
+        like = next(iter(sm.local.values())).dtype if sm.local else torch.float32
+        dtype = self._dtype(like)
+        esize = torch.empty((), dtype=dtype).element_size()
+        buckets = buckets_of(sm.shapes, esize, self.spec.bucket_bytes)
+        layout = engine_layout(sm.shapes, 1, replicas)
+        per_engine = [_by_name(plan_transfers(sm.shapes, sm.layout, layout, esize, only=EngineRank(i, 0)))
+                      for i in range(replicas)]  # fmt: skip
+        args = {"group_name": self.spec.group_name, "replicas": replicas, "bucket_bytes": self.spec.bucket_bytes,
+                "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+        sending = asyncio.ensure_future(asyncio.to_thread(self.trainer.p2p, "push", args))
+        failed: list[tuple[str, BaseException]] = []
+        dtype_name = str(dtype).removeprefix("torch.")
+        try:
+            for b, names in enumerate(buckets):
+                last = b == len(buckets) - 1
+                shapes = [list(sm.shapes[n]) for n in names]
+                calls = [
+                    c.update_weights_from_p2p(
+                        names, [dtype_name] * len(names), shapes,
+                        [[_piece(t) for t in per_engine[i][n]] for n in names],
+                        group_name=self.spec.group_name, weight_version=version if last else None, flush_cache=last,
+                    )  # fmt: skip
+                    for i, c in enumerate(self._clients)
+                ]
+                answers = await asyncio.gather(*calls, return_exceptions=True)
+                failed = [(c.url, a) for c, a in zip(self._clients, answers) if isinstance(a, BaseException)]
+                if failed:
+                    break
+        finally:
+            results = await sending  # the trainer ranks finish (or time out) before anything else happens
+        errors = _errors(results)
+        if failed:
+            url, err = failed[0]
+            raise EngineSyncError([u for u, _ in failed], f"p2p weight update failed on {url}: {err}"
+                                  + (f" (trainer: {errors[0]})" if errors else ""))  # fmt: skip
+        if errors:
+            raise EngineSyncError([c.url for c in self._clients], f"p2p weight update failed: {errors[0]}")
+        merged: dict[str, str] = {}
+        for rank, r in enumerate(results):
+            for key, value in r["sums"].items():
+                if merged.setdefault(key, value) != value:
+                    raise WeightSyncError(f"trainer ranks disagree on piece {key}: rank {rank} holds {value}, "
+                                          f"another rank {merged[key]}")  # fmt: skip
+        self._pieces = defaultdict(list)
+        for name in sm.shapes:
+            for box in dict.fromkeys(b for b in sm.layout[name] if not b.empty):
+                self._pieces[name].append(box)
+        return merged
+
+    async def verify(self, clients: Sequence[EngineClient], expected: dict[str, str]) -> None:
+        await verify_pieces(clients, self._pieces, expected)
+
+    async def close(self) -> None:
+        if not self._joined:
+            return
+        clients, self._clients, self._joined = self._clients, [], False
+        await asyncio.gather(
+            asyncio.to_thread(self.trainer.p2p, "leave", {"group_name": self.spec.group_name}),
+            *(c.destroy_weights_update_group(self.spec.group_name) for c in clients),
+            return_exceptions=True,
+        )
+
+
+def _piece(t: Transfer) -> list[int]:
+    """One expected piece as the engine reads it: [trainer rank, lo0, hi0, lo1, hi1, ...] of its tensor (trainer
+    ranks are the first ranks of the group, so a trainer rank is also its group rank)."""
+    return [t.src_rank, *(x for d in t.dst_box.dims for x in d)]
+
+
+def _errors(result: Any) -> list[str]:
+    if isinstance(result, BaseException):
+        return [f"trainer rank 0: {result}"]
+    return [r["error"] for r in result if r.get("error")]
+
+
+# ------------------------------------------------------------------------------ every trainer rank
+_GROUPS: dict[tuple[str, int], CustomGroup] = {}  # (group name, trainer rank): tests run ranks as threads
+
+
+def rank_action(trainer: Any, action: str, args: dict[str, Any]) -> dict[str, Any]:
+    """One trainer rank's part of ``join`` | ``push`` | ``leave``; errors come back as ``{"error": ...}``."""
+    rank = trainer.rank
+    try:
+        if action == "join":
+            spec = GroupSpec(backend=args["backend"], master_address=args["master_address"],
+                             master_port=args["master_port"], rank=rank, world_size=args["world_size"],
+                             group_name=args["group_name"], timeout_s=args["timeout_s"])  # fmt: skip
+            _leave(args["group_name"], rank)
+            device = getattr(trainer, "device", None) if spec.backend == "nccl" else None
+            _GROUPS[(args["group_name"], rank)] = CustomGroup(spec, device)
+            return {}
+        if action == "push":
+            group = _GROUPS.get((args["group_name"], rank))
+            if group is None:
+                raise RuntimeError(f"no p2p group {args['group_name']!r} on this rank: join first")
+            dtype = getattr(torch, args["dtype"])
+            sums = send_shards(group, trainer.shard_map(), rank, trainer.world_size, args["replicas"],
+                               args["bucket_bytes"], dtype)  # fmt: skip
+            return {"sums": sums}
+        if action == "leave":
+            _leave(args["group_name"], rank)
+            return {}
+        raise ValueError(f"unknown p2p action {action!r}")
+    except Exception as e:  # noqa: BLE001 (reported to the controller, which decides)
+        return {"error": f"trainer rank {rank}: {type(e).__name__}: {e}"}
+
+
+def _leave(name: str, rank: int) -> None:
+    group = _GROUPS.pop((name, rank), None)
+    if group is not None:
+        group.destroy()
+
+
+def send_shards(group: CustomGroup, sm: Any, rank: int, world: int, replicas: int, bucket_bytes: int,
+                dtype: torch.dtype) -> dict[str, str]:  # fmt: skip
+    """Post this rank's sends bucket by bucket (each bucket waited on before the next), hashing each held piece
+    in worker threads meanwhile; returns ``piece_key`` -> checksum of the pieces this rank holds."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    plan = _by_name(plan_transfers(sm.shapes, sm.layout, engine_layout(sm.shapes, 1, replicas), esize, only=rank))
+    sums: dict[str, Future[str]] = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for names in buckets_of(sm.shapes, esize, bucket_bytes):
+            works, keep = [], []
+            for name in names:
+                if name not in sm.local:
+                    continue
+                src = sm.local[name].detach().to(device=group.device, dtype=dtype)
+                if src.data_ptr() == sm.local[name].data_ptr():
+                    src = src.clone()  # hash and send a copy the optimizer cannot change under us
+                box = sm.layout[name][rank]
+                sums[piece_key(name, box.dims)] = pool.submit(tensor_checksum, src)
+                for t in plan.get(name, ()):
+                    piece = src[t.src_box.slices()].contiguous()
+                    keep.append(piece)
+                    works.append(group.isend(piece, world + t.dst.replica))
+            group.wait_all(works)
+        return {k: f.result() for k, f in sums.items()}
+

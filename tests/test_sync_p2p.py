@@ -1,0 +1,167 @@
+"""The p2p strategy (sync/p2p.py) over real `miles-hpc serve` engines and a real gloo group: two trainer ranks
+(threads of this process, each with its own group member) send only the dim-0 shards they hold; every engine ends
+with exactly the trainer's tensors (checked by piece checksums and, independently, by the engines' whole-tensor
+checksums); a tampered engine fails verification naming the piece; a bad announcement is refused with a message.
+The whole loop with FSDP2 ranks and p2p is in tests/test_loop_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save
+from sync_support import ADMIN, bf16_fleet, engine_sums, router_of
+from test_client_engine import HAVE_SERVER, tiny_model
+
+from miles_hpc.cluster.local import free_port
+from miles_hpc.models import iter_hf_tensors, load_pretrained
+from miles_hpc.rollout.client import EngineClient
+from miles_hpc.rollout.errors import EngineError
+from miles_hpc.sync.checksum import tensor_checksum
+from miles_hpc.sync.p2p import P2PSpec, P2PSync, buckets_of, rank_action
+from miles_hpc.sync.plan import fsdp_layout
+from miles_hpc.sync.protocol import WeightSyncError
+from miles_hpc.sync.publish import Publisher
+from miles_hpc.train.shards import ShardMap
+
+pytestmark = pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine server (miles-hpc serve) is not built")
+
+WORLD = 2
+
+
+class ThreadRank:
+    """One trainer rank's view: what it holds of the current weights (dim-0 chunks, as FSDP2)."""
+
+    def __init__(self, world: ThreadWorld, rank: int) -> None:
+        self.world, self.rank, self.world_size = world, rank, world.world_size
+
+    def shard_map(self) -> ShardMap:
+        w = self.world
+        local = {n: t[w.layout[n][self.rank].slices()] for n, t in w.named.items() if not w.layout[n][self.rank].empty}
+        return ShardMap(w.shapes, w.layout, local)
+
+
+class ThreadWorld:
+    """The controller's handle on `WORLD` trainer ranks, each run in its own thread (what RankedTrainer does over
+    processes): `p2p` runs the action on every rank at once and returns their results in rank order."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.world_size = WORLD
+        self.set_weights(named)
+        self.ranks = [ThreadRank(self, r) for r in range(WORLD)]
+        self.sent_elements = [0] * WORLD
+
+    def set_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.named = dict(named)
+        self.shapes = {n: tuple(t.shape) for n, t in named}
+        self.layout = fsdp_layout(self.shapes, WORLD)
+
+    def shard_map(self) -> ShardMap:
+        return self.ranks[0].shard_map()
+
+    def p2p(self, action: str, args: dict[str, Any]) -> list[dict[str, Any]]:
+        results: list[Any] = [None] * WORLD
+
+        def one(r: int) -> None:
+            results[r] = rank_action(self.ranks[r], action, args)
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(WORLD)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+
+def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    model = load_pretrained(tiny_model())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    return [(n, t.to(torch.bfloat16).clone()) for n, t in iter_hf_tensors(model)]
+
+
+def test_p2p_publish_every_engine_holds_the_trainers_weights(tmp_path: Path) -> None:
+    with bf16_fleet(tmp_path, 2) as procs:
+
+        async def main() -> None:
+            world = ThreadWorld(weights(1))
+            sync = P2PSync(P2PSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=1 << 16,
+                                   rollout_dtype=torch.bfloat16, timeout_s=30), world)  # fmt: skip
+            async with router_of(procs) as router:
+                publisher = Publisher(sync, router, pause_mode="retract")
+                try:
+                    for version, seed in (("1", 1), ("2", 2)):
+                        world.set_weights(weights(seed))
+                        report = await publisher.publish(lambda: pytest.fail("p2p must not gather"), version)
+                        assert report.engines == 2 and report.dropped == ()
+                        want = {n: tensor_checksum(t) for n, t in world.named.items()}
+                        for c in router.clients:
+                            assert await engine_sums(c) == want  # whole tensors, independent of the pieces
+                            assert str((await c.model_info())["weight_version"]) == version
+                    # Piece checksums: one per held box, i.e. 2 per tensor with >= 2 rows (uneven last chunks too).
+                    assert report.tensors == sum(len({b for b in world.layout[n] if not b.empty})
+                                                 for n in world.shapes)  # fmt: skip
+                    assert len(buckets_of(world.shapes, 2, 1 << 16)) > 3  # several buckets went out
+
+                    # An engine whose tensor differs from the trainer's fails verification naming the piece.
+                    name, t = next((n, t) for n, t in world.named.items() if t.dim() == 2)
+                    bad = t.clone()
+                    bad[-1, -1] += 1.0
+                    blob = base64.b64encode(save({name: bad})).decode()
+                    await router.clients[1].update_weights_from_tensor([blob], load_format="safetensors")
+                    with pytest.raises(WeightSyncError, match=rf"{router.clients[1].url}.*{name}@"):
+                        await sync.verify(router.clients, await_sums(world))
+                finally:
+                    await sync.close()
+
+        asyncio.run(main())
+
+
+def await_sums(world: ThreadWorld) -> dict[str, str]:
+    """The pieces the trainer ranks hold, hashed as a push would (rollout dtype = bf16 already)."""
+    from miles_hpc.sync.checksum import piece_key
+
+    out = {}
+    for n, t in world.named.items():
+        for box in {b for b in world.layout[n] if not b.empty}:
+            out[piece_key(n, box.dims)] = tensor_checksum(t[box.slices()])
+    return out
+
+
+def test_bad_p2p_announcement_is_refused_with_the_tensor_named(tmp_path: Path) -> None:
+    with bf16_fleet(tmp_path, 1) as procs:
+
+        async def main() -> None:
+            async with EngineClient(f"http://127.0.0.1:{procs[0].port}", admin_api_key=ADMIN) as c:
+                # Rows 0..3 of an 8-row tensor: not all of it, refused before any receive is posted.
+                with pytest.raises(EngineError, match=r"model\.norm\.weight.*do not cover"):
+                    await c.update_weights_from_p2p(["model.norm.weight"], ["bfloat16"], [[8]], [[[0, 0, 4]]])
+                with pytest.raises(EngineError, match="outside shape"):
+                    await c.update_weights_from_p2p(["model.norm.weight"], ["bfloat16"], [[8]], [[[0, 0, 9]]])
+                with pytest.raises(EngineError, match="no weight update group"):
+                    await c.update_weights_from_p2p(["model.norm.weight"], ["bfloat16"], [[8]], [[[0, 0, 8]]],
+                                                    group_name="nope")  # fmt: skip
+                with pytest.raises(EngineError, match="no HF tensor"):
+                    await c.weights_piece_checksums(["model.nope.weight"], [[[0, 1]]])
+
+        asyncio.run(main())
+
+
+def test_p2p_against_sglang_engines_falls_back_to_broadcast(tmp_path: Path) -> None:
+    from miles_hpc.config import load_config
+    from miles_hpc.sync.broadcast import BroadcastSync
+    from miles_hpc.sync.factory import build_sync
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_config(repo / "configs/tiny_cpu.yaml", ["sync.strategy=p2p", "rollout.backend=sglang"])
+    assert isinstance(build_sync(cfg, tmp_path, "127.0.0.1", free_port, trainer=None), BroadcastSync)
+    cfg = load_config(repo / "configs/tiny_cpu.yaml", ["sync.strategy=p2p"])
+    assert isinstance(build_sync(cfg, tmp_path, "127.0.0.1", free_port, trainer=ThreadWorld(weights(0))), P2PSync)
