@@ -223,8 +223,9 @@ def main() -> None:
     t = ap.add_argument_group("transfer")
     t.add_argument("--transfer-size", choices=sorted(SIZES), default="100m", help="model shape published")
     t.add_argument("--engines", default="1,2", help="comma-separated engine counts")
-    t.add_argument("--strategies", default="broadcast,colocated,delta",
+    t.add_argument("--strategies", default="broadcast,p2p,colocated,delta",
                    help="comma-separated strategies to time")  # fmt: skip
+    t.add_argument("--trainer-ranks", type=int, default=2, help="p2p: trainer ranks (threads of this process)")
     t.add_argument("--reps", type=int, default=3, help="timed publishes per setting (median reported)")
     t.add_argument("--bucket-mb", type=int, default=512, help="broadcast bucket size")
     args = ap.parse_args()

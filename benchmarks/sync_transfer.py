@@ -7,7 +7,8 @@ push -> verify checksums -> continue), exactly what the RL loop runs. Per strate
 physical reference measured in the same run, this host's memcpy bandwidth for the same bytes (a broadcast to E
 engines on one host cannot beat E copies of the bytes through memory).
 
-Strategies: `broadcast` (every publish moves the full tensors over gloo), `colocated` (full tensors through a
+Strategies: `broadcast` (every publish moves the full tensors over gloo), `p2p` (`--trainer-ranks` ranks,
+threads of this process, each sending its dim-0 shards to every engine; verified per piece), `colocated` (full tensors through a
 shared-memory segment per bucket; on GPU, CUDA IPC handles) and `delta` (each publish perturbs 2% of the values
 by one ulp, about what an RL step at lr 1e-6 does to bf16 weights; the first publish is full and untimed, then
 deltas go through RUN/weights files; `bytes` stays the full size so GB/s compare as "model bytes updated per s").
@@ -39,11 +40,13 @@ from miles_hpc.rollout.sglang import wait_for_engines
 from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
 from miles_hpc.sync.colocated import ColocatedSpec, ColocatedSync
 from miles_hpc.sync.delta import DeltaSpec, DeltaSync
+from miles_hpc.sync.p2p import P2PSpec, P2PSync, ThreadedRanks
 from miles_hpc.sync.protocol import WeightSync
 from miles_hpc.sync.publish import Publisher
 
 
-TRANSPORTS = {"broadcast": "gloo (loopback)", "delta": "files (RUN/weights)", "colocated": "shared memory"}
+TRANSPORTS = {"broadcast": "gloo (loopback)", "p2p": "gloo (loopback), trainer ranks as threads",
+              "delta": "files (RUN/weights)", "colocated": "shared memory"}
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -77,7 +80,10 @@ def _perturb_ulps(t: torch.Tensor, frac: float, g: torch.Generator) -> None:
     bits[idx] += step
 
 
-def _make_sync(strategy: str, work: Path, bucket_mb: int) -> WeightSync:
+def _make_sync(strategy: str, work: Path, bucket_mb: int, ranks: ThreadedRanks) -> WeightSync:
+    if strategy == "p2p":
+        return P2PSync(P2PSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=bucket_mb << 20,
+                               timeout_s=300), ranks)  # fmt: skip
     if strategy == "delta":
         return DeltaSync(DeltaSpec(run_dir=work, timeout_s=300))
     if strategy == "colocated":
@@ -102,7 +108,8 @@ async def _one(
         urls = [r.url for r in wait_for_engines(rdv, n, timeout=300, poll_s=0.1)]
         named = [(k, v.detach().clone()) for k, v in iter_hf_tensors(model)]
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        sync = _make_sync(strategy, work, args.bucket_mb)
+        ranks = ThreadedRanks(named, args.trainer_ranks)  # p2p's trainer side: views of `named`, kept current
+        sync = _make_sync(strategy, work, args.bucket_mb, ranks)
         g = torch.Generator().manual_seed(args.seed)
         pushes: list[float] = []
         cycles: list[float] = []
@@ -133,7 +140,8 @@ async def _one(
         return {
             "bench": "weight_sync", "section": "transfer", "strategy": strategy,
             "transport": TRANSPORTS[strategy],
-            "device": "cpu", "engines": n, "size": args.transfer_size, "bytes": nbytes, "reps": args.reps,
+            "device": "cpu", "engines": n, "trainer_ranks": args.trainer_ranks if strategy == "p2p" else 1,
+            "size": args.transfer_size, "bytes": nbytes, "reps": args.reps,
             "push_s": round(push_s, 4), "push_gbps": round(nbytes / push_s / 1e9, 3),
             "bytes_delivered_gbps": round(n * nbytes / push_s / 1e9, 3), "cycle_s": round(cycle_s, 4),
             "moved_bytes": moved, "memcpy_gbps": round(memcpy_gbps(nbytes), 2),

@@ -68,6 +68,77 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], str, str, dict[str, int]]:
+    """(model config, its source, a name, cluster numbers from a run config) for ``plan``."""
+    from miles_hpc.config import load_config
+    from miles_hpc.models.presets import preset_config
+    from miles_hpc.sync.estimate import load_model_config
+
+    if not str(args.config).endswith((".yaml", ".yml")):  # a model: name in configs/models, config.json or dir
+        if args.model:
+            raise ConfigError(f"--model {args.model}: only applies when CONFIG is a run config (YAML)")
+        cfg, source = load_model_config(args.config)
+        return cfg, source, Path(source).stem if Path(source).stem != "config" else Path(source).parent.name, {}
+    run = load_config(args.config)
+    cluster = {"train_gpus": run.train.world_size, "engines": run.rollout.num_engines, "engine_tp": 1, "engine_ep": 1}
+    if args.model or run.model.path:
+        cfg, source = load_model_config(args.model or run.model.path)
+    else:
+        cfg = preset_config(run.model.init_arch, run.model.init_size)
+        source = f"{args.config}: model.init_arch={run.model.init_arch}, model.init_size={run.model.init_size}"
+    return cfg, source, run.name, cluster
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from miles_hpc.sync.estimate import Cluster, ModelSpecError, check_spec, estimate, format_table
+    from miles_hpc.sync.plan import PlanError
+
+    flags = {
+        "train_gpus": args.train_gpus,
+        "engines": args.engines,
+        "engine_tp": args.engine_tp,
+        "engine_ep": args.engine_ep,
+        "link_gbits": args.link_gbps,
+        "gpu_mem_gb": args.gpu_mem_gb,
+        "delta_ratio": args.delta_ratio,
+        "rollout_bytes": {"bf16": 2, "fp8": 1}.get(args.rollout_dtype),
+    }
+    try:
+        cfg, source, name, cluster = _plan_inputs(args)
+        check_spec(cfg, source)
+        cluster.update({k: v for k, v in flags.items() if v is not None})
+        report = estimate(cfg, Cluster(**cluster), name=name, source=source)
+    except ModelSpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except PlanError as e:  # the model does not split over the engine layout asked for
+        print(f"error: {source}: {e} (engine_tp={cluster['engine_tp']}, engine_ep={cluster['engine_ep']})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    print(json.dumps(report) if args.json else format_table(report))
+    return 0
+
+
+def _add_plan_parser(sub: Any) -> None:
+    pl = sub.add_parser("plan", help="memory and weight-sync time estimates for a cluster and model (docs/planning.md)")
+    pl.add_argument("config", help="run config YAML, a model config JSON / checkpoint dir, or a name in configs/models "
+                                   "(kimi_k2, glm52)")  # fmt: skip
+    pl.add_argument("--model", help="with a run config: plan this model (path or name) instead of model.path")
+    pl.add_argument("--train-gpus", type=int, help="trainer ranks (default: train.world_size, or 32)")
+    pl.add_argument("--engines", type=int, help="rollout engines (default: rollout.num_engines, or 4)")
+    pl.add_argument("--engine-tp", type=int, help="GPUs (tensor-parallel ranks) per engine (default: 1 for a run "
+                                                  "config, 8 for a model)")  # fmt: skip
+    pl.add_argument("--engine-ep", type=int, help="expert-parallel size inside an engine; divides --engine-tp")
+    pl.add_argument("--link-gbps", type=float, help="NIC line rate per GPU in Gb/s (default 200 = 25 GB/s)")
+    pl.add_argument("--rollout-dtype", choices=["bf16", "fp8"], help="engine weight dtype (default bf16)")
+    pl.add_argument("--gpu-mem-gb", type=float, help="GPU memory in GB for the fit checks (default 141, H200)")
+    pl.add_argument("--delta-ratio", type=float, help="delta bytes / full bytes (default 0.0112, measured)")
+    pl.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    pl.set_defaults(func=_cmd_plan)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     if not (Path(args.model_dir) / "config.json").is_file():
         print(f"error: {args.model_dir} is not an HF checkpoint directory (no config.json)", file=sys.stderr)
@@ -146,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("path")
     insp.set_defaults(func=_cmd_inspect)
     _add_serve_parser(sub)
+    _add_plan_parser(sub)
     return p
 
 

@@ -205,8 +205,20 @@ class SyncConfig:
     timeout_s: float = field(
         default=300.0, metadata=_help("an engine that has not taken its part of an update by then is dropped")
     )
+    transport: Literal["torch", "mpi"] = field(
+        default="torch",
+        metadata=_help("broadcast/p2p over torch.distributed (gloo/NCCL/RCCL) or over MPI (mpi4py; the vendor MPI "
+                       "is often the tuned RDMA path): every process must then run under an MPI launcher"),
+    )  # fmt: skip
+    mpi_gpu_aware: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata=_help("transport mpi: hand CUDA buffers to MPI (on), stage through pinned host memory (off), or "
+                       "detect from the MPI library (auto)"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
+        _require(self.transport == "torch" or self.strategy in ("broadcast", "p2p"), "transport",
+                 f"mpi moves broadcast and p2p updates; strategy {self.strategy!r} does not use a process group")
         _require(self.bucket_bytes >= 1 << 10, "bucket_bytes", f"must be >= 1024, got {self.bucket_bytes}")
         _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
 

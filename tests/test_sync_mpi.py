@@ -235,6 +235,59 @@ def test_join_without_ompi_server_fails_clearly(mpirun: list[str], tmp_path: Pat
     assert len(got) == 1 and "ompi-server" in got[0]["error"], out
 
 
+@pytest.mark.mpi
+def test_broadcast_and_p2p_over_mpi_to_real_engines(mpirun: list[str], tmp_path: Path) -> None:
+    """Two `miles-hpc serve` engines, each under its own mpirun, and a trainer job of 2 ranks, all joined through
+    one ompi-server: broadcast (rank 0) and p2p (both ranks) publishes verified by checksums, exactly the
+    Publisher cycle of the torch transport."""
+    from miles_hpc.rollout.sglang import wait_for_engines
+    from miles_hpc.models.presets import init_model
+
+    server = shutil.which("ompi-server")
+    require(server is not None, "ompi-server (Open MPI)")
+    model = init_model("qwen3", "tiny", tmp_path / "model")
+    (tmp_path / "admin").write_text("mpi-admin\n")
+    (tmp_path / "admin").chmod(0o600)
+    uri, rdv, ports = tmp_path / "uri", tmp_path / "rdv", tmp_path / "ports"
+    rdv.mkdir()
+    ports.mkdir()
+    procs: list[subprocess.Popen[str]] = []
+    srv = subprocess.Popen([server or "ompi-server", "--no-daemonize", "--report-uri", str(uri)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env())  # fmt: skip
+    procs.append(srv)
+    try:
+        deadline = time.monotonic() + 20
+        while not (uri.exists() and uri.read_text().strip()):
+            assert srv.poll() is None and time.monotonic() < deadline, "ompi-server did not report its URI"
+            time.sleep(0.05)
+        launch = [*mpirun, "--ompi-server", f"file:{uri}", "-np"]
+        for i in range(2):
+            serve = [sys.executable, "-m", "miles_hpc.cli", "serve", str(model), "--port", "0", "--rendezvous",
+                     str(rdv / f"engine-{i}.json"), "--dtype", "bfloat16", "--admin-api-key-file",
+                     str(tmp_path / "admin"), "--weight-update-timeout", "60"]  # fmt: skip
+            procs.append(subprocess.Popen([*launch, "1", *serve], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, env=clean_env(OMP_NUM_THREADS="1")))  # fmt: skip
+        urls = [r.url for r in wait_for_engines(rdv, 2, timeout=120, poll_s=0.1)]
+        trainer = [*launch, "2", *prog("publish.py", str(model), str(ports), "mpi-admin", *urls)]
+        proc = subprocess.run(trainer, check=False, capture_output=True, text=True, timeout=240, env=clean_env())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    got = {r["rank"]: r for r in results(proc.stdout)}
+    assert got[0]["broadcast_v1_ok"] and got[0]["broadcast_v2_ok"], out[-3000:]
+    assert got[0]["p2p_ok"] and got[0]["versions"] == ["3", "3"], out[-3000:]
+    assert got[0]["p2p_pieces"] > 0 and got[1]["pushes"] == 1
+    assert not any(ports.glob("*.port")), "port files are removed once accepted"
+
+
 # ---------------------------------------------------------------------- GPU tier
 @pytest.mark.mpi
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
 """The p2p strategy (sync/p2p.py) over real `miles-hpc serve` engines and a real gloo group: two trainer ranks
-(threads of this process, each with its own group member) send only the dim-0 shards they hold; every engine ends
+(`ThreadedRanks`: threads of this process, each with its own group member) send only the dim-0 shards they hold; every engine ends
 with exactly the trainer's tensors (checked by piece checksums and, independently, by the engines' whole-tensor
 checksums); a tampered engine fails verification naming the piece; a bad announcement is refused with a message.
 The whole loop with FSDP2 ranks and p2p is in tests/test_loop_e2e.py.
@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -24,59 +22,14 @@ from miles_hpc.models import iter_hf_tensors, load_pretrained
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.errors import EngineError
 from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.p2p import P2PSpec, P2PSync, buckets_of, rank_action
+from miles_hpc.sync.p2p import P2PSpec, P2PSync, ThreadedRanks, buckets_of
 from miles_hpc.sync.plan import fsdp_layout
 from miles_hpc.sync.protocol import WeightSyncError
 from miles_hpc.sync.publish import Publisher
-from miles_hpc.train.shards import ShardMap
 
 pytestmark = pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine server (miles-hpc serve) is not built")
 
 WORLD = 2
-
-
-class ThreadRank:
-    """One trainer rank's view: what it holds of the current weights (dim-0 chunks, as FSDP2)."""
-
-    def __init__(self, world: ThreadWorld, rank: int) -> None:
-        self.world, self.rank, self.world_size = world, rank, world.world_size
-
-    def shard_map(self) -> ShardMap:
-        w = self.world
-        local = {n: t[w.layout[n][self.rank].slices()] for n, t in w.named.items() if not w.layout[n][self.rank].empty}
-        return ShardMap(w.shapes, w.layout, local)
-
-
-class ThreadWorld:
-    """The controller's handle on `WORLD` trainer ranks, each run in its own thread (what RankedTrainer does over
-    processes): `p2p` runs the action on every rank at once and returns their results in rank order."""
-
-    def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self.world_size = WORLD
-        self.set_weights(named)
-        self.ranks = [ThreadRank(self, r) for r in range(WORLD)]
-        self.sent_elements = [0] * WORLD
-
-    def set_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self.named = dict(named)
-        self.shapes = {n: tuple(t.shape) for n, t in named}
-        self.layout = fsdp_layout(self.shapes, WORLD)
-
-    def shard_map(self) -> ShardMap:
-        return self.ranks[0].shard_map()
-
-    def p2p(self, action: str, args: dict[str, Any]) -> list[dict[str, Any]]:
-        results: list[Any] = [None] * WORLD
-
-        def one(r: int) -> None:
-            results[r] = rank_action(self.ranks[r], action, args)
-
-        threads = [threading.Thread(target=one, args=(r,)) for r in range(WORLD)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return results
 
 
 def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -92,7 +45,7 @@ def test_p2p_publish_every_engine_holds_the_trainers_weights(tmp_path: Path) -> 
     with bf16_fleet(tmp_path, 2) as procs:
 
         async def main() -> None:
-            world = ThreadWorld(weights(1))
+            world = ThreadedRanks(weights(1), WORLD)
             sync = P2PSync(P2PSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=1 << 16,
                                    rollout_dtype=torch.bfloat16, timeout_s=30), world)  # fmt: skip
             async with router_of(procs) as router:
@@ -125,7 +78,7 @@ def test_p2p_publish_every_engine_holds_the_trainers_weights(tmp_path: Path) -> 
         asyncio.run(main())
 
 
-def await_sums(world: ThreadWorld) -> dict[str, str]:
+def await_sums(world: ThreadedRanks) -> dict[str, str]:
     """The pieces the trainer ranks hold, hashed as a push would (rollout dtype = bf16 already)."""
     from miles_hpc.sync.checksum import piece_key
 
@@ -164,4 +117,4 @@ def test_p2p_against_sglang_engines_falls_back_to_broadcast(tmp_path: Path) -> N
     cfg = load_config(repo / "configs/tiny_cpu.yaml", ["sync.strategy=p2p", "rollout.backend=sglang"])
     assert isinstance(build_sync(cfg, tmp_path, "127.0.0.1", free_port, trainer=None), BroadcastSync)
     cfg = load_config(repo / "configs/tiny_cpu.yaml", ["sync.strategy=p2p"])
-    assert isinstance(build_sync(cfg, tmp_path, "127.0.0.1", free_port, trainer=ThreadWorld(weights(0))), P2PSync)
+    assert isinstance(build_sync(cfg, tmp_path, "127.0.0.1", free_port, trainer=ThreadedRanks(weights(0), WORLD)), P2PSync)

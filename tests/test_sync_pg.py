@@ -115,7 +115,10 @@ def test_custom_group_across_separate_default_worlds(tmp_path: Path) -> None:
 def test_spec_validation() -> None:
     base = dict(backend="gloo", master_address="127.0.0.1", master_port=1234, rank=0, world_size=2)
     GroupSpec(**base)
-    for bad, msg in [({"backend": "mpi"}, "backend"), ({"rank": 2}, "rank 2"), ({"master_port": 0}, "port"),
+    GroupSpec(**{**base, "backend": "mpi"})  # an MPIGroup's spec (open_group); CustomGroup refuses it
+    with pytest.raises(ValueError, match="open_group"):
+        CustomGroup(GroupSpec(**{**base, "backend": "mpi"}))
+    for bad, msg in [({"backend": "ucx"}, "backend"), ({"rank": 2}, "rank 2"), ({"master_port": 0}, "port"),
                      ({"group_name": ""}, "group_name"), ({"timeout_s": 0}, "timeout_s")]:
         with pytest.raises(ValueError, match=msg):
             GroupSpec(**{**base, **bad})

@@ -368,7 +368,7 @@ SCHEMAS: dict[str, dict[str, F]] = {
         "rank_offset": F(at_least(1), required=True),
         "world_size": F(at_least(2), required=True),
         "group_name": F(string, "weight_update_group"),
-        "backend": F(one_of("nccl", "gloo"), "nccl"),
+        "backend": F(one_of("nccl", "gloo", "mpi"), "nccl"),  # "mpi": ours (master_address = port-file dir)
     },
     "update_weights_from_distributed": {
         **_WEIGHT_COMMON,

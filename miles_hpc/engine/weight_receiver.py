@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from miles_hpc.sync.pg import CustomGroup, GroupSpec
+from miles_hpc.sync.pg import GroupSpec, open_group
 
 from . import protocol
 from .core import Engine, RequestError
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 TORCH_DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in protocol.DTYPE_NAMES if hasattr(torch, n)}
 
-GroupFactory = Callable[[GroupSpec, str | None], CustomGroup]
+GroupFactory = Callable[[GroupSpec, str | None], Any]  # a CustomGroup, or an MPIGroup for backend "mpi"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,11 +66,11 @@ class WeightReceiver:
 
     def __init__(self, device: str, *, timeout_s: float = 600.0, make_group: GroupFactory | None = None) -> None:
         """``device``: the engine's torch device (NCCL groups receive there; gloo groups receive on the CPU).
-        ``make_group`` builds the group (default ``CustomGroup``; tests inject fakes)."""
+        ``make_group`` builds the group (default ``sync.pg.open_group``; tests inject fakes)."""
         self._device = device
         self._timeout_s = timeout_s
-        self._make_group: GroupFactory = make_group or (lambda spec, dev: CustomGroup(spec, dev))
-        self._groups: dict[str, CustomGroup] = {}
+        self._make_group: GroupFactory = make_group or (lambda spec, dev: open_group(spec, dev))
+        self._groups: dict[str, Any] = {}
         self._joining: set[str] = set()
         self._lock = threading.Lock()  # guards the two containers; joins and receives run outside it
 
@@ -92,7 +92,7 @@ class WeightReceiver:
                 group_name=req.group_name,
                 timeout_s=self._timeout_s,
             )
-            group = self._make_group(spec, self._device if req.backend == "nccl" else None)
+            group = self._make_group(spec, None if req.backend == "gloo" else self._device)
             with self._lock:
                 self._groups[req.group_name] = group
         finally:
@@ -134,17 +134,18 @@ class WeightReceiver:
             if bad:
                 raise ValueError(f"tensor {name!r}: piece from rank {bad[0]}, outside the {group.world_size}-rank group")
         bucket: list[tuple[str, torch.Tensor]] = []
-        works, landing = [], []
+        recvs: list[tuple[torch.Tensor, int]] = []
+        landing = []
         for name, dtype, shape, ps in zip(names, dtypes, shapes, pieces, strict=True):
             t = torch.empty(tuple(shape), dtype=TORCH_DTYPES[dtype], device=group.device)
             for src, dims in ps:
                 view = t[tuple(slice(lo, hi) for lo, hi in dims)]
                 buf = view if view.is_contiguous() else torch.empty_like(view, memory_format=torch.contiguous_format)
-                works.append(group.irecv(buf, src))
+                recvs.append((buf, src))
                 if buf is not view:
                     landing.append((view, buf))
             bucket.append((name, t))
-        group.wait_all(works)
+        group.exchange([], recvs)
         for view, buf in landing:
             view.copy_(buf)
         return bucket
@@ -166,7 +167,7 @@ class WeightReceiver:
         with self._lock:
             return sorted(self._groups)
 
-    def _group(self, name: str) -> CustomGroup:
+    def _group(self, name: str) -> Any:
         with self._lock:
             if name not in self._groups:
                 raise KeyError(f"no weight update group {name!r} on this engine: call /init_weights_update_group")

@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.pg import CustomGroup, GroupSpec
+from miles_hpc.sync.pg import GroupSpec, open_group
 from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, verify_checksums
 
 __all__ = ["BroadcastSpec", "BroadcastSync"]
@@ -38,6 +39,7 @@ class BroadcastSpec:
     group_name: str = "weight_update_group"
     rollout_dtype: torch.dtype | None = None  # None: send the trainer's dtype
     timeout_s: float = 300.0
+    mpi_gpu_aware: bool | None = None  # backend "mpi": hand CUDA buffers to MPI (None: detect)
 
 
 class BroadcastSync:
@@ -49,7 +51,7 @@ class BroadcastSync:
 
     def __init__(self, spec: BroadcastSpec) -> None:
         self.spec = spec
-        self.group: CustomGroup | None = None
+        self.group: Any = None  # a CustomGroup, or an MPIGroup for backend "mpi"
         self._clients: list[EngineClient] = []
 
     @property
@@ -69,7 +71,7 @@ class BroadcastSync:
                                         group_name=s.group_name, backend=s.backend)  # fmt: skip
             for i, c in enumerate(clients)
         ]
-        results = await asyncio.gather(asyncio.to_thread(CustomGroup, group_spec), *joins, return_exceptions=True)
+        results = await asyncio.gather(asyncio.to_thread(open_group, group_spec, mpi_gpu_aware=s.mpi_gpu_aware), *joins, return_exceptions=True)
         failed = [c.url for c, r in zip(clients, results[1:]) if isinstance(r, BaseException)]
         if isinstance(results[0], BaseException) or failed:
             if not isinstance(results[0], BaseException):

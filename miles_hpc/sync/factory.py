@@ -28,9 +28,15 @@ RUNNABLE = ("broadcast", "p2p", "delta", "colocated")
 
 
 def check_strategy(cfg: RunConfig) -> None:
+    """What `miles-hpc run` (local subprocesses) can drive; raises a ConfigError naming the key."""
     if cfg.sync.strategy not in RUNNABLE:
         raise ConfigError(f"sync.strategy: {cfg.sync.strategy!r} is not available in `miles-hpc run` yet; "
                           f"use one of {', '.join(RUNNABLE)}")  # fmt: skip
+    if cfg.sync.transport == "mpi":
+        raise ConfigError("sync.transport: mpi needs every trainer and engine process started by an MPI launcher "
+                          "that lets separate jobs connect (mpirun with a shared ompi-server, srun with PMIx); "
+                          "`miles-hpc run` starts plain local subprocesses: use transport torch here "
+                          "(docs/weight_sync.md, MPI transport)")  # fmt: skip
 
 
 def build_sync(cfg: RunConfig, run_dir: Path, master_address: str, next_port: Callable[[], int],
@@ -39,6 +45,11 @@ def build_sync(cfg: RunConfig, run_dir: Path, master_address: str, next_port: Ca
     `trainer`: the controller's handle on every trainer rank (p2p sends from each of them)."""
     check_strategy(cfg)
     s = cfg.sync
+    gpu_aware = {"auto": None, "on": True, "off": False}[s.mpi_gpu_aware]
+    if s.transport == "mpi":
+        backend = "mpi"
+        master_address = str(run_dir / "rendezvous" / "mpi")  # the port files of MPI's connect/accept
+        Path(master_address).mkdir(parents=True, exist_ok=True)
     if s.strategy == "p2p" and cfg.rollout.backend == "sglang":
         # SGLang has no per-rank receive endpoint (docs/weight_sync.md): its engines take the broadcast.
         log.warning("sync.strategy p2p: SGLang engines receive weights by broadcast only; using broadcast")
@@ -47,7 +58,7 @@ def build_sync(cfg: RunConfig, run_dir: Path, master_address: str, next_port: Ca
             raise ValueError("sync.strategy p2p needs the trainer ranks' handle (build_sync(..., trainer=...))")
         return P2PSync(P2PSpec(master_address=master_address, next_port=next_port, backend=backend,
                                bucket_bytes=s.bucket_bytes, rollout_dtype=getattr(torch, cfg.model.dtype),
-                               timeout_s=s.timeout_s), trainer)  # fmt: skip
+                               timeout_s=s.timeout_s, mpi_gpu_aware=gpu_aware), trainer)  # fmt: skip
     if s.strategy == "delta":
         rollout_dtype = getattr(torch, cfg.model.dtype)
         return DeltaSync(DeltaSpec(run_dir=run_dir, rollout_dtype=rollout_dtype, timeout_s=s.timeout_s))
@@ -56,4 +67,5 @@ def build_sync(cfg: RunConfig, run_dir: Path, master_address: str, next_port: Ca
         return ColocatedSync(ColocatedSpec(bucket_bytes=s.bucket_bytes, rollout_dtype=rollout_dtype,
                                            timeout_s=s.timeout_s))  # fmt: skip
     return BroadcastSync(BroadcastSpec(master_address=master_address, next_port=next_port, backend=backend,
-                                       bucket_bytes=s.bucket_bytes, timeout_s=s.timeout_s))  # fmt: skip
+                                       bucket_bytes=s.bucket_bytes, timeout_s=s.timeout_s,
+                                       mpi_gpu_aware=gpu_aware))  # fmt: skip

@@ -163,7 +163,7 @@ class MPIGroup:
     ) -> MPIGroup:
         """Join ``jobs`` separately launched jobs into one group; job 0 (the trainer side) gets ranks 0.., then
         job 1's processes, and so on. Every process of each job calls this with its job's ``comm`` (default
-        COMM_WORLD; COMM_SELF to join one process, such as trainer rank 0 of a broadcast). Job 0 accepts the jobs
+        COMM_WORLD; COMM_SELF, or "self", to join one process, such as trainer rank 0 of a broadcast). Job 0 accepts the jobs
         in index order; job k reads its port from ``rendezvous_dir/name.k.port`` (a directory every job sees;
         use a fresh one per run) and, once in, takes part in accepting the later jobs."""
         MPI = _mpi()
@@ -172,7 +172,7 @@ class MPIGroup:
             raise RuntimeError(f"MPIGroup.join({name!r}): {blocker}")
         if not 0 <= job < jobs:
             raise ValueError(f"job {job} is not in [0, {jobs})")
-        base = MPI.COMM_WORLD if comm is None else comm
+        base = MPI.COMM_WORLD if comm is None else MPI.COMM_SELF if comm == "self" else comm
         directory = Path(rendezvous_dir)
         intra = base.Dup()  # ours to free, whatever the caller passed
         if job > 0:

@@ -32,11 +32,11 @@ import torch
 
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.sync.checksum import piece_key, tensor_checksum
-from miles_hpc.sync.pg import CustomGroup, GroupSpec
+from miles_hpc.sync.pg import GroupSpec, open_group
 from miles_hpc.sync.plan import Box, EngineRank, Transfer, engine_layout, plan_transfers
 from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, verify_pieces
 
-__all__ = ["P2PSpec", "P2PSync", "buckets_of", "rank_action"]
+__all__ = ["P2PSpec", "P2PSync", "ThreadedRanks", "buckets_of", "rank_action"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,6 +48,7 @@ class P2PSpec:
     group_name: str = "p2p_weight_group"
     rollout_dtype: torch.dtype | None = None  # None: send the trainer's dtype
     timeout_s: float = 300.0
+    mpi_gpu_aware: bool | None = None  # backend "mpi": hand CUDA buffers to MPI (None: detect)
 
 
 class ShardSource(Protocol):
@@ -114,7 +115,8 @@ class P2PSync:
         port = s.next_port()
         size = world + len(clients)
         args = {"group_name": s.group_name, "master_address": s.master_address, "master_port": port,
-                "world_size": size, "backend": s.backend, "timeout_s": s.timeout_s}  # fmt: skip
+                "world_size": size, "backend": s.backend, "timeout_s": s.timeout_s,
+                "mpi_gpu_aware": s.mpi_gpu_aware}  # fmt: skip
         joins = [c.init_weights_update_group(s.master_address, port, world + i, size, group_name=s.group_name,
                                              backend=s.backend) for i, c in enumerate(clients)]  # fmt: skip
         results = await asyncio.gather(asyncio.to_thread(self.trainer.p2p, "join", args), *joins,
@@ -213,7 +215,7 @@ def _errors(result: Any) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ every trainer rank
-_GROUPS: dict[tuple[str, int], CustomGroup] = {}  # (group name, trainer rank): tests run ranks as threads
+_GROUPS: dict[tuple[str, int], Any] = {}  # (group name, trainer rank): tests run ranks as threads
 
 
 def rank_action(trainer: Any, action: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -225,8 +227,8 @@ def rank_action(trainer: Any, action: str, args: dict[str, Any]) -> dict[str, An
                              master_port=args["master_port"], rank=rank, world_size=args["world_size"],
                              group_name=args["group_name"], timeout_s=args["timeout_s"])  # fmt: skip
             _leave(args["group_name"], rank)
-            device = getattr(trainer, "device", None) if spec.backend == "nccl" else None
-            _GROUPS[(args["group_name"], rank)] = CustomGroup(spec, device)
+            device = getattr(trainer, "device", None) if spec.backend != "gloo" else None
+            _GROUPS[(args["group_name"], rank)] = open_group(spec, device, mpi_gpu_aware=args.get("mpi_gpu_aware"))
             return {}
         if action == "push":
             group = _GROUPS.get((args["group_name"], rank))
@@ -250,7 +252,7 @@ def _leave(name: str, rank: int) -> None:
         group.destroy()
 
 
-def send_shards(group: CustomGroup, sm: Any, rank: int, world: int, replicas: int, bucket_bytes: int,
+def send_shards(group: Any, sm: Any, rank: int, world: int, replicas: int, bucket_bytes: int,
                 dtype: torch.dtype) -> dict[str, str]:  # fmt: skip
     """Post this rank's sends bucket by bucket (each bucket waited on before the next), hashing each held piece
     in worker threads meanwhile; returns ``piece_key`` -> checksum of the pieces this rank holds."""
@@ -259,7 +261,7 @@ def send_shards(group: CustomGroup, sm: Any, rank: int, world: int, replicas: in
     sums: dict[str, Future[str]] = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
         for names in buckets_of(sm.shapes, esize, bucket_bytes):
-            works, keep = [], []
+            sends: list[tuple[torch.Tensor, int]] = []
             for name in names:
                 if name not in sm.local:
                     continue
@@ -269,9 +271,49 @@ def send_shards(group: CustomGroup, sm: Any, rank: int, world: int, replicas: in
                 box = sm.layout[name][rank]
                 sums[piece_key(name, box.dims)] = pool.submit(tensor_checksum, src)
                 for t in plan.get(name, ()):
-                    piece = src[t.src_box.slices()].contiguous()
-                    keep.append(piece)
-                    works.append(group.isend(piece, world + t.dst.replica))
-            group.wait_all(works)
+                    sends.append((src[t.src_box.slices()].contiguous(), world + t.dst.replica))
+            group.exchange(sends, [])
         return {k: f.result() for k, f in sums.items()}
 
+
+
+# ------------------------------------------------------------------------------ ranks as threads
+class _ThreadRank:
+    def __init__(self, owner: ThreadedRanks, rank: int) -> None:
+        self.owner, self.rank, self.world_size = owner, rank, owner.world_size
+
+    def shard_map(self) -> Any:
+        from miles_hpc.train.shards import ShardMap
+
+        o, r = self.owner, self.rank
+        local = {n: t[o.layout[n][r].slices()] for n, t in o.named.items() if not o.layout[n][r].empty}
+        return ShardMap(o.shapes, o.layout, local)
+
+
+class ThreadedRanks:
+    """``world`` trainer ranks as threads of this process over fixed HF-named tensors, each holding FSDP2's dim-0
+    chunks: the trainer side of p2p without a trainer (tests, benchmarks). ``p2p`` runs an action on every rank at
+    once, as ``RankedTrainer`` does across processes; each rank has its own group member."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]], world: int) -> None:
+        self.world_size = world
+        self.set_weights(named)
+        self._ranks = [_ThreadRank(self, r) for r in range(world)]
+
+    def set_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from miles_hpc.sync.plan import fsdp_layout
+
+        self.named = dict(named)
+        self.shapes = {n: tuple(t.shape) for n, t in self.named.items()}
+        self.layout = fsdp_layout(self.shapes, self.world_size)
+
+    def shard_map(self) -> Any:
+        return self._ranks[0].shard_map()
+
+    def rank_view(self, rank: int) -> Any:
+        """What :func:`rank_action` needs of rank ``rank`` (``rank``, ``world_size``, ``shard_map()``)."""
+        return self._ranks[rank]
+
+    def p2p(self, action: str, args: dict[str, Any]) -> list[dict[str, Any]]:
+        with ThreadPoolExecutor(max_workers=self.world_size) as pool:
+            return list(pool.map(lambda r: rank_action(r, action, args), self._ranks))

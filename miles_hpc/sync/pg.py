@@ -1,7 +1,7 @@
 """A torch.distributed process group between processes that do NOT share one default world.
 
-Stage: weight sync (shared by the engine's weight receiver and the trainer's broadcast sender; imports nothing of
-ours). Trainer rank 0 already lives in the trainer's own world (FSDP, gloo/NCCL); each engine process lives in its
+Stage: weight sync (shared by the engine's weight receiver and the trainer's senders; imports nothing of ours but,
+for backend "mpi" in ``open_group``, ``sync/mpi.py``). Trainer rank 0 already lives in the trainer's own world (FSDP, gloo/NCCL); each engine process lives in its
 own. The weight-update group spans trainer rank 0 (rank 0 here) and every engine rank (``rank_offset + tp_rank``),
 exactly as SGLang's ``init_weights_update_group`` builds it, so our trainer can drive real SGLang engines and real
 SGLang-style trainers can drive our engine.
@@ -25,14 +25,14 @@ Invariants:
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-Backend = Literal["gloo", "nccl"]
+Backend = Literal["gloo", "nccl", "mpi"]
 
 # gloo's typed collectives reject these; as bytes they copy exactly.
 _FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -42,9 +42,10 @@ _GLOO_AS_BYTES = frozenset(getattr(torch, n) for n in _FLOAT8 if hasattr(torch, 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GroupSpec:
     backend: Backend
-    """"gloo" (CPU tensors) or "nccl" (CUDA/ROCm tensors; RCCL on ROCm)."""
+    """"gloo" (CPU tensors), "nccl" (CUDA/ROCm tensors; RCCL on ROCm) or "mpi" (``open_group``: MPI's
+    connect/accept, ``sync/mpi.py``)."""
     master_address: str
-    """Host of rank 0, which serves the TCPStore."""
+    """Host of rank 0, which serves the TCPStore; for "mpi", the shared directory of the port files."""
     master_port: int
     """Port of that TCPStore (one per group; pick a free one on rank 0's host)."""
     rank: int
@@ -57,8 +58,8 @@ class GroupSpec:
     """How long to wait for the other ranks to join and for each collective."""
 
     def __post_init__(self) -> None:
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.backend not in ("gloo", "nccl", "mpi"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or 'mpi', got {self.backend!r}")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
         if not 0 < self.master_port < 65536:
@@ -69,12 +70,28 @@ class GroupSpec:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
 
+def open_group(spec: GroupSpec, device: str | torch.device | None = None, *, mpi_gpu_aware: bool | None = None) -> Any:
+    """Join the group ``spec`` names: a :class:`CustomGroup` for gloo/nccl; for "mpi" an ``MPIGroup`` (same
+    operations) formed by connect/accept with every process its own job (job = ``spec.rank``, port files under
+    ``spec.master_address``). Every member must run under an MPI launcher that lets separate jobs connect
+    (Open MPI 4: one ``ompi-server`` named by every ``mpirun``). ``mpi_gpu_aware``: None detects."""
+    if spec.backend != "mpi":
+        return CustomGroup(spec, device)
+    from miles_hpc.sync.mpi import MPIGroup, MPIOptions
+
+    options = MPIOptions(gpu_aware=mpi_gpu_aware, timeout_s=spec.timeout_s)
+    return MPIGroup.join(spec.master_address, spec.group_name, job=spec.rank, jobs=spec.world_size, comm="self",
+                         options=options, device=device)  # fmt: skip
+
+
 class CustomGroup:
     """One process group outside the default world: broadcast, send/recv, barrier, destroy."""
 
     def __init__(self, spec: GroupSpec, device: str | torch.device | None = None) -> None:
         """Join the group (blocks until every rank has; see module invariants). ``device``: the CUDA device of
         an NCCL group's tensors (default: the current one); gloo groups always use the CPU."""
+        if spec.backend == "mpi":
+            raise ValueError("backend 'mpi' groups are MPIGroups: make them with open_group()")
         self.spec = spec
         if spec.backend == "gloo":
             self._device = torch.device("cpu")
@@ -134,18 +151,15 @@ class CustomGroup:
         """Receive into ``tensor`` (in place) what rank ``src`` sent with the same ``tag``."""
         self._run(tensor, lambda t: self._backend().recv([t], src, tag))
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> dist.Work:
-        """Post a send of contiguous ``tensor`` (leave it untouched until the work is waited on)."""
-        return self._backend().send([self._wire(tensor)], dst, tag)
-
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> dist.Work:
-        """Post a receive into contiguous ``tensor`` (it holds the data once the work is waited on)."""
-        return self._backend().recv([self._wire(tensor)], src, tag)
-
-    def wait_all(self, works: list[dist.Work]) -> None:
-        """Wait for posted sends/receives; on CUDA also for the device (callers read the tensors next).
-
-        Between two ranks, operations pair up in the order both sides post them: post in one agreed order."""
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+                 tag: int = 0) -> None:  # fmt: skip
+        """Post every receive, then every send (``(tensor, peer rank)``, contiguous tensors); wait for all. Between
+        two ranks the k-th send pairs with the k-th receive, so both sides list a link's pieces in one agreed order
+        (the plan's). Receives land in place; on CUDA the device is synchronized before returning (as ``_run``).
+        The same surface as ``sync/mpi.py``'s ``MPIGroup.exchange``."""
+        pg = self._backend()
+        works = [pg.recv([self._wire(t)], src, tag) for t, src in recvs]
+        works += [pg.send([self._wire(t)], dst, tag) for t, dst in sends]
         for w in works:
             w.wait()
         if self._device.type == "cuda":
@@ -178,7 +192,7 @@ class CustomGroup:
             raise ValueError(f"{self.spec.backend} group {self.spec.group_name!r} needs tensors on {self._device}, "
                              f"got {tensor.device}")  # fmt: skip
         if not tensor.is_contiguous():
-            raise ValueError(f"group {self.spec.group_name!r}: a posted send/receive needs a contiguous tensor")
+            raise ValueError(f"group {self.spec.group_name!r}: exchange needs contiguous tensors")
         if self.spec.backend == "gloo" and tensor.dtype in _GLOO_AS_BYTES:
             return tensor.reshape(-1).view(torch.uint8)
         return tensor
