@@ -224,6 +224,28 @@ class SyncConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class FullyAsyncConfig:
+    """`mode: fully_async` (loop/fully_async.py): rollout never waits for training."""
+
+    max_inflight: int = field(default=32, metadata=_help("samples generating at once across the engines"))
+    buffer_groups: int = field(default=16, metadata=_help("finished groups held for the trainer (then backpressure)"))
+    max_staleness: int = field(default=2, metadata=_help("groups whose oldest token is more versions behind are stale"))
+    stale_policy: Literal["drop", "recycle"] = field(
+        default="recycle", metadata=_help("a stale group is dropped, or its prompt generated again")
+    )
+    mask_tokens_older_than: int | None = field(
+        default=None, metadata=_help("loss-mask tokens more than this many versions behind (None: train on all)")
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.max_inflight >= 1, "max_inflight", f"must be >= 1, got {self.max_inflight}")
+        _require(self.buffer_groups >= 1, "buffer_groups", f"must be >= 1, got {self.buffer_groups}")
+        _require(self.max_staleness >= 0, "max_staleness", f"must be >= 0, got {self.max_staleness}")
+        _require(self.mask_tokens_older_than is None or self.mask_tokens_older_than >= 0, "mask_tokens_older_than",
+                 "must be >= 0 (or null)")  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StoreConfig:
     """HDF5 trajectory shards under RUN/trajectories."""
 
@@ -244,6 +266,9 @@ class RunConfig:
     seed: int = field(default=0, metadata=_help("seed of model init, data order and sampling"))
     steps: int = field(default=10, metadata=_help("train steps"))
     resume: bool | None = field(default=None, metadata=_help("resume from RUN/checkpoints; None = if one exists"))
+    mode: Literal["sync", "fully_async"] = field(
+        default="sync", metadata=_help("sync: generate, then train, each step; fully_async: both at once")
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -252,9 +277,13 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    fully_async: FullyAsyncConfig = field(default_factory=FullyAsyncConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "name", "must be a non-empty string")
+        _require(self.mode == "sync" or self.fully_async.buffer_groups >= self.rollout.prompts_per_step,
+                 "fully_async.buffer_groups", f"must hold a step's {self.rollout.prompts_per_step} groups "
+                 f"(rollout.prompts_per_step), got {self.fully_async.buffer_groups}")  # fmt: skip
         _require(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
 
 

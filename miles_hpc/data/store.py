@@ -134,6 +134,12 @@ class TrajectoryWriter:
         if self._payload >= self.max_shard_bytes:
             self._finish_shard()
 
+    def roll(self) -> None:
+        """Finish the open shard now (closed, fsynced, renamed to ``*.h5``); the next append opens a new one. At a
+        checkpoint this makes every sample trained so far durable: a crash later tears at most a newer shard."""
+        if self._file is not None and not self._torn:
+            self._finish_shard()
+
     def flush(self) -> None:
         """Push buffered data to the OS (the shard stays ``.partial`` until it is rolled or closed)."""
         if self._file is not None:

@@ -86,6 +86,7 @@ def _controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str
         if cfg.resume is False and ckpt is not None:
             # Starting over here would mix two runs' metrics, trajectories and checkpoints in one directory.
             raise FileExistsError(f"resume=false but {ckpt} exists: choose another run_dir or remove it")
+        extra = None
         if ckpt is not None:
             extra = trainer.load(ckpt)
             start_step = int(extra["next_step"])
@@ -99,12 +100,12 @@ def _controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str
         metrics = MetricsLogger(paths.root, total_steps=cfg.steps)
         try:
             rewards = asyncio.run(_run_async(cfg, trainer, urls, api_key, admin_key, prompts, tokenizer, store,
-                                             metrics, paths, start_step))  # fmt: skip
+                                             metrics, paths, start_step, extra))  # fmt: skip
         finally:
             metrics.close()
             if store is not None:
                 store.close()
-        if cfg.steps > start_step:
+        if cfg.steps > start_step and not (paths.checkpoints / f"step_{cfg.steps}").exists():
             trainer.save(paths.checkpoints / f"step_{cfg.steps}",
                          {"next_step": cfg.steps, "weight_version": cfg.steps, "prompts": prompts.state_dict()})
         # Release the other ranks only on success: after a failure they may sit in a collective that a shutdown
@@ -123,8 +124,10 @@ def _controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str
 
 
 async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str, admin_key: str, prompts: Any,
-                     tokenizer: Any, store: Any, metrics: Any, paths: RunPaths, start_step: int) -> list[float]:  # fmt: skip
+                     tokenizer: Any, store: Any, metrics: Any, paths: RunPaths, start_step: int,
+                     resumed: dict[str, Any] | None) -> list[float]:  # fmt: skip
     from miles_hpc.data.prompts import render_prompt
+    from miles_hpc.loop import fully_async
     from miles_hpc.loop.sync import LoopContext, run
     from miles_hpc.rollout.client import EngineClient
     from miles_hpc.rollout.plugins import load_object
@@ -142,10 +145,10 @@ async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str
         render=lambda rec: render_prompt(rec, tokenizer, apply_chat_template=d.apply_chat_template,
                                          system_prompt=d.system_prompt),
         tokenizer=tokenizer, reward_fn=load_object(cfg.reward.fn, kind="reward function"), store=store,
-        metrics=metrics, checkpoints=paths.checkpoints,
+        metrics=metrics, checkpoints=paths.checkpoints, resumed=resumed,
     )  # fmt: skip
     async with router:
         try:
-            return await run(ctx, start_step)
+            return await (fully_async.run if cfg.mode == "fully_async" else run)(ctx, start_step)
         finally:
             await sync.close()

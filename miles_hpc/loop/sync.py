@@ -43,6 +43,7 @@ class LoopContext:
     store: TrajectoryWriter | None
     metrics: MetricsLogger
     checkpoints: Any  # path of RUN/checkpoints
+    resumed: dict[str, Any] | None = None  # the checkpoint's extra state when the run resumed
 
 
 class LoopError(RuntimeError):
@@ -169,6 +170,9 @@ def rollout_metrics(samples: list[Any]) -> dict[str, float]:
     }  # fmt: skip
 
 
-def save_checkpoint(ctx: LoopContext, next_step: int) -> None:
-    extra = {"next_step": next_step, "weight_version": next_step, "prompts": ctx.prompts.state_dict()}
+def save_checkpoint(ctx: LoopContext, next_step: int, **state: Any) -> None:
+    """Trainer state plus the loop's (next step, data position; ``state``: whatever else the loop must resume)."""
+    extra = {"next_step": next_step, "weight_version": next_step, "prompts": ctx.prompts.state_dict(), **state}
+    if ctx.store is not None:
+        ctx.store.roll()  # the trajectories of every step before the checkpoint survive a crash after it
     ctx.trainer.save(ctx.checkpoints / f"step_{next_step}", extra)

@@ -397,6 +397,16 @@ class Router:
         await asyncio.gather(*(c.continue_generation() for c in self.available_clients()))
         self._paused = False
 
+    @property
+    def paused(self) -> bool:
+        """True between a pause and the next continue: engine aborts are then the pause's, not failures."""
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        """For callers that pause engines themselves (the weight-sync publisher, engine by engine)."""
+        self._paused = value
+
     def available_clients(self) -> list[EngineClient]:
         return [self.clients[i] for i in self.selector.available()]
 

@@ -62,6 +62,14 @@ class Publisher:
         if not targets:
             raise WeightSyncError(f"no engine to publish weight version {version} to: every engine is out")
         dropped: list[str] = []
+        self.router.paused = True  # aborts and health answers while paused are the pause's doing (router.py)
+        try:
+            return await self._publish(named_fn, version, targets, dropped, t0)
+        finally:
+            self.router.paused = False
+
+    async def _publish(self, named_fn: NamedFn, version: str, targets: list[EngineClient], dropped: list[str],
+                       t0: float) -> PublishReport:  # fmt: skip
         answers = await asyncio.gather(*(c.pause(self.pause_mode) for c in targets), return_exceptions=True)
         for c, a in zip(targets, answers):
             if isinstance(a, BaseException):

@@ -1,0 +1,106 @@
+"""The fully async RL loop (stage: loop; ``mode: fully_async``). Rollout never stops for training:
+
+    producer (async_rollout.py): keep max_inflight samples generating; finished groups -> scored -> buffer
+    for step: take prompts_per_step groups no staler than max_staleness -> advantages -> train step
+              -> publish the weights while generation pauses per sync.pause_mode, then goes on -> store, metrics
+
+Versions. The trainer's weights after ``k`` steps are version ``k``; every generated token records the version
+that produced it, so a group started before an update and finished after it is mixed, and its staleness is
+``k - oldest token version``. Tokens more than ``fully_async.mask_tokens_older_than`` versions behind are
+loss-masked (None: all tokens train, with the IS correction of ``algo.tis_cap`` / ``algo.mis_*`` on each token's
+rollout log-prob).
+
+Metrics per step: ``async/trainer_idle_frac`` (time waiting for groups / step time), ``async/engine_util`` (mean
+fraction of the max_inflight slots generating), ``async/buffer_depth``, ``async/staleness_mean|max`` and the
+histogram ``async/staleness_<s>`` (groups of each staleness), ``async/dropped_stale``, ``perf/samples_per_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections import Counter
+
+from miles_hpc.loop.async_rollout import GroupBuffer, Producer, staleness
+from miles_hpc.loop.rollout_step import Rollout
+from miles_hpc.loop.sync import LoopContext, publish, rollout_metrics, save_checkpoint, to_train_batch, warmup
+
+
+async def run(ctx: LoopContext, start_step: int) -> list[float]:
+    """Train from ``start_step`` to ``cfg.steps`` with rollout running all along; the mean reward per step."""
+    cfg, fa = ctx.cfg, ctx.cfg.fully_async
+    if start_step == 0 and cfg.train.sft_warmup_steps:
+        warmup(ctx)
+    await publish(ctx, version=start_step)  # the engines start from the trainer's weights
+    buffer = GroupBuffer(fa.buffer_groups)
+    producer = Producer(cfg, ctx.router, ctx.prompts, ctx.render, ctx.tokenizer, ctx.reward_fn, buffer,
+                        first_group_id=start_step * 1_000_000)  # fmt: skip
+    by_id = {r.prompt_id: r for r in ctx.records}
+    for pid in (ctx.resumed or {}).get("async_pending", []):  # prompts drawn but not trained before the restart
+        producer.pending.append(by_id[pid])
+    stale_dropped = 0
+
+    def on_stale(group: list[Rollout]) -> None:
+        nonlocal stale_dropped
+        stale_dropped += 1
+        if fa.stale_policy == "recycle":
+            producer.recycle(group[0].record)
+
+    running = asyncio.ensure_future(producer.run())
+    rewards: list[float] = []
+    try:
+        for step in range(start_step, cfg.steps):
+            t0 = time.perf_counter()
+            take = asyncio.ensure_future(buffer.take(cfg.rollout.prompts_per_step, step, fa.max_staleness, on_stale))
+            await asyncio.wait({take, running}, return_when=asyncio.FIRST_COMPLETED)
+            if not take.done():  # the producer stopped: its error says why
+                take.cancel()
+                running.result()
+            groups = take.result()
+            t_wait = time.perf_counter() - t0
+            stale = [staleness(g, step) for g in groups]
+            samples = [r.sample for g in groups for r in g]
+            batch = to_train_batch(groups, cfg)
+            if fa.mask_tokens_older_than is not None:
+                mask_old_tokens(batch.loss_mask, batch.advantages, samples, step - fa.mask_tokens_older_than)
+            t1 = time.perf_counter()
+            train_metrics = ctx.trainer.train_step(batch)
+            t_train = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            sync_metrics = await publish(ctx, version=step + 1)
+            t_sync = time.perf_counter() - t2
+            for s in samples:
+                s.train_step = step
+            if ctx.store is not None:
+                ctx.store.append(samples)
+            rewards.append(statistics.fmean(s.reward for s in samples))
+            wall = time.perf_counter() - t0
+            hist = Counter(stale)
+            ctx.metrics.log(step, {
+                **rollout_metrics(samples), **train_metrics, **sync_metrics, "weight_version": step + 1,
+                "async/trainer_idle_frac": t_wait / wall, "async/engine_util": producer.utilisation(),
+                "async/buffer_depth": len(buffer), "async/dropped_stale": stale_dropped,
+                "async/dropped_zero_variance": producer.stats.dropped_zero_variance,
+                "async/staleness_mean": statistics.fmean(stale), "async/staleness_max": max(stale),
+                **{f"async/staleness_{k}": v for k, v in sorted(hist.items())},
+                "time/wait_s": t_wait, "time/train_s": t_train, "time/sync_s": t_sync,
+                "perf/samples_per_s": len(samples) / wall, "perf/tokens_per_s": batch.num_tokens / wall,
+            })  # fmt: skip
+            every = cfg.train.checkpoint_interval
+            if step + 1 == cfg.steps or (every and (step + 1) % every == 0):
+                # Prompts drawn from the data but not trained yet (buffered, generating, recycled) go with the
+                # checkpoint and are generated first after a restart: none is skipped, none trained twice.
+                save_checkpoint(ctx, step + 1, async_pending=producer.unconsumed(buffer))
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    return rewards
+
+
+def mask_old_tokens(loss_mask: list[list[int]], advantages: list[list[float]], samples: list, oldest: int) -> None:
+    """Loss-mask (and zero the advantage of) generated tokens whose weight version is below ``oldest``."""
+    for m, a, s in zip(loss_mask, advantages, samples):
+        for i, v in enumerate(s.policy_version):
+            if m[i] and v < oldest:
+                m[i], a[i] = 0, 0.0
