@@ -35,6 +35,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: (_number(v) if not isinstance(v, str) else v) for k, v in metrics.items()}}
+        record.setdefault("time/elapsed_s", time.monotonic() - self._t0)  # wall clock since this logger started
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         for key, value in record.items():

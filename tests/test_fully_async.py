@@ -118,7 +118,8 @@ def test_producer_keeps_slots_full_without_waiting_for_the_slowest_sample() -> N
     async def main() -> None:
         router = LongTailRouter()
         buffer = GroupBuffer(capacity=100_000)  # never full here
-        producer = producer_for(router, buffer, "fully_async.max_inflight=8", "fully_async.buffer_groups=100000")
+        producer = producer_for(router, buffer, "fully_async.max_inflight=8", "fully_async.buffer_groups=100000",
+                                "fully_async.max_staleness=100000")  # no admission limit here  # fmt: skip
         task = asyncio.ensure_future(producer.run())
         await asyncio.sleep(0.3)
         task.cancel()
@@ -139,7 +140,8 @@ def test_backpressure_stops_new_groups_when_the_buffer_is_full() -> None:
     async def main() -> None:
         router = LongTailRouter(scale=0.001)
         buffer = GroupBuffer(capacity=8)
-        producer = producer_for(router, buffer, "fully_async.max_inflight=8", "fully_async.buffer_groups=8")
+        producer = producer_for(router, buffer, "fully_async.max_inflight=8", "fully_async.buffer_groups=8",
+                                "fully_async.max_staleness=100000")  # fmt: skip
         task = asyncio.ensure_future(producer.run())
         await asyncio.sleep(0.3)
         started = producer.stats.started_groups
@@ -153,7 +155,28 @@ def test_backpressure_stops_new_groups_when_the_buffer_is_full() -> None:
         assert producer.stats.started_groups > started  # room again: the producer goes on
         assert sorted(producer.unconsumed(buffer)) == sorted(
             [g[0].record.prompt_id for g in buffer.groups] + [r.prompt_id for r in producer.inflight.values()]
+            + [r.prompt_id for r in producer.pending]  # drawn from the data (a batch at a time), not started
         )
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_admission_starts_only_groups_that_can_train_before_they_expire() -> None:
+    async def main() -> None:
+        buffer = GroupBuffer(capacity=1000)
+        producer = producer_for(LongTailRouter(scale=0.0005), buffer, "rollout.prompts_per_step=4",
+                                "fully_async.max_staleness=1", "fully_async.buffer_groups=1000")  # fmt: skip
+        task = asyncio.ensure_future(producer.run())
+        await asyncio.sleep(0.15)
+        assert producer.stats.started_groups == (0 + 1 + 1) * 4  # version 0, staleness 1: two steps' worth
+        await producer.set_version(1)
+        await asyncio.sleep(0.1)
+        assert producer.stats.started_groups == 3 * 4
+        await producer.discard(2)  # two groups will never train (stale, or zero variance): two more may start
+        await asyncio.sleep(0.1)
+        assert producer.stats.started_groups == 3 * 4 + 2
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
@@ -251,3 +274,47 @@ def test_killed_mid_flight_then_resumed_trains_every_drawn_prompt_once(tmp_path:
     assert len(counts) == 4 * 2 and set(counts.values()) == {2}, counts  # 4 steps x 2 prompts, each once (2 samples)
     assert set(pending) <= set(counts) | set(json.loads(
         (run_dir / "checkpoints" / "step_4" / "extra.json").read_text())["async_pending"])
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_an_update_mid_generation_on_a_real_engine_keeps_every_token(mode: str, tmp_path: Path) -> None:
+    """A real engine, a real broadcast publish while a long generation runs: the sample comes back whole (abort
+    mode: continued from its tokens), its first tokens at version 0 and its last at version 1."""
+    import torch
+    from test_client_engine import engine_fleet, tiny_model
+
+    from miles_hpc.cluster.local import free_port
+    from miles_hpc.models import iter_hf_tensors, load_pretrained
+    from miles_hpc.rollout.client import EngineClient
+    from miles_hpc.rollout.router import Router, RouterConfig
+    from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
+    from miles_hpc.sync.publish import Publisher
+
+    model = load_pretrained(tiny_model())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    named = [(n, t.detach().clone()) for n, t in iter_hf_tensors(model)]
+    with engine_fleet(tmp_path, 1, wait=True) as procs:
+
+        async def main() -> None:
+            clients = [EngineClient(f"http://127.0.0.1:{p.port}", connect_retries=0) for p in procs]
+            async with Router(clients, RouterConfig(health_interval_s=0.2), owns_clients=True) as router:
+                sync = BroadcastSync(BroadcastSpec(master_address="127.0.0.1", next_port=free_port, timeout_s=30))
+                publisher = Publisher(sync, router, pause_mode=mode)  # type: ignore[arg-type]
+                params = {"max_new_tokens": 600, "temperature": 1.0, "ignore_eos": True}
+                gen = asyncio.ensure_future(generate_sample(router, PromptRecord(prompt_id=0, prompt="p"), [1, 2, 3],
+                                                            params, 0, Tok()))  # fmt: skip
+                await asyncio.sleep(0.3)
+                assert not gen.done(), "the generation finished before the update: make it longer"
+                try:
+                    await publisher.publish(lambda: iter(named), "1")
+                finally:
+                    await sync.close()
+                r = await gen
+                versions = r.sample.policy_version[3:]
+                assert r.sample.response_len == 600 and versions[0] == 0 and versions[-1] == 1, versions[::50]
+                assert versions == sorted(versions)  # one switch, old tokens first
+                assert router.selector.quarantined == set()  # the pause's aborts are not engine failures
+
+        asyncio.run(main())

@@ -3,7 +3,9 @@
 :class:`Producer` keeps ``max_inflight`` samples in flight across the engines: a group of ``n`` samples per prompt,
 each sample holding one slot that it frees the moment it finishes, so a slow trajectory never holds back the
 others. A finished group is scored and enters the :class:`GroupBuffer`, waiting while it is full; the producer
-starts a new group only while the buffer has room (backpressure). The trainer takes groups from the buffer as soon as enough fresh ones are
+starts a new group only while the buffer has room (backpressure) and while the group can still be trained in time
+(admission: at trainer version ``v`` at most ``(v + max_staleness + 1) x prompts_per_step`` groups are started,
+minus those discarded), so generation is not spent on groups that would only expire. The trainer takes groups from the buffer as soon as enough fresh ones are
 there.
 
 Staleness. Every generated token carries the weight version that produced it (the engine's per-token version
@@ -88,7 +90,7 @@ class GroupBuffer:
 
     async def take(self, n: int, version: int, max_staleness: int,
                    on_stale: Callable[[list[Rollout]], None]) -> list[list[Rollout]]:  # fmt: skip
-        """``n`` groups no staler than ``max_staleness`` at ``version``, oldest first, waiting until there are;
+        """``n`` groups no staler than ``max_staleness`` at ``version``, stalest first, waiting until there are;
         each staler group met on the way goes to ``on_stale`` and leaves the buffer."""
         async with self._changed:
             while True:
@@ -98,7 +100,12 @@ class GroupBuffer:
                     self.groups.remove(g)
                     on_stale(g)
                 if len(self.groups) >= n:
-                    taken = [self.groups.popleft() for _ in range(n)]
+                    # The stalest first (FIFO among equals): a group close to the limit trains now instead of
+                    # expiring, which would drop long generations (they start early and finish late) more often
+                    # than short ones and bias training towards short responses.
+                    order = sorted(self.groups, key=lambda g: -staleness(g, version))
+                    taken = order[:n]
+                    self.groups = collections.deque(order[n:])
                     self._changed.notify_all()  # room for the producer
                     return taken
                 self._changed.notify_all()
@@ -119,7 +126,8 @@ class Producer:
     """Keeps ``max_inflight`` samples generating and feeds finished groups into ``buffer`` (module docstring)."""
 
     def __init__(self, cfg: RunConfig, router: Router, prompts: PromptIterator, render: Callable[[PromptRecord], list[int]],
-                 tokenizer: Any, reward_fn: Any, buffer: GroupBuffer, *, first_group_id: int) -> None:  # fmt: skip
+                 tokenizer: Any, reward_fn: Any, buffer: GroupBuffer, *, first_group_id: int,
+                 version: int = 0) -> None:  # fmt: skip
         self.cfg, self.router, self.prompts, self.render = cfg, router, prompts, render
         self.tokenizer, self.reward_fn, self.buffer = tokenizer, reward_fn, buffer
         self.slots = asyncio.Semaphore(cfg.fully_async.max_inflight)
@@ -128,6 +136,9 @@ class Producer:
         self.stats = ProducerStats()
         self._next_group = first_group_id
         self._tasks: set[asyncio.Task[None]] = set()
+        self._base_version = self.version = version
+        self.discarded = 0  # groups generated but never to be trained (stale, zero variance): they free admission
+        self._admission = asyncio.Condition()
         self._busy = 0
         self._last = time.monotonic()
 
@@ -143,6 +154,26 @@ class Producer:
         out = self.stats.busy_slot_seconds / max(1e-9, (now - self.stats.since) * self.cfg.fully_async.max_inflight)
         self.stats.busy_slot_seconds, self.stats.since = 0.0, now
         return out
+
+    async def set_version(self, version: int) -> None:
+        """The trainer published ``version``: groups for the next steps may start."""
+        async with self._admission:
+            self.version = version
+            self._admission.notify_all()
+
+    async def discard(self, n: int = 1) -> None:
+        """``n`` started groups will not be trained (stale, or no learning signal): start as many others."""
+        async with self._admission:
+            self.discarded += n
+            self._admission.notify_all()
+
+    def _admissible(self) -> bool:
+        # AReaL's staleness-aware admission: by version v the trainer consumes v x P groups (P per step), so a
+        # group started beyond (v + max_staleness + 1) x P would be stale before its turn; it waits instead of
+        # being generated and thrown away.
+        steps = self.version - self._base_version + self.cfg.fully_async.max_staleness + 1
+        live = self.stats.started_groups - self.discarded
+        return live < steps * self.cfg.rollout.prompts_per_step
 
     def recycle(self, record: PromptRecord) -> None:
         self.pending.appendleft(record)
@@ -161,26 +192,32 @@ class Producer:
         """Start groups until cancelled; each group's samples take slots one by one as they free up."""
         n = self.cfg.rollout.samples_per_prompt
         params = sampling_params(self.cfg.rollout)
+        samples: list[asyncio.Future[Rollout]] = []  # the group being started (not yet owned by a _finish task)
         try:
             while True:
                 await self.buffer.wait_for_room()
+                async with self._admission:
+                    await self._admission.wait_for(self._admissible)
                 record, group_id = self._next_record(), self._next_group
                 self._next_group += 1
                 self.inflight[group_id] = record
                 self.stats.started_groups += 1
                 ids = self.render(record)
-                samples: list[asyncio.Future[Rollout]] = []
+                samples = []
                 for j in range(n):
                     await self.slots.acquire()
                     seeded = {**params, "sampling_seed": (self.cfg.seed * 1_000_003 + group_id * 1_024 + j) % (2**31 - 1)}
                     samples.append(asyncio.ensure_future(self._one(record, ids, seeded, group_id)))
                 task = asyncio.ensure_future(self._finish(group_id, samples))
+                samples = []
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         finally:
-            for t in list(self._tasks):
+            # Nothing may outlive the producer: a generation left running would hit the router after it closed.
+            pending = [*self._tasks, *samples]
+            for t in pending:
                 t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _one(self, record: PromptRecord, ids: list[int], params: dict[str, Any], group_id: int) -> Rollout:
         self._account(+1)
@@ -206,6 +243,7 @@ class Producer:
         self.stats.finished_groups += 1
         if self.cfg.algo.dynamic_sampling and not drop_zero_variance_groups([[r.sample for r in group]])[0]:
             self.stats.dropped_zero_variance += 1  # consumed: DAPO's dynamic sampling uses up the prompt
+            await self.discard()
         else:
             await self.buffer.put(group)  # may wait for room; the prompt counts as in flight until it is in
         del self.inflight[group_id]

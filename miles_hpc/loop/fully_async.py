@@ -35,7 +35,7 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
     await publish(ctx, version=start_step)  # the engines start from the trainer's weights
     buffer = GroupBuffer(fa.buffer_groups)
     producer = Producer(cfg, ctx.router, ctx.prompts, ctx.render, ctx.tokenizer, ctx.reward_fn, buffer,
-                        first_group_id=start_step * 1_000_000)  # fmt: skip
+                        first_group_id=start_step * 1_000_000, version=start_step)  # fmt: skip
     by_id = {r.prompt_id: r for r in ctx.records}
     for pid in (ctx.resumed or {}).get("async_pending", []):  # prompts drawn but not trained before the restart
         producer.pending.append(by_id[pid])
@@ -44,6 +44,7 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
     def on_stale(group: list[Rollout]) -> None:
         nonlocal stale_dropped
         stale_dropped += 1
+        producer.discarded += 1  # take() holds the buffer's lock: the admission check runs at the next notify
         if fa.stale_policy == "recycle":
             producer.recycle(group[0].record)
 
@@ -65,10 +66,12 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
             if fa.mask_tokens_older_than is not None:
                 mask_old_tokens(batch.loss_mask, batch.advantages, samples, step - fa.mask_tokens_older_than)
             t1 = time.perf_counter()
-            train_metrics = ctx.trainer.train_step(batch)
+            # In a worker thread: the event loop keeps scheduling generations while the trainer computes.
+            train_metrics = await asyncio.to_thread(ctx.trainer.train_step, batch)
             t_train = time.perf_counter() - t1
             t2 = time.perf_counter()
             sync_metrics = await publish(ctx, version=step + 1)
+            await producer.set_version(step + 1)
             t_sync = time.perf_counter() - t2
             for s in samples:
                 s.train_step = step
