@@ -28,23 +28,71 @@ def _cmd_run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(cfg, paths)
     print(f"[miles-hpc] starting model: {model_dir}")
     print(f"[miles-hpc] {model_smoke_check(model_dir, cfg.model.dtype)}")
-    summary = run_local(cfg)
+    _print_summary(run_local(cfg), cfg.steps)
+    return 0
+
+
+def _print_summary(summary: dict[str, Any], steps: int | None = None) -> None:
     first, last = summary["reward_first"], summary["reward_last"]
     if first is not None:
         print(f"[miles-hpc] done: {summary['steps']} steps, mean reward {first:.3f} (first steps) -> {last:.3f} "
               "(last steps)")  # fmt: skip
     else:
-        print(f"[miles-hpc] nothing to do: the run is already at steps={cfg.steps} (raise steps= to continue)")
+        print(f"[miles-hpc] nothing to do: the run is already at steps={steps} (raise steps= to continue)")
     for key in ("trajectories", "tensorboard", "metrics", "checkpoints"):
         print(f"[miles-hpc] {key:12s} {summary[key]}")
-    return 0
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     from miles_hpc.config import load_config
-    from miles_hpc.loop.controller import run_train_worker
+    from miles_hpc.loop import workers
+    from miles_hpc.loop.run_dir import RunPaths
 
-    run_train_worker(load_config(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides)
+    if args.role == "rollout":
+        return workers.run_rollout_worker(cfg, args.het_group)
+    if args.role == "shutdown":
+        workers.request_shutdown(RunPaths(Path(cfg.run_dir)), "the batch script's training step ended")
+        return 0
+    if args.role == "preempt":
+        workers.request_preempt(RunPaths(Path(cfg.run_dir)), "signal from the batch script (walltime, preemption)")
+        return 0
+    summary = workers.run_scheduled_train_worker(cfg, args.het_group)
+    if summary is not None:
+        _print_summary(summary)
+    return 0
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from miles_hpc.atomic import write_text_atomic
+    from miles_hpc.cluster.slurm import render_sbatch
+    from miles_hpc.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    script = render_sbatch(cfg, args.config, args.overrides)  # paths as given: the job starts in this directory
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    path = Path(cfg.run_dir) / "job.sbatch"
+    (Path(cfg.run_dir) / "logs").mkdir(parents=True, exist_ok=True)  # where --output points
+    write_text_atomic(path, script)
+    proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        print(f"error: sbatch {path} failed ({proc.returncode}): {proc.stderr.strip()}", file=sys.stderr)
+        return 1
+    job = proc.stdout.strip().split(";")[0]
+    print(f"submitted job {job}; run dir {cfg.run_dir}; script {path}; log {cfg.run_dir}/logs/slurm-{job}.out")
+    return 0
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from miles_hpc.config import load_config
+    from miles_hpc.loop.workers import prepare
+
+    paths = prepare(load_config(args.config, args.overrides))
+    print(paths.config)
     return 0
 
 
@@ -200,8 +248,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     run.set_defaults(func=_cmd_run)
 
-    worker = sub.add_parser("worker", help="one worker process of a run (what srun or `run` starts)")
-    worker.add_argument("--role", required=True, choices=["train"], help="train: a trainer rank (RANK etc. from env)")
+    sbm = sub.add_parser("submit", help="render the run's Slurm batch script (hetjob or split) and sbatch it")
+    sbm.add_argument("config", help="YAML config file (its slurm: section sizes the job)")
+    sbm.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    sbm.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    sbm.set_defaults(func=_cmd_submit)
+
+    prep = sub.add_parser("prepare", help="create the run directory, starting model and keys (before any worker)")
+    prep.add_argument("config", help="YAML config file")
+    prep.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    prep.set_defaults(func=_cmd_prepare)
+
+    worker = sub.add_parser("worker", help="one worker process of a run (what srun, mpirun or `run` starts)")
+    worker.add_argument("--role", required=True, choices=["train", "rollout", "shutdown", "preempt"],
+                        help="train: a trainer rank (rank 0 is the controller); rollout: one engine per task; "
+                             "shutdown: tell the run's rollout workers to stop; preempt: tell the controller to "
+                             "checkpoint after its current step and exit")  # fmt: skip
+    worker.add_argument("--het-group", type=int, help="the Slurm het-job component this step runs in")
     worker.add_argument("config", help="the run's config (RUN/config.yaml)")
     worker.add_argument("overrides", nargs="*", metavar="key.sub=value")
     worker.set_defaults(func=_cmd_worker)

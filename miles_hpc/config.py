@@ -141,6 +141,9 @@ class RolloutConfig:
     temperature: float = field(default=1.0, metadata=_help("sampling temperature (0 = greedy)"))
     top_p: float = field(default=1.0, metadata=_help("nucleus sampling mass"))
     top_k: int = field(default=-1, metadata=_help("-1 disables top-k"))
+    engine_timeout_s: float = field(
+        default=600.0, metadata=_help("how long the controller waits for the engines to listen (names the missing)")
+    )
 
     def __post_init__(self) -> None:
         _require(self.num_engines >= 1, "num_engines", f"must be >= 1, got {self.num_engines}")
@@ -258,6 +261,39 @@ class StoreConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SlurmConfig:
+    """`miles-hpc submit`: the batch script (cluster/slurm.py). Tasks: train.world_size trainer ranks in component 0,
+    rollout.num_engines engines in component 1."""
+
+    mode: Literal["hetjob", "split"] = field(
+        default="hetjob", metadata=_help("hetjob: two components; split: one allocation split by node (no hetjobs)")
+    )
+    partition: str | None = field(default=None, metadata=_help("# EDIT: partition (None: the cluster's default)"))
+    rollout_partition: str | None = field(default=None, metadata=_help("partition of the rollout component"))
+    account: str | None = field(default=None, metadata=_help("# EDIT: account to charge"))
+    qos: str | None = field(default=None, metadata=_help("quality of service"))
+    time: str = field(default="04:00:00", metadata=_help("walltime"))
+    train_nodes: int = field(default=1, metadata=_help("nodes of the training component"))
+    rollout_nodes: int = field(default=1, metadata=_help("nodes of the rollout component"))
+    gpus_per_node: int = field(default=0, metadata=_help("GPUs per node (0: CPU only)"))
+    cpus_per_task: int = field(default=1, metadata=_help("CPUs per task"))
+    mem: str | None = field(default=None, metadata=_help("memory per node, e.g. 200G (None: the default)"))
+    site: str | None = field(default=None, metadata=_help("site file sourced first (slurm/sites/*.sh: ROCm, NICs)"))
+    setup: tuple[str, ...] = field(default=(), metadata=_help("# EDIT: shell lines before the run (modules, venv)"))
+    signal_s: int = field(default=180, metadata=_help("USR2 this long before the walltime: checkpoint + requeue"))
+    requeue: bool = field(default=True, metadata=_help("requeue on preemption or the walltime signal"))
+    extra_sbatch: tuple[str, ...] = field(default=(), metadata=_help("more #SBATCH options for both components"))
+    output: str | None = field(
+        default=None, metadata=_help("the job's log (None: RUN/logs/slurm-%j.out; Slurm creates no directories)")
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.train_nodes >= 1 and self.rollout_nodes >= 1, "train_nodes", "nodes must be >= 1")
+        _require(self.gpus_per_node >= 0 and self.cpus_per_task >= 1, "gpus_per_node", "must be >= 0 (cpus >= 1)")
+        _require(self.signal_s >= 0, "signal_s", f"must be >= 0, got {self.signal_s}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     """Root of the config tree: one run."""
 
@@ -278,6 +314,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     fully_async: FullyAsyncConfig = field(default_factory=FullyAsyncConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "name", "must be a non-empty string")

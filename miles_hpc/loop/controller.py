@@ -2,7 +2,8 @@
 
 `run_local`: this process becomes trainer rank 0 (the controller); engines and trainer ranks 1..W-1 are local
 subprocesses (`cluster/local.py`). Whatever happens, they are stopped by handle when the run ends.
-`run_train_worker`: a trainer rank started by someone else (`run_local`, srun): ranks > 0 follow the controller.
+Trainer ranks 1..W-1 of `run_local`, and every worker under a scheduler (srun, mpirun, torchrun), are
+`miles-hpc worker` processes (loop/workers.py): rank 0 runs `controller`, the others `follow_controller`.
 """
 
 from __future__ import annotations
@@ -42,24 +43,23 @@ def run_local(cfg: RunConfig) -> dict[str, Any]:
     with LocalCluster(cfg, paths.root, model_dir, paths.config) as cluster:
         urls = cluster.start_engines()
         cluster.start_trainer_ranks(master_port)
-        return _controller(cfg, paths, model_dir, urls, cluster.api_key, cluster.admin_key, world_env)
+        return controller(cfg, paths, model_dir, urls, cluster.api_key, cluster.admin_key, world_env)
 
 
-def run_train_worker(cfg: RunConfig) -> None:
-    """Trainer rank > 0: build the same trainer and follow the controller's commands."""
+def follow_controller(cfg: RunConfig, model_dir: Path, world_env: dict[str, str] | None) -> None:
+    """Trainer rank > 0: build the same trainer and run the controller's commands until it says shutdown.
+    ``world_env``: torchrun-style variables (None: this process's environment)."""
     from miles_hpc.loop.trainer_ranks import follow
     from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
 
-    info = world_from_env(device="cpu")
-    init_trainer_world(info)
+    init_trainer_world(world_from_env(world_env, device="cpu"))
     try:
-        paths = RunPaths(Path(cfg.run_dir))
-        follow(build_trainer(cfg, resolve_model(cfg, paths)))
+        follow(build_trainer(cfg, model_dir))
     finally:
         teardown()
 
 
-def _controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str], api_key: str,
+def controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str], api_key: str,
                 admin_key: str, world_env: dict[str, str]) -> dict[str, Any]:  # fmt: skip
     from transformers import AutoTokenizer
 
@@ -105,9 +105,10 @@ def _controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str
             metrics.close()
             if store is not None:
                 store.close()
-        if cfg.steps > start_step and not (paths.checkpoints / f"step_{cfg.steps}").exists():
-            trainer.save(paths.checkpoints / f"step_{cfg.steps}",
-                         {"next_step": cfg.steps, "weight_version": cfg.steps, "prompts": prompts.state_dict()})
+        done = start_step + len(rewards)  # fewer than cfg.steps when a stop was requested (preemption)
+        if done > start_step and not (paths.checkpoints / f"step_{done}").exists():
+            trainer.save(paths.checkpoints / f"step_{done}",
+                         {"next_step": done, "weight_version": done, "prompts": prompts.state_dict()})
         # Release the other ranks only on success: after a failure they may sit in a collective that a shutdown
         # broadcast would wait on forever; LocalCluster (or srun's --kill-on-bad-exit) stops them instead.
         trainer.shutdown()
@@ -146,6 +147,7 @@ async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str
                                          system_prompt=d.system_prompt),
         tokenizer=tokenizer, reward_fn=load_object(cfg.reward.fn, kind="reward function"), store=store,
         metrics=metrics, checkpoints=paths.checkpoints, resumed=resumed,
+        stop_requested=lambda: (paths.rendezvous / "preempt").exists(),  # `miles-hpc worker --role preempt`
     )  # fmt: skip
     async with router:
         try:

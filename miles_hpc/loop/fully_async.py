@@ -90,11 +90,14 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
                 "time/wait_s": t_wait, "time/train_s": t_train, "time/sync_s": t_sync,
                 "perf/samples_per_s": len(samples) / wall, "perf/tokens_per_s": batch.num_tokens / wall,
             })  # fmt: skip
-            every = cfg.train.checkpoint_interval
-            if step + 1 == cfg.steps or (every and (step + 1) % every == 0):
+            every, stop = cfg.train.checkpoint_interval, ctx.stop_requested()
+            if stop or step + 1 == cfg.steps or (every and (step + 1) % every == 0):
                 # Prompts drawn from the data but not trained yet (buffered, generating, recycled) go with the
                 # checkpoint and are generated first after a restart: none is skipped, none trained twice.
                 save_checkpoint(ctx, step + 1, async_pending=producer.unconsumed(buffer))
+            if stop:
+                print(f"[miles-hpc] stop requested: checkpoint after step {step + 1}, exiting", flush=True)
+                break
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)

@@ -44,6 +44,7 @@ class LoopContext:
     metrics: MetricsLogger
     checkpoints: Any  # path of RUN/checkpoints
     resumed: dict[str, Any] | None = None  # the checkpoint's extra state when the run resumed
+    stop_requested: Any = lambda: False  # True: checkpoint after this step and return (preemption, walltime)
 
 
 class LoopError(RuntimeError):
@@ -84,6 +85,10 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
             "time/rollout_s": t_rollout, "time/train_s": t_train, "time/sync_s": t_sync,
             "perf/tokens_per_s": batch.num_tokens / max(1e-9, time.perf_counter() - t0),
         })  # fmt: skip
+        if ctx.stop_requested():
+            save_checkpoint(ctx, step + 1)
+            print(f"[miles-hpc] stop requested: checkpoint after step {step + 1}, exiting", flush=True)
+            break
         if cfg.train.checkpoint_interval and (step + 1) % cfg.train.checkpoint_interval == 0:
             save_checkpoint(ctx, step + 1)
     return rewards

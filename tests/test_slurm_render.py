@@ -1,0 +1,58 @@
+"""cluster/slurm.py: the batch script as a pure function of the config, checked against the files in the repo
+(slurm/tiny_cpu.sbatch, tests/golden/*.sbatch: `./slurm/render.sh` re-renders them), with bash's syntax check and
+the structure Slurm needs (components, task counts, signal, requeue). The local-Slurm tier runs them for real
+(tests/test_slurm_jobs.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles_hpc.cluster.slurm import render_sbatch
+from miles_hpc.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(("path", "overrides"), [("slurm/tiny_cpu.sbatch", []),
+                                                 ("tests/golden/tiny_cpu_split.sbatch", ["slurm.mode=split"])])
+def test_checked_in_scripts_are_current(path: str, overrides: list[str]) -> None:
+    cfg = load_config(REPO / "configs/tiny_cpu.yaml", overrides)
+    want = render_sbatch(cfg, "configs/tiny_cpu.yaml", overrides)
+    assert (REPO / path).read_text() == want, f"{path} is stale: run ./slurm/render.sh"
+    subprocess.run(["bash", "-n", str(REPO / path)], check=True)
+
+
+def sbatch_lines(script: str) -> list[str]:
+    return [line.strip() for line in script.splitlines() if line.startswith("#SBATCH")]
+
+
+def test_hetjob_components_and_preemption() -> None:
+    cfg = load_config(REPO / "configs/tiny_cpu.yaml", ["train.world_size=8", "rollout.num_engines=4",
+                      "slurm.train_nodes=2", "slurm.rollout_nodes=4", "slurm.gpus_per_node=4", "slurm.partition=gpu",
+                      "slurm.account=proj123", "slurm.signal_s=300", "slurm.site=slurm/sites/frontier.sh"])  # fmt: skip
+    script = render_sbatch(cfg, "configs/x.yaml")
+    lines = sbatch_lines(script)
+    het = lines.index("#SBATCH hetjob")
+    first, second = lines[:het], lines[het + 1 :]
+    assert "#SBATCH --nodes=2" in first and "#SBATCH --ntasks=8" in first and "#SBATCH --gpus-per-node=4" in first
+    assert "#SBATCH --nodes=4" in second and "#SBATCH --ntasks=4" in second
+    assert "#SBATCH --signal=B:USR2@300  # USR1 may be taken by NCCL" in lines and "#SBATCH --requeue" in lines
+    assert "#SBATCH --account=proj123  # EDIT" in lines and "#SBATCH --partition=gpu  # EDIT" in lines
+    assert "source slurm/sites/frontier.sh" in script and "export HF_HUB_OFFLINE=1" in script
+    assert "--het-group=1 miles-hpc worker --role rollout" in script and "--het-group=0 miles-hpc worker --role train" in script
+    # Training's end, whatever it was, stops the rollout step; a USR2 requeues after the checkpoint.
+    assert script.index('worker --role shutdown') > script.index('wait_for "$TRAIN"')
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+    cfg = load_config(REPO / "configs/tiny_cpu.yaml", ["slurm.signal_s=0", "slurm.requeue=false"])
+    lines = sbatch_lines(render_sbatch(cfg, "c.yaml"))
+    assert not any("--signal" in x or "--requeue" in x for x in lines)
+
+
+def test_submit_dry_run_prints_the_script() -> None:
+    out = subprocess.run([sys.executable, "-m", "miles_hpc.cli", "submit", "--dry-run", "configs/tiny_cpu.yaml"],
+                         capture_output=True, text=True, cwd=REPO, check=True).stdout  # fmt: skip
+    assert out == (REPO / "slurm/tiny_cpu.sbatch").read_text()
