@@ -11,8 +11,8 @@ Sources, in the order :func:`bootstrap` tries them:
 - nothing: a single process.
 
 Ports are never a fixed well-known number: :func:`port_candidates` derives a sequence from the job id (jobs that
-share nodes get different ports) and :func:`master_port` lets rank 0 take the first free one and publish it in
-the run's rendezvous directory, where the other ranks read it (a shared file system is the rendezvous; no Ray).
+share nodes get different ports) and :func:`master_port` lets rank 0 take the first free one and publish it, with an address of its node that resolves, in the run's rendezvous
+directory, where the other ranks read both (a shared file system is the rendezvous; no Ray).
 """
 
 from __future__ import annotations
@@ -219,9 +219,10 @@ def master_port(placement: Placement, rendezvous_dir: str | os.PathLike[str], *,
                     None)  # fmt: skip
         if port is None:
             raise RuntimeError(f"no free port among the job's candidates {port_candidates(placement.job_id)}")
+        addr = reachable_address(placement.master_addr)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"master_addr": placement.master_addr, "master_port": port,
+        tmp.write_text(json.dumps({"master_addr": addr, "master_port": port,
                                    "job_id": placement.job_id, "attempt": placement.attempt,
                                    "time": time.time()}))  # fmt: skip
         os.replace(tmp, path)
@@ -232,7 +233,7 @@ def master_port(placement: Placement, rendezvous_dir: str | os.PathLike[str], *,
                 info = json.loads(path.read_text())
                 # Not a previous job's, nor this job's before a requeue (both reuse the run directory).
                 if (info.get("job_id"), info.get("attempt")) == (placement.job_id, placement.attempt):
-                    port = int(info["master_port"])
+                    port, addr = int(info["master_port"]), str(info["master_addr"])
                     break
             except (FileNotFoundError, json.JSONDecodeError):
                 pass
@@ -240,4 +241,14 @@ def master_port(placement: Placement, rendezvous_dir: str | os.PathLike[str], *,
                 raise TimeoutError(f"rank {placement.rank} on {placement.node}: no {path} from rank 0 "
                                    f"({placement.master_addr}) after {timeout_s:.0f} s")  # fmt: skip
             time.sleep(0.1)
-    return Placement(**{**placement.as_dict(), "master_port": port})  # type: ignore[arg-type]
+    return Placement(**{**placement.as_dict(), "master_port": port, "master_addr": addr})  # type: ignore[arg-type]
+
+
+def reachable_address(node: str) -> str:
+    """``node`` when it resolves (a cluster's node names do), else this host's own address: rank 0 runs on the
+    master node, so its host name names the same machine (Slurm test clusters with fake node names, containers)."""
+    try:
+        socket.getaddrinfo(node, None)
+        return node
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())

@@ -142,7 +142,9 @@ def request_preempt(paths: RunPaths, why: str = "preempted") -> None:
 
 
 def request_shutdown(paths: RunPaths, why: str = "training ended") -> None:
-    """Tell every rollout worker of the run to stop (idempotent)."""
+    """Tell every rollout worker of the run to stop (idempotent: the first reason given stays)."""
     paths.rendezvous.mkdir(parents=True, exist_ok=True)
+    if (paths.rendezvous / SHUTDOWN).exists():
+        return
     write_text_atomic(paths.rendezvous / SHUTDOWN, json.dumps({"why": why, "time": time.time(),
                                                                 "pid": os.getpid()}) + "\n")  # fmt: skip

@@ -118,4 +118,9 @@ def all_reduce_floats(values: list[float], device: torch.device, op: str = "sum"
 def teardown() -> None:
     """Destroy the default process group if this process created one (safe to call twice)."""
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            try:
+                dist.barrier()  # no rank tears the group down while another still uses it
+            except RuntimeError:
+                pass  # a peer is already gone (a failure elsewhere): tear down anyway
         dist.destroy_process_group()

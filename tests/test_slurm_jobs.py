@@ -1,0 +1,85 @@
+"""The run as a real Slurm job on the local cluster (marker ``slurm``; tests/slurm_support.py starts it).
+
+`sbatch slurm/tiny_cpu.sbatch` runs the demo as a two-component heterogeneous job (2 trainer ranks on one node, the
+engine on the other), to completion, and the rollout step ends with training. Preemption: a USR2 to the batch
+shell (what `--signal=B:USR2@N` sends before the walltime) makes the trainer checkpoint after its step; the job
+requeues itself, resumes from that checkpoint and finishes with every step trained once and no sample lost.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from slurm_support import SlurmCluster, slurm_cluster_fixture  # noqa: F401  (the fixture `slurm_cluster`)
+
+from miles_hpc.data import TrajectoryReader
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
+         "train.sft_warmup_steps=0"]  # fmt: skip
+
+
+def submit(cluster: SlurmCluster, run_dir: Path, *overrides: str) -> str:
+    """`sbatch slurm/tiny_cpu.sbatch key=value...` from the repository (as a user would), log in the test's dir."""
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={cluster.workdir}/tiny-%j.out", "slurm/tiny_cpu.sbatch",
+                           f"run_dir={run_dir}", *SMALL, *overrides], cwd=REPO, env=cluster.env, capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def log(cluster: SlurmCluster, job: str) -> str:
+    path = cluster.workdir / f"tiny-{job}.out"
+    return path.read_text() if path.exists() else "(no log)"
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tiny_hetjob_runs_the_demo_and_tears_rollout_down(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    job = submit(slurm_cluster, run_dir, "steps=3")
+    state = slurm_cluster.wait(job, timeout=300)
+    out = log(slurm_cluster, job)
+    assert state == "COMPLETED", out[-4000:]
+    assert [r["weight_version"] for r in metrics(run_dir)] == [1, 2, 3]
+    assert "END " in out and "training exit 0" in out
+    # The components ran on different nodes: the engine on component 1's, the trainer's master on component 0's.
+    engine_node = json.loads((run_dir / "rendezvous" / "engine-0.starting.json").read_text())["node"]
+    records = {r.get("HetJobOffset", "0"): r for r in slurm_cluster.records(job)}
+    assert engine_node == records["1"]["NodeList"] != records["0"]["NodeList"]
+    assert json.loads((run_dir / "rendezvous" / "shutdown").read_text())["why"] == "training ended"
+
+
+def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(slurm_cluster: SlurmCluster,
+                                                                       tmp_path: Path) -> None:  # fmt: skip
+    run_dir = tmp_path / "run"
+    steps = 30
+    job = submit(slurm_cluster, run_dir, f"steps={steps}")
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3):
+        assert time.monotonic() < deadline, log(slurm_cluster, job)[-4000:]
+        time.sleep(0.2)
+    slurm_cluster.run("scancel", "--signal=USR2", "--batch", job)  # what --signal=B:USR2@180 sends
+    while not any(r.get("Restarts", "0") != "0" for r in slurm_cluster.records(job)):
+        assert time.monotonic() < deadline, "the job was not requeued: " + log(slurm_cluster, job)[-4000:]
+        time.sleep(0.2)
+    # Slurm holds a requeued job for a while (about 2 min here) before it may start again; a test need not wait
+    # that long, but a start in the same second as the requeue is refused ("Job credential revoked").
+    time.sleep(3)
+    slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    state = slurm_cluster.wait(job, timeout=max(10.0, deadline - time.monotonic()))
+    assert state == "COMPLETED", log(slurm_cluster, job)[-4000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(steps)), [r["step"] for r in rows]  # each step once, in order
+    resumed_at = [p.name for p in sorted((run_dir / "checkpoints").iterdir())]
+    assert len(resumed_at) >= 2, resumed_at  # the preemption checkpoint and the final one
+    trained = sorted(s.train_step for s in TrajectoryReader(run_dir / "trajectories"))
+    assert trained == sorted(list(range(steps)) * 4), "every step's 4 samples, once"
