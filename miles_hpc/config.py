@@ -144,6 +144,13 @@ class RolloutConfig:
     engine_timeout_s: float = field(
         default=600.0, metadata=_help("how long the controller waits for the engines to listen (names the missing)")
     )
+    engine_tp: int = field(default=1, metadata=_help("GPUs per engine (SGLang --tp-size); one rollout task each"))
+    sglang_python: str = field(
+        default="python", metadata=_help("backend sglang: the interpreter of SGLang's own venv (never the main one)")
+    )
+    sglang_args: tuple[str, ...] = field(
+        default=(), metadata=_help("backend sglang: more launch_server flags (not those the launcher sets)")
+    )
 
     def __post_init__(self) -> None:
         _require(self.num_engines >= 1, "num_engines", f"must be >= 1, got {self.num_engines}")

@@ -17,11 +17,14 @@ from miles_hpc.config import load_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize(("path", "overrides"), [("slurm/tiny_cpu.sbatch", []),
-                                                 ("tests/golden/tiny_cpu_split.sbatch", ["slurm.mode=split"])])
-def test_checked_in_scripts_are_current(path: str, overrides: list[str]) -> None:
-    cfg = load_config(REPO / "configs/tiny_cpu.yaml", overrides)
-    want = render_sbatch(cfg, "configs/tiny_cpu.yaml", overrides)
+@pytest.mark.parametrize(("path", "config", "overrides"), [
+    ("slurm/tiny_cpu.sbatch", "configs/tiny_cpu.yaml", []),
+    ("tests/golden/tiny_cpu_split.sbatch", "configs/tiny_cpu.yaml", ["slurm.mode=split"]),
+    ("slurm/glm52_64gpu.sbatch", "configs/experiments/glm52_64gpu.yaml", []),
+])  # fmt: skip
+def test_checked_in_scripts_are_current(path: str, config: str, overrides: list[str]) -> None:
+    cfg = load_config(REPO / config, overrides)
+    want = render_sbatch(cfg, config, overrides)
     assert (REPO / path).read_text() == want, f"{path} is stale: run ./slurm/render.sh"
     subprocess.run(["bash", "-n", str(REPO / path)], check=True)
 
@@ -56,3 +59,16 @@ def test_submit_dry_run_prints_the_script() -> None:
     out = subprocess.run([sys.executable, "-m", "miles_hpc.cli", "submit", "--dry-run", "configs/tiny_cpu.yaml"],
                          capture_output=True, text=True, cwd=REPO, check=True).stdout  # fmt: skip
     assert out == (REPO / "slurm/tiny_cpu.sbatch").read_text()
+
+
+def test_flagship_script_shape() -> None:
+    """slurm/glm52_64gpu.sbatch: 64 GPUs, 32 training ranks on 4 nodes and 4 TP-8 engines on 4 nodes, the site file,
+    walltime signal and requeue."""
+    script = (REPO / "slurm/glm52_64gpu.sbatch").read_text()
+    lines = sbatch_lines(script)
+    het = lines.index("#SBATCH hetjob")
+    assert {"#SBATCH --nodes=4", "#SBATCH --ntasks=32", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8"} <= set(lines[:het])
+    assert {"#SBATCH --nodes=4", "#SBATCH --ntasks=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8"} <= set(lines[het:])
+    assert "source slurm/sites/nvidia_ib.sh" in script and "#SBATCH --requeue" in lines
+    for site in ("slurm/sites/frontier.sh", "slurm/sites/nvidia_ib.sh"):
+        subprocess.run(["bash", "-n", str(REPO / site)], check=True)

@@ -90,3 +90,34 @@ def test_controller_names_the_missing_engine_and_its_node(tmp_path: Path) -> Non
         assert "engine 0" in str(e) and "engine 1 (node n7, started, never ready)" in str(e)
     else:
         raise AssertionError("no timeout")
+
+
+def test_sglang_backend_worker_waits_for_health_and_writes_the_record(tmp_path: Path) -> None:
+    """Backend sglang: the rollout worker starts `SGLANG_PYTHON -m sglang.launch_server ...` (here a stand-in that
+    serves our engine: tests/sglang_standin.py), waits for /health, writes engine-0.json itself (SGLang writes
+    none), and stops the server at shutdown; the controller trains through it."""
+    standin = tmp_path / "sglang-python"
+    standin.write_text(f"#!/bin/bash\nexec {sys.executable} {REPO / 'tests' / 'sglang_standin.py'} \"$@\"\n")
+    standin.chmod(0o755)
+    run_dir = tmp_path / "run"
+    overrides = [f"run_dir={run_dir}", *SMALL, "train.world_size=1", "rollout.backend=sglang",
+                 f"rollout.sglang_python={standin}"]  # fmt: skip
+    config = subprocess.run(cli("prepare", str(REPO / "configs/tiny_cpu.yaml"), *overrides), capture_output=True,
+                            text=True, timeout=300, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
+    rollout = subprocess.Popen(cli("worker", "--role", "rollout", config), env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    trainer = subprocess.Popen(cli("worker", "--role", "train", config), env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        out = trainer.communicate(timeout=300)[0]
+        assert trainer.returncode == 0 and "done: 2 steps" in out, out[-3000:]
+        rollout_out = rollout.communicate(timeout=90)[0]
+        assert rollout.returncode == 0, rollout_out[-3000:]
+    finally:
+        for p in (rollout, trainer):
+            if p.poll() is None:
+                p.kill()
+    record = json.loads((run_dir / "rendezvous" / "engine-0.json").read_text())
+    assert record["backend"] == "sglang" and record["tp_size"] == 1
+    assert oct((run_dir / "keys" / "sglang-0.yaml").stat().st_mode & 0o777) == "0o600"

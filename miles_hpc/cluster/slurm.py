@@ -22,7 +22,9 @@ __all__ = ["render_sbatch"]
 
 def _sbatch_lines(cfg: RunConfig, *, nodes: int, ntasks: int, partition: str | None) -> list[str]:
     s = cfg.slurm
-    lines = [f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks={ntasks}", f"#SBATCH --cpus-per-task={s.cpus_per_task}"]
+    per_node = [f"#SBATCH --ntasks-per-node={ntasks // nodes}"] if ntasks % nodes == 0 and nodes > 1 else []
+    lines = [f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks={ntasks}", *per_node,
+             f"#SBATCH --cpus-per-task={s.cpus_per_task}"]  # fmt: skip
     if s.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
     if partition:

@@ -70,14 +70,17 @@ def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: run `miles-hpc prepare` first")
     mark_engine_starting(paths.rendezvous, index, node=place.node)
-    keys = paths.root / "keys"
-    argv = [sys.executable, "-m", "miles_hpc.cli", "serve", str(model_dir), "--host", "0.0.0.0", "--port", "0",
-            "--rendezvous", str(paths.rendezvous / f"engine-{index}.json"), "--seed", str(cfg.seed + index),
-            "--api-key-file", str(keys / "api_key"), "--admin-api-key-file", str(keys / "admin_api_key"),
-            "--dtype", cfg.model.dtype, "--weight-update-timeout", str(cfg.sync.timeout_s)]  # fmt: skip
-    if place.source != "single" and _cuda_available():
-        argv += ["--device", f"cuda:{place.local_rank}"]
-    child = subprocess.Popen(argv)
+    if cfg.rollout.backend == "sglang":
+        child = _start_sglang(cfg, paths, model_dir, index, place)
+    else:
+        keys = paths.root / "keys"
+        argv = [sys.executable, "-m", "miles_hpc.cli", "serve", str(model_dir), "--host", "0.0.0.0", "--port", "0",
+                "--rendezvous", str(paths.rendezvous / f"engine-{index}.json"), "--seed", str(cfg.seed + index),
+                "--api-key-file", str(keys / "api_key"), "--admin-api-key-file", str(keys / "admin_api_key"),
+                "--dtype", cfg.model.dtype, "--weight-update-timeout", str(cfg.sync.timeout_s)]  # fmt: skip
+        if place.source != "single" and _cuda_available():
+            argv += ["--device", f"cuda:{place.local_rank}"]
+        child = subprocess.Popen(argv)
     forward = lambda sig, _frame: child.send_signal(sig)  # noqa: E731 (Slurm's SIGTERM/USR2 reach the engine)
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGUSR2, forward)
@@ -92,6 +95,49 @@ def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def _start_sglang(cfg: RunConfig, paths: RunPaths, model_dir: Path, index: int,
+                  place: Placement) -> subprocess.Popen[bytes]:  # fmt: skip
+    """A real SGLang server for engine ``index`` on this node: keys through a 0600 ``--config`` file, a port free
+    here; once it answers ``/health`` its record goes to ``RUN/rendezvous/engine-<i>.json`` (SGLang writes none)."""
+    import socket
+    import urllib.request
+
+    from miles_hpc.rollout.sglang import EngineRecord, SGLangLaunchSpec, write_engine_record
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = int(s.getsockname()[1])
+    keys = paths.root / "keys"
+    spec = SGLangLaunchSpec(model_path=str(model_dir), tp_size=cfg.rollout.engine_tp, host="0.0.0.0", port=port,
+                            api_key_file=str(keys / "api_key"), admin_api_key_file=str(keys / "admin_api_key"),
+                            secrets_config_file=str(keys / f"sglang-{index}.yaml"), random_seed=cfg.seed + index,
+                            weight_version="0", python=cfg.rollout.sglang_python,
+                            base_gpu_id=0 if place.source == "single" else place.local_rank * cfg.rollout.engine_tp,
+                            extra_args=tuple(cfg.rollout.sglang_args))  # fmt: skip
+    spec.write_secrets_config()
+    child = subprocess.Popen(spec.command())
+    deadline = time.monotonic() + cfg.rollout.engine_timeout_s
+    while True:
+        if child.poll() is not None:
+            raise RuntimeError(f"SGLang engine {index} on {place.node} exited with code {child.returncode} before "
+                               f"it answered /health: {' '.join(spec.command())}")  # fmt: skip
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            child.kill()
+            raise TimeoutError(f"SGLang engine {index} on {place.node}: no /health after "
+                               f"{cfg.rollout.engine_timeout_s:.0f} s")  # fmt: skip
+        time.sleep(1.0)
+    write_engine_record(paths.rendezvous, EngineRecord(index=index, host=socket.gethostname(), port=port,
+                                                       pid=child.pid, tp_size=cfg.rollout.engine_tp,
+                                                       node=place.node, backend="sglang"))  # fmt: skip
+    return child
 
 
 def _cuda_available() -> bool:

@@ -1,0 +1,35 @@
+"""A stand-in for `python -m sglang.launch_server` in tests of OUR launcher (loop/workers.py, backend sglang): it
+takes the command line SGLangLaunchSpec renders (SGLang's own argparse checks that line in the sglang tier) and
+serves the model with our embedded engine, which speaks the same HTTP API. It tests process management (keys via
+--config, waiting for /health, the rendezvous record, shutdown), not SGLang.
+
+    sglang_standin.py -m sglang.launch_server --model-path M --host H --port P [--config F] [...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+ap = argparse.ArgumentParser()
+ap.add_argument("-m", dest="module", required=True)
+ap.add_argument("--model-path", required=True)
+ap.add_argument("--host", default="127.0.0.1")
+ap.add_argument("--port", type=int, required=True)
+ap.add_argument("--config")
+args, _rest = ap.parse_known_args()
+assert args.module == "sglang.launch_server", args.module
+argv = [sys.executable, "-m", "miles_hpc.cli", "serve", args.model_path, "--host", args.host, "--port", str(args.port)]
+if args.config:  # SGLang's --config YAML: "api-key: <json string>" lines (rollout/sglang.py writes them)
+    keys = dict(line.split(": ", 1) for line in open(args.config).read().splitlines() if line)
+    tmp = tempfile.mkdtemp(prefix="standin-keys-")
+    for flag in ("api-key", "admin-api-key"):
+        if flag in keys:
+            path = os.path.join(tmp, flag)
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(json.loads(keys[flag]) + "\n")
+            argv += [f"--{flag}-file", path]
+os.execv(sys.executable, argv)
