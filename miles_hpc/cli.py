@@ -93,6 +93,64 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from miles_hpc.cluster.sweep import expand_grid, render_array, write_plan
+    from miles_hpc.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    points = expand_grid(args.grid)
+    for point in points:  # every point must make a valid config before anything is submitted
+        load_config(args.config, [*args.overrides, *(f"{k}={v}" for k, v in point.items())])
+    root = Path(cfg.run_dir)
+    shared = [o for o in args.overrides if not o.startswith("run_dir=")]  # each point gets its own run_dir
+    plan = write_plan(root, str(Path(args.config).resolve()), shared, points)
+    script = render_array(cfg, plan.resolve(), len(points), max_parallel=args.max_parallel)
+    (root / "sweep.sbatch").write_text(script)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    proc = subprocess.run(["sbatch", "--parsable", str(root / "sweep.sbatch")], capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    if proc.returncode != 0:
+        print(f"error: sbatch {root / 'sweep.sbatch'} failed: {proc.stderr.strip()}", file=sys.stderr)
+        return 1
+    print(f"submitted array job {proc.stdout.strip().split(';')[0]} with {len(points)} tasks; plan {plan}; "
+          f"report: miles-hpc sweep-report {root}")  # fmt: skip
+    return 0
+
+
+def _cmd_sweep_task(args: argparse.Namespace) -> int:
+    import json
+
+    from miles_hpc.config import load_config
+    from miles_hpc.loop.controller import run_local
+
+    plan = json.loads(Path(args.plan).read_text())
+    task = plan["tasks"][args.index]
+    cfg = load_config(plan["config"], task["overrides"])
+    print(f"[miles-hpc] sweep task {args.index}: {task['point']} -> {task['run_dir']}", flush=True)
+    _print_summary(run_local(cfg), cfg.steps)
+    return 0
+
+
+def _cmd_sweep_report(args: argparse.Namespace) -> int:
+    import json
+
+    from miles_hpc.cluster.sweep import report
+
+    rows = report(Path(args.root), last=args.last)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r.get(k, "")) for k in keys))
+    return 0
+
+
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from miles_hpc.config import load_config
     from miles_hpc.loop.workers import prepare
@@ -259,6 +317,24 @@ def build_parser() -> argparse.ArgumentParser:
     sbm.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     sbm.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
     sbm.set_defaults(func=_cmd_submit)
+
+    swp = sub.add_parser("sweep", help="submit a grid of runs as one Slurm array job (one task per point)")
+    swp.add_argument("--grid", action="append", required=True, metavar="key=v1,v2",
+                     help="a swept key and its values; repeat for more keys (their product is the grid)")  # fmt: skip
+    swp.add_argument("--max-parallel", type=int, help="tasks running at once (--array=...%%N)")
+    swp.add_argument("--dry-run", action="store_true", help="write ROOT/sweep.json and print the script only")
+    swp.add_argument("config", help="YAML config file; its run_dir becomes the sweep's root")
+    swp.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides shared by every point")
+    swp.set_defaults(func=_cmd_sweep)
+    swt = sub.add_parser("sweep-task", help="run one point of a sweep (what an array task runs)")
+    swt.add_argument("plan", help="ROOT/sweep.json")
+    swt.add_argument("index", type=int, help="the point ($SLURM_ARRAY_TASK_ID)")
+    swt.set_defaults(func=_cmd_sweep_task)
+    swr = sub.add_parser("sweep-report", help="final metrics of every point of a sweep")
+    swr.add_argument("root", help="the sweep's root (holds sweep.json)")
+    swr.add_argument("--last", type=int, default=10, help="steps averaged into reward_last")
+    swr.add_argument("--json", action="store_true", help="one JSON list instead of the table")
+    swr.set_defaults(func=_cmd_sweep_report)
 
     prep = sub.add_parser("prepare", help="create the run directory, starting model and keys (before any worker)")
     prep.add_argument("config", help="YAML config file")

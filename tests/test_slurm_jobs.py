@@ -3,19 +3,22 @@
 `sbatch slurm/tiny_cpu.sbatch` runs the demo as a two-component heterogeneous job (2 trainer ranks on one node, the
 engine on the other), to completion, and the rollout step ends with training. Preemption: a USR2 to the batch
 shell (what `--signal=B:USR2@N` sends before the walltime) makes the trainer checkpoint after its step; the job
-requeues itself, resumes from that checkpoint and finishes with every step trained once and no sample lost.
+requeues itself, resumes from that checkpoint and finishes with every step trained once and no sample lost. A sweep
+is one array job, a task per grid point, each in its own run directory, tabulated by `miles-hpc sweep-report`.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from slurm_support import SlurmCluster, slurm_cluster_fixture  # noqa: F401  (the fixture `slurm_cluster`)
 
+from miles_hpc.config import load_config
 from miles_hpc.data import TrajectoryReader
 
 pytestmark = pytest.mark.slurm
@@ -83,3 +86,22 @@ def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(slurm_clu
     assert len(resumed_at) >= 2, resumed_at  # the preemption checkpoint and the final one
     trained = sorted(s.train_step for s in TrajectoryReader(run_dir / "trajectories"))
     assert trained == sorted(list(range(steps)) * 4), "every step's 4 samples, once"
+
+
+def test_sweep_runs_one_array_task_per_grid_point(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    root = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, "-m", "miles_hpc.cli", "sweep", "--grid", "train.lr=1e-3,3e-3",
+                           "configs/tiny_cpu.yaml", f"run_dir={root}", "steps=2", *SMALL, "train.world_size=1"],
+                          cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.split("submitted array job ")[1].split()[0]
+    state = slurm_cluster.wait(job, timeout=300)
+    logs = "\n".join(p.read_text() for p in root.glob("slurm-*.out"))
+    assert state == "COMPLETED", logs[-4000:]
+    report = subprocess.run([sys.executable, "-m", "miles_hpc.cli", "sweep-report", str(root), "--json"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60, check=True).stdout  # fmt: skip
+    rows = json.loads(report)
+    assert [(r["train.lr"], r["status"], r["steps"]) for r in rows] == [("1e-3", "done", 2), ("3e-3", "done", 2)]
+    for task in json.loads((root / "sweep.json").read_text())["tasks"]:  # each point ran with its own values
+        ran = load_config(Path(task["run_dir"]) / "config.yaml")
+        assert ran.train.lr == float(task["point"]["train.lr"]) and ran.run_dir == task["run_dir"]

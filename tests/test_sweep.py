@@ -1,0 +1,43 @@
+"""cluster/sweep.py without Slurm: grid expansion, the plan file, the array script, the report's statuses (the
+array job itself runs in tests/test_slurm_jobs.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from miles_hpc.cluster.sweep import expand_grid, point_name, render_array, report, write_plan
+from miles_hpc.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_expand_grid_is_the_product_first_key_slowest() -> None:
+    assert expand_grid(["a=1,2", "b=x,y,z"]) == [{"a": "1", "b": b} for b in "xyz"] + [{"a": "2", "b": b} for b in "xyz"]
+    assert expand_grid(["train.lr=3e-4"]) == [{"train.lr": "3e-4"}]
+    for bad, msg in [(["a"], "key=v1"), (["a="], "key=v1"), (["a=1", "a=2"], "twice")]:
+        with pytest.raises(ValueError, match=msg):
+            expand_grid(bad)
+    assert point_name(3, {"train.lr": "3e-4", "data.prompts": "/x y"}) == "003-train.lr=3e-4,data.prompts=_x_y"
+
+
+def test_plan_script_and_report(tmp_path: Path) -> None:
+    points = expand_grid(["seed=0,1,2"])
+    plan = write_plan(tmp_path, "configs/tiny_cpu.yaml", ["steps=4"], points)
+    tasks = json.loads(plan.read_text())["tasks"]
+    assert [t["overrides"] for t in tasks][1] == ["steps=4", "seed=1", f"run_dir={tmp_path / '001-seed=1'}"]
+    cfg = load_config(REPO / "configs/tiny_cpu.yaml", ["slurm.partition=cpu"])
+    script = render_array(cfg, plan, len(points), max_parallel=2)
+    assert "#SBATCH --array=0-2%2" in script and "#SBATCH --partition=cpu  # EDIT" in script
+    assert f'miles-hpc sweep-task {plan} "$SLURM_ARRAY_TASK_ID"' in script
+    # Point 0 finished its 4 steps, point 1 is part-way, point 2 has not started.
+    for i, n in ((0, 4), (1, 2)):
+        run = Path(tasks[i]["run_dir"])
+        run.mkdir()
+        (run / "config.yaml").write_text("name: x\nsteps: 4\n")
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": s / 10}) + "\n" for s in range(n)))
+    rows = report(tmp_path, last=2)
+    assert [(r["seed"], r["status"], r["steps"]) for r in rows] == [("0", "done", 4), ("1", "running", 2), ("2", "missing", 0)]
+    assert rows[0]["reward_last"] == pytest.approx(0.25)
