@@ -77,6 +77,12 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     from miles_hpc.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    if args.launcher == "submitit":  # one allocation runs the whole `miles-hpc run` (no hetjob)
+        from miles_hpc.loop.submitit_jobs import submit_runs
+
+        job = submit_runs(cfg, args.config, [list(args.overrides)], Path(cfg.run_dir) / "submitit")[0]
+        print(f"submitted job {job.job_id} (submitit); run dir {cfg.run_dir}; logs {cfg.run_dir}/submitit")
+        return 0
     script = render_sbatch(cfg, args.config, args.overrides)  # paths as given: the job starts in this directory
     if args.dry_run:
         print(script, end="")
@@ -94,6 +100,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
+    import json
     import subprocess
 
     from miles_hpc.cluster.sweep import expand_grid, render_array, write_plan
@@ -106,6 +113,14 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     root = Path(cfg.run_dir)
     shared = [o for o in args.overrides if not o.startswith("run_dir=")]  # each point gets its own run_dir
     plan = write_plan(root, str(Path(args.config).resolve()), shared, points)
+    if args.launcher == "submitit":
+        from miles_hpc.loop.submitit_jobs import submit_runs
+
+        tasks = json.loads(plan.read_text())["tasks"]
+        jobs = submit_runs(cfg, args.config, [t["overrides"] for t in tasks], root / "submitit")
+        print(f"submitted {len(jobs)} array tasks (submitit, job {jobs[0].job_id.split('_')[0]}); plan {plan}; "
+              f"report: miles-hpc sweep-report {root}")  # fmt: skip
+        return 0
     script = render_array(cfg, plan.resolve(), len(points), max_parallel=args.max_parallel)
     (root / "sweep.sbatch").write_text(script)
     if args.dry_run:
@@ -316,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     sbm.add_argument("config", help="YAML config file (its slurm: section sizes the job)")
     sbm.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     sbm.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    sbm.add_argument("--launcher", choices=["sbatch", "submitit"], default="sbatch",
+                     help="sbatch: the rendered hetjob/split script; submitit: one allocation runs `miles-hpc run`")  # fmt: skip
     sbm.set_defaults(func=_cmd_submit)
 
     swp = sub.add_parser("sweep", help="submit a grid of runs as one Slurm array job (one task per point)")
@@ -323,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a swept key and its values; repeat for more keys (their product is the grid)")  # fmt: skip
     swp.add_argument("--max-parallel", type=int, help="tasks running at once (--array=...%%N)")
     swp.add_argument("--dry-run", action="store_true", help="write ROOT/sweep.json and print the script only")
+    swp.add_argument("--launcher", choices=["sbatch", "submitit"], default="sbatch", help="how the array is submitted")
     swp.add_argument("config", help="YAML config file; its run_dir becomes the sweep's root")
     swp.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides shared by every point")
     swp.set_defaults(func=_cmd_sweep)

@@ -105,3 +105,52 @@ def test_sweep_runs_one_array_task_per_grid_point(slurm_cluster: SlurmCluster, t
     for task in json.loads((root / "sweep.json").read_text())["tasks"]:  # each point ran with its own values
         ran = load_config(Path(task["run_dir"]) / "config.yaml")
         assert ran.train.lr == float(task["point"]["train.lr"]) and ran.run_dir == task["run_dir"]
+
+
+BOOTSTRAP_PROG = """
+import json
+from miles_hpc.cluster.bootstrap import _from_mpi, bootstrap
+slurm, mpi = bootstrap(), _from_mpi()
+print("PLACE " + json.dumps({"slurm": slurm.as_dict(), "mpi": mpi.as_dict()}), flush=True)
+"""
+
+
+def test_bootstrap_under_srun_pmix_agrees_with_mpi(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """Two tasks on two nodes started by `srun --mpi=pmix`: Slurm's variables and MPI (mpi4py over PMIx) give the
+    same ranks, world size and master node."""
+    prog = tmp_path / "place.py"
+    prog.write_text(BOOTSTRAP_PROG)
+    script = (f"#!/bin/bash\n#SBATCH --nodes=2 --ntasks=2 --ntasks-per-node=1 --time=2\n"
+              f"#SBATCH --output={tmp_path}/place-%j.out\n"
+              f"srun --mpi=pmix {sys.executable} {prog}\n")  # fmt: skip
+    job = slurm_cluster.sbatch(script)
+    state = slurm_cluster.wait(job, timeout=120)
+    out = (tmp_path / f"place-{job}.out").read_text()
+    assert state == "COMPLETED", out[-3000:]
+    places = sorted((json.loads(line.split("PLACE ", 1)[1]) for line in out.splitlines() if "PLACE " in line),
+                    key=lambda p: p["slurm"]["rank"])  # fmt: skip
+    assert [p["slurm"]["rank"] for p in places] == [p["mpi"]["rank"] for p in places] == [0, 1], out
+    assert {p["slurm"]["world_size"] for p in places} == {p["mpi"]["world_size"] for p in places} == {2}
+    assert [p["slurm"]["node"] for p in places] == ["n1", "n2"]  # SLURMD_NODENAME: the fake nodes
+    assert {p["slurm"]["master_addr"] for p in places} == {"n1"} and {p["slurm"]["source"] for p in places} == {"slurm"}
+    assert len({p["mpi"]["master_addr"] for p in places}) == 1  # MPI's view: host names (one real host here)
+
+
+def test_submitit_runs_a_single_job_and_an_array(slurm_cluster: SlurmCluster, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """submitit (single-component jobs and arrays): a whole run per allocation; result() is the run's summary
+    (submitit polls sacct: the local cluster's stand-in answers)."""
+    from miles_hpc.loop.submitit_jobs import submit_runs
+
+    for key in ("SLURM_CONF", "PATH"):
+        monkeypatch.setenv(key, slurm_cluster.env[key])
+    cfg = load_config(REPO / "configs/tiny_cpu.yaml", ["train.world_size=1"])
+    runs = [[f"run_dir={tmp_path / f'run{i}'}", "steps=2", *SMALL, "train.world_size=1", f"seed={i}"] for i in range(2)]
+    (single,) = submit_runs(cfg, str(REPO / "configs/tiny_cpu.yaml"), runs[:1], tmp_path / "submitit")
+    summary = single.result()  # raises with the job's traceback if it failed
+    assert summary["steps"] == 2 and Path(summary["metrics"]).exists()
+    runs = [[o.replace("/run", "/arr") for o in r] for r in runs]  # fresh run dirs for the array
+    array = submit_runs(cfg, str(REPO / "configs/tiny_cpu.yaml"), runs, tmp_path / "submitit-array")
+    assert len({j.job_id.split("_")[0] for j in array}) == 1  # one array job
+    assert [j.result()["steps"] for j in array] == [2, 2]
+    assert all((tmp_path / f"arr{i}" / "checkpoints" / "step_2").exists() for i in range(2))

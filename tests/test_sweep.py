@@ -41,3 +41,10 @@ def test_plan_script_and_report(tmp_path: Path) -> None:
     rows = report(tmp_path, last=2)
     assert [(r["seed"], r["status"], r["steps"]) for r in rows] == [("0", "done", 4), ("1", "running", 2), ("2", "missing", 0)]
     assert rows[0]["reward_last"] == pytest.approx(0.25)
+
+
+def test_walltime_to_minutes() -> None:
+    from miles_hpc.loop.submitit_jobs import _minutes
+
+    assert [_minutes(t) for t in ("30", "00:30:00", "04:00:00", "1-00:00:00", "00:00:30", "2:05")] == [
+        30, 30, 240, 1440, 1, 2]
