@@ -46,5 +46,5 @@ def test_plan_script_and_report(tmp_path: Path) -> None:
 def test_walltime_to_minutes() -> None:
     from miles_hpc.loop.submitit_jobs import _minutes
 
-    assert [_minutes(t) for t in ("30", "00:30:00", "04:00:00", "1-00:00:00", "00:00:30", "2:05")] == [
-        30, 30, 240, 1440, 1, 2]
+    times = ("30", "00:30:00", "04:00:00", "1-00:00:00", "00:00:30", "2:05", "1-12", "2-01:30")
+    assert [_minutes(t) for t in times] == [30, 30, 240, 1440, 1, 3, 2160, 2970]

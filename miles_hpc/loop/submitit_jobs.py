@@ -29,13 +29,14 @@ def run_config(config_path: str, overrides: list[str]) -> dict[str, Any]:
 
 
 def _minutes(walltime: str) -> int:
-    """Slurm's [D-]HH:MM:SS (or MM) -> minutes, rounded up."""
-    days, _, rest = walltime.rpartition("-")
+    """Slurm's time formats -> minutes, rounded up: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    days_text, dash, rest = walltime.partition("-") if "-" in walltime else ("", "", walltime)
     parts = [int(x) for x in rest.split(":")]
-    if len(parts) == 1:
-        return int(days or 0) * 1440 + parts[0]
-    h, m, s = ([0] * (3 - len(parts)) + parts)[-3:]
-    return int(days or 0) * 1440 + h * 60 + m + (1 if s else 0)
+    if dash:  # after "D-" the fields are hours[:minutes[:seconds]]
+        h, m, s = (parts + [0, 0])[:3]
+    else:  # minutes, minutes:seconds, or hours:minutes:seconds
+        h, m, s = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
+    return int(days_text or 0) * 1440 + h * 60 + m + (1 if s else 0)
 
 
 def submit_runs(cfg: RunConfig, config_path: str, runs: list[list[str]], folder: Path) -> list[Any]:
