@@ -36,8 +36,8 @@ def svg(curves: dict[str, list[tuple[float, float]]], title: str) -> str:
     def xy(t: float, r: float) -> str:
         return f"{PAD + (W - 2 * PAD) * t / t_max:.1f},{H - PAD - (H - 2 * PAD) * r / r_max:.1f}"
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
-             f'font-size="12"><rect width="{W}" height="{H}" fill="white"/>',
+    parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
+              f'font-size="12"><rect width="{W}" height="{H}" fill="white"/>'),
              f'<text x="{W / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>',
              f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="black"/>',
              f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{H - PAD}" stroke="black"/>',

@@ -23,7 +23,6 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 

@@ -1,5 +1,5 @@
 """Shared helpers of the weight-sync tests over real engines: a fleet of bf16 `miles-hpc serve` processes behind
-an admin key, a router over them, and an engine's checksums."""
+an admin key, a router over them, an engine's checksums, and seeded "trainer versions" of the tiny model."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from test_client_engine import EngineProcess, engine_fleet
+import torch
+from test_client_engine import EngineProcess, engine_fleet, tiny_model
 
+from miles_hpc.models import iter_hf_tensors, load_pretrained
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.router import Router, RouterConfig
 
@@ -32,3 +34,14 @@ def router_of(procs: list[EngineProcess]) -> Router:
 
 async def engine_sums(client: EngineClient) -> dict[str, str]:
     return (await client.weights_checksums()).ranks[0].checksums
+
+
+def perturbed_weights(seed: int, dtype: torch.dtype | None = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
+    """The tiny model's HF tensors moved by a seeded perturbation (one "trainer step" per seed), in ``dtype``
+    (None: as loaded)."""
+    model = load_pretrained(tiny_model())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    return [(n, t.clone() if dtype is None else t.to(dtype).clone()) for n, t in iter_hf_tensors(model)]

@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from miles_hpc.cluster.bootstrap import (Placement, bootstrap, expand_nodelist, from_slurm, master_port,
-                                         port_candidates)  # fmt: skip
+from miles_hpc.cluster.bootstrap import (
+    Placement,
+    bootstrap,
+    expand_nodelist,
+    from_slurm,
+    master_port,
+    port_candidates,  # fmt: skip
+)
 
 
 @pytest.mark.parametrize(("text", "want"), [

@@ -217,7 +217,8 @@ def cli_argv(run_dir: Path, *overrides: str) -> list[str]:
 
 
 def run_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cli_argv(run_dir, *overrides), capture_output=True, text=True, timeout=600, cwd=REPO)
+    return subprocess.run(cli_argv(run_dir, *overrides), capture_output=True, text=True, timeout=600, cwd=REPO,
+                          check=False)  # fmt: skip
 
 
 def test_fully_async_loop_end_to_end_and_resume_accounts_for_every_prompt(tmp_path: Path) -> None:

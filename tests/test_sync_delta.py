@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from sync_support import bf16_fleet, engine_sums, router_of
+from sync_support import bf16_fleet, engine_sums, perturbed_weights, router_of
 from test_client_engine import HAVE_SERVER, EngineProcess, tiny_model
 
 from miles_hpc.engine import delta_receiver
 from miles_hpc.engine.config import EngineConfig
 from miles_hpc.engine.core import Engine, RequestError
 from miles_hpc.engine.delta_receiver import apply_version
-from miles_hpc.models import iter_hf_tensors, load_pretrained
+from miles_hpc.models import load_pretrained
 from miles_hpc.rollout.client import EngineClient, EngineHTTPError
 from miles_hpc.sync.checksum import tensor_checksum
 from miles_hpc.sync.delta import DeltaSpec, DeltaSync, Staged
@@ -37,12 +37,7 @@ Named = list[tuple[str, torch.Tensor]]
 # ---------------------------------------------------------------- trainer-side weights
 def base_weights(seed: int = 1) -> Named:
     """The tiny model moved by a seeded perturbation, in bfloat16: a first trainer version."""
-    model = load_pretrained(tiny_model())
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.01 * torch.randn(p.shape, generator=g))
-    return [(n, t.to(torch.bfloat16).clone()) for n, t in iter_hf_tensors(model)]
+    return perturbed_weights(seed)
 
 
 def step(named: Named, seed: int, frac: float = 0.02) -> Named:

@@ -14,16 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save
-from sync_support import ADMIN, bf16_fleet, engine_sums, router_of
-from test_client_engine import HAVE_SERVER, tiny_model
+from sync_support import ADMIN, bf16_fleet, engine_sums, perturbed_weights, router_of
+from test_client_engine import HAVE_SERVER
 
 from miles_hpc.cluster.local import free_port
-from miles_hpc.models import iter_hf_tensors, load_pretrained
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.errors import EngineError
 from miles_hpc.sync.checksum import tensor_checksum
 from miles_hpc.sync.p2p import P2PSpec, P2PSync, ThreadedRanks, buckets_of
-from miles_hpc.sync.plan import fsdp_layout
 from miles_hpc.sync.protocol import WeightSyncError
 from miles_hpc.sync.publish import Publisher
 
@@ -32,27 +30,18 @@ pytestmark = pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine ser
 WORLD = 2
 
 
-def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
-    model = load_pretrained(tiny_model())
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.01 * torch.randn(p.shape, generator=g))
-    return [(n, t.to(torch.bfloat16).clone()) for n, t in iter_hf_tensors(model)]
-
-
 def test_p2p_publish_every_engine_holds_the_trainers_weights(tmp_path: Path) -> None:
     with bf16_fleet(tmp_path, 2) as procs:
 
         async def main() -> None:
-            world = ThreadedRanks(weights(1), WORLD)
+            world = ThreadedRanks(perturbed_weights(1), WORLD)
             sync = P2PSync(P2PSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=1 << 16,
                                    rollout_dtype=torch.bfloat16, timeout_s=30), world)  # fmt: skip
             async with router_of(procs) as router:
                 publisher = Publisher(sync, router, pause_mode="retract")
                 try:
                     for version, seed in (("1", 1), ("2", 2)):
-                        world.set_weights(weights(seed))
+                        world.set_weights(perturbed_weights(seed))
                         report = await publisher.publish(lambda: pytest.fail("p2p must not gather"), version)
                         assert report.engines == 2 and report.dropped == ()
                         want = {n: tensor_checksum(t) for n, t in world.named.items()}
@@ -117,4 +106,4 @@ def test_p2p_against_sglang_engines_falls_back_to_broadcast(tmp_path: Path) -> N
     cfg = load_config(repo / "configs/tiny_cpu.yaml", ["sync.strategy=p2p", "rollout.backend=sglang"])
     assert isinstance(build_sync(cfg, tmp_path, "127.0.0.1", free_port, trainer=None), BroadcastSync)
     cfg = load_config(repo / "configs/tiny_cpu.yaml", ["sync.strategy=p2p"])
-    assert isinstance(build_sync(cfg, tmp_path, "127.0.0.1", free_port, trainer=ThreadedRanks(weights(0), WORLD)), P2PSync)
+    assert isinstance(build_sync(cfg, tmp_path, "127.0.0.1", free_port, trainer=ThreadedRanks(perturbed_weights(0), WORLD)), P2PSync)

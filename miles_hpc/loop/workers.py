@@ -81,7 +81,7 @@ def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
         if place.source != "single" and _cuda_available():
             argv += ["--device", f"cuda:{place.local_rank}"]
         child = subprocess.Popen(argv)
-    forward = lambda sig, _frame: child.send_signal(sig)  # noqa: E731 (Slurm's SIGTERM/USR2 reach the engine)
+    forward = lambda sig, _frame: child.send_signal(sig)
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGUSR2, forward)
     try:

@@ -138,7 +138,7 @@ class P2PSync:
         for _ in named:  # the publisher hands p2p an empty iterator (takes_named); never gather anyway
             raise WeightSyncError("p2p sends every rank's own shards: it takes no gathered tensors")
         sm = self.trainer.shard_map()
-        world, replicas = self.trainer.world_size, len(self._clients)
+        replicas = len(self._clients)
         like = next(iter(sm.local.values())).dtype if sm.local else torch.float32
         dtype = self._dtype(like)
         esize = torch.empty((), dtype=dtype).element_size()

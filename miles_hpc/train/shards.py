@@ -13,7 +13,6 @@ collective). A test checks the two against the gathered tensors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
