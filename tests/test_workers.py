@@ -121,3 +121,36 @@ def test_sglang_backend_worker_waits_for_health_and_writes_the_record(tmp_path: 
     record = json.loads((run_dir / "rendezvous" / "engine-0.json").read_text())
     assert record["backend"] == "sglang" and record["tp_size"] == 1
     assert oct((run_dir / "keys" / "sglang-0.yaml").stat().st_mode & 0o777) == "0o600"
+
+
+def test_usr2_to_the_trainer_task_checkpoints_and_stops(tmp_path: Path) -> None:
+    """`--signal=USR2@N` (without B:) reaches the tasks: trainer rank 0 asks itself to stop after its step, with a
+    checkpoint; the rollout worker ignores the signal and stops at shutdown."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    overrides = [f"run_dir={run_dir}", *SMALL, "train.world_size=1", "steps=200"]
+    config = subprocess.run(cli("prepare", str(REPO / "configs/tiny_cpu.yaml"), *overrides), capture_output=True,
+                            text=True, timeout=300, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
+    rollout = subprocess.Popen(cli("worker", "--role", "rollout", config), env=env)
+    trainer = subprocess.Popen(cli("worker", "--role", "train", config), env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert trainer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        rollout.send_signal(signal.SIGUSR2)  # ignored there
+        trainer.send_signal(signal.SIGUSR2)
+        out = trainer.communicate(timeout=120)[0]
+        assert trainer.returncode == 0 and "stop requested" in out, out[-3000:]
+        assert rollout.wait(60) == 0
+    finally:
+        for p in (rollout, trainer):
+            if p.poll() is None:
+                p.kill()
+    done = len(metrics.read_text().splitlines())
+    assert 2 <= done < 200 and (run_dir / "checkpoints" / f"step_{done}").is_dir()

@@ -81,9 +81,8 @@ def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
         if place.source != "single" and _cuda_available():
             argv += ["--device", f"cuda:{place.local_rank}"]
         child = subprocess.Popen(argv)
-    forward = lambda sig, _frame: child.send_signal(sig)
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGUSR2, forward)
+    signal.signal(signal.SIGTERM, lambda sig, _frame: child.send_signal(sig))  # scancel/walltime: engine first
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # preemption is the trainer's business (it checkpoints); we go on
     try:
         while child.poll() is None:
             if (paths.rendezvous / SHUTDOWN).exists():
@@ -170,8 +169,11 @@ def run_scheduled_train_worker(cfg: RunConfig, het_group: int | None = None) -> 
     place, world_env = train_placement(cfg, het_group)
     model_dir = resolve_model(cfg, paths) if cfg.model.path else paths.init_model
     if place.rank != 0:
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # rank 0 decides when to stop; the others follow it
         follow_controller(cfg, model_dir, world_env)
         return None
+    # A USR2 sent to the tasks (`--signal=USR2@N` without `B:`) asks for the same as the batch script's handler.
+    signal.signal(signal.SIGUSR2, lambda _sig, _frame: request_preempt(paths, "USR2 to the trainer task"))
     try:
         records = wait_for_engines(paths.rendezvous, cfg.rollout.num_engines, timeout=cfg.rollout.engine_timeout_s)
         return controller(cfg, paths, model_dir, [r.url for r in records], _read_key(paths, "api_key"),
