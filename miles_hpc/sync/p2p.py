@@ -143,9 +143,10 @@ class P2PSync:
         dtype = self._dtype(like)
         esize = torch.empty((), dtype=dtype).element_size()
         buckets = buckets_of(sm.shapes, esize, self.spec.bucket_bytes)
-        layout = engine_layout(sm.shapes, 1, replicas)
-        per_engine = [_by_name(plan_transfers(sm.shapes, sm.layout, layout, esize, only=EngineRank(i, 0)))
-                      for i in range(replicas)]  # fmt: skip
+        # Engines of tp size 1 each need every tensor whole: every replica expects the same pieces, so one
+        # engine's part of the plan serves all (computing it per replica would repeat the work E times).
+        layout = engine_layout(sm.shapes, 1, 1)
+        expected = _by_name(plan_transfers(sm.shapes, sm.layout, layout, esize, only=EngineRank(0, 0)))
         args = {"group_name": self.spec.group_name, "replicas": replicas, "bucket_bytes": self.spec.bucket_bytes,
                 "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
         sending = asyncio.ensure_future(asyncio.to_thread(self.trainer.p2p, "push", args))
@@ -158,10 +159,10 @@ class P2PSync:
                 calls = [
                     c.update_weights_from_p2p(
                         names, [dtype_name] * len(names), shapes,
-                        [[_piece(t) for t in per_engine[i][n]] for n in names],
+                        [[_piece(t) for t in expected[n]] for n in names],
                         group_name=self.spec.group_name, weight_version=version if last else None, flush_cache=last,
                     )  # fmt: skip
-                    for i, c in enumerate(self._clients)
+                    for c in self._clients
                 ]
                 answers = await asyncio.gather(*calls, return_exceptions=True)
                 failed = [(c.url, a) for c, a in zip(self._clients, answers) if isinstance(a, BaseException)]
@@ -265,9 +266,9 @@ def send_shards(group: Any, sm: Any, rank: int, world: int, replicas: int, bucke
             for name in names:
                 if name not in sm.local:
                     continue
+                # No copy when already in the rollout dtype: the rank is inside this call until every send and
+                # hash is done, so nothing (no optimizer step) changes its parameters meanwhile.
                 src = sm.local[name].detach().to(device=group.device, dtype=dtype)
-                if src.data_ptr() == sm.local[name].data_ptr():
-                    src = src.clone()  # hash and send a copy the optimizer cannot change under us
                 box = sm.layout[name][rank]
                 sums[piece_key(name, box.dims)] = pool.submit(tensor_checksum, src)
                 for t in plan.get(name, ()):
