@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from miles_hpc.models import CausalLM, expected_hf_shapes, hf_target, iter_hf_tensors
 from miles_hpc.models.hf_io import checkpoint_files
-from miles_hpc.sync.checksum import piece_key, tensor_checksum
+from miles_hpc.sync.checksum import piece_key, tensor_checksums
 
 from .protocol import parse_box
 from .validate import RequestError
@@ -93,22 +93,22 @@ def _stream(by_file: dict[Path, list[str]]) -> Iterator[tuple[str, torch.Tensor]
 
 def checksums(model: CausalLM) -> dict[str, str]:
     """HF name -> tensor_checksum, in the Hub layout (per-expert MoE tensors, no tied lm_head)."""
-    return {name: tensor_checksum(t) for name, t in iter_hf_tensors(model)}
+    return tensor_checksums(iter_hf_tensors(model))
 
 
 def piece_checksums(model: CausalLM, boxes: dict[str, list[list[int]]]) -> dict[str, str]:
     """`piece_key` -> tensor_checksum of each box (``[lo0, hi0, lo1, hi1, ...]``) of each named HF tensor; an
     unknown name is a KeyError, a box outside its tensor a ValueError (both name the tensor)."""
     tensors = dict(iter_hf_tensors(model))
-    out: dict[str, str] = {}
+    pieces: list[tuple[str, torch.Tensor]] = []
     for name, flat_boxes in boxes.items():
         if name not in tensors:
             raise KeyError(f"no HF tensor {name!r} in this model")
         t = tensors[name]
         for flat in flat_boxes:
             dims = parse_box(flat, list(t.shape), "boxes", name)
-            out[piece_key(name, dims)] = tensor_checksum(t[tuple(slice(lo, hi) for lo, hi in dims)])
-    return out
+            pieces.append((piece_key(name, dims), t[tuple(slice(lo, hi) for lo, hi in dims)]))
+    return tensor_checksums(pieces)
 
 
 def eos_token_ids(config_eos: int | tuple[int, ...] | None, model_path: str | None) -> frozenset[int]:

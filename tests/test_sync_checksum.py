@@ -1,0 +1,69 @@
+"""`sync.checksum.tensor_checksum`: what it covers, that it is pinned (trainer and engine of different versions of
+this code must agree), and that a GPU computes the same value as the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_hpc.sync import checksum
+from miles_hpc.sync.checksum import CHUNK, tensor_checksum, tensor_checksums
+
+
+def test_covers_dtype_shape_and_bits() -> None:
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert tensor_checksum(t) == tensor_checksum(t.clone()) == tensor_checksum(t.t().contiguous().t())
+    assert tensor_checksum(t) != tensor_checksum(t.reshape(3, 2))
+    assert tensor_checksum(t) != tensor_checksum(t.double())
+    b = t.to(torch.bfloat16)
+    assert tensor_checksum(b) != tensor_checksum(b.view(torch.int16))  # same bits, different dtype name
+    flipped = b.clone()
+    flipped.view(torch.int16)[0, 1] += 1  # one ulp
+    assert tensor_checksum(flipped) != tensor_checksum(b)
+    swapped = b.clone().view(-1)
+    swapped[[0, 5]] = swapped[[5, 0]]
+    assert tensor_checksum(swapped.view(2, 3)) != tensor_checksum(b)
+    assert tensor_checksum(torch.tensor([True, False])) != tensor_checksum(torch.tensor([False, True]))
+    assert tensor_checksum(torch.zeros(2, dtype=torch.complex64)) != tensor_checksum(torch.zeros(4))
+
+
+def test_pinned_values() -> None:
+    # Changing these changes the contract between trainer and engine: bump both sides together (docs/engine.md).
+    assert tensor_checksum(torch.ones(2, 3, dtype=torch.bfloat16)) == "4451e94388ad41c4074e344b6f9ae24d"
+    assert tensor_checksum(torch.zeros(0)) == "814fa3bda1c18b944ea287229174bcc7"
+    # The word 1 alone: lane 0 is splitmix64(0) | 1 = 0xe220a8397b1dcdaf, little-endian.
+    assert checksum.fingerprint(torch.tensor([1], dtype=torch.int64)).hex() == "afcd1d7b39a820e2390182a31a5a2cc4"
+
+
+def test_every_chunk_counts_and_in_order() -> None:
+    n = 2 * CHUNK + 7  # two whole chunks and a partial one
+    t = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, generator=torch.Generator().manual_seed(0))
+    base = tensor_checksum(t)
+    for i in (0, CHUNK - 1, CHUNK, 2 * CHUNK + 6):
+        u = t.clone()
+        u[i] += 1
+        assert tensor_checksum(u) != base, i
+    rolled = torch.cat([t[CHUNK : 2 * CHUNK], t[:CHUNK], t[2 * CHUNK :]])  # two chunks swapped
+    assert tensor_checksum(rolled) != base
+
+
+def test_many_at_once_equal_one_by_one() -> None:
+    g = torch.Generator().manual_seed(2)
+    named = [("a", torch.randn(3, 5, generator=g)), ("b", torch.zeros(0)), ("c", torch.randn(9, generator=g).half())]
+    assert tensor_checksums(named) == {n: tensor_checksum(t) for n, t in named}
+    assert tensor_checksums([]) == {}
+
+
+@pytest.mark.gpu
+def test_gpu_computes_the_cpu_value() -> None:
+    g = torch.Generator().manual_seed(1)
+    for t in [torch.randn(3, CHUNK // 3 + 11, generator=g).to(torch.bfloat16), torch.randn(1000, generator=g),
+              torch.randn(3 * CHUNK + 5, generator=g).to(torch.bfloat16), torch.randn(CHUNK, generator=g),
+              torch.randint(0, 255, (77,), dtype=torch.uint8, generator=g), torch.randn(5, dtype=torch.float64),
+              torch.zeros(0, 4), torch.randn(64, 64, generator=g).half()]:  # fmt: skip
+        assert tensor_checksum(t.cuda()) == tensor_checksum(t), t.dtype
+        if t.dim() == 2:  # a strided view hashes as its contiguous copy on both devices
+            assert tensor_checksum(t.cuda().t()) == tensor_checksum(t.t())
+    mixed = [("gpu", torch.randn(1000, generator=g).cuda()), ("cpu", torch.randn(7, generator=g)),
+             ("gpu2", torch.randn(2 * CHUNK + 1, generator=g).bfloat16().cuda())]  # fmt: skip
+    assert tensor_checksums(mixed) == {n: tensor_checksum(t.cpu()) for n, t in mixed}
