@@ -47,6 +47,8 @@ SIZES: dict[str, dict[str, int]] = {
              "num_key_value_heads": 8, "head_dim": 64},
     "1b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 16, "num_attention_heads": 16,
            "num_key_value_heads": 8, "head_dim": 128},  # bench_train.py's ~1.1B shapes, byte vocabulary
+    "7b": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "head_dim": 128},  # Qwen2.5-7B's layer shapes, byte vocabulary (6.5B params)
 }  # fmt: skip
 
 
@@ -93,7 +95,7 @@ def entropy_bits(old: torch.Tensor, new: torch.Tensor) -> tuple[float, float]:
     Order-0: N H(K/N) for the change mask plus K times the entropy of the nonzero ulp differences. Conditioned:
     the same per exponent field of `old`, summed. Independent of the codec's own code.
     """
-    ob, nb = old.reshape(-1).view(torch.int16).cpu(), new.reshape(-1).view(torch.int16).cpu()
+    ob, nb = old.reshape(-1).view(torch.int16), new.reshape(-1).view(torch.int16)  # on their device (a GPU sorts)
     d = _keys16(nb) - _keys16(ob)
     exp = (ob.long() >> 7) & 0xFF
     changed = d != 0
@@ -109,8 +111,8 @@ def entropy_bits(old: torch.Tensor, new: torch.Tensor) -> tuple[float, float]:
         cnt, gcnt = cnt.double(), gcnt.double()
         return float((gcnt * torch.log2(gcnt)).sum() - (cnt * torch.log2(cnt)).sum())
 
-    n_all, k_all = torch.tensor([float(d.numel())]), torch.tensor([float(changed.sum())])
-    zeros = torch.zeros(int(changed.sum()), dtype=torch.long)
+    n_all, k_all = torch.tensor([float(d.numel())], device=d.device), changed.sum().double()[None]
+    zeros = torch.zeros(int(changed.sum()), dtype=torch.long, device=d.device)
     iid = mask_bits(n_all, k_all) + value_bits(zeros, d[changed])
     n_e, k_e = torch.bincount(exp, minlength=256).double(), torch.bincount(exp[changed], minlength=256).double()
     ctx = mask_bits(n_e, k_e) + value_bits(exp[changed], d[changed])

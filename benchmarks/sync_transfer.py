@@ -7,6 +7,10 @@ push -> verify checksums -> continue), exactly what the RL loop runs. Per strate
 physical reference measured in the same run, this host's memcpy bandwidth for the same bytes (a broadcast to E
 engines on one host cannot beat E copies of the bytes through memory).
 
+`--device cuda`: the model is bf16 on the GPU, engines serve it on the same GPU (`--kv-cache-fraction` small), and
+the reference is the device-to-device copy bandwidth of the same bytes. Only `colocated` applies there: NCCL
+refuses two ranks of one communicator on one GPU, so broadcast and p2p need a second GPU (issue 10's runs).
+
 Strategies: `broadcast` (every publish moves the full tensors over gloo), `p2p` (`--trainer-ranks` ranks,
 threads of this process, each sending its dim-0 shards to every engine; verified per piece), `colocated` (full tensors through a
 shared-memory segment per bucket; on GPU, CUDA IPC handles) and `delta` (each publish perturbs 2% of the values
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -49,35 +54,52 @@ TRANSPORTS = {"broadcast": "gloo (loopback)", "p2p": "gloo (loopback), trainer r
               "delta": "files (RUN/weights)", "colocated": "shared memory"}
 
 
-def memcpy_gbps(nbytes: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8)
+def memcpy_gbps(nbytes: int, device: str = "cpu") -> float:
+    """Copy bandwidth of `nbytes` on `device` (bytes copied per second; a copy reads and writes each byte)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
+    _sync(device)
     t0 = time.perf_counter()
     for _ in range(3):
         dst.copy_(src)
+    _sync(device)
     return 3 * nbytes / (time.perf_counter() - t0) / 1e9
 
 
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
 def bench_transfer(args: argparse.Namespace, sizes: dict[str, dict[str, int]]) -> Iterator[dict[str, Any]]:
-    hf = preset_config("qwen3", "small") | sizes[args.transfer_size] | {"torch_dtype": "float32"}
+    if os.environ.get("MILES_SYNC_DEBUG"):  # per-bucket timings of the strategies on stderr
+        logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("miles_hpc.sync").setLevel(logging.DEBUG)
+    gpu = args.device.startswith("cuda")
+    hf = preset_config("qwen3", "small") | sizes[args.transfer_size] | {"torch_dtype": "bfloat16" if gpu else "float32"}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         torch.manual_seed(args.seed)
-        model = build_model(ModelConfig.from_hf_dict(hf))
+        model = build_model(ModelConfig.from_hf_dict(hf), device=args.device)  # bf16 on the GPU
         save_pretrained(model, model_dir)
         for strategy in args.strategies.split(","):
+            if gpu and strategy != "colocated":
+                yield {"bench": "weight_sync", "section": "transfer", "strategy": strategy, "device": args.device,
+                       "skipped": "one GPU: NCCL refuses two ranks on one device; needs a second GPU"}  # fmt: skip
+                continue
             for engines in [int(e) for e in args.engines.split(",")]:
                 work = Path(tmp) / f"{strategy}{engines}"
                 yield asyncio.run(_one(args, model, model_dir, work, engines, strategy))
 
 
 def _perturb_ulps(t: torch.Tensor, frac: float, g: torch.Generator) -> None:
-    """Move `frac` of the values of a float tensor by one ulp (bit pattern +-1), in place."""
+    """Move about `frac` of the values of a float tensor by one ulp (bit pattern +-1), in place; `g` lives on the
+    tensor's device."""
     bits = t.view({2: torch.int16, 4: torch.int32}[t.element_size()]).view(-1)
-    idx = torch.randperm(bits.numel(), generator=g)[: max(1, int(frac * bits.numel()))]
-    step = torch.randint(0, 2, (idx.numel(),), generator=g, dtype=bits.dtype) * 2 - 1
-    bits[idx] += step
+    move = torch.rand(bits.shape, generator=g, device=bits.device) < frac
+    step = torch.randint(0, 2, bits.shape, generator=g, device=bits.device, dtype=bits.dtype) * 2 - 1
+    bits += step * move
 
 
 def _make_sync(strategy: str, work: Path, bucket_mb: int, ranks: ThreadedRanks) -> WeightSync:
@@ -98,9 +120,10 @@ async def _one(
     rdv = work / "rendezvous"
     rdv.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    where = ["--device", args.device, "--kv-cache-fraction", "0.02"] if args.device.startswith("cuda") else []
     procs = [
         subprocess.Popen([sys.executable, "-m", "miles_hpc.cli", "serve", str(model_dir), "--port", "0",
-                          "--rendezvous", str(rdv / f"engine-{i}.json"), "--max-total-tokens", "4096"],
+                          "--rendezvous", str(rdv / f"engine-{i}.json"), "--max-total-tokens", "4096", *where],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)  # fmt: skip
         for i in range(n)
     ]
@@ -110,7 +133,7 @@ async def _one(
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         ranks = ThreadedRanks(named, args.trainer_ranks)  # p2p's trainer side: views of `named`, kept current
         sync = _make_sync(strategy, work, args.bucket_mb, ranks)
-        g = torch.Generator().manual_seed(args.seed)
+        g = torch.Generator(args.device).manual_seed(args.seed)
         pushes: list[float] = []
         cycles: list[float] = []
         async with Router([EngineClient(u) for u in urls], RouterConfig(health_interval_s=30), owns_clients=True) as r:
@@ -128,6 +151,7 @@ async def _one(
                 for rep in range(args.reps + 1):  # the first publish also builds the group: not timed
                     for _, t in named:
                         _perturb_ulps(t, 0.02, g)
+                    _sync(args.device)
                     t0 = time.perf_counter()
                     await publisher.publish(lambda: iter(named), str(rep + 1))
                     cycles.append(time.perf_counter() - t0)
@@ -139,12 +163,12 @@ async def _one(
             moved = json.loads((work / "weights" / f"v{args.reps + 1}" / "manifest.json").read_text())["total_bytes"]
         return {
             "bench": "weight_sync", "section": "transfer", "strategy": strategy,
-            "transport": TRANSPORTS[strategy],
-            "device": "cpu", "engines": n, "trainer_ranks": args.trainer_ranks if strategy == "p2p" else 1,
+            "transport": "CUDA IPC" if args.device.startswith("cuda") else TRANSPORTS[strategy],
+            "device": args.device, "engines": n, "trainer_ranks": args.trainer_ranks if strategy == "p2p" else 1,
             "size": args.transfer_size, "bytes": nbytes, "reps": args.reps,
             "push_s": round(push_s, 4), "push_gbps": round(nbytes / push_s / 1e9, 3),
             "bytes_delivered_gbps": round(n * nbytes / push_s / 1e9, 3), "cycle_s": round(cycle_s, 4),
-            "moved_bytes": moved, "memcpy_gbps": round(memcpy_gbps(nbytes), 2),
+            "moved_bytes": moved, "memcpy_gbps": round(memcpy_gbps(nbytes, args.device), 2),
         }  # fmt: skip
     finally:
         for p in procs:

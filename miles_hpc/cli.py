@@ -281,6 +281,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
         engine_cfg = EngineConfig(
             device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
+            kv_cache_fraction=args.kv_cache_fraction,
             max_context_len=args.max_context_len, max_running_requests=args.max_running_requests, seed=args.seed,
         )  # fmt: skip
         server_cfg = ServerConfig(host=args.host, port=args.port, keys=keys, rendezvous=args.rendezvous,
@@ -305,6 +306,8 @@ def _add_serve_parser(sub: Any) -> None:
     srv.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     srv.add_argument("--dtype", help="weights/KV dtype: float32, bfloat16, float16 (default: the checkpoint's)")
     srv.add_argument("--max-total-tokens", type=int, default=65536, help="KV-cache capacity in tokens (CPU)")
+    srv.add_argument("--kv-cache-fraction", type=float, default=0.85,
+                     help="share of the free GPU memory the KV cache takes (GPU; lower it to share a GPU)")  # fmt: skip
     srv.add_argument("--max-context-len", type=int, help="prompt + output tokens per request (default: model's)")
     srv.add_argument("--max-running-requests", type=int, default=256, help="requests decoding at once")
     srv.add_argument("--seed", type=int, default=0, help="seeds requests that bring no sampling_seed")

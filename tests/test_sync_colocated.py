@@ -209,7 +209,7 @@ def test_unpickler_reads_back_exactly_what_the_trainer_writes() -> None:
             for (name, t), (_, got) in zip(pending, out):
                 want = t.to(dtype or t.dtype)
                 assert got.dtype == want.dtype and torch.equal(got, want), name
-                assert bucket.checksums[name] == tensor_checksum(want)
+                assert bucket.checksums()[name] == tensor_checksum(want)
             got.add_(1)  # the engine's mapping is private: the trainer's segment does not change
             assert torch.equal(load_named_tensors(raw, "cpu")[-1][1], pending[-1][1].to(dtype or torch.bfloat16))
             del out, got
@@ -336,7 +336,7 @@ def test_cuda_ipc_publish_to_an_engine_on_this_gpu(tmp_path: Path) -> None:
                 assert report.engines == 1 and report.tensors == len(w) and our_segments() == []
                 got = await engine_sums(router.clients[0])
                 assert {n: got[n] for n, _ in w} == {n: tensor_checksum(t.to(torch.bfloat16)) for n, t in w}
-                # Already in the rollout dtype: shared as they are, with no copy on the trainer side.
+                # Already in the rollout dtype (copied into the bucket's flat buffer all the same).
                 w16 = [(n, t.to(torch.bfloat16)) for n, t in weights(8)]
                 await Publisher(sync, router, pause_mode="in_place").publish(lambda: iter(w16), "8")
                 got = await engine_sums(router.clients[0])
@@ -345,3 +345,17 @@ def test_cuda_ipc_publish_to_an_engine_on_this_gpu(tmp_path: Path) -> None:
         asyncio.run(asyncio.wait_for(main(), 120))
     finally:
         stop_all([proc])
+
+
+@pytest.mark.gpu
+def test_cuda_bucket_is_one_allocation_of_views() -> None:
+    pending = [(n, t.to("cuda")) for n, t in weights(3)] + [("empty", torch.zeros(0, 4, device="cuda"))]
+    bucket = colocated.stage_bucket(pending, torch.bfloat16)
+    try:
+        bases = {t.untyped_storage().data_ptr() for _, t in bucket.items if isinstance(t, torch.Tensor)}
+        assert len(bases) == 1 and bucket.cuda  # one IPC handle for the whole bucket
+        for (name, t), (_, sent) in zip(pending, bucket.sent):
+            assert sent.dtype == torch.bfloat16 and torch.equal(sent, t.to(torch.bfloat16)), name
+            assert sent.data_ptr() % 64 == 0
+    finally:
+        bucket.release()

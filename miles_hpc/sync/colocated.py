@@ -6,8 +6,10 @@ Per bucket of HF-named tensors (``bucket_bytes`` in the rollout dtype), trainer 
 HTTP, never tensor bytes:
 - CUDA tensors go by torch's CUDA IPC reduction (``rebuild_cuda_tensor``), with the device named by its UUID as
   SGLang's patched reductions do, so the same strategy drives real SGLang engines colocated on the trainer's GPUs
-  (tp size 1: one payload per engine). A tensor already in the rollout dtype is shared as it is (no copy at all);
-  the engine copies it into its weights once.
+  (tp size 1: one payload per engine). A bucket's tensors are cast into one flat buffer on their GPU and sent as
+  views of it, so an engine opens one allocation per bucket: opening an IPC handle costs ~0.2 ms, which per
+  tensor made a 7B-shaped push 20x slower than the copies (H200, docs/benchmarks.md). The engine copies each view
+  into its weights once.
 - CPU tensors (the CPU tier; real SGLang never sees them) are copied once into a POSIX shared-memory segment per
   bucket (``/dev/shm/miles_hpc_<pid>_<random>``, mode 0600, reserved with ``posix_fallocate`` so a full /dev/shm is
   a clear error, never a SIGBUS), and the pickle names each tensor by the persistent id
@@ -36,6 +38,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
@@ -46,7 +49,7 @@ from urllib.parse import urlsplit
 import torch
 
 from miles_hpc.rollout.client import EngineClient
-from miles_hpc.sync.checksum import tensor_checksum
+from miles_hpc.sync.checksum import tensor_checksums
 from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, verify_checksums
 
 __all__ = ["SHM_TAG", "ColocatedSpec", "ColocatedSync", "ShmSlice", "is_local_url", "serialize_named"]
@@ -146,12 +149,16 @@ class _Bucket:
     """One bucket as the engines will see it; holds its tensors and segment until `release`."""
 
     items: list[tuple[str, torch.Tensor | ShmSlice]] = field(default_factory=list)
-    checksums: dict[str, str] = field(default_factory=dict)
+    sent: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # what the engines read, for the checksums
     segment: shared_memory.SharedMemory | None = None
     cuda: bool = False
 
+    def checksums(self) -> dict[str, str]:
+        return tensor_checksums(self.sent)
+
     def release(self) -> None:
         self.items.clear()
+        self.sent.clear()
         if self.segment is not None:
             try:
                 self.segment.close()
@@ -167,19 +174,23 @@ def stage_bucket(pending: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype
     """Cast every tensor to `dtype`: CUDA tensors stay on their device, CPU tensors go into one new segment."""
     bucket = _Bucket()
     try:
-        cpu: list[tuple[int, int]] = []  # (index in pending, offset)
-        total = 0
+        offsets: dict[int, int] = {}  # index in pending -> byte offset in its device's flat buffer
+        totals: dict[torch.device, int] = {}
         for i, (_, t) in enumerate(pending):
-            if not t.is_cuda:
-                cpu.append((i, total))
-                total += -(-t.numel() * (dtype or t.dtype).itemsize // _ALIGN) * _ALIGN
-        flat = _new_segment(bucket, max(total, _ALIGN)) if cpu else None  # (empty tensors only: a tiny one)
-        offsets = dict(cpu)
+            offsets[i] = totals.get(t.device, 0)
+            totals[t.device] = offsets[i] + -(-t.numel() * (dtype or t.dtype).itemsize // _ALIGN) * _ALIGN
+        cpu_total = sum(v for d, v in totals.items() if d.type == "cpu")
+        has_cpu = any(not t.is_cuda for _, t in pending)
+        flat = _new_segment(bucket, max(cpu_total, _ALIGN)) if has_cpu else None  # (empty tensors: a tiny one)
+        gpu_flat = {d: torch.empty(max(n, _ALIGN), dtype=torch.uint8, device=d) for d, n in totals.items()
+                    if d.type == "cuda"}  # fmt: skip
         sent: torch.Tensor | None = None
         for i, (name, t) in enumerate(pending):
             want = dtype or t.dtype
             if t.is_cuda:
-                sent = t.detach().to(want).contiguous()
+                off, n = offsets[i], t.numel() * want.itemsize
+                sent = gpu_flat[t.device][off : off + n].view(want).view(t.shape)
+                sent.copy_(t.detach())
                 bucket.items.append((name, sent))
                 bucket.cuda = True
             else:
@@ -189,8 +200,8 @@ def stage_bucket(pending: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype
                 sent.copy_(t.detach())
                 bucket.items.append((name, ShmSlice(bucket.segment.name, off, str(want).removeprefix("torch."),
                                                     tuple(t.shape))))  # fmt: skip
-            bucket.checksums[name] = tensor_checksum(sent)
-        del flat, sent  # no view of the segment may outlive the bucket (release unmaps it)
+            bucket.sent.append((name, sent))
+        del flat, gpu_flat, sent  # no view of the segment may outlive the bucket (release unmaps it)
     except BaseException:
         bucket.release()
         raise
@@ -262,24 +273,33 @@ class ColocatedSync:
         return sums
 
     async def _send(self, pending: list[tuple[str, torch.Tensor]], version: str | None) -> dict[str, str]:
+        t0 = time.perf_counter()
         bucket = await asyncio.to_thread(stage_bucket, pending, self.spec.rollout_dtype)
         try:
+            t1 = time.perf_counter()
             # One pickle per engine: each CUDA IPC reduction takes a reference that one engine gives back.
             payloads = [serialize_named(bucket.items, self._gpu_uuid) for _ in self._clients]
-            results = await asyncio.gather(
+            t2 = time.perf_counter()
+            # The checksums of what was sent are computed while the engines copy (both only read the bucket).
+            sums, *results = await asyncio.gather(
+                asyncio.to_thread(bucket.checksums),
                 *(c.update_weights_from_tensor([p], weight_version=version, flush_cache=version is not None,
                                                timeout=self.spec.timeout_s)
                   for c, p in zip(self._clients, payloads)),
                 return_exceptions=True,
             )  # fmt: skip
+            log.debug("colocated bucket of %d tensors: staged %.1f ms, pickled %.1f ms, engines and hashes %.1f ms",
+                      len(pending), (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)  # fmt: skip
         finally:
             await asyncio.to_thread(bucket.release)
+        if isinstance(sums, BaseException):
+            raise sums
         failed = [(c.url, r) for c, r in zip(self._clients, results) if isinstance(r, BaseException)]
         if failed:
             url, err = failed[0]
             span = f"{pending[0][0]}..{pending[-1][0]}"
             raise EngineSyncError([u for u, _ in failed], f"weight update of bucket {span} failed on {url}: {err}")
-        return bucket.checksums
+        return sums
 
     def _gpu_uuid(self, index: int) -> str:
         if index not in self._uuids:
