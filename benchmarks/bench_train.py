@@ -40,18 +40,21 @@ def model_flops_per_token(cfg: ModelConfig, seq: int) -> tuple[float, int]:
     return 6 * matmul_params + attention, matmul_params
 
 
-def timed(fn, steps: int, warmup: int) -> float:
+def timed(fn, steps: int, warmup: int) -> list[float]:
+    """Seconds of each of `steps` steps after `warmup` untimed ones (compilation happens in those)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    out = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
 
 
-def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int, compile: bool = False) -> float:
+def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int, compile: bool = False) -> list[float]:
     from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
     from miles_hpc.train.fsdp import FSDPTrainer
 
@@ -74,7 +77,7 @@ def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int, 
         torch.cuda.empty_cache()
 
 
-def bench_hf(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int) -> float:
+def bench_hf(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int) -> list[float]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().train()
@@ -95,7 +98,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, allocator warm-up)")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--sides", default="eager,compiled,hf", help="comma-separated subset of eager,compiled,hf")
@@ -114,10 +117,14 @@ def main() -> None:
                 "hf": ("transformers_adamw_fused", bench_hf)}  # fmt: skip
         sides = [runs[k] for k in args.sides.split(",") if not (k == "hf" and args.skip_hf)]
         for name, fn in sides:
-            t = fn(model_dir, seqs, args.steps, args.warmup)
+            times = fn(model_dir, seqs, args.steps, args.warmup)
+            t = sum(times) / len(times)  # the mean step: MFU and tokens/s from it
             line = {
                 "bench": "train", "side": name, "device": torch.cuda.get_device_name(), "params_matmul": matmul_params,
-                "seq": args.seq, "batch": args.batch, "step_s": round(t, 4), "tokens_per_s": round(tokens / t, 1),
+                "seq": args.seq, "batch": args.batch, "warmup": args.warmup, "step_s": round(t, 4),
+                "step_min_median_max_s": [round(min(times), 4), round(sorted(times)[len(times) // 2], 4),
+                                          round(max(times), 4)],
+                "tokens_per_s": round(tokens / t, 1),
                 "model_tflops": round(flops_tok * tokens / t / 1e12, 1),
                 "mfu": round(flops_tok * tokens / t / 1e12 / args.peak_tflops, 4),
             }  # fmt: skip

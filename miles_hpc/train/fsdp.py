@@ -2,7 +2,7 @@
 
 Topology: one process per device, all in the default process group (:mod:`miles_hpc.train.dist`); every rank
 receives the WHOLE `TrainBatch` from the controller. Parameters are sharded with `fully_shard` per decoder layer
-and at the root; optimizer state is sharded with them (AdamW over DTensors).
+and at the root (a world of 1: the root alone); optimizer state is sharded with them (AdamW over DTensors).
 
 How a step is split (all plans are pure functions of the batch, so ranks agree without talking, see packing.py):
   batch -> `updates_per_step` contiguous mini-batches (one optimizer step each)
@@ -108,11 +108,14 @@ class FSDPTrainer:
                 layer.compile()  # in place: parameter names (and so checkpoints and sync) are unchanged
         mesh = init_device_mesh(self.device.type, (self._world,))
         kw: dict[str, Any] = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
-        # Layers free their gathered parameters after forward (re-gathered in backward) only when there is more
-        # than one shard: with one rank it saves nothing and costs a second copy-and-cast per layer. The root's
-        # parameters (embedding, final norm, LM head) are needed first in backward: kept.
-        for layer in model.model.layers:
-            fully_shard(layer, reshard_after_forward=self._world > 1, **kw)
+        # With more than one rank, each decoder layer is its own FSDP unit: it is gathered just before its forward
+        # and freed after it (re-gathered in backward), so only one layer is ever whole. With one rank nothing is
+        # sharded, so per-layer units save no memory and cost host time (two hooks per layer per step, which leave
+        # the GPU idle): the root is the only unit. The root's parameters (embedding, final norm, LM head) are
+        # needed first in backward: kept.
+        if self._world > 1:
+            for layer in model.model.layers:
+                fully_shard(layer, reshard_after_forward=True, **kw)
         fully_shard(model, reshard_after_forward=False, **kw)
         self.model: CausalLM = model
         self.optimizer = build_optimizer(train_cfg, model.named_parameters(), self.device)

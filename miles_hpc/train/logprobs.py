@@ -12,6 +12,7 @@ import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from miles_hpc.train.batch import TrainBatch
@@ -52,21 +53,27 @@ def pack_samples(batch: TrainBatch, sample_ids: Sequence[int], device: torch.dev
     if not sample_ids:
         raise ValueError("pack_samples needs at least one sample (use dummy_microbatch)")
     lengths = [len(batch.tokens[i]) for i in sample_ids]
-    # Built on the host as one integer and one float table, so a micro-batch costs two host-to-device copies.
-    tokens = torch.tensor([t for i in sample_ids for t in batch.tokens[i]], dtype=torch.long)
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    ints = torch.stack([tokens, positions, seq_ids]).to(device)
+    # Built on the host with numpy (torch's small CPU ops wake its thread pool: ms each on a busy or virtualised
+    # host, while the GPU waits) as one integer and one float table: two host-to-device copies per micro-batch.
+    total = sum(lengths)
+    ints_np = np.empty((3, total), dtype=np.int64)
+    ints_np[0] = [t for i in sample_ids for t in batch.tokens[i]]
+    ints_np[1] = np.arange(total) - np.repeat(np.cumsum([0, *lengths[:-1]]), lengths)
+    ints_np[2] = np.repeat(np.arange(len(lengths)), lengths)
+    ints = torch.from_numpy(ints_np).to(device)
     rows = [batch.loss_mask, batch.advantages, batch.rollout_logprobs]
     if batch.ref_logprobs is not None:
         rows.append(batch.ref_logprobs)
-    floats = torch.tensor([[v for i in sample_ids for v in r[i]] for r in rows], dtype=torch.float32).to(device)
+    floats_np = np.empty((len(rows), total), dtype=np.float32)
+    for j, r in enumerate(rows):
+        floats_np[j] = [v for i in sample_ids for v in r[i]]
+    floats = torch.from_numpy(floats_np).to(device)
     is_start = ints[1] == 0
     return PackedMicroBatch(
         sample_ids=tuple(sample_ids),
         input_ids=ints[0].unsqueeze(0),
         position_ids=ints[1].unsqueeze(0),
-        cu_seqlens=torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32),
+        cu_seqlens=torch.from_numpy(np.cumsum([0, *lengths], dtype=np.int32)),
         seq_ids=ints[2],
         is_start=is_start,
         loss_mask=floats[0].masked_fill(is_start, 0.0),
