@@ -19,17 +19,18 @@ from miles_hpc.config import ConfigError
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from miles_hpc.config import load_config
-    from miles_hpc.loop.controller import run_local
+    from miles_hpc.loop.controller import preflight, run_local
     from miles_hpc.loop.run_dir import prepare_run_dir, resolve_model
     from miles_hpc.loop.smoke import model_smoke_check
 
     cfg = load_config(args.config, args.overrides)
+    gpus = preflight(cfg)  # nothing written or started for a run that cannot run here
     paths = prepare_run_dir(cfg)
     print(f"[miles-hpc] run {cfg.name}: resolved config -> {paths.config}")
     model_dir = resolve_model(cfg, paths)
     print(f"[miles-hpc] starting model: {model_dir}")
     print(f"[miles-hpc] {model_smoke_check(model_dir, cfg.model.dtype)}")
-    _print_summary(run_local(cfg), cfg.steps)
+    _print_summary(run_local(cfg, gpus), cfg.steps)
     return 0
 
 
@@ -146,7 +147,7 @@ def _cmd_sweep_task(args: argparse.Namespace) -> int:
     task = plan["tasks"][args.index]
     cfg = load_config(plan["config"], task["overrides"])
     print(f"[miles-hpc] sweep task {args.index}: {task['point']} -> {task['run_dir']}", flush=True)
-    _print_summary(run_local(cfg), cfg.steps)
+    _print_summary(run_local(cfg, gpus), cfg.steps)
     return 0
 
 

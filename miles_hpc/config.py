@@ -145,6 +145,14 @@ class RolloutConfig:
         default=600.0, metadata=_help("how long the controller waits for the engines to listen (names the missing)")
     )
     engine_tp: int = field(default=1, metadata=_help("GPUs per engine (SGLang --tp-size); one rollout task each"))
+    device: Literal["cpu", "cuda"] = field(
+        default="cpu", metadata=_help("miles-hpc run: embedded engines on the CPU, or one GPU each after the trainer's")
+    )
+    kv_cache_fraction: float | None = field(
+        default=None,
+        metadata=_help("engine on a GPU: share of its free memory for the KV cache (None: 0.85 alone on the GPU, "
+                       "0.25 when it shares the GPU with a trainer rank)"),
+    )  # fmt: skip
     sglang_python: str = field(
         default="python", metadata=_help("backend sglang: the interpreter of SGLang's own venv (never the main one)")
     )
@@ -154,6 +162,8 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_engines >= 1, "num_engines", f"must be >= 1, got {self.num_engines}")
+        _require(self.kv_cache_fraction is None or 0.0 < self.kv_cache_fraction <= 1.0, "kv_cache_fraction",
+                 f"must be in (0, 1] (or null), got {self.kv_cache_fraction}")  # fmt: skip
         _require(self.prompts_per_step >= 1, "prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
         _require(self.samples_per_prompt >= 1, "samples_per_prompt", f"must be >= 1, got {self.samples_per_prompt}")
         _require(self.max_new_tokens >= 0, "max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
@@ -168,6 +178,9 @@ class TrainConfig:
 
     backend: Literal["fsdp", "megatron"] = field(default="fsdp", metadata=_help("training backend"))
     world_size: int = field(default=1, metadata=_help("trainer ranks"))
+    device: Literal["cpu", "cuda"] = field(
+        default="cpu", metadata=_help("trainer ranks on the CPU (gloo) or one GPU each, cuda:LOCAL_RANK (NCCL)")
+    )
     lr: float = field(default=1e-5, metadata=_help("peak learning rate (AdamW)"))
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
     warmup_steps: int = field(default=0, metadata=_help("linear warm-up steps"))

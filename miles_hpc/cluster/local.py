@@ -19,9 +19,54 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from miles_hpc.config import RunConfig
+from miles_hpc.config import ConfigError, RunConfig
+
+SHARED_KV_FRACTION = 0.25  # an engine's default KV share of free GPU memory when a trainer rank uses its GPU too
+ALONE_KV_FRACTION = 0.85
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPlan:
+    """Which GPU each trainer rank and each engine of `miles-hpc run` uses (empty: that side is on the CPU)."""
+
+    trainer: tuple[int, ...]
+    engines: tuple[int, ...]
+
+    def shares_trainer_gpu(self, engine: int) -> bool:
+        return bool(self.engines) and self.engines[engine] in self.trainer
+
+
+def gpu_plan(cfg: RunConfig, num_gpus: int) -> GpuPlan:
+    """Trainer rank r on GPU r; engines on the GPUs after the trainer's, wrapping around when there are fewer (one
+    GPU: every engine shares GPU 0 with the trainer). Raises ConfigError for what cannot run on `num_gpus` GPUs,
+    or what the weight sync cannot reach (checked before any process starts)."""
+    t, r, strategy = cfg.train, cfg.rollout, cfg.sync.strategy
+    if t.device == "cuda" and t.world_size > num_gpus:
+        raise ConfigError(f"train.device: cuda puts each of train.world_size={t.world_size} ranks on its own GPU; "
+                          f"this machine has {num_gpus}")  # fmt: skip
+    if r.device == "cuda" and num_gpus == 0:
+        raise ConfigError("rollout.device: cuda, but this machine has no GPU torch can use")
+    trainer = tuple(range(t.world_size)) if t.device == "cuda" else ()
+    first = len(trainer)
+    engines = tuple((first + i) % num_gpus for i in range(r.num_engines)) if r.device == "cuda" else ()
+    plan = GpuPlan(trainer, engines)
+    if strategy in ("broadcast", "p2p") and t.device != r.device:
+        raise ConfigError(f"sync.strategy: {strategy} runs one process group over trainer and engines, NCCL between "
+                          f"GPUs or gloo between CPUs; train.device={t.device} and rollout.device={r.device} differ: "
+                          f"put both on one kind of device, or use sync.strategy=delta")  # fmt: skip
+    if strategy == "colocated" and t.device == "cuda" and r.device != "cuda":
+        raise ConfigError("sync.strategy: colocated hands CUDA tensors over by CUDA IPC handles, which an engine on "
+                          "the CPU cannot open: set rollout.device=cuda")
+    senders = plan.trainer[:1] if strategy == "broadcast" else plan.trainer
+    for i, g in enumerate(plan.engines):
+        if strategy in ("broadcast", "p2p") and g in senders:
+            raise ConfigError(f"sync.strategy: {strategy}: engine {i} would share GPU {g} with a trainer rank, and "
+                              f"NCCL refuses two ranks of one group on one GPU; use sync.strategy=colocated (CUDA "
+                              f"IPC on the shared GPU) or give the run more GPUs")  # fmt: skip
+    return plan
 
 
 def free_port() -> int:
@@ -44,8 +89,10 @@ def write_key(path: Path) -> str:
 class LocalCluster:
     """Engine servers and extra trainer ranks of one run, as subprocesses of this one."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, model_dir: Path, config_path: Path) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, model_dir: Path, config_path: Path,
+                 gpus: GpuPlan | None = None) -> None:  # fmt: skip
         self.cfg = cfg
+        self.gpus = gpus or GpuPlan((), ())
         self.run_dir = run_dir
         self.model_dir = model_dir
         self.config_path = config_path
@@ -83,6 +130,10 @@ class LocalCluster:
                     "--rendezvous", str(self.rendezvous / f"engine-{i}.json"), "--seed", str(self.cfg.seed + i),
                     "--api-key-file", str(keys / "api_key"), "--admin-api-key-file", str(keys / "admin_api_key"),
                     "--dtype", self.cfg.model.dtype, "--weight-update-timeout", str(self.cfg.sync.timeout_s)]  # fmt: skip
+            if self.gpus.engines:
+                share = self.cfg.rollout.kv_cache_fraction or (
+                    SHARED_KV_FRACTION if self.gpus.shares_trainer_gpu(i) else ALONE_KV_FRACTION)  # fmt: skip
+                argv += ["--device", f"cuda:{self.gpus.engines[i]}", "--kv-cache-fraction", str(share)]
             self._spawn(f"engine-{i}", argv)
         return self._wait_engines(n, timeout_s)
 

@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from miles_hpc.cluster.local import LocalCluster, free_port
+from miles_hpc.cluster.local import GpuPlan, LocalCluster, free_port, gpu_plan
 from miles_hpc.config import RunConfig
 from miles_hpc.loop.run_dir import RunPaths, prepare_run_dir, resolve_model
 
@@ -23,24 +23,31 @@ def build_trainer(cfg: RunConfig, model_dir: Path) -> Any:
 
     if cfg.train.backend != "fsdp":
         raise ValueError(f"train.backend: {cfg.train.backend!r} is not available yet (fsdp is)")
-    return FSDPTrainer(str(model_dir), cfg.train, cfg.algo, device="cpu", seed=cfg.seed,
+    return FSDPTrainer(str(model_dir), cfg.train, cfg.algo, device=cfg.train.device, seed=cfg.seed,
                        total_steps=cfg.steps * cfg.train.updates_per_step)
 
 
-def run_local(cfg: RunConfig) -> dict[str, Any]:
-    """The whole run on this machine; returns a summary (reward at start and end, where the outputs are)."""
+def preflight(cfg: RunConfig) -> GpuPlan:
+    """What `miles-hpc run` checks before it writes or starts anything: the reward plug-in imports, the weight sync
+    is one a local run can drive, and trainer, engines and sync fit this machine's GPUs. Raises naming the key."""
     from miles_hpc.rollout.plugins import load_object
     from miles_hpc.sync.factory import check_strategy
 
-    load_object(cfg.reward.fn, kind="reward function")  # a bad plug-in path fails before any process starts
-    check_strategy(cfg)  # a strategy the local run cannot drive fails before any process starts
+    load_object(cfg.reward.fn, kind="reward function")
+    check_strategy(cfg)
+    return gpu_plan(cfg, _gpu_count() if "cuda" in (cfg.train.device, cfg.rollout.device) else 0)
+
+
+def run_local(cfg: RunConfig, gpus: GpuPlan | None = None) -> dict[str, Any]:
+    """The whole run on this machine; returns a summary (reward at start and end, where the outputs are)."""
+    gpus = gpus or preflight(cfg)
     paths = prepare_run_dir(cfg)
     model_dir = resolve_model(cfg, paths)
     master_port = free_port()
     # This process is trainer rank 0; its world is passed explicitly (the process environment stays untouched).
     world_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(cfg.train.world_size),
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}  # fmt: skip
-    with LocalCluster(cfg, paths.root, model_dir, paths.config) as cluster:
+    with LocalCluster(cfg, paths.root, model_dir, paths.config, gpus) as cluster:
         urls = cluster.start_engines()
         cluster.start_trainer_ranks(master_port)
         return controller(cfg, paths, model_dir, urls, cluster.api_key, cluster.admin_key, world_env)
@@ -52,7 +59,7 @@ def follow_controller(cfg: RunConfig, model_dir: Path, world_env: dict[str, str]
     from miles_hpc.loop.trainer_ranks import follow
     from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
 
-    init_trainer_world(world_from_env(world_env, device="cpu"))
+    init_trainer_world(world_from_env(world_env, device=cfg.train.device))
     try:
         follow(build_trainer(cfg, model_dir))
     finally:
@@ -71,7 +78,7 @@ def controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str]
     from miles_hpc.train.checkpoint import latest_checkpoint
     from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
 
-    init_trainer_world(world_from_env(world_env, device="cpu"))
+    init_trainer_world(world_from_env(world_env, device=cfg.train.device))
     trainer = RankedTrainer(build_trainer(cfg, model_dir))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -137,7 +144,8 @@ async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str
     from miles_hpc.sync.publish import Publisher
 
     clients = [EngineClient(u, api_key=api_key, admin_api_key=admin_key) for u in urls]
-    sync = build_sync(cfg, paths.root, "127.0.0.1", free_port, trainer=trainer)
+    backend = "nccl" if cfg.train.device == cfg.rollout.device == "cuda" else "gloo"
+    sync = build_sync(cfg, paths.root, "127.0.0.1", free_port, backend=backend, trainer=trainer)
     router = Router(clients, owns_clients=True, on_readmit=lambda i, c: publisher.readmit_check(i, c))
     publisher = Publisher(sync, router, pause_mode=cfg.sync.pause_mode)
     d = cfg.data
@@ -154,3 +162,9 @@ async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str
             return await (fully_async.run if cfg.mode == "fully_async" else run)(ctx, start_step)
         finally:
             await sync.close()
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
