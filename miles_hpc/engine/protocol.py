@@ -359,7 +359,7 @@ SCHEMAS: dict[str, dict[str, F]] = {
     "update_weights_from_tensor": {
         **_WEIGHT_COMMON,
         "serialized_named_tensors": F(list_of(string), required=True),
-        "load_format": F(one_of("safetensors")),
+        "load_format": F(one_of("safetensors", "flattened_bucket")),
     },
     "init_weights_update_group": {
         "rid": F(string),

@@ -37,6 +37,7 @@ import os
 import pickle
 import pickletools
 import re
+import types
 from typing import Any
 
 import torch
@@ -44,7 +45,8 @@ from torch.multiprocessing import reductions
 
 from .protocol import DTYPE_NAMES
 
-__all__ = ["SEGMENT_PATTERN", "SHM_DIR", "SHM_TAG", "HandleUnpickler", "TensorHandleError", "load_named_tensors"]
+__all__ = ["SEGMENT_PATTERN", "SHM_DIR", "SHM_TAG", "FlatBucketUnpickler", "HandleUnpickler", "TensorHandleError",
+           "load_flattened_bucket", "load_named_tensors"]
 
 SHM_TAG = "miles-hpc/shm"  # first element of a CPU tensor's persistent id
 SHM_DIR = "/dev/shm"  # where POSIX shm_open puts segments on Linux
@@ -100,12 +102,10 @@ def _size(dims: Any) -> torch.Size:
     return torch.Size(_ints(dims, "torch.Size"))
 
 
-class HandleUnpickler(pickle.Unpickler):
-    """Unpickles the handle format (module docstring) and nothing else. One instance per payload: it caches the
-    segments it mapped, which stay mapped only as long as the tensors viewing them live."""
+class _Handles:
+    """The globals and persistent ids of the handle format, shared by both unpicklers below."""
 
-    def __init__(self, data: bytes, device: torch.device | str) -> None:
-        super().__init__(io.BytesIO(data))
+    def _setup(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self._segments: dict[str, torch.Tensor] = {}  # segment name -> its bytes (uint8, mapped privately)
         self._globals: dict[tuple[str, str], object] = {
@@ -120,7 +120,7 @@ class HandleUnpickler(pickle.Unpickler):
             **{("torch", name): dtype for name, dtype in DTYPES.items()},
         }
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> Any:  # noqa: D102
         try:
             return self._globals[(module, name)]
         except KeyError:
@@ -207,10 +207,97 @@ class HandleUnpickler(pickle.Unpickler):
         raise TensorHandleError(f"CUDA device {device!r} of the payload is not a GPU of this host"[:200])
 
 
-def _check_opcodes(data: bytes) -> None:
+class HandleUnpickler(_Handles, pickle.Unpickler):
+    """Unpickles the handle format (module docstring) and nothing else. One instance per payload: it caches the
+    segments it mapped, which stay mapped only as long as the tensors viewing them live."""
+
+    def __init__(self, data: bytes, device: torch.device | str) -> None:
+        pickle.Unpickler.__init__(self, io.BytesIO(data))
+        self._setup(device)
+
+
+FLAT_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")  # SGLang's FlattenedTensorMetadata
+FLAT_OPCODES = ALLOWED_OPCODES | {"EMPTY_DICT", "SETITEM", "SETITEMS", "BUILD"}
+
+
+class FlatBucketUnpickler(_Handles, pickle._Unpickler):  # type: ignore[name-defined,misc]
+    """SGLang's ``load_format="flattened_bucket"`` payload: ``{"flattened_tensor": tensor, "metadata": [m, ...]}``
+    where each ``m`` has the attributes of SGLang's ``FlattenedTensorMetadata`` (we send ``types.SimpleNamespace``,
+    which SGLang reads by attribute). That needs dicts and BUILD, so this is Python's pure unpickler with those
+    opcodes narrowed: items go only into real dicts under string keys, and BUILD only sets metadata fields on a
+    ``SimpleNamespace`` (never ``__setstate__`` of anything)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def __init__(self, data: bytes, device: torch.device | str) -> None:
+        pickle._Unpickler.__init__(self, io.BytesIO(data))  # type: ignore[attr-defined]
+        self._setup(device)
+        self._globals[("types", "SimpleNamespace")] = types.SimpleNamespace
+
+    def _set(self, d: Any, key: Any, value: Any) -> None:
+        if type(d) is not dict or not isinstance(key, str):
+            raise TensorHandleError("flattened bucket: items may only go into dicts, under string keys")
+        d[key] = value
+
+    def load_setitem(self) -> None:
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._set(self.stack[-1], key, value)
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        for i in range(0, len(items) - 1, 2):
+            self._set(self.stack[-1], items[i], items[i + 1])
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if type(inst) is not types.SimpleNamespace or type(state) is not dict or not set(state) <= set(FLAT_FIELDS):
+            raise TensorHandleError(f"flattened bucket: BUILD may only set {', '.join(FLAT_FIELDS)} of a metadata "
+                                    f"entry, got {type(inst).__name__} with {type(state).__name__}"[:200])  # fmt: skip
+        inst.__dict__.update(state)
+
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def load_flattened_bucket(data: bytes, device: torch.device | str) -> list[tuple[str, torch.Tensor]]:
+    """One ``flattened_bucket`` payload -> ``[(hf_name, view of the flat tensor)]``, every entry checked against the
+    flat tensor (a 1-D tensor; each [start_idx, end_idx) inside it, numel = end - start = prod(shape), dtype its
+    own or a weight dtype to cast to, as SGLang's ``reconstruct_tensors`` does); TensorHandleError otherwise."""
+    _check_opcodes(data, FLAT_OPCODES)
+    try:
+        obj = FlatBucketUnpickler(data, device).load()
+    except TensorHandleError:
+        raise
+    except Exception as e:  # noqa: BLE001 (as in load_named_tensors)
+        raise TensorHandleError(f"cannot open the flattened bucket: {type(e).__name__}: {e}") from e
+    if type(obj) is not dict or set(obj) != {"flattened_tensor", "metadata"}:
+        raise TensorHandleError("a flattened bucket must unpickle to {'flattened_tensor': ..., 'metadata': [...]}")
+    flat, metadata = obj["flattened_tensor"], obj["metadata"]
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not isinstance(metadata, list):
+        raise TensorHandleError("flattened bucket: flattened_tensor must be a 1-D tensor and metadata a list")
+    out: list[tuple[str, torch.Tensor]] = []
+    for i, m in enumerate(metadata):
+        if type(m) is not types.SimpleNamespace or set(vars(m)) != set(FLAT_FIELDS):
+            raise TensorHandleError(f"flattened bucket: metadata[{i}] must have exactly {', '.join(FLAT_FIELDS)}")
+        name, dims = m.name, _ints(tuple(m.shape) if isinstance(m.shape, torch.Size) else m.shape, "shape")
+        start, end, numel = (_int(m.start_idx, "start_idx"), _int(m.end_idx, "end_idx"), _int(m.numel, "numel"))
+        if not isinstance(name, str) or m.dtype not in DTYPES.values():
+            raise TensorHandleError(f"flattened bucket: metadata[{i}] needs a string name and a weight dtype")
+        if not start <= end <= flat.numel() or end - start != numel or math.prod(dims) != numel:
+            raise TensorHandleError(f"flattened bucket: {name}: [{start}, {end}) of {flat.numel()} elements does "
+                                    f"not hold shape {dims} ({numel} elements)"[:300])  # fmt: skip
+        t = flat[start:end].view(dims)
+        out.append((name, t if t.dtype == m.dtype else t.to(m.dtype)))
+    return out
+
+
+def _check_opcodes(data: bytes, allowed: frozenset[str] = ALLOWED_OPCODES) -> None:
     try:
         for op, _, pos in pickletools.genops(data):
-            if op.name not in ALLOWED_OPCODES:
+            if op.name not in allowed:
                 raise TensorHandleError(f"refused pickle opcode {op.name} at byte {pos}: tensor-handle payloads "
                                         f"only call the rebuild functions they name")  # fmt: skip
     except TensorHandleError:

@@ -40,7 +40,7 @@ from miles_hpc.sync.pg import GroupSpec, open_group
 from . import protocol
 from .core import Engine, RequestError
 from .delta_receiver import apply_version
-from .tensor_handles import load_named_tensors
+from .tensor_handles import load_flattened_bucket, load_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,9 @@ class WeightEndpoints:
           shared-memory slices (the ``colocated`` strategy), opened by the restricted unpickler of
           tensor_handles.py, never by ``pickle.loads``; or
         - a safetensors file (``safetensors.torch.save({hf_name: tensor})``; ``load_format="safetensors"``, or
-          recognised by its header when ``load_format`` is absent).
+          recognised by its header when ``load_format`` is absent);
+        - with ``load_format="flattened_bucket"``, SGLang's one-tensor-per-bucket pickle (``{"flattened_tensor",
+          "metadata"}``): one handle for the whole bucket (tensor_handles.load_flattened_bucket).
         The tensors are copied into the model once and dropped (that releases the handles)."""
         p = await self._parse("update_weights_from_tensor", request, self._max_tensor_bytes)
         blobs = p["serialized_named_tensors"]
@@ -294,7 +296,9 @@ class WeightEndpoints:
             except binascii.Error as e:
                 raise ValueError(f"serialized_named_tensors[0] is not base64: {e}") from e
             # A safetensors file starts with its header length (8 bytes) and the header's "{"; a pickle with 0x80.
-            if p["load_format"] is None and raw[:1] == b"\x80" and raw[8:9] != b"{":
+            if p["load_format"] == "flattened_bucket":
+                named = load_flattened_bucket(raw, self.engine.device)
+            elif p["load_format"] is None and raw[:1] == b"\x80" and raw[8:9] != b"{":
                 named = load_named_tensors(raw, self.engine.device)
             else:
                 try:

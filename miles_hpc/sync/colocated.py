@@ -6,10 +6,11 @@ Per bucket of HF-named tensors (``bucket_bytes`` in the rollout dtype), trainer 
 HTTP, never tensor bytes:
 - CUDA tensors go by torch's CUDA IPC reduction (``rebuild_cuda_tensor``), with the device named by its UUID as
   SGLang's patched reductions do, so the same strategy drives real SGLang engines colocated on the trainer's GPUs
-  (tp size 1: one payload per engine). A bucket's tensors are cast into one flat buffer on their GPU and sent as
-  views of it, so an engine opens one allocation per bucket: opening an IPC handle costs ~0.2 ms, which per
-  tensor made a 7B-shaped push 20x slower than the copies (H200, docs/benchmarks.md). The engine copies each view
-  into its weights once.
+  (tp size 1: one payload per engine). A bucket's tensors are cast into one flat buffer on their GPU, sent as
+  SGLang's ``flattened_bucket`` load format: one tensor (the buffer) plus per-tensor metadata, so an engine rebuilds
+  one handle per bucket. Per-tensor handles (``ColocatedSpec.flattened=False``) cost ~0.2 ms each in torch's IPC
+  bookkeeping, which left a 7B-shaped push ~20x slower than copying its bytes (H200, docs/benchmarks.md). The
+  engine copies each tensor into its weights once.
 - CPU tensors (the CPU tier; real SGLang never sees them) are copied once into a POSIX shared-memory segment per
   bucket (``/dev/shm/miles_hpc_<pid>_<random>``, mode 0600, reserved with ``posix_fallocate`` so a full /dev/shm is
   a clear error, never a SIGBUS), and the pickle names each tensor by the persistent id
@@ -39,6 +40,7 @@ import os
 import secrets
 import socket
 import time
+import types
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
@@ -52,7 +54,7 @@ from miles_hpc.rollout.client import EngineClient
 from miles_hpc.sync.checksum import tensor_checksums
 from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, verify_checksums
 
-__all__ = ["SHM_TAG", "ColocatedSpec", "ColocatedSync", "ShmSlice", "is_local_url", "serialize_named"]
+__all__ = ["SHM_TAG", "ColocatedSpec", "ColocatedSync", "ShmSlice", "is_local_url", "serialize_named", "serialize_object"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,9 @@ class ColocatedSpec:
     """The engines' dtype; tensors are cast to it before they leave (None: the trainer's dtype)."""
     timeout_s: float = 300.0
     """Seconds one engine may take to map and copy one bucket."""
+    flattened: bool = True
+    """CUDA buckets go as SGLang's ``flattened_bucket`` load format (one tensor per bucket plus metadata, so one
+    handle to open and one rebuild) instead of a list of per-tensor handles (False: for SGLang versions without it)."""
 
     def __post_init__(self) -> None:
         if self.bucket_bytes <= 0 or self.timeout_s <= 0:
@@ -118,8 +123,13 @@ def cuda_reduction(t: torch.Tensor, gpu_uuid: Callable[[int], str]) -> tuple[Any
 
 def serialize_named(items: Sequence[tuple[str, torch.Tensor | ShmSlice]], gpu_uuid: Callable[[int], str]) -> str:
     """One `serialized_named_tensors` entry: base64 of the ForkingPickler dump of `items`."""
+    return serialize_object(list(items), gpu_uuid)
+
+
+def serialize_object(obj: Any, gpu_uuid: Callable[[int], str]) -> str:
+    """base64 of the ForkingPickler dump of `obj` with our reductions (a list of pairs, or a flattened bucket)."""
     buf = io.BytesIO()
-    _Pickler(buf, gpu_uuid).dump(list(items))
+    _Pickler(buf, gpu_uuid).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -152,13 +162,30 @@ class _Bucket:
     sent: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # what the engines read, for the checksums
     segment: shared_memory.SharedMemory | None = None
     cuda: bool = False
+    gpu_flat: dict[torch.device, torch.Tensor] = field(default_factory=dict)  # uint8 buffer per GPU, views in `sent`
 
     def checksums(self) -> dict[str, str]:
         return tensor_checksums(self.sent)
 
+    def flattened(self) -> dict[str, Any] | None:
+        """SGLang's flattened-bucket object for this bucket, when it is all on one GPU in one dtype (else None):
+        ``{"flattened_tensor": 1-D view of the buffer, "metadata": [entries with FlattenedTensorMetadata's fields]}``.
+        Entries are ``SimpleNamespace``s: SGLang reads them by attribute, and unpickling them needs no SGLang."""
+        dtypes = {t.dtype for _, t in self.sent}
+        if len(self.gpu_flat) != 1 or len(dtypes) != 1 or self.segment is not None:
+            return None
+        (buf,), dtype = self.gpu_flat.values(), dtypes.pop()
+        meta = []
+        for name, t in self.sent:
+            start = (t.data_ptr() - buf.data_ptr()) // t.element_size() if t.numel() else 0
+            meta.append(types.SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=start,
+                                              end_idx=start + t.numel(), numel=t.numel()))  # fmt: skip
+        return {"flattened_tensor": buf.view(dtype), "metadata": meta}
+
     def release(self) -> None:
         self.items.clear()
         self.sent.clear()
+        self.gpu_flat.clear()
         if self.segment is not None:
             try:
                 self.segment.close()
@@ -201,6 +228,7 @@ def stage_bucket(pending: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype
                 bucket.items.append((name, ShmSlice(bucket.segment.name, off, str(want).removeprefix("torch."),
                                                     tuple(t.shape))))  # fmt: skip
             bucket.sent.append((name, sent))
+        bucket.gpu_flat = gpu_flat
         del flat, gpu_flat, sent  # no view of the segment may outlive the bucket (release unmaps it)
     except BaseException:
         bucket.release()
@@ -278,13 +306,16 @@ class ColocatedSync:
         try:
             t1 = time.perf_counter()
             # One pickle per engine: each CUDA IPC reduction takes a reference that one engine gives back.
-            payloads = [serialize_named(bucket.items, self._gpu_uuid) for _ in self._clients]
+            flat = bucket.flattened() if self.spec.flattened else None
+            load_format = None if flat is None else "flattened_bucket"
+            payloads = [serialize_named(bucket.items, self._gpu_uuid) if flat is None
+                        else serialize_object(flat, self._gpu_uuid) for _ in self._clients]  # fmt: skip
             t2 = time.perf_counter()
             # The checksums of what was sent are computed while the engines copy (both only read the bucket).
             sums, *results = await asyncio.gather(
                 asyncio.to_thread(bucket.checksums),
                 *(c.update_weights_from_tensor([p], weight_version=version, flush_cache=version is not None,
-                                               timeout=self.spec.timeout_s)
+                                               timeout=self.spec.timeout_s, load_format=load_format)
                   for c, p in zip(self._clients, payloads)),
                 return_exceptions=True,
             )  # fmt: skip
