@@ -261,8 +261,14 @@ def test_killed_mid_flight_then_resumed_trains_every_drawn_prompt_once(tmp_path:
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the run and its engines, mid-flight: no chance to save anything
+        os.killpg(proc.pid, signal.SIGKILL)  # the run, mid-flight: no chance to save anything
         proc.wait()
+        # Its engines run in sessions of their own (as on a node, where the job's cgroup would end them): end them.
+        for rec in (run_dir / "rendezvous").glob("engine-*.json"):
+            try:
+                os.kill(int(json.loads(rec.read_text())["pid"]), signal.SIGKILL)
+            except (ProcessLookupError, ValueError, KeyError):
+                pass
     pending = json.loads((ckpt / "extra.json").read_text())["async_pending"]
     resumed = run_cli(run_dir, "steps=4", "train.checkpoint_interval=2")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
