@@ -9,5 +9,10 @@ test-gpu:
 	PYTHONPATH=. python3 -m pytest -q -m gpu
 test-sglang:
 	./scripts/test_sglang.sh
+# One JSON line per result, each with its peer or physical reference measured in the same run (docs/benchmarks.md).
 bench-gpu:
 	PYTHONPATH=. python3 benchmarks/bench_rollout.py --device cuda
+	PYTHONPATH=. python3 benchmarks/bench_train.py --steps 10
+	PYTHONPATH=. python3 benchmarks/bench_weight_sync.py --only delta --device cuda --size 1b --steps 2 --lrs 1e-6
+	PYTHONPATH=. python3 benchmarks/bench_weight_sync.py --only transfer --device cuda --strategies colocated \
+		--engines 1 --transfer-size 7b --reps 3
