@@ -1,5 +1,7 @@
 """MoE routing capture: the engine's `routed_experts` rows equal the plain model's for the same tokens, including
-rows served from the prefix cache (routing is stored per cached slot) and rows recomputed after retraction."""
+rows served from the prefix cache (routing is stored per cached slot) and rows recomputed after retraction; for
+Qwen3-MoE and the DeepSeek-V3 family (MLA attention, whose cache holds keys and values of different widths), whose
+greedy text and log-probs are also the plain model's."""
 
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ from miles_hpc.models import CausalLM, load_pretrained
 from engine_support import make_ckpt, run
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_ckpt(tmp_path_factory.mktemp("moe"), "qwen3_moe", 0)
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])  # softmax router; MLA + sigmoid router
+def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_ckpt(tmp_path_factory.mktemp(request.param), request.param, 0)
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +78,20 @@ def test_routed_experts_after_retraction_and_abort(ckpt: Path, plain: CausalLM) 
     x = results["x"]
     assert x.finish_reason.type == "abort" and x.routed_experts is not None
     assert x.routed_experts.shape[0] == len(ps[0]) + len(x.output_ids) - 1
+
+
+def test_greedy_text_and_logprobs_equal_the_plain_model(ckpt: Path, plain: CausalLM) -> None:
+    engine = Engine.from_pretrained(str(ckpt), EngineConfig(block_size=4, max_prefill_tokens=8))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (13, 5, 21)]  # mixed lengths, one batch
+    results = run(engine, *(req(str(i), p, 7) for i, p in enumerate(prompts)))
+    for i, p in enumerate(prompts):
+        tokens = list(p)
+        with torch.no_grad():
+            for _ in range(7):
+                tokens.append(int(plain(torch.tensor([tokens]))[0, -1].argmax()))
+            lp = torch.log_softmax(plain(torch.tensor([tokens[:-1]]))[0].float(), dim=-1)
+        res = results[str(i)]
+        assert res.output_ids == tokens[len(p) :]
+        ref = [lp[len(p) - 1 + j, t].item() for j, t in enumerate(res.output_ids)]
+        assert max(abs(a - b) for a, b in zip(res.output_logprobs, ref)) < 1e-5

@@ -64,8 +64,11 @@ class Engine:
         self.eos_token_ids = eos_token_ids(mc.eos_token_id, model_path)
 
         bs = config.block_size
+        # MLA models cache the expanded per-head keys (nope + rope) and values, not the compressed latent: simple,
+        # exact, and fine at the sizes the embedded engine serves; SGLang serves the large ones.
         geometry = dict(num_layers=mc.num_hidden_layers, block_size=bs, kv_heads=mc.num_key_value_heads,
-                        head_dim=mc.head_dim, dtype=dtype)  # fmt: skip
+                        head_dim=mc.qk_head_dim, v_head_dim=mc.v_head_dim if mc.is_mla else mc.head_dim,
+                        dtype=dtype)  # fmt: skip
         num_blocks = config.num_blocks or self._auto_num_blocks(geometry)
         # One block more than the allocator hands out: the scratch block that padding rows of captured decode
         # batches write to (cuda_graphs.py), so they never touch a real request's KV.

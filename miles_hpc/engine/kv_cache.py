@@ -37,8 +37,9 @@ def block_key(parent: bytes | None, tokens: Sequence[int]) -> bytes:
 
 
 class KVCache:
-    """Device tensors: `k[layer]`, `v[layer]` of shape [num_blocks, block_size, kv_heads, head_dim], and for MoE
-    models `routing` int32 [num_blocks * block_size, num_moe_layers, top_k] (expert ids per slot)."""
+    """Device tensors: `k[layer]` [num_blocks, block_size, kv_heads, head_dim] and `v[layer]` (the same with
+    `v_head_dim`, which MLA models make narrower than their keys), and for MoE models `routing` int32
+    [num_blocks * block_size, num_moe_layers, top_k] (expert ids per slot)."""
 
     def __init__(
         self,
@@ -52,22 +53,25 @@ class KVCache:
         device: torch.device,
         num_moe_layers: int = 0,
         top_k: int = 0,
+        v_head_dim: int | None = None,
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(*shape[:-1], v_head_dim or head_dim, dtype=dtype, device=device)
         self.routing: torch.Tensor | None = None
         if num_moe_layers:
             self.routing = torch.zeros(num_blocks * block_size, num_moe_layers, top_k, dtype=torch.int32, device=device)
 
     @staticmethod
     def bytes_per_block(
-        *, num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, routing_width: int
+        *, num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, routing_width: int,
+        v_head_dim: int | None = None,
     ) -> int:
         """Device bytes one block costs (K + V over all layers, plus routing ids), to size the cache."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return block_size * (2 * num_layers * kv_heads * head_dim * elem + 4 * routing_width)
+        width = head_dim + (v_head_dim or head_dim)
+        return block_size * (num_layers * kv_heads * width * elem + 4 * routing_width)
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V viewed as [num_slots, kv_heads, head_dim]."""

@@ -157,7 +157,7 @@ class PagedAttention:
         kc.index_copy_(0, m.slot_mapping, k[0].transpose(0, 1).to(kc.dtype))
         vc.index_copy_(0, m.slot_mapping, v[0].transpose(0, 1).to(vc.dtype))
         gqa = q.shape[1] != k.shape[1]
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])  # MLA: values narrower than queries and keys
         if m.decode_rows is not None and self.decode_kernel is not None:
             assert m.decode_tables is not None and m.decode_lens is not None
             qd = q[0][:, m.decode_rows].transpose(0, 1)  # [Bd, Hq, D]

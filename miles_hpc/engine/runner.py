@@ -72,6 +72,10 @@ class ModelRunner:
         from .triton_ops import TritonDecodeOps
 
         ops = TritonDecodeOps()
+        if model.config.is_mla:
+            log.info("MLA model: attention runs through the torch path (the Triton decode kernel takes K and V of "
+                     "one width)")  # fmt: skip
+            return
         self.decode_kernel = ops.attention
         reason = unsupported_reason(model)
         if reason is not None or cache.num_blocks <= blocks.num_blocks:

@@ -27,7 +27,10 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+# Checkpoints that name another model_type for one of these architectures (Kimi-K2 ships DeepSeek-V3 weights).
+MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "swish", "gelu", "gelu_pytorch_tanh")
@@ -44,6 +47,12 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
                       num_attention_heads=32, num_key_value_heads=4, head_dim=None, max_position_embeddings=32768,
                       num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "deepseek_v3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                        num_attention_heads=128, num_key_value_heads=None, max_position_embeddings=4096,
+                        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                        v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, first_k_dense_replace=3,
+                        norm_topk_prob=True, rope_interleave=True),
 }  # fmt: skip
 
 
@@ -93,7 +102,7 @@ class RopeScaling:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
-    """Architecture of one dense (llama, qwen2, qwen3) or MoE (qwen3_moe) decoder-only model."""
+    """Architecture of one dense (llama, qwen2, qwen3) or MoE (qwen3_moe, deepseek_v3) decoder-only model."""
 
     model_type: str
     """HF model_type; one of SUPPORTED_MODEL_TYPES."""
@@ -128,6 +137,24 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     """Layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
     mlp_only_layers: tuple[int, ...] = ()
+    # ---- deepseek_v3 (MLA attention, sigmoid group-limited router, shared experts); 0 / None elsewhere ----
+    q_lora_rank: int | None = None
+    """MLA: rank of the query compression (None: one q_proj)."""
+    kv_lora_rank: int = 0
+    """MLA: width of the compressed KV latent."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key width without RoPE; with qk_rope_head_dim (= head_dim, the rotary width) the
+    attention width qk_head_dim."""
+    v_head_dim: int = 0
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    """Router: experts are chosen only from the topk_group of n_group groups with the best top-2 sums."""
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    """Layers 0..first_k_dense_replace-1 are dense; every later layer is MoE."""
+    rope_interleave: bool = False
+    """RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... instead of the two halves."""
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -156,13 +183,21 @@ class ModelConfig:
             raise ValueError(f"{self.model_type} has one attention_bias flag: qkv_bias and o_bias must be equal")
         if self.mlp_bias and self.model_type != "llama":
             raise ValueError("mlp_bias exists only in llama")
-        if self.model_type == "qwen3_moe":
+        if self.model_type in ("qwen3_moe", "deepseek_v3"):
             if self.num_experts <= 0 or self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
-                raise ValueError("qwen3_moe needs num_experts, moe_intermediate_size, decoder_sparse_step > 0")
+                raise ValueError(f"{self.model_type} needs num_experts, moe_intermediate_size, decoder_sparse_step > 0")
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} not in [1, {self.num_experts}]")
         elif self.num_experts:
             raise ValueError(f"{self.model_type} is dense but num_experts={self.num_experts}")
+        if self.is_mla:
+            if min(self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim) <= 0:
+                raise ValueError("deepseek_v3 needs kv_lora_rank, qk_nope_head_dim, v_head_dim > 0")
+            if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+                raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} and hold "
+                                 f"topk_group={self.topk_group}")  # fmt: skip
+            if self.num_experts // self.n_group < 2:
+                raise ValueError("the group-limited router ranks groups by their top-2 scores: >= 2 experts a group")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             raise ValueError(f"mlp_only_layers {bad} out of range [0, {self.num_hidden_layers})")
@@ -171,12 +206,24 @@ class ModelConfig:
 
     # ---- derived ----
     @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3 family)."""
+        return self.model_type == "deepseek_v3"
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head: MLA's nope + rope parts, else head_dim."""
+        return self.qk_nope_head_dim + self.head_dim if self.is_mla else self.head_dim
+
+    @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm on q and k before RoPE: fixed by the family (qwen3, qwen3_moe)."""
         return self.model_type in ("qwen3", "qwen3_moe")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """Which layers get the sparse MoE block: transformers' Qwen3MoeDecoderLayer rule."""
+        """Which layers get the sparse MoE block: transformers' Qwen3MoeDecoderLayer / DeepseekV3DecoderLayer rule."""
+        if self.is_mla:
+            return layer_idx >= self.first_k_dense_replace
         return (
             self.num_experts > 0
             and layer_idx not in self.mlp_only_layers
@@ -201,7 +248,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], *, source: str = "config.json") -> ModelConfig:
         """Parse an HF config dict; `source` (the file) is named in every error."""
-        model_type = d.get("model_type")
+        model_type = MODEL_TYPE_ALIASES.get(d.get("model_type"), d.get("model_type"))
         if model_type is None:
             by_arch = {arch: mt for mt, arch in ARCHITECTURES.items()}
             archs = [a for a in d.get("architectures") or () if a in by_arch]
@@ -234,6 +281,8 @@ class ModelConfig:
                     decoder_sparse_step=int(get("decoder_sparse_step", 1)),
                     mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
                 )
+            elif model_type == "deepseek_v3":
+                moe = _deepseek_fields(d, get)
             return cls(
                 model_type=model_type,
                 vocab_size=int(get("vocab_size")),
@@ -242,7 +291,8 @@ class ModelConfig:
                 num_hidden_layers=int(get("num_hidden_layers")),
                 num_attention_heads=heads,
                 num_key_value_heads=int(get("num_key_value_heads", heads) or heads),
-                head_dim=int(get("head_dim") or hidden // heads),
+                head_dim=int(get("qk_rope_head_dim") if model_type == "deepseek_v3"
+                             else get("head_dim") or hidden // heads),  # fmt: skip
                 hidden_act=str(get("hidden_act", "silu")),
                 rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(get("max_position_embeddings")),
@@ -287,9 +337,20 @@ class ModelConfig:
         }
         if self.model_type != "qwen2":
             d["attention_bias"] = self.qkv_bias
+        if self.is_mla:
+            del d["head_dim"]  # transformers derives it (= qk_rope_head_dim)
+            d.update(
+                n_routed_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                qk_rope_head_dim=self.head_dim, v_head_dim=self.v_head_dim, n_shared_experts=self.n_shared_experts,
+                n_group=self.n_group, topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
+                first_k_dense_replace=self.first_k_dense_replace, rope_interleave=self.rope_interleave,
+                topk_method="noaux_tc", scoring_func="sigmoid",
+            )  # fmt: skip
         if self.model_type == "llama":
             d["mlp_bias"] = self.mlp_bias
-        else:
+        elif not self.is_mla:
             d["use_sliding_window"] = False
         if self.model_type == "qwen3_moe":
             d.update(
@@ -304,6 +365,30 @@ class ModelConfig:
             # Both spellings: transformers 5 reads `dtype`, older readers `torch_dtype`.
             d["torch_dtype"] = d["dtype"] = self.dtype
         return d
+
+
+def _deepseek_fields(d: Mapping[str, Any], get: Any) -> dict[str, Any]:
+    """The MLA and router keys of a DeepSeek-V3-family config.json (transformers 5.24 DeepseekV3Config defaults)."""
+    if d.get("scoring_func", "sigmoid") != "sigmoid" or d.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ValueError("deepseek_v3: only the sigmoid router with noaux_tc top-k (DeepSeek-V3, Kimi-K2) is "
+                         f"supported, got scoring_func={d.get('scoring_func')!r}, topk_method={d.get('topk_method')!r}")
+    q_rank = d.get("q_lora_rank", get("q_lora_rank"))
+    return dict(
+        num_experts=int(d.get("n_routed_experts") or d.get("num_local_experts") or get("num_experts")),
+        num_experts_per_tok=int(get("num_experts_per_tok")),
+        moe_intermediate_size=int(get("moe_intermediate_size")),
+        norm_topk_prob=bool(get("norm_topk_prob", True)),
+        q_lora_rank=None if q_rank is None else int(q_rank),
+        kv_lora_rank=int(get("kv_lora_rank")),
+        qk_nope_head_dim=int(get("qk_nope_head_dim")),
+        v_head_dim=int(get("v_head_dim")),
+        n_shared_experts=int(get("n_shared_experts")),
+        n_group=int(get("n_group")),
+        topk_group=int(get("topk_group")),
+        routed_scaling_factor=float(get("routed_scaling_factor")),
+        first_k_dense_replace=int(get("first_k_dense_replace")),
+        rope_interleave=bool(get("rope_interleave", True)),
+    )
 
 
 def _parse_rope(d: Mapping[str, Any], max_position_embeddings: int) -> tuple[float, RopeScaling | None]:
@@ -336,4 +421,4 @@ def _parse_rope(d: Mapping[str, Any], max_position_embeddings: int) -> tuple[flo
     return theta, RopeScaling(rope_type=rope_type, **params)
 
 
-__all__ = ["ARCHITECTURES", "SUPPORTED_MODEL_TYPES", "ModelConfig", "RopeScaling"]
+__all__ = ["ARCHITECTURES", "MODEL_TYPE_ALIASES", "SUPPORTED_MODEL_TYPES", "ModelConfig", "RopeScaling"]

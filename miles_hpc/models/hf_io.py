@@ -11,7 +11,8 @@ Name mapping (the only place that knows it):
   the fused tensors under their in-memory names (no `.weight` suffix). We read both, per layer, and write the
   Hub per-expert layout.
 - Tied embeddings: `lm_head.weight` is not written; if a checkpoint has it anyway it is ignored (transformers
-  ties it to the embedding too). Legacy `rotary_emb.inv_freq` buffers are ignored.
+  ties it to the embedding too). Legacy `rotary_emb.inv_freq` buffers are ignored, and so are DeepSeek-V3's
+  multi-token-prediction layers (`model.layers.{N}.*` past the last decoder layer).
 
 Every missing, unexpected or mis-shaped tensor is an error naming the tensor and the file.
 """
@@ -103,8 +104,16 @@ def expected_hf_shapes(model: CausalLM, present: Iterable[str] = ()) -> dict[str
     return shapes
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
 def _ignorable(name: str, config: ModelConfig) -> bool:
-    return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
+    if name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight"):
+        return True
+    # DeepSeek-V3 / Kimi-K2 releases carry multi-token-prediction layers past the last decoder layer (transformers
+    # ignores them too): the causal LM does not use them.
+    m = _LAYER.match(name)
+    return config.is_mla and m is not None and int(m.group(1)) >= config.num_hidden_layers
 
 
 # ---------------------------------------------------------------- loading

@@ -1,4 +1,5 @@
-"""Qwen3-MoE sparse block: softmax top-k router with optional routing replay (R3), and grouped expert SwiGLUs.
+"""MoE blocks with routing replay (R3): Qwen3-MoE's softmax top-k router, DeepSeek-V3's sigmoid group-limited
+router with shared experts, and the grouped expert SwiGLUs both use.
 
 Stage: shared model code (the engine records routes, the trainer replays them).
 
@@ -6,6 +7,11 @@ Invariants:
 - Router: probs = softmax(x @ W_gate^T) in float32; the top-k ids are the k largest probs (torch.topk order,
   largest first); gate weights are the probs at those ids, divided by their sum when `norm_topk_prob`, then cast
   to the activation dtype. This is transformers' Qwen3MoeTopKRouter.
+- DeepSeek-V3 router (`GroupLimitedRouter`, transformers' DeepseekV3TopkRouter): scores = sigmoid(x @ W^T) in
+  float32; choice scores = scores + `e_score_correction_bias` (a frozen parameter: aux-loss-free balancing, not
+  trained by RL); experts are picked only from the `topk_group` of `n_group` groups with the largest top-2 choice
+  sums; gate weights are the *scores* (no bias) at the picked ids, normalised (+1e-20) when `norm_topk_prob`, times
+  `routed_scaling_factor`. Its block adds `shared_experts`, a dense SwiGLU every token goes through.
 - Replay: given recorded ids, the same formula is evaluated at those ids from the *current* probs, so the gate
   weights stay differentiable w.r.t. the router; replaying the model's own ids reproduces its output exactly.
 - Experts are held fused, as transformers 5 holds them in memory: `experts.gate_up_proj` [E, 2I, H] (gate rows
@@ -17,12 +23,14 @@ Invariants:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import ACTIVATIONS
+from .layers import ACTIVATIONS, SwiGLUMLP
 
 
 class TopKRouter(nn.Module):
@@ -40,15 +48,50 @@ class TopKRouter(nn.Module):
         if replay is None:
             top, ids = torch.topk(probs, self.top_k, dim=-1)
         else:
-            ids = replay.to(device=x.device, dtype=torch.long)
-            if ids.shape != (x.shape[0], self.top_k):
-                raise ValueError(f"routing replay must be [{x.shape[0]}, {self.top_k}], got {tuple(ids.shape)}")
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_experts):
-                raise ValueError(f"routing replay has expert ids outside [0, {self.num_experts})")
+            ids = _replay_ids(replay, x.shape[0], self.top_k, self.num_experts, x.device)
             top = probs.gather(-1, ids)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(logits.dtype), ids
+
+
+def _replay_ids(replay: torch.Tensor, n: int, top_k: int, num_experts: int, device: torch.device) -> torch.Tensor:
+    ids = replay.to(device=device, dtype=torch.long)
+    if ids.shape != (n, top_k):
+        raise ValueError(f"routing replay must be [{n}, {top_k}], got {tuple(ids.shape)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+        raise ValueError(f"routing replay has expert ids outside [0, {num_experts})")
+    return ids
+
+
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek-V3's router (module docstring); HF names `mlp.gate.weight`, `mlp.gate.e_score_correction_bias`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H], replay [N, k] or None -> (weights [N, k] in x.dtype, ids [N, k] int64)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        if replay is None:
+            choice = scores + self.e_score_correction_bias.float()
+            per_group = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)
+            groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // self.n_group, dim=1), -math.inf)
+            ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        else:
+            ids = _replay_ids(replay, x.shape[0], self.top_k, self.num_experts, x.device)
+        top = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        return (top * self.scaling).to(x.dtype), ids
 
 
 class Experts(nn.Module):
@@ -102,3 +145,25 @@ class SparseMoeBlock(nn.Module):
         flat = x.reshape(-1, h)
         weights, ids = self.gate(flat, replay)
         return self.experts(flat, ids, weights).view(b, t, h), ids
+
+
+class DeepseekMoeBlock(nn.Module):
+    """`mlp` of a DeepSeek-V3 MoE layer: `mlp.gate.*`, `mlp.experts.*` (fused, as Qwen3-MoE), `mlp.shared_experts.*`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = GroupLimitedRouter(config)
+        self.experts = Experts(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.hidden_act)
+        self.shared_experts = (
+            SwiGLUMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.hidden_act)
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H], replay [B*T, k] or None -> (out [B, T, H], routed ids [B*T, k])."""
+        b, t, h = x.shape
+        flat = x.reshape(-1, h)
+        weights, ids = self.gate(flat, replay)
+        out = self.experts(flat, ids, weights).view(b, t, h)
+        return (out if self.shared_experts is None else out + self.shared_experts(x)), ids

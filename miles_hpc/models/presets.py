@@ -12,7 +12,7 @@ from typing import Any
 
 from miles_hpc.models.tokenizer import EOS_TOKEN, NUM_BYTE_TOKENS, PAD_TOKEN, SPECIAL_TOKENS, special_token_id
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 SIZES = ("tiny", "small")
 
 # Vocabulary: 256 bytes + specials, rounded up to a multiple of 64 (embedding rows past the tokenizer are unused).
@@ -32,7 +32,17 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+
+# DeepSeek-V3 family (MLA + sigmoid group-limited router + one shared expert; layer 0 dense as in Kimi-K2), scaled
+# down: the latent and head widths keep DeepSeek's proportions (nope 2x rope, v = nope).
+_MLA: dict[str, dict[str, int]] = {
+    "tiny": dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=2,
+                 topk_group=1),
+    "small": dict(q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                  n_group=4, topk_group=2),
+}  # fmt: skip
 
 
 def preset_config(arch: str, size: str) -> dict[str, Any]:
@@ -77,6 +87,14 @@ def preset_config(arch: str, size: str) -> dict[str, Any]:
             norm_topk_prob=True,
             router_aux_loss_coef=0.001,
         )
+    if arch == "deepseek_v3":
+        del cfg["head_dim"]  # transformers derives it from qk_rope_head_dim
+        cfg.update(
+            _MLA[size], num_key_value_heads=s["num_attention_heads"], n_routed_experts=s["num_experts"],
+            num_experts_per_tok=s["num_experts_per_tok"], moe_intermediate_size=s["moe_intermediate_size"],
+            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            rope_interleave=True, topk_method="noaux_tc", scoring_func="sigmoid", attention_bias=False,
+        )  # fmt: skip
     return cfg
 
 

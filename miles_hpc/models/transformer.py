@@ -1,4 +1,5 @@
-"""The decoder-only causal LM for every supported family (dense layers and, for qwen3_moe, sparse MoE layers).
+"""The decoder-only causal LM for every supported family (dense layers; sparse MoE layers for qwen3_moe and
+deepseek_v3, whose attention is MLA, mla.py).
 
 Stage: shared model code: the trainer calls it on packed sequences, the engine with its own attention backend.
 
@@ -20,7 +21,8 @@ from torch import nn
 from .attention import AttentionBackend, check_cu_seqlens, sdpa_attention
 from .config import ModelConfig
 from .layers import Attention, RMSNorm, SwiGLUMLP
-from .moe import SparseMoeBlock
+from .mla import MLAttention
+from .moe import DeepseekMoeBlock, SparseMoeBlock
 from .rope import RotaryEmbedding
 
 
@@ -28,12 +30,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.is_moe = config.is_moe_layer(layer_idx)
-        self.self_attn = Attention(config, layer_idx)
-        self.mlp: nn.Module = (
-            SparseMoeBlock(config)
-            if self.is_moe
-            else SwiGLUMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
-        )
+        self.self_attn: nn.Module = MLAttention(config, layer_idx) if config.is_mla else Attention(config, layer_idx)
+        self.mlp: nn.Module
+        if self.is_moe:
+            self.mlp = DeepseekMoeBlock(config) if config.is_mla else SparseMoeBlock(config)
+        else:
+            self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -90,7 +92,7 @@ class CausalLM(nn.Module):
         pad-token embedding row."""
         std = self.config.initializer_range
         for name, p in self.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith("bias"):  # also DeepSeek's e_score_correction_bias
                 p.zero_()
             elif p.dim() == 1:  # RMSNorm weights
                 p.fill_(1.0)
