@@ -56,7 +56,7 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
-Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
+Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

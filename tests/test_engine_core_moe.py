@@ -19,7 +19,7 @@ from miles_hpc.models import CausalLM, load_pretrained
 from engine_support import make_ckpt, run
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])  # softmax router; MLA + sigmoid router
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "glm4_moe"])  # softmax; MLA + sigmoid; GQA + sigmoid
 def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_ckpt(tmp_path_factory.mktemp(request.param), request.param, 0)
 

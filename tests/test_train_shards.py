@@ -49,7 +49,7 @@ def check_rank(model_dir: str) -> dict:
     return {"rank": rank, "problems": problems, "experts": held_experts, "tensors": len(full)}
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_shard_map_matches_gathered_weights(arch: str, tmp_path: Path) -> None:
     model = init_model(arch, "tiny", tmp_path / "model")
     env = {**os.environ, "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}

@@ -32,6 +32,8 @@ def unsupported_reason(model: CausalLM) -> str | None:
     """Why `DecodeForward` cannot run `model` (None when it can)."""
     if model.config.is_mla:
         return "MLA attention (latent projections; K and V of different widths)"
+    if model.config.rotary_dim != model.config.head_dim:
+        return "partial rotary embedding (the fused RoPE kernel rotates whole heads)"
     if model.num_moe_layers:
         return "MoE layers (routing capture and expert dispatch run eagerly)"
     if model.rotary.dynamic:

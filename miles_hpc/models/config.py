@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 # Checkpoints that name another model_type for one of these architectures (Kimi-K2 ships DeepSeek-V3 weights).
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
@@ -53,6 +54,11 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                         routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
                         v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, first_k_dense_replace=3,
                         norm_topk_prob=True, rope_interleave=True),
+    "glm4_moe": dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
+                     num_attention_heads=96, num_key_value_heads=8, head_dim=None, max_position_embeddings=131072,
+                     rms_norm_eps=1e-5, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408,
+                     n_shared_experts=1, routed_scaling_factor=1.0, n_group=1, topk_group=1, first_k_dense_replace=1,
+                     norm_topk_prob=True),
 }  # fmt: skip
 
 
@@ -155,6 +161,10 @@ class ModelConfig:
     """Layers 0..first_k_dense_replace-1 are dense; every later layer is MoE."""
     rope_interleave: bool = False
     """RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... instead of the two halves."""
+    partial_rotary_factor: float = 1.0
+    """RoPE rotates the first int(head_dim * factor) dims of each head and passes the rest (glm4_moe: 0.5)."""
+    use_qk_norm: bool = False
+    """glm4_moe: per-head RMSNorm on q and k (qwen3 families always have it)."""
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -181,18 +191,23 @@ class ModelConfig:
             raise ValueError("qwen2 always has a q/k/v bias and no o_proj bias (qkv_bias=True, o_bias=False)")
         if self.model_type in ("llama", "qwen3", "qwen3_moe") and self.qkv_bias != self.o_bias:
             raise ValueError(f"{self.model_type} has one attention_bias flag: qkv_bias and o_bias must be equal")
+        if self.model_type == "glm4_moe" and self.o_bias:
+            raise ValueError("glm4_moe's attention_bias is on q/k/v only (o_bias=False)")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} must "
+                             f"leave an even number > 0 of rotary dims")  # fmt: skip
         if self.mlp_bias and self.model_type != "llama":
             raise ValueError("mlp_bias exists only in llama")
-        if self.model_type in ("qwen3_moe", "deepseek_v3"):
+        if self.model_type in ("qwen3_moe", "deepseek_v3", "glm4_moe"):
             if self.num_experts <= 0 or self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
                 raise ValueError(f"{self.model_type} needs num_experts, moe_intermediate_size, decoder_sparse_step > 0")
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} not in [1, {self.num_experts}]")
         elif self.num_experts:
             raise ValueError(f"{self.model_type} is dense but num_experts={self.num_experts}")
-        if self.is_mla:
-            if min(self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim) <= 0:
-                raise ValueError("deepseek_v3 needs kv_lora_rank, qk_nope_head_dim, v_head_dim > 0")
+        if self.is_mla and min(self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim) <= 0:
+            raise ValueError("deepseek_v3 needs kv_lora_rank, qk_nope_head_dim, v_head_dim > 0")
+        if self.group_router:
             if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
                 raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} and hold "
                                  f"topk_group={self.topk_group}")  # fmt: skip
@@ -211,6 +226,16 @@ class ModelConfig:
         return self.model_type == "deepseek_v3"
 
     @property
+    def group_router(self) -> bool:
+        """The sigmoid group-limited router with shared experts and first-k dense layers (DeepSeek-V3, GLM-4.5)."""
+        return self.model_type in ("deepseek_v3", "glm4_moe")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def qk_head_dim(self) -> int:
         """Query/key width per head: MLA's nope + rope parts, else head_dim."""
         return self.qk_nope_head_dim + self.head_dim if self.is_mla else self.head_dim
@@ -218,11 +243,11 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm on q and k before RoPE: fixed by the family (qwen3, qwen3_moe)."""
-        return self.model_type in ("qwen3", "qwen3_moe")
+        return self.model_type in ("qwen3", "qwen3_moe") or (self.model_type == "glm4_moe" and self.use_qk_norm)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Which layers get the sparse MoE block: transformers' Qwen3MoeDecoderLayer / DeepseekV3DecoderLayer rule."""
-        if self.is_mla:
+        if self.group_router:
             return layer_idx >= self.first_k_dense_replace
         return (
             self.num_experts > 0
@@ -281,8 +306,11 @@ class ModelConfig:
                     decoder_sparse_step=int(get("decoder_sparse_step", 1)),
                     mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
                 )
-            elif model_type == "deepseek_v3":
-                moe = _deepseek_fields(d, get)
+            elif model_type in ("deepseek_v3", "glm4_moe"):
+                moe = _group_router_fields(d, get, mla=model_type == "deepseek_v3")
+            partial = _partial_rotary(d)
+            if partial != 1.0 and model_type != "glm4_moe":
+                raise ValueError("partial_rotary_factor is supported for glm4_moe only")
             return cls(
                 model_type=model_type,
                 vocab_size=int(get("vocab_size")),
@@ -299,7 +327,9 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 qkv_bias=True if model_type == "qwen2" else attention_bias,
-                o_bias=False if model_type == "qwen2" else attention_bias,
+                o_bias=False if model_type in ("qwen2", "glm4_moe") else attention_bias,
+                partial_rotary_factor=partial,
+                use_qk_norm=bool(d.get("use_qk_norm", False)) if model_type == "glm4_moe" else False,
                 mlp_bias=bool(d.get("mlp_bias", False)) if model_type == "llama" else False,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 initializer_range=float(get("initializer_range", 0.02)),
@@ -337,6 +367,14 @@ class ModelConfig:
         }
         if self.model_type != "qwen2":
             d["attention_bias"] = self.qkv_bias
+        if self.model_type == "glm4_moe":
+            d.update(
+                n_routed_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                n_shared_experts=self.n_shared_experts, n_group=self.n_group, topk_group=self.topk_group,
+                routed_scaling_factor=self.routed_scaling_factor, first_k_dense_replace=self.first_k_dense_replace,
+                partial_rotary_factor=self.partial_rotary_factor, use_qk_norm=self.use_qk_norm,
+            )  # fmt: skip
         if self.is_mla:
             del d["head_dim"]  # transformers derives it (= qk_rope_head_dim)
             d.update(
@@ -350,7 +388,7 @@ class ModelConfig:
             )  # fmt: skip
         if self.model_type == "llama":
             d["mlp_bias"] = self.mlp_bias
-        elif not self.is_mla:
+        elif not self.group_router:
             d["use_sliding_window"] = False
         if self.model_type == "qwen3_moe":
             d.update(
@@ -367,28 +405,42 @@ class ModelConfig:
         return d
 
 
-def _deepseek_fields(d: Mapping[str, Any], get: Any) -> dict[str, Any]:
-    """The MLA and router keys of a DeepSeek-V3-family config.json (transformers 5.24 DeepseekV3Config defaults)."""
+def _group_router_fields(d: Mapping[str, Any], get: Any, *, mla: bool) -> dict[str, Any]:
+    """The router keys of a DeepSeek-V3 or GLM-4.5 MoE config.json, plus MLA's for DeepSeek-V3 (transformers 5.24
+    DeepseekV3Config / Glm4MoeConfig defaults)."""
     if d.get("scoring_func", "sigmoid") != "sigmoid" or d.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise ValueError("deepseek_v3: only the sigmoid router with noaux_tc top-k (DeepSeek-V3, Kimi-K2) is "
-                         f"supported, got scoring_func={d.get('scoring_func')!r}, topk_method={d.get('topk_method')!r}")
-    q_rank = d.get("q_lora_rank", get("q_lora_rank"))
-    return dict(
+        raise ValueError("only the sigmoid router with noaux_tc top-k (DeepSeek-V3, Kimi-K2, GLM-4.5) is supported, "
+                         f"got scoring_func={d.get('scoring_func')!r}, topk_method={d.get('topk_method')!r}")
+    out: dict[str, Any] = dict(
         num_experts=int(d.get("n_routed_experts") or d.get("num_local_experts") or get("num_experts")),
         num_experts_per_tok=int(get("num_experts_per_tok")),
         moe_intermediate_size=int(get("moe_intermediate_size")),
         norm_topk_prob=bool(get("norm_topk_prob", True)),
-        q_lora_rank=None if q_rank is None else int(q_rank),
-        kv_lora_rank=int(get("kv_lora_rank")),
-        qk_nope_head_dim=int(get("qk_nope_head_dim")),
-        v_head_dim=int(get("v_head_dim")),
         n_shared_experts=int(get("n_shared_experts")),
         n_group=int(get("n_group")),
         topk_group=int(get("topk_group")),
         routed_scaling_factor=float(get("routed_scaling_factor")),
         first_k_dense_replace=int(get("first_k_dense_replace")),
-        rope_interleave=bool(get("rope_interleave", True)),
     )
+    if mla:
+        q_rank = d.get("q_lora_rank", get("q_lora_rank"))
+        out.update(
+            q_lora_rank=None if q_rank is None else int(q_rank),
+            kv_lora_rank=int(get("kv_lora_rank")),
+            qk_nope_head_dim=int(get("qk_nope_head_dim")),
+            v_head_dim=int(get("v_head_dim")),
+            rope_interleave=bool(get("rope_interleave", True)),
+        )
+    return out
+
+
+def _partial_rotary(d: Mapping[str, Any]) -> float:
+    """`partial_rotary_factor`, top level or inside rope_parameters; glm4_moe's transformers default is 0.5."""
+    params = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    value = d.get("partial_rotary_factor", params.get("partial_rotary_factor"))
+    if value is None:
+        return 0.5 if MODEL_TYPE_ALIASES.get(d.get("model_type"), d.get("model_type")) == "glm4_moe" else 1.0
+    return float(value)
 
 
 def _parse_rope(d: Mapping[str, Any], max_position_embeddings: int) -> tuple[float, RopeScaling | None]:
@@ -396,16 +448,12 @@ def _parse_rope(d: Mapping[str, Any], max_position_embeddings: int) -> tuple[flo
     if d.get("use_sliding_window"):
         # Qwen2/Qwen3 sliding-window layers are off in every released checkpoint; refuse rather than mis-compute.
         raise ValueError("use_sliding_window=true is not supported")
-    if d.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise ValueError("partial_rotary_factor is not supported")
     # transformers 5: `rope_scaling` (legacy) wins over `rope_parameters` when both are present.
     params: dict[str, Any] = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if params.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise ValueError("partial_rotary_factor is not supported")
-    params.pop("partial_rotary_factor", None)
+    params.pop("partial_rotary_factor", None)  # `_partial_rotary` reads it
     if rope_type == "default":
         return theta, None
     if rope_type in ("llama3", "yarn"):

@@ -12,7 +12,7 @@ from typing import Any
 
 from miles_hpc.models.tokenizer import EOS_TOKEN, NUM_BYTE_TOKENS, PAD_TOKEN, SPECIAL_TOKENS, special_token_id
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe")
 SIZES = ("tiny", "small")
 
 # Vocabulary: 256 bytes + specials, rounded up to a multiple of 64 (embedding rows past the tokenizer are unused).
@@ -33,6 +33,7 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 # DeepSeek-V3 family (MLA + sigmoid group-limited router + one shared expert; layer 0 dense as in Kimi-K2), scaled
@@ -94,6 +95,13 @@ def preset_config(arch: str, size: str) -> dict[str, Any]:
             num_experts_per_tok=s["num_experts_per_tok"], moe_intermediate_size=s["moe_intermediate_size"],
             n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
             rope_interleave=True, topk_method="noaux_tc", scoring_func="sigmoid", attention_bias=False,
+        )  # fmt: skip
+    if arch == "glm4_moe":  # GLM-4.5: q/k/v bias, QK-norm, half the head rotated, router as DeepSeek-V3's
+        cfg.update(
+            n_routed_experts=s["num_experts"], num_experts_per_tok=s["num_experts_per_tok"],
+            moe_intermediate_size=s["moe_intermediate_size"], n_shared_experts=1, first_k_dense_replace=1,
+            n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+            use_qk_norm=True, partial_rotary_factor=0.5,
         )  # fmt: skip
     return cfg
 

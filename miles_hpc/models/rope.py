@@ -90,8 +90,8 @@ def _dynamic_inv_freq(config: ModelConfig, dim: int, seq_len: torch.Tensor) -> t
 
 
 def compute_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq float32 [head_dim // 2] on CPU, attention_scaling) for the config's RoPE at its native length."""
-    dim = config.head_dim
+    """(inv_freq float32 [rotary_dim // 2] on CPU, attention_scaling) for the config's RoPE at its native length."""
+    dim = config.rotary_dim
     rs = config.rope_scaling
     if rs is None or rs.rope_type == "dynamic":
         return _default_inv_freq(config.rope_theta, dim), 1.0
@@ -106,7 +106,7 @@ def compute_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """position_ids [B, T] -> (cos, sin) [B, T, head_dim] in the activation dtype, computed once per forward."""
+    """position_ids [B, T] -> (cos, sin) [B, T, rotary_dim] in the activation dtype, computed once per forward."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -121,7 +121,7 @@ class RotaryEmbedding(nn.Module):
         if self.dynamic:
             seq_len = position_ids.max().cpu() + 1
             if int(seq_len) > self.config.max_position_embeddings:
-                return _dynamic_inv_freq(self.config, self.config.head_dim, seq_len).to(device)
+                return _dynamic_inv_freq(self.config, self.config.rotary_dim, seq_len).to(device)
         cached = self._device_cache.get(device)
         if cached is None:
             cached = self._device_cache[device] = self._inv_freq_cpu.to(device)
@@ -141,6 +141,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos/sin [B, T, D] (broadcast over heads). HF's half-split (not interleaved) convention."""
+    """x [B, H, T, D]; cos/sin [B, T, R] (broadcast over heads), R <= D: the first R dims of each head rotate (HF's
+    half-split convention), the rest pass through (partial rotary, glm4_moe)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    head, rest = x[..., :r], x[..., r:]
+    return torch.cat([head * cos + rotate_half(head) * sin, rest], dim=-1)

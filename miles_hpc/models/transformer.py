@@ -1,5 +1,5 @@
-"""The decoder-only causal LM for every supported family (dense layers; sparse MoE layers for qwen3_moe and
-deepseek_v3, whose attention is MLA, mla.py).
+"""The decoder-only causal LM for every supported family (dense layers; sparse MoE layers for qwen3_moe,
+deepseek_v3, whose attention is MLA, mla.py, and glm4_moe, which shares DeepSeek-V3's router).
 
 Stage: shared model code: the trainer calls it on packed sequences, the engine with its own attention backend.
 
@@ -33,7 +33,7 @@ class DecoderLayer(nn.Module):
         self.self_attn: nn.Module = MLAttention(config, layer_idx) if config.is_mla else Attention(config, layer_idx)
         self.mlp: nn.Module
         if self.is_moe:
-            self.mlp = DeepseekMoeBlock(config) if config.is_mla else SparseMoeBlock(config)
+            self.mlp = DeepseekMoeBlock(config) if config.group_router else SparseMoeBlock(config)
         else:
             self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
