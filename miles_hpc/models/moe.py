@@ -14,6 +14,10 @@ Invariants:
   `routed_scaling_factor`. Its block adds `shared_experts`, a dense SwiGLU every token goes through.
 - Replay: given recorded ids, the same formula is evaluated at those ids from the *current* probs, so the gate
   weights stay differentiable w.r.t. the router; replaying the model's own ids reproduces its output exactly.
+  A row of -1 means "no record" (e.g. a sample's last token, which the engine never ran through the model): that
+  token uses the live router's choice. With `compare=True` every token uses the live choice and the records are
+  only compared with it. Either way the router leaves `replay_stats` = int64 [3] (tokens with a record, of those
+  the ones whose live top-k set equals the record, all tokens) on the device, for the R3 metrics.
 - Experts are held fused, as transformers 5 holds them in memory: `experts.gate_up_proj` [E, 2I, H] (gate rows
   first, then up rows) and `experts.down_proj` [E, H, I]. hf_io.py maps them to the Hub's per-expert tensors.
 - Expert compute groups the (token, slot) pairs by expert with one argsort and runs one GEMM pair per expert
@@ -41,27 +45,36 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
 
-    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, replay: torch.Tensor | None = None, compare: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H], replay [N, k] or None -> (weights [N, k] in x.dtype, ids [N, k] int64)."""
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        if replay is None:
-            top, ids = torch.topk(probs, self.top_k, dim=-1)
-        else:
-            ids = _replay_ids(replay, x.shape[0], self.top_k, self.num_experts, x.device)
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        if replay is not None:
+            ids, self.replay_stats = merge_replay(replay, ids, self.num_experts, compare)
             top = probs.gather(-1, ids)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(logits.dtype), ids
 
 
-def _replay_ids(replay: torch.Tensor, n: int, top_k: int, num_experts: int, device: torch.device) -> torch.Tensor:
-    ids = replay.to(device=device, dtype=torch.long)
-    if ids.shape != (n, top_k):
-        raise ValueError(f"routing replay must be [{n}, {top_k}], got {tuple(ids.shape)}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
-        raise ValueError(f"routing replay has expert ids outside [0, {num_experts})")
-    return ids
+def merge_replay(
+    replay: torch.Tensor, live: torch.Tensor, num_experts: int, compare: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids to use [N, k], replay_stats int64 [3]) from recorded ids (rows of -1: no record) and the live top-k."""
+    rec = replay.to(device=live.device, dtype=torch.long)
+    if rec.shape != live.shape:
+        raise ValueError(f"routing replay must be {list(live.shape)}, got {list(rec.shape)}")
+    have = rec[:, 0] >= 0
+    if rec.numel():
+        bad_id = int(rec.max()) >= num_experts or int(rec.min()) < -1
+        if bad_id or bool(((rec < 0) != ~have[:, None]).any()):
+            raise ValueError(f"routing replay has expert ids outside [0, {num_experts}) (a row of -1 = no record)")
+    agree = have & (rec.sort(dim=-1).values == live.sort(dim=-1).values).all(dim=-1)
+    stats = torch.stack([have.sum(), agree.sum(), torch.tensor(rec.shape[0], device=rec.device)])
+    return (live if compare else torch.where(have[:, None], rec, live)), stats
 
 
 class GroupLimitedRouter(nn.Module):
@@ -75,19 +88,20 @@ class GroupLimitedRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, replay: torch.Tensor | None = None, compare: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H], replay [N, k] or None -> (weights [N, k] in x.dtype, ids [N, k] int64)."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        if replay is None:
-            choice = scores + self.e_score_correction_bias.float()
-            per_group = choice.view(-1, self.n_group, self.num_experts // self.n_group)
-            group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)
-            groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // self.n_group, dim=1), -math.inf)
-            ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
-        else:
-            ids = _replay_ids(replay, x.shape[0], self.top_k, self.num_experts, x.device)
+        choice = scores + self.e_score_correction_bias.float()
+        per_group = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+        group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)
+        groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // self.n_group, dim=1), -math.inf)
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        if replay is not None:
+            ids, self.replay_stats = merge_replay(replay, ids, self.num_experts, compare)
         top = scores.gather(1, ids)
         if self.norm_topk_prob:
             top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
@@ -139,11 +153,13 @@ class SparseMoeBlock(nn.Module):
         )
         self.experts = Experts(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, replay: torch.Tensor | None = None, compare: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, H], replay [B*T, k] or None -> (out [B, T, H], routed ids [B*T, k])."""
         b, t, h = x.shape
         flat = x.reshape(-1, h)
-        weights, ids = self.gate(flat, replay)
+        weights, ids = self.gate(flat, replay, compare)
         return self.experts(flat, ids, weights).view(b, t, h), ids
 
 
@@ -160,10 +176,12 @@ class DeepseekMoeBlock(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, replay: torch.Tensor | None = None, compare: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, H], replay [B*T, k] or None -> (out [B, T, H], routed ids [B*T, k])."""
         b, t, h = x.shape
         flat = x.reshape(-1, h)
-        weights, ids = self.gate(flat, replay)
+        weights, ids = self.gate(flat, replay, compare)
         out = self.experts(flat, ids, weights).view(b, t, h)
         return (out if self.shared_experts is None else out + self.shared_experts(x)), ids

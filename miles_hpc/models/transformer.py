@@ -47,11 +47,12 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         cu_seqlens: torch.Tensor | None,
         replay: torch.Tensor | None,
+        compare: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, cu_seqlens)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
-            out, ids = self.mlp(h, replay)
+            out, ids = self.mlp(h, replay, compare)
             return x + out, ids
         return x + self.mlp(h), None
 
@@ -111,6 +112,7 @@ class CausalLM(nn.Module):
         routing_replay: torch.Tensor | None = None,
         attn_backend: AttentionBackend | None = None,
         logits_indices: torch.Tensor | None = None,
+        routing_compare: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, T, vocab] for input_ids [B, T].
 
@@ -119,7 +121,9 @@ class CausalLM(nn.Module):
             causal within each sequence and never crosses a boundary.
         return_routed_experts: also return the chosen expert ids, int32 [B, T, num_moe_layers, top_k].
         routing_replay: int [B, T, num_moe_layers, top_k]; MoE layers use these ids instead of their own top-k,
-            with gate weights recomputed (differentiably) from the current router probabilities.
+            with gate weights recomputed (differentiably) from the current router probabilities; a token's row of
+            -1 (no record) uses the live choice. `replay_stats()` then says how much was replayed and agreed.
+        routing_compare: with routing_replay, use the live choices everywhere and only compare (R3 off, measured).
         attn_backend: the attention kernel (default: `sdpa_attention`); see attention.py for the engine's use.
         logits_indices: int [n] token indices (along T) whose logits are wanted; the final norm and LM head run on
             those rows only and logits are [B, n, vocab] (an engine needs the last row of each sequence, not all).
@@ -149,7 +153,7 @@ class CausalLM(nn.Module):
             replay = None
             if routing_replay is not None and layer.is_moe:
                 replay = routing_replay[:, :, len(routed)].reshape(b * t, self.top_k)
-            x, ids = layer(x, cos, sin, backend, cu_seqlens, replay)
+            x, ids = layer(x, cos, sin, backend, cu_seqlens, replay, routing_compare)
             if ids is not None:
                 routed.append(ids)
         if logits_indices is not None:
@@ -162,6 +166,12 @@ class CausalLM(nn.Module):
         else:
             stacked = torch.empty(b, t, 0, 0, dtype=torch.long, device=logits.device)
         return logits, stacked.to(torch.int32)
+
+    def replay_stats(self) -> torch.Tensor:
+        """int64 [3] summed over MoE layers for the last forward with `routing_replay`: (token-layers with a record,
+        of those the ones whose live top-k set equals the record, all token-layers)."""
+        stats = [layer.mlp.gate.replay_stats for layer in self.model.layers if layer.is_moe]
+        return torch.stack(stats).sum(dim=0)
 
     @staticmethod
     def _default_positions(t: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor:
