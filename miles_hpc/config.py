@@ -117,6 +117,11 @@ class AlgoConfig:
     tis_cap: float | None = field(default=None, metadata=_help("truncated IS (train/rollout) cap; None = off"))
     mis_low: float | None = field(default=None, metadata=_help("mask tokens with IS ratio below (icepop)"))
     mis_high: float | None = field(default=None, metadata=_help("mask tokens with IS ratio above (icepop)"))
+    routing_replay: bool = field(
+        default=False,
+        metadata=_help("R3, MoE models: engines return the experts each token was routed to and training replays "
+                       "them (gate weights from the current router); metrics r3/coverage, r3/topk_agreement"),
+    )  # fmt: skip
     dynamic_sampling: bool = field(default=False, metadata=_help("DAPO: drop zero-variance groups, refill"))
     max_sampling_rounds: int = field(default=4, metadata=_help("dynamic sampling: generate at most this often"))
 
@@ -338,6 +343,9 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "name", "must be a non-empty string")
+        _require(self.mode == "sync" or not self.algo.routing_replay, "algo.routing_replay",
+                 "R3 runs in mode sync so far (fully async samples are continued across pauses; their routing rows "
+                 "are not stitched yet)")  # fmt: skip
         _require(self.mode == "sync" or self.fully_async.buffer_groups >= self.rollout.prompts_per_step,
                  "fully_async.buffer_groups", f"must hold a step's {self.rollout.prompts_per_step} groups "
                  f"(rollout.prompts_per_step), got {self.fully_async.buffer_groups}")  # fmt: skip

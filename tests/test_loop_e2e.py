@@ -101,6 +101,20 @@ def test_p2p_strategy_runs_the_loop(tmp_path: Path) -> None:
     assert [r["weight_version"] for r in m] == [1, 2] and all(r["sync/engines"] == 2 for r in m)
 
 
+def test_routing_replay_records_stores_and_replays(tmp_path: Path) -> None:
+    # R3 on a tiny Qwen3-MoE: engines return every token's experts, HDF5 keeps them (smallest dtype), the trainer
+    # replays them (fp32 engine and trainer route alike here: agreement 1; tests/test_r3.py makes them disagree).
+    run_dir = tmp_path / "run"
+    run(run_dir, "steps=2", "model.init_arch=qwen3_moe", "algo.routing_replay=true")
+    m = metrics(run_dir)
+    for r in m:
+        assert 0.9 < r["r3/coverage"] < 1.0 and r["r3/topk_agreement"] == 1.0  # each sample's last token: live
+    samples = [s for f in sorted((run_dir / "trajectories").glob("*.h5")) for s in TrajectoryReader(f)]
+    assert samples and all(s.routed_experts is not None for s in samples)
+    assert all(s.routed_experts.shape[0] == len(s.tokens) - 1 and s.routed_experts.dtype.itemsize == 1
+               for s in samples)  # fmt: skip
+
+
 def test_unavailable_strategy_fails_before_anything_starts(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"),
             f"run_dir={tmp_path / 'run'}", "sync.strategy=lora"]  # fmt: skip

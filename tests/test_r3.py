@@ -60,3 +60,12 @@ def test_replay_uses_the_rollouts_experts_and_cuts_the_mismatch(arch: str, tmp_p
     assert agree_off < recorded  # without R3 the trainer's own routers disagree on some tokens
     mean_off, mean_on = float(np.mean(diffs["off"])), float(np.mean(diffs["on"]))
     assert mean_on < 0.5 * mean_off, (mean_on, mean_off)
+
+
+def test_r3_in_fully_async_mode_is_refused_naming_the_key() -> None:
+    from miles_hpc.config import ConfigError, load_config
+
+    repo = Path(__file__).resolve().parents[1]
+    with pytest.raises(ConfigError, match="algo.routing_replay"):
+        load_config(repo / "configs/tiny_cpu.yaml", ["mode=fully_async", "algo.routing_replay=true"])
+    assert load_config(repo / "configs/tiny_cpu.yaml", ["algo.routing_replay=true"]).algo.routing_replay

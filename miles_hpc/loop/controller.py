@@ -101,9 +101,12 @@ def controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str]
             print(f"[miles-hpc] resumed from {ckpt} at step {start_step}")
         store = None
         if cfg.store.enabled:
+            from miles_hpc.models import read_config
+
+            experts = read_config(model_dir).num_experts or None  # routing ids in the smallest dtype that holds them
             store = TrajectoryWriter(paths.trajectories, prefix=f"traj-s{start_step:06d}", model=str(model_dir),
                                      run_id=cfg.name, max_shard_bytes=cfg.store.max_shard_bytes,
-                                     compression=cfg.store.compression)  # fmt: skip
+                                     compression=cfg.store.compression, num_experts=experts)  # fmt: skip
         metrics = MetricsLogger(paths.root, total_steps=cfg.steps)
         try:
             rewards = asyncio.run(_run_async(cfg, trainer, urls, api_key, admin_key, prompts, tokenizer, store,

@@ -59,18 +59,20 @@ async def generate_groups(
     *,
     first_group_id: int,
     seed: int,
+    routed_experts: bool = False,
 ) -> list[list[Rollout]]:
     """``cfg.samples_per_prompt`` samples for every record, all in flight at once.
 
     Every sample carries its own ``sampling_seed`` derived from (run seed, group id, index in group), so its tokens
     do not depend on the batch, on the engine it lands on or on the engine's history: a resumed run generates what
-    the uninterrupted run would have.
+    the uninterrupted run would have. ``routed_experts`` (R3): also return the experts every token was routed to.
     """
     params = sampling_params(cfg)
 
     async def one(record: PromptRecord, ids: list[int], group_id: int, j: int) -> Rollout:
         seeded = {**params, "sampling_seed": (seed * 1_000_003 + group_id * 1_024 + j) % (2**31 - 1)}
-        out = await router.generate(ids, seeded, affinity_key=group_id, return_logprob=True)
+        out = await router.generate(ids, seeded, affinity_key=group_id, return_logprob=True,
+                                    return_routed_experts=routed_experts)  # fmt: skip
         text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
         return Rollout(record, to_sample(out, ids, record.prompt_id, group_id), text)
 

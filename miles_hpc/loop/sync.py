@@ -120,7 +120,7 @@ async def rollout(ctx: LoopContext, step: int) -> tuple[list[list[Rollout]], int
         records = ctx.prompts.next_batch()
         groups = await generate_groups(ctx.router, records, [ctx.render(r) for r in records], cfg.rollout,
                                        ctx.tokenizer, first_group_id=step * 1_000_000 + rounds * 10_000,
-                                       seed=cfg.seed)  # fmt: skip
+                                       seed=cfg.seed, routed_experts=cfg.algo.routing_replay)  # fmt: skip
         await score(groups, ctx.reward_fn)
         if not cfg.algo.dynamic_sampling:
             return groups, rounds
@@ -153,6 +153,7 @@ def to_train_batch(groups: list[list[Rollout]], cfg: RunConfig) -> TrainBatch:
         advantages=[[a * m for m in s.loss_mask] for a, s in zip(adv, samples)],
         token_hash=[s.token_hash for s in samples],
         group_ids=[s.group_id for s in samples],
+        routed_experts=[s.routed_experts for s in samples] if cfg.algo.routing_replay else None,
     )
 
 

@@ -6,11 +6,16 @@ The trainer never sees `Sample` objects or HTTP: the loop flattens samples into 
 - ``loss_mask[i]``, ``rollout_logprobs[i]``, ``advantages[i]`` have ``len(tokens[i])`` entries; positions with mask 0
   (prompt, tool output) carry no loss. ``rollout_logprobs[i][t]`` is the engine's log-prob of ``tokens[i][t]``.
 - ``advantages`` are per token (sequence-level estimators broadcast over the response).
+- ``routed_experts[i]`` (R3, MoE models): int [R_i, moe_layers, top_k], the experts the engine routed tokens
+  0..R_i-1 of sample i to (R_i <= len(tokens[i]) - 1: the last token is never run through the model); None for a
+  sample without a record. Tokens past R_i use the live router.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(kw_only=True, slots=True)
@@ -22,6 +27,7 @@ class TrainBatch:
     token_hash: list[str] = field(default_factory=list)
     group_ids: list[int] = field(default_factory=list)
     ref_logprobs: list[list[float]] | None = None  # reference-model log-probs, when a KL penalty is on
+    routed_experts: list[np.ndarray | None] | None = None  # R3 records per sample (module docstring)
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -32,6 +38,14 @@ class TrainBatch:
             for i, (row, toks) in enumerate(zip(rows, self.tokens)):
                 if len(row) != len(toks):
                     raise ValueError(f"TrainBatch.{name}[{i}]: {len(row)} entries for {len(toks)} tokens")
+
+        if self.routed_experts is not None:
+            if len(self.routed_experts) != n:
+                raise ValueError(f"TrainBatch.routed_experts: {len(self.routed_experts)} rows for {n} samples")
+            for i, (r, toks) in enumerate(zip(self.routed_experts, self.tokens)):
+                if r is not None and (r.ndim != 3 or r.shape[0] > len(toks)):
+                    raise ValueError(f"TrainBatch.routed_experts[{i}]: shape {r.shape} for {len(toks)} tokens "
+                                     "(expected [<= tokens, moe_layers, top_k])")  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -88,6 +88,7 @@ class FSDPTrainer:
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         self._step = 0
         self._last_lr = train_cfg.lr
+        self._r3: torch.Tensor | None = None  # R3 stats of the training forwards of this step (see _forward)
         torch.manual_seed(seed)
         # Full fp32 copy per rank before sharding: simple, fine up to a few B params per host.
         # TODO(scale): meta-device init + rank-0 load + broadcast (or DCP) for models larger than host memory.
@@ -156,7 +157,15 @@ class FSDPTrainer:
     def _forward(
         self, mb: PackedMicroBatch, with_entropy: bool, entropy_grad: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = self.model(mb.input_ids, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens)
+        """Log-probs (and entropy) of one micro-batch. With routing records (R3) the MoE layers replay them when
+        `algo.routing_replay`, else only compare; `self._r3` then holds the step's replay stats (device)."""
+        kw: dict[str, Any] = {}
+        if mb.routing is not None:
+            kw = {"routing_replay": mb.routing, "routing_compare": not self.algo_cfg.routing_replay}
+        logits = self.model(mb.input_ids, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens, **kw)
+        if kw:
+            stats = self.model.replay_stats()
+            self._r3 = stats if self._r3 is None else self._r3 + stats
         return token_logprobs(logits, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     # ------------------------------------------------------------------ Trainer verbs
@@ -202,6 +211,7 @@ class FSDPTrainer:
 
         # Pass 2: one optimizer step per mini-batch. Metrics stay on the device until the optimizer step has been
         # launched, then come to the host: no device sync leaves the GPU idle while the host catches up.
+        self._r3 = None  # R3 stats from the training forwards only
         for mini, plan in zip(minibatches, plans):
             total_tokens, num_seqs = _global_counts(batch, mini)
             pending: list[_Pending] = []
@@ -225,6 +235,9 @@ class FSDPTrainer:
             grad_norms.append(self._clip_and_step())
             for mb, loss, ent, stats, train_lp in pending:
                 _record(acc, mb, loss, ent, stats, train_lp)
+        if self._r3 is not None:
+            for key, v in zip(("r3/recorded", "r3/agree", "r3/tokens"), self._r3.tolist()):
+                acc.add_sum(key, float(v))
         metrics = self._reduce_metrics(acc, batch, len(minibatches))
         metrics["grad_norm"] = float(torch.stack(grad_norms).mean())  # already global: identical on every rank
         return metrics
@@ -254,6 +267,10 @@ class FSDPTrainer:
             "mismatch/max_abs_logprob_diff": maxes.pop("mismatch/max_abs_logprob_diff", 0.0),
             "mismatch/mean_abs_logprob_diff": sums.pop("mismatch/abs_diff_sum", 0.0) / loss_tokens,
         }
+        recorded, agree, tokens = (sums.pop(k, 0.0) for k in ("r3/recorded", "r3/agree", "r3/tokens"))
+        if tokens:  # per (token, MoE layer): routed by a record, and the live router's top-k equal to the record
+            out["r3/coverage"] = recorded / tokens
+            out["r3/topk_agreement"] = agree / max(recorded, 1.0)
         for k, v in sums.items():  # token-weighted means from policy_loss
             if k.startswith("w/"):
                 out[k[2:]] = v / loss_tokens

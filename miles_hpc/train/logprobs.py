@@ -34,6 +34,7 @@ class PackedMicroBatch:
     advantages: torch.Tensor  # float32 [T]
     rollout_logprobs: torch.Tensor  # float32 [T]
     ref_logprobs: torch.Tensor | None  # float32 [T]
+    routing: torch.Tensor | None = None  # long [1, T, moe_layers, top_k] (R3), -1 rows where no record
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +69,18 @@ def pack_samples(batch: TrainBatch, sample_ids: Sequence[int], device: torch.dev
     for j, r in enumerate(rows):
         floats_np[j] = [v for i in sample_ids for v in r[i]]
     floats = torch.from_numpy(floats_np).to(device)
+    routing = None
+    records = batch.routed_experts
+    if records is not None and any(records[i] is not None for i in sample_ids):
+        shape = next(records[i].shape[1:] for i in sample_ids if records[i] is not None)  # type: ignore[union-attr]
+        table = np.full((total, *shape), -1, dtype=np.int64)
+        o = 0
+        for i, n in zip(sample_ids, lengths):
+            r = records[i]
+            if r is not None:
+                table[o : o + r.shape[0]] = r
+            o += n
+        routing = torch.from_numpy(table).to(device)[None]
     is_start = ints[1] == 0
     return PackedMicroBatch(
         sample_ids=tuple(sample_ids),
@@ -80,6 +93,7 @@ def pack_samples(batch: TrainBatch, sample_ids: Sequence[int], device: torch.dev
         advantages=floats[1],
         rollout_logprobs=floats[2],
         ref_logprobs=floats[3] if batch.ref_logprobs is not None else None,
+        routing=routing,
     )
 
 
