@@ -147,7 +147,7 @@ def _cmd_sweep_task(args: argparse.Namespace) -> int:
     task = plan["tasks"][args.index]
     cfg = load_config(plan["config"], task["overrides"])
     print(f"[miles-hpc] sweep task {args.index}: {task['point']} -> {task['run_dir']}", flush=True)
-    _print_summary(run_local(cfg, gpus), cfg.steps)
+    _print_summary(run_local(cfg), cfg.steps)
     return 0
 
 

@@ -142,7 +142,7 @@ def test_null_means_default() -> None:
         ("update_weights_from_distributed", {"names": ["a"], "dtypes": ["complex32"], "shapes": [[1]]}, "dtypes[0]"),
         ("update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[-1]]}, "shapes[0][0]"),
         ("update_weights_from_disk", {"model_path": "/m", "load_format": "gguf"}, "load_format"),
-        ("update_weights_from_tensor", {"serialized_named_tensors": [b"x".hex()], "load_format": "flattened_bucket"},
+        ("update_weights_from_tensor", {"serialized_named_tensors": [b"x".hex()], "load_format": "direct"},
          "load_format"),
         ("flush_cache", {"timeout_s": -1}, "timeout_s"),
         ("destroy_weights_update_group", ["weight_update_group"], "expected a JSON object"),
