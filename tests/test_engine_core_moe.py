@@ -19,7 +19,8 @@ from miles_hpc.models import CausalLM, load_pretrained
 from engine_support import make_ckpt, run
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "glm4_moe"])  # softmax; MLA + sigmoid; GQA + sigmoid
+# Routers: softmax (Qwen3-MoE); sigmoid group-limited with MLA attention (DeepSeek-V3) and with GQA (GLM-4.5).
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "glm4_moe"])
 def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_ckpt(tmp_path_factory.mktemp(request.param), request.param, 0)
 

@@ -54,7 +54,8 @@ from miles_hpc.rollout.client import EngineClient
 from miles_hpc.sync.checksum import tensor_checksums
 from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, verify_checksums
 
-__all__ = ["SHM_TAG", "ColocatedSpec", "ColocatedSync", "ShmSlice", "is_local_url", "serialize_named", "serialize_object"]
+__all__ = ["SHM_TAG", "ColocatedSpec", "ColocatedSync", "ShmSlice", "is_local_url", "serialize_named",
+           "serialize_object"]
 
 log = logging.getLogger(__name__)
 
