@@ -150,6 +150,13 @@ class RolloutConfig:
         default=600.0, metadata=_help("how long the controller waits for the engines to listen (names the missing)")
     )
     engine_tp: int = field(default=1, metadata=_help("GPUs per engine (SGLang --tp-size); one rollout task each"))
+    agent: str | None = field(
+        default=None,
+        metadata=_help("multi-turn agent `module:function` (async (ctx, record) -> Sample; its environment gives the "
+                       "reward), e.g. miles_hpc.rollout.agents:terminal_agent; None: one generation per sample"),
+    )  # fmt: skip
+    max_turns: int = field(default=4, metadata=_help("agent: assistant turns per sample at most"))
+    max_tool_output_chars: int = field(default=400, metadata=_help("agent: tool output is cut at this length"))
     device: Literal["cpu", "cuda"] = field(
         default="cpu", metadata=_help("miles-hpc run: embedded engines on the CPU, or one GPU each after the trainer's")
     )
@@ -167,6 +174,8 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_engines >= 1, "num_engines", f"must be >= 1, got {self.num_engines}")
+        _require(self.max_turns >= 1, "max_turns", f"must be >= 1, got {self.max_turns}")
+        _require(self.max_tool_output_chars >= 1, "max_tool_output_chars", "must be >= 1")
         _require(self.kv_cache_fraction is None or 0.0 < self.kv_cache_fraction <= 1.0, "kv_cache_fraction",
                  f"must be in (0, 1] (or null), got {self.kv_cache_fraction}")  # fmt: skip
         _require(self.prompts_per_step >= 1, "prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
@@ -343,6 +352,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "name", "must be a non-empty string")
+        _require(self.mode == "sync" or self.rollout.agent is None, "rollout.agent",
+                 "multi-turn agents run in mode sync so far")
+        _require(self.rollout.agent is not None or self.data.task != "terminal", "data.task",
+                 "the terminal task is multi-turn: set rollout.agent (miles_hpc.rollout.agents:terminal_agent)")
         _require(self.mode == "sync" or not self.algo.routing_replay, "algo.routing_replay",
                  "R3 runs in mode sync so far (fully async samples are continued across pauses; their routing rows "
                  "are not stitched yet)")  # fmt: skip

@@ -116,6 +116,22 @@ def test_routing_replay_records_stores_and_replays(tmp_path: Path) -> None:
                for s in samples)  # fmt: skip
 
 
+def test_tiny_agentic_config_runs_multi_turn_episodes(tmp_path: Path) -> None:
+    # The terminal environment through the reference agent: several turns per episode, TITO samples, the engine's
+    # prefix cache serving most of every re-sent conversation (session affinity), the metrics in TensorBoard too.
+    run_dir = tmp_path / "agent"
+    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_agent_cpu.yaml"),
+            f"run_dir={run_dir}", "steps=2"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = metrics(run_dir)
+    assert len(m) == 2 and all(r["rollout/turns_mean"] > 2 for r in m)
+    assert all(0.7 < r["prefix_cache_hit_rate"] <= 1.0 for r in m) and "reward_mean" in m[0]
+    samples = [s for f in sorted((run_dir / "trajectories").glob("*.h5")) for s in TrajectoryReader(f)]
+    assert samples and all(s.loss_mask[s.prompt_len :].count(0) > 0 for s in samples)  # tool output: no loss
+    assert any(p.name.startswith("events") for p in (run_dir / "tb").rglob("*"))
+
+
 def test_unavailable_strategy_fails_before_anything_starts(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"),
             f"run_dir={tmp_path / 'run'}", "sync.strategy=lora"]  # fmt: skip

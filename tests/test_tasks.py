@@ -17,7 +17,7 @@ def _solve(prompt: str) -> str:
     return str(int(a) + int(b))
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", sorted(set(TASKS) - {"terminal"}))  # terminal: tests/test_terminal_env.py
 def test_labels_correct_and_formats(name: str) -> None:
     recs = make_task(name, n=500, seed=3)
     assert [r.prompt_id for r in recs] == list(range(500))

@@ -10,6 +10,9 @@ Tasks (answer format in each ``TaskSpec.answer_format``):
 - ``arith``: single-digit addition with a one-digit sum, ``"3+5="`` -> ``"8"`` (55 distinct problems).
 - ``copy``: ``"copy abc"`` -> ``"abc"``; 2-4 letters from ``abcd``.
 - ``reverse``: ``"reverse abc"`` -> ``"cba"``; 2-4 letters from ``abcd``.
+- ``terminal``: multi-turn; the prompt is the goal of a simulated terminal task (``data/terminal_env.py``), the
+  label its answer, ``metadata["task_seed"]`` rebuilds its files. Needs ``rollout.agent`` (the reference:
+  ``miles_hpc.rollout.agents:terminal_agent``), whose environment gives the reward.
 
 Invariants: ``make_task(name, n=n, seed=seed)`` is a pure function of its arguments (same records, same order, on
 every platform); ``prompt_id`` is the index 0..n-1; every label is correct by construction; ``metadata`` holds
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from miles_hpc.data.prompts import PromptRecord
+from miles_hpc.data.terminal_env import make_terminal_task
 
 __all__ = ["TASKS", "TaskSpec", "make_task", "task_spec"]
 
@@ -41,7 +45,7 @@ class TaskSpec:
     name: str
     answer_format: str
     max_answer_tokens: int  # bytes of the longest label (byte-level tokenizer: one token per byte)
-    draw: Callable[[random.Random], tuple[str, str]]
+    draw: Callable[[random.Random], tuple[str, str] | tuple[str, str, dict[str, object]]]  # (+ metadata)
 
 
 def _arith(rng: random.Random) -> tuple[str, str]:
@@ -66,6 +70,12 @@ def _reverse(rng: random.Random) -> tuple[str, str]:
     return f"reverse {s}", s[::-1]
 
 
+def _terminal(rng: random.Random) -> tuple[str, str, dict[str, object]]:
+    seed = rng.randrange(2**31)
+    task = make_terminal_task(seed)
+    return task.goal, task.answer, {"task_seed": seed, "kind": task.kind}
+
+
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
@@ -76,6 +86,8 @@ TASKS: dict[str, TaskSpec] = {
                  draw=_copy),
         TaskSpec(name="reverse", answer_format=f"the 2-4 letters (from {_LETTERS!r}) after 'reverse ', reversed",
                  max_answer_tokens=4, draw=_reverse),
+        TaskSpec(name="terminal", answer_format="commands over turns; the answer written to /answer.txt",
+                 max_answer_tokens=32, draw=_terminal),
     )
 }
 
@@ -96,6 +108,7 @@ def make_task(name: str, *, n: int, seed: int = 0) -> list[PromptRecord]:
     rng = random.Random(f"miles-task/{name}/{seed}")
     records = []
     for i in range(n):
-        prompt, label = spec.draw(rng)
-        records.append(PromptRecord(prompt_id=i, prompt=prompt, label=label, metadata={"task": name}))
+        prompt, label, *extra = spec.draw(rng)
+        meta = {"task": name, **(extra[0] if extra else {})}
+        records.append(PromptRecord(prompt_id=i, prompt=prompt, label=label, metadata=meta))
     return records

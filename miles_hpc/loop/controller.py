@@ -34,6 +34,8 @@ def preflight(cfg: RunConfig) -> GpuPlan:
     from miles_hpc.sync.factory import check_strategy
 
     load_object(cfg.reward.fn, kind="reward function")
+    if cfg.rollout.agent:
+        load_object(cfg.rollout.agent, kind="agent function")
     check_strategy(cfg)
     return gpu_plan(cfg, _gpu_count() if "cuda" in (cfg.train.device, cfg.rollout.device) else 0)
 
@@ -157,6 +159,7 @@ async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str
         render=lambda rec: render_prompt(rec, tokenizer, apply_chat_template=d.apply_chat_template,
                                          system_prompt=d.system_prompt),
         tokenizer=tokenizer, reward_fn=load_object(cfg.reward.fn, kind="reward function"), store=store,
+        agent=load_object(cfg.rollout.agent, kind="agent function") if cfg.rollout.agent else None,
         metrics=metrics, checkpoints=paths.checkpoints, resumed=resumed,
         stop_requested=lambda: (paths.rendezvous / "preempt").exists(),  # `miles-hpc worker --role preempt`
     )  # fmt: skip

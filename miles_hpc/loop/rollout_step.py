@@ -60,17 +60,27 @@ async def generate_groups(
     first_group_id: int,
     seed: int,
     routed_experts: bool = False,
+    agent: Any = None,
 ) -> list[list[Rollout]]:
     """``cfg.samples_per_prompt`` samples for every record, all in flight at once.
 
     Every sample carries its own ``sampling_seed`` derived from (run seed, group id, index in group), so its tokens
     do not depend on the batch, on the engine it lands on or on the engine's history: a resumed run generates what
     the uninterrupted run would have. ``routed_experts`` (R3): also return the experts every token was routed to.
+    ``agent`` (rollout/agents.py): each sample is a multi-turn episode it plays (its environment sets the reward);
+    every turn of a group's samples goes to one engine (affinity on the group id), so the prefix stays cached.
     """
     params = sampling_params(cfg)
 
     async def one(record: PromptRecord, ids: list[int], group_id: int, j: int) -> Rollout:
         seeded = {**params, "sampling_seed": (seed * 1_000_003 + group_id * 1_024 + j) % (2**31 - 1)}
+        if agent is not None:
+            from miles_hpc.rollout.agents import AgentContext
+
+            ctx = AgentContext(generate_fn=router.generate, tokenizer=tokenizer, sampling=seeded, session=group_id,
+                               group_id=group_id, max_turns=cfg.max_turns,
+                               max_output_chars=cfg.max_tool_output_chars)  # fmt: skip
+            return Rollout(record, await agent(ctx, record), "")
         out = await router.generate(ids, seeded, affinity_key=group_id, return_logprob=True,
                                     return_routed_experts=routed_experts)  # fmt: skip
         text = tokenizer.decode(out.output_ids, skip_special_tokens=True)

@@ -45,6 +45,7 @@ class LoopContext:
     checkpoints: Any  # path of RUN/checkpoints
     resumed: dict[str, Any] | None = None  # the checkpoint's extra state when the run resumed
     stop_requested: Any = lambda: False  # True: checkpoint after this step and return (preemption, walltime)
+    agent: Any = None  # rollout.agent, loaded (multi-turn episodes)
 
 
 class LoopError(RuntimeError):
@@ -120,8 +121,10 @@ async def rollout(ctx: LoopContext, step: int) -> tuple[list[list[Rollout]], int
         records = ctx.prompts.next_batch()
         groups = await generate_groups(ctx.router, records, [ctx.render(r) for r in records], cfg.rollout,
                                        ctx.tokenizer, first_group_id=step * 1_000_000 + rounds * 10_000,
-                                       seed=cfg.seed, routed_experts=cfg.algo.routing_replay)  # fmt: skip
-        await score(groups, ctx.reward_fn)
+                                       seed=cfg.seed, routed_experts=cfg.algo.routing_replay,
+                                       agent=ctx.agent)  # fmt: skip
+        if ctx.agent is None:  # an agent's environment has scored its episodes
+            await score(groups, ctx.reward_fn)
         if not cfg.algo.dynamic_sampling:
             return groups, rounds
         useful, _ = drop_zero_variance_groups([[r.sample for r in g] for g in groups])
@@ -136,7 +139,8 @@ def check_versions(groups: list[list[Rollout]], step: int) -> None:
     """In the synchronous loop every generated token comes from the weights published after step - 1."""
     for g in groups:
         for r in g:
-            versions = set(r.sample.policy_version[r.sample.prompt_len :])
+            s = r.sample  # generated tokens only (a multi-turn sample also holds tool output, version -1)
+            versions = {v for v, m in zip(s.policy_version[s.prompt_len :], s.loss_mask[s.prompt_len :]) if m}
             if versions - {step}:
                 raise LoopError(f"step {step}: sample of group {r.sample.group_id} has tokens from weight "
                                 f"versions {sorted(versions)}; the engines should hold version {step}")  # fmt: skip
@@ -168,12 +172,18 @@ def rollout_metrics(samples: list[Any]) -> dict[str, float]:
     rewards = [s.reward for s in samples]
     lens = [s.response_len for s in samples]
     status = [int(s.status) for s in samples]
-    return {
+    out = {
         "reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
         "response_len_mean": statistics.fmean(lens), "response_len_max": max(lens),
         "rollout/truncated_frac": status.count(1) / len(status), "rollout/failed_frac": status.count(3) / len(status),
         "rollout/samples": len(samples),
     }  # fmt: skip
+    episodes = [s.metadata for s in samples if "turns" in s.metadata]
+    if episodes:  # multi-turn: turns, and how much of what the engines prefilled came from their prefix caches
+        prompt = sum(m["prompt_tokens"] for m in episodes)
+        out["rollout/turns_mean"] = statistics.fmean(m["turns"] for m in episodes)
+        out["prefix_cache_hit_rate"] = sum(m["cached_tokens"] for m in episodes) / prompt if prompt else 0.0
+    return out
 
 
 def save_checkpoint(ctx: LoopContext, next_step: int, **state: Any) -> None:
