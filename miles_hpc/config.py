@@ -117,6 +117,13 @@ class AlgoConfig:
     tis_cap: float | None = field(default=None, metadata=_help("truncated IS (train/rollout) cap; None = off"))
     mis_low: float | None = field(default=None, metadata=_help("mask tokens with IS ratio below (icepop)"))
     mis_high: float | None = field(default=None, metadata=_help("mask tokens with IS ratio above (icepop)"))
+    opd_teacher: str | None = field(
+        default=None,
+        metadata=_help("on-policy distillation: teacher HF checkpoint dir (miles-hpc run serves it on an extra "
+                       "engine) or URL of an SGLang-compatible server; None: off"),
+    )  # fmt: skip
+    opd_coef: float = field(default=1.0, metadata=_help("OPD: advantage -= coef * (logp_student - logp_teacher)"))
+    opd_only: bool = field(default=False, metadata=_help("OPD: the teacher term alone (no task-reward advantage)"))
     routing_replay: bool = field(
         default=False,
         metadata=_help("R3, MoE models: engines return the experts each token was routed to and training replays "
@@ -132,6 +139,8 @@ class AlgoConfig:
         _require(self.kl_coef >= 0.0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
         _require(self.tis_cap is None or self.tis_cap > 0.0, "tis_cap", "must be > 0 (or null)")
         _require(self.max_sampling_rounds >= 1, "max_sampling_rounds", "must be >= 1")
+        _require(self.opd_coef >= 0.0, "opd_coef", f"must be >= 0, got {self.opd_coef}")
+        _require(self.opd_teacher is not None or not self.opd_only, "opd_only", "needs algo.opd_teacher")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -352,6 +361,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "name", "must be a non-empty string")
+        _require(self.mode == "sync" or self.algo.opd_teacher is None, "algo.opd_teacher",
+                 "on-policy distillation runs in mode sync so far")
         _require(self.mode == "sync" or self.rollout.agent is None, "rollout.agent",
                  "multi-turn agents run in mode sync so far")
         _require(self.rollout.agent is not None or self.data.task != "terminal", "data.task",

@@ -137,6 +137,26 @@ class LocalCluster:
             self._spawn(f"engine-{i}", argv)
         return self._wait_engines(n, timeout_s)
 
+    def start_teacher(self, model_dir: Path, timeout_s: float = 300.0) -> str:
+        """The on-policy-distillation teacher: one more engine serving `model_dir` (never sent weight updates);
+        returns its URL once it listens. Call after `start_engines` (it shares their keys)."""
+        rdv = self.rendezvous / "teacher.json"
+        rdv.unlink(missing_ok=True)
+        keys = self.run_dir / "keys"
+        argv = [sys.executable, "-m", "miles_hpc.cli", "serve", str(model_dir), "--port", "0", "--rendezvous", str(rdv),
+                "--seed", str(self.cfg.seed), "--api-key-file", str(keys / "api_key"),
+                "--admin-api-key-file", str(keys / "admin_api_key")]  # fmt: skip
+        proc = self._spawn("teacher", argv)
+        deadline = time.monotonic() + timeout_s
+        while not rdv.is_file():
+            if proc.poll() is not None:
+                raise RuntimeError(f"the OPD teacher engine ({model_dir}) exited with code {proc.returncode}; see "
+                                   f"{self.logs / 'teacher.log'}")  # fmt: skip
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the OPD teacher engine ({model_dir}) did not listen within {timeout_s:.0f} s")
+            time.sleep(0.1)
+        return str(json.loads(rdv.read_text())["url"])
+
     def _wait_engines(self, n: int, timeout_s: float) -> list[str]:
         deadline = time.monotonic() + timeout_s
         urls: dict[int, str] = {}

@@ -51,8 +51,15 @@ def run_local(cfg: RunConfig, gpus: GpuPlan | None = None) -> dict[str, Any]:
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}  # fmt: skip
     with LocalCluster(cfg, paths.root, model_dir, paths.config, gpus) as cluster:
         urls = cluster.start_engines()
+        teacher = cfg.algo.opd_teacher
+        if teacher is not None and not teacher.startswith(("http://", "https://")):
+            if not (Path(teacher) / "config.json").is_file():
+                raise FileNotFoundError(f"algo.opd_teacher: {teacher} is not an HF checkpoint directory (no "
+                                        "config.json) nor a server URL")  # fmt: skip
+            teacher = cluster.start_teacher(Path(teacher))
         cluster.start_trainer_ranks(master_port)
-        return controller(cfg, paths, model_dir, urls, cluster.api_key, cluster.admin_key, world_env)
+        return controller(cfg, paths, model_dir, urls, cluster.api_key, cluster.admin_key, world_env,
+                          teacher_url=teacher)  # fmt: skip
 
 
 def follow_controller(cfg: RunConfig, model_dir: Path, world_env: dict[str, str] | None) -> None:
@@ -69,7 +76,7 @@ def follow_controller(cfg: RunConfig, model_dir: Path, world_env: dict[str, str]
 
 
 def controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str], api_key: str,
-                admin_key: str, world_env: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+                admin_key: str, world_env: dict[str, str], teacher_url: str | None = None) -> dict[str, Any]:  # fmt: skip
     from transformers import AutoTokenizer
 
     from miles_hpc.data.prompts import PromptIterator, load_prompts
@@ -112,7 +119,7 @@ def controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str]
         metrics = MetricsLogger(paths.root, total_steps=cfg.steps)
         try:
             rewards = asyncio.run(_run_async(cfg, trainer, urls, api_key, admin_key, prompts, tokenizer, store,
-                                             metrics, paths, start_step, extra))  # fmt: skip
+                                             metrics, paths, start_step, extra, teacher_url))  # fmt: skip
         finally:
             metrics.close()
             if store is not None:
@@ -138,7 +145,7 @@ def controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str]
 
 async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str, admin_key: str, prompts: Any,
                      tokenizer: Any, store: Any, metrics: Any, paths: RunPaths, start_step: int,
-                     resumed: dict[str, Any] | None) -> list[float]:  # fmt: skip
+                     resumed: dict[str, Any] | None, teacher_url: str | None = None) -> list[float]:  # fmt: skip
     from miles_hpc.data.prompts import render_prompt
     from miles_hpc.loop import fully_async
     from miles_hpc.loop.sync import LoopContext, run
@@ -160,6 +167,7 @@ async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str
                                          system_prompt=d.system_prompt),
         tokenizer=tokenizer, reward_fn=load_object(cfg.reward.fn, kind="reward function"), store=store,
         agent=load_object(cfg.rollout.agent, kind="agent function") if cfg.rollout.agent else None,
+        teacher=_teacher_client(cfg, teacher_url, api_key),
         metrics=metrics, checkpoints=paths.checkpoints, resumed=resumed,
         stop_requested=lambda: (paths.rendezvous / "preempt").exists(),  # `miles-hpc worker --role preempt`
     )  # fmt: skip
@@ -168,9 +176,23 @@ async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str
             return await (fully_async.run if cfg.mode == "fully_async" else run)(ctx, start_step)
         finally:
             await sync.close()
+            if ctx.teacher is not None:
+                await ctx.teacher.close()
 
 
 def _gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _teacher_client(cfg: RunConfig, url: str | None, api_key: str) -> Any:
+    from miles_hpc.rollout.client import EngineClient
+
+    if cfg.algo.opd_teacher is None:
+        return None
+    url = url or (cfg.algo.opd_teacher if cfg.algo.opd_teacher.startswith(("http://", "https://")) else None)
+    if url is None:
+        raise ValueError(f"algo.opd_teacher: {cfg.algo.opd_teacher} is a checkpoint, which only `miles-hpc run` "
+                         "serves; under a scheduler give the URL of a running teacher server")  # fmt: skip
+    return EngineClient(url, api_key=api_key)

@@ -22,6 +22,7 @@ from miles_hpc.loop.rollout_step import Rollout, generate_groups, score
 from miles_hpc.loop.trainer_ranks import RankedTrainer
 from miles_hpc.loop.warmup import warmup_batches
 from miles_hpc.metrics import MetricsLogger
+from miles_hpc.rollout.distill import opd_advantages, teacher_logprobs
 from miles_hpc.rollout.filters import drop_zero_variance_groups
 from miles_hpc.rollout.router import Router
 from miles_hpc.sync.publish import Publisher
@@ -46,6 +47,7 @@ class LoopContext:
     resumed: dict[str, Any] | None = None  # the checkpoint's extra state when the run resumed
     stop_requested: Any = lambda: False  # True: checkpoint after this step and return (preemption, walltime)
     agent: Any = None  # rollout.agent, loaded (multi-turn episodes)
+    teacher: Any = None  # EngineClient of the OPD teacher (algo.opd_teacher)
 
 
 class LoopError(RuntimeError):
@@ -66,7 +68,8 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
         groups, rounds = await rollout(ctx, step)
         t_rollout = time.perf_counter() - t0
         check_versions(groups, step)
-        batch = to_train_batch(groups, cfg)
+        opd = await teacher_scores(ctx, groups)
+        batch = to_train_batch(groups, cfg, opd)
         t1 = time.perf_counter()
         train_metrics = ctx.trainer.train_step(batch)
         t_train = time.perf_counter() - t1
@@ -82,7 +85,7 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
         rewards.append(statistics.fmean(step_rewards))
         ctx.metrics.log(step, {
             **rollout_metrics(samples), **train_metrics, **sync_metrics, "weight_version": step + 1,
-            "rollout/rounds": rounds,
+            "rollout/rounds": rounds, **({} if opd is None else {"opd/reverse_kl": opd_kl(groups, cfg, opd)}),
             "time/rollout_s": t_rollout, "time/train_s": t_train, "time/sync_s": t_sync,
             "perf/tokens_per_s": batch.num_tokens / max(1e-9, time.perf_counter() - t0),
         })  # fmt: skip
@@ -146,15 +149,33 @@ def check_versions(groups: list[list[Rollout]], step: int) -> None:
                                 f"versions {sorted(versions)}; the engines should hold version {step}")  # fmt: skip
 
 
-def to_train_batch(groups: list[list[Rollout]], cfg: RunConfig) -> TrainBatch:
+async def teacher_scores(ctx: LoopContext, groups: list[list[Rollout]]) -> list[list[float]] | None:
+    """On-policy distillation: the teacher's log-prob of every token of every sample (None when OPD is off)."""
+    if ctx.teacher is None:
+        return None
+    return await teacher_logprobs(ctx.teacher, [r.sample for g in groups for r in g])
+
+
+def opd_kl(groups: list[list[Rollout]], cfg: RunConfig, teacher: list[list[float]]) -> float:
+    samples = [r.sample for g in groups for r in g]
+    zeros = [[0.0] * len(s.tokens) for s in samples]
+    return opd_advantages(zeros, samples, teacher, cfg.algo.opd_coef)[1]
+
+
+def to_train_batch(groups: list[list[Rollout]], cfg: RunConfig,
+                   teacher: list[list[float]] | None = None) -> TrainBatch:  # fmt: skip
+    """Samples -> the trainer's batch: per-token advantages (task reward, plus the OPD term with `teacher`)."""
     samples = [r.sample for g in groups for r in g]
     adv = compute_advantages([s.reward for s in samples], [s.group_id for s in samples],
                              [s.response_len for s in samples], cfg.algo)  # fmt: skip
+    per_token = [[a * m for m in s.loss_mask] for a, s in zip(adv, samples)]
+    if teacher is not None:
+        per_token, _ = opd_advantages(per_token, samples, teacher, cfg.algo.opd_coef, only=cfg.algo.opd_only)
     return TrainBatch(
         tokens=[list(s.tokens) for s in samples],
         loss_mask=[list(s.loss_mask) for s in samples],
         rollout_logprobs=[list(s.rollout_logprobs) for s in samples],
-        advantages=[[a * m for m in s.loss_mask] for a, s in zip(adv, samples)],
+        advantages=per_token,
         token_hash=[s.token_hash for s in samples],
         group_ids=[s.group_id for s in samples],
         routed_experts=[s.routed_experts for s in samples] if cfg.algo.routing_replay else None,
