@@ -196,6 +196,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from miles_hpc.loop.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.run_dir, args.out or Path(args.run_dir) / "export", step=args.step)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"[miles-hpc] exported {out} (HF format: config.json, safetensors, tokenizer)")
+    return 0
+
+
 def _plan_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], str, str, dict[str, int]]:
     """(model config, its source, a name, cluster numbers from a run config) for ``plan``."""
     from miles_hpc.config import load_config
@@ -383,6 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
     insp = sub.add_parser("inspect", help="summarise HDF5 trajectory shards (a file, a directory or a run dir)")
     insp.add_argument("path")
     insp.set_defaults(func=_cmd_inspect)
+    exp = sub.add_parser("export", help="a run's trained weights (latest checkpoint) as an HF-format checkpoint")
+    exp.add_argument("run_dir")
+    exp.add_argument("out", nargs="?", help="output directory (default: RUN_DIR/export)")
+    exp.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
+    exp.set_defaults(func=_cmd_export)
     _add_serve_parser(sub)
     _add_plan_parser(sub)
     return p
