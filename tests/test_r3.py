@@ -68,4 +68,6 @@ def test_r3_in_fully_async_mode_is_refused_naming_the_key() -> None:
     repo = Path(__file__).resolve().parents[1]
     with pytest.raises(ConfigError, match="algo.routing_replay"):
         load_config(repo / "configs/tiny_cpu.yaml", ["mode=fully_async", "algo.routing_replay=true"])
+    with pytest.raises(ConfigError, match="R3 with multi-turn agents"):
+        load_config(repo / "configs/tiny_agent_cpu.yaml", ["algo.routing_replay=true"])
     assert load_config(repo / "configs/tiny_cpu.yaml", ["algo.routing_replay=true"]).algo.routing_replay
