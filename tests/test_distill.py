@@ -34,7 +34,11 @@ def test_reverse_kl_term_on_loss_tokens() -> None:
     assert only == [[0.0, 0.0, 0.5, -0.5]]
 
 
-def test_config_checks() -> None:
+def test_config_checks(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"),
+            f"run_dir={tmp_path / 'run'}", f"algo.opd_teacher={tmp_path / 'nothing'}"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode != 0 and "algo.opd_teacher" in proc.stderr and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="opd_only"):
         load_config(REPO / "configs/tiny_cpu.yaml", ["algo.opd_only=true"])
     with pytest.raises(ConfigError, match="algo.opd_teacher"):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_hpc.cluster.local import GpuPlan, LocalCluster, free_port, gpu_plan
-from miles_hpc.config import RunConfig
+from miles_hpc.config import ConfigError, RunConfig
 from miles_hpc.loop.run_dir import RunPaths, prepare_run_dir, resolve_model
 
 
@@ -36,6 +36,11 @@ def preflight(cfg: RunConfig) -> GpuPlan:
     load_object(cfg.reward.fn, kind="reward function")
     if cfg.rollout.agent:
         load_object(cfg.rollout.agent, kind="agent function")
+    teacher = cfg.algo.opd_teacher
+    if teacher is not None and not teacher.startswith(("http://", "https://")):
+        if not (Path(teacher) / "config.json").is_file():
+            raise ConfigError(f"algo.opd_teacher: {teacher} is neither an HF checkpoint directory (no config.json) "
+                              "nor a server URL (http://...)")  # fmt: skip
     check_strategy(cfg)
     return gpu_plan(cfg, _gpu_count() if "cuda" in (cfg.train.device, cfg.rollout.device) else 0)
 
@@ -53,10 +58,7 @@ def run_local(cfg: RunConfig, gpus: GpuPlan | None = None) -> dict[str, Any]:
         urls = cluster.start_engines()
         teacher = cfg.algo.opd_teacher
         if teacher is not None and not teacher.startswith(("http://", "https://")):
-            if not (Path(teacher) / "config.json").is_file():
-                raise FileNotFoundError(f"algo.opd_teacher: {teacher} is not an HF checkpoint directory (no "
-                                        "config.json) nor a server URL")  # fmt: skip
-            teacher = cluster.start_teacher(Path(teacher))
+            teacher = cluster.start_teacher(Path(teacher))  # preflight checked it is a checkpoint
         cluster.start_trainer_ranks(master_port)
         return controller(cfg, paths, model_dir, urls, cluster.api_key, cluster.admin_key, world_env,
                           teacher_url=teacher)  # fmt: skip
