@@ -53,7 +53,8 @@ def make_terminal_task(seed: int) -> TerminalTask:
         goal = "How many lines of /logs/app.log contain ERROR? Write the number to /answer.txt."
         answer = str(sum("ERROR" in line for line in log))
     else:
-        goal, answer = "Write the first line of /notes/todo.txt to /answer.txt.", files["/notes/todo.txt"].split("\n")[0]
+        goal = "Write the first line of /notes/todo.txt to /answer.txt."
+        answer = files["/notes/todo.txt"].split("\n")[0]
     return TerminalTask(files=files, goal=goal, answer=answer, kind=kind)
 
 
@@ -151,4 +152,5 @@ class TerminalEnv:
             root = self._path(args[0]) if args and args[0] != "-name" else self.cwd
             name = args[args.index("-name") + 1] if "-name" in args else ""
             return "\n".join(sorted(p for p in self.files if p.startswith(root.rstrip("/") + "/") and name in p))
-        return f"error: unknown command {cmd!r} (try ls, cat, head, grep, wc -l, find, pwd, cd, echo TEXT > FILE, submit)"
+        return (f"error: unknown command {cmd!r} (try ls, cat, head, grep, wc -l, find, pwd, cd, echo TEXT > FILE, "
+                "submit)")

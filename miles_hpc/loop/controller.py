@@ -77,8 +77,8 @@ def follow_controller(cfg: RunConfig, model_dir: Path, world_env: dict[str, str]
         teardown()
 
 
-def controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str], api_key: str,
-                admin_key: str, world_env: dict[str, str], teacher_url: str | None = None) -> dict[str, Any]:  # fmt: skip
+def controller(cfg: RunConfig, paths: RunPaths, model_dir: Path, urls: list[str], api_key: str, admin_key: str,
+               world_env: dict[str, str], teacher_url: str | None = None) -> dict[str, Any]:  # fmt: skip
     from transformers import AutoTokenizer
 
     from miles_hpc.data.prompts import PromptIterator, load_prompts

@@ -128,8 +128,8 @@ class Conversation:
     def to_sample(self, *, prompt_id: int, group_id: int, reward: float = 0.0,
                   metadata: dict[str, Any] | None = None) -> Sample:  # fmt: skip
         """The conversation as one training sample (all turns; loss only on generated ids)."""
-        status = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED}.get(self.finish,
-                                                                                        SampleStatus.ABORTED)  # fmt: skip
+        by_finish = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED}
+        status = by_finish.get(self.finish, SampleStatus.ABORTED)
         meta = {"turns": self.turns, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 **(metadata or {})}  # fmt: skip
         return Sample(prompt_id=prompt_id, group_id=group_id, tokens=list(self.ids), prompt_len=self.prompt_len,
