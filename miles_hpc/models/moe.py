@@ -157,10 +157,17 @@ class SparseMoeBlock(nn.Module):
         self, x: torch.Tensor, replay: torch.Tensor | None = None, compare: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, H], replay [B*T, k] or None -> (out [B, T, H], routed ids [B*T, k])."""
-        b, t, h = x.shape
-        flat = x.reshape(-1, h)
-        weights, ids = self.gate(flat, replay, compare)
-        return self.experts(flat, ids, weights).view(b, t, h), ids
+        return route_and_mix(self.gate, self.experts, x, replay, compare)
+
+
+def route_and_mix(
+    gate: nn.Module, experts: Experts, x: torch.Tensor, replay: torch.Tensor | None, compare: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, T, H] through `gate` (replaying `replay` [B*T, k] when given) and the routed `experts`."""
+    b, t, h = x.shape
+    flat = x.reshape(-1, h)
+    weights, ids = gate(flat, replay, compare)
+    return experts(flat, ids, weights).view(b, t, h), ids
 
 
 class DeepseekMoeBlock(nn.Module):
@@ -180,8 +187,5 @@ class DeepseekMoeBlock(nn.Module):
         self, x: torch.Tensor, replay: torch.Tensor | None = None, compare: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, H], replay [B*T, k] or None -> (out [B, T, H], routed ids [B*T, k])."""
-        b, t, h = x.shape
-        flat = x.reshape(-1, h)
-        weights, ids = self.gate(flat, replay, compare)
-        out = self.experts(flat, ids, weights).view(b, t, h)
+        out, ids = route_and_mix(self.gate, self.experts, x, replay, compare)
         return (out if self.shared_experts is None else out + self.shared_experts(x)), ids
