@@ -77,3 +77,14 @@ def input_ids(batch: int = 2, seq: int = 11, seed: int = 1) -> torch.Tensor:
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a.float() - b.float()).abs().max().item()
+
+
+def assert_grads_match(hf: Any, ours: torch.nn.Module, bound: float = 1e-5) -> None:
+    """Cross-entropy on the same inputs through both models: every transformers parameter's gradient equals ours
+    under the same name."""
+    ids, targets = input_ids(seq=10), input_ids(seq=10, seed=7)
+    for model, logits in ((hf, lambda m: m(ids).logits), (ours, lambda m: m(ids))):
+        torch.nn.functional.cross_entropy(logits(model).flatten(0, 1), targets.flatten()).backward()
+    mine = dict(ours.named_parameters())
+    for name, p in hf.named_parameters():
+        assert p.grad is not None and max_diff(mine[name].grad, p.grad) < bound, name
