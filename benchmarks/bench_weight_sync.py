@@ -18,6 +18,11 @@ Sections (`--sections a,b` or `--only a`; all by default):
     python benchmarks/bench_weight_sync.py --only delta --device cuda --size 1b --steps 2
     python benchmarks/bench_weight_sync.py --only transfer                   # real engine processes, CPU gloo
 
+- codec: the codec alone on one large synthetic tensor (`--codec-mb`), per `--classes` bound: GB/s of encode,
+  decode and both, against the `--link-gbps` link.
+
+    python benchmarks/bench_weight_sync.py --only codec --device cuda --codec-mb 1024
+
 - transfer: one publish per strategy to real `miles-hpc serve` engines on this host (sync_transfer.py).
 """
 
@@ -35,7 +40,7 @@ import torch
 from miles_hpc.models import ModelConfig, build_model, iter_hf_tensors
 from miles_hpc.models.presets import preset_config
 from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.delta_codec import decode, encode, to_bytes
+from miles_hpc.sync.delta_codec import decode, encode, to_bytes, warm_kernels
 
 # Few-layer Qwen3 shapes on top of the "small" preset (its byte-level vocabulary): big enough matrices for
 # realistic per-tensor statistics, small enough for CPU.
@@ -129,6 +134,7 @@ def bench_delta(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         zstandard = None
     warm = torch.randn(1 << 16, device=device).bfloat16()
     decode(warm, encode(warm, warm + 1e-3))  # first-call costs (CUDA context, kernels) out of the timings
+    warm_kernels(device)
     for lr in (float(x) for x in args.lrs.split(",")):
         torch.manual_seed(args.seed)
         model = build_model(cfg, dtype=torch.float32, device=device).train()
@@ -141,24 +147,27 @@ def bench_delta(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         for _ in range(args.steps):
             grpo_step(model, opt, args, g)
             step: Counter[str] = Counter()
-            for name, t in iter_hf_tensors(model):
-                old, new = prev[name], t.detach().to(torch.bfloat16)
+            news = [(name, t.detach().to(torch.bfloat16)) for name, t in iter_hf_tensors(model)]
+            for group in groups(news, args.group_mb << 20):
+                old_parts, new_parts = [prev[name] for name, _ in group], [t for _, t in group]
+                # What a publish codes: the group's tensors back to back (the concatenation is timed as coding).
+                (old, new), t_cat = timed(device, lambda: (flat_cat(old_parts), flat_cat(new_parts)))
                 _, t_ck = timed(device, tensor_checksum, new)
                 payload, t_enc = timed(device, encode, old, new)
                 out, t_dec = timed(device, decode, old, payload)
                 if not torch.equal(out.view(torch.int16), new.view(torch.int16)):
-                    raise AssertionError(f"{name}: decode is not bit-exact")
-                iid, ctx = entropy_bits(old, new)
+                    raise AssertionError(f"{[n for n, _ in group]}: decode is not bit-exact")
                 kinds[payload.kind] += 1
-                step.update(
-                    numel=new.numel(), changed=int((old.view(torch.int16) != new.view(torch.int16)).sum()),
-                    full_bytes=new.numel() * 2, delta_bytes=len(to_bytes(payload)), iid_bits=iid, ctx_bits=ctx,
-                    t_enc=t_enc, t_dec=t_dec, t_ck=t_ck,
-                )  # fmt: skip
-                if zstandard is not None:
-                    xor = (old.view(torch.int16) ^ new.view(torch.int16)).cpu().numpy().tobytes()
-                    step["zstd_bytes"] += len(zstandard.ZstdCompressor(level=args.zstd_level).compress(xor))
-                prev[name] = new
+                step.update(full_bytes=new.numel() * 2, delta_bytes=len(to_bytes(payload)), t_enc=t_enc + t_cat,
+                            t_dec=t_dec, t_ck=t_ck, groups=1)  # fmt: skip
+                for (name, t), o in zip(group, old_parts):
+                    iid, ctx = entropy_bits(o, t)
+                    step.update(numel=t.numel(), iid_bits=iid, ctx_bits=ctx,
+                                changed=int((o.view(torch.int16) != t.view(torch.int16)).sum()))  # fmt: skip
+                    if zstandard is not None:
+                        xor = (o.view(torch.int16) ^ t.view(torch.int16)).cpu().numpy().tobytes()
+                        step["zstd_bytes"] += len(zstandard.ZstdCompressor(level=args.zstd_level).compress(xor))
+                    prev[name] = t
             per_step.append((step["changed"] / step["numel"], step["delta_bytes"] / step["full_bytes"]))
             tot.update(step)
         full = tot["full_bytes"]
@@ -167,7 +176,8 @@ def bench_delta(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         line = {
             "bench": "weight_sync", "section": "delta", "device": _device_name(device), "model": f"qwen3-{args.size}",
             "params": sum(p.numel() for p in model.parameters()), "lr": lr, "steps": args.steps,
-            "tensors_per_step": len(prev), "kinds": dict(kinds),
+            "tensors_per_step": len(prev), "group_mb": args.group_mb, "groups_per_step": tot["groups"] // args.steps,
+            "kinds": dict(kinds),
             "changed_frac": round(tot["changed"] / tot["numel"], 5),
             "delta_ratio": round(tot["delta_bytes"] / full, 5),
             "xor_zstd_ratio": round(tot["zstd_bytes"] / full, 5) if zstandard is not None else None,
@@ -187,6 +197,51 @@ def bench_delta(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         yield line
 
 
+def bench_codec(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """The codec alone on one large synthetic bf16 tensor: weights spread over many exponents (lognormal scale),
+    every value moved by +-lr in fp32 then rounded (an AdamW-like sign update), per `--classes` bound."""
+    device = torch.device(args.device)
+    n = (args.codec_mb << 20) // 2
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    w = torch.randn(n, device=device, generator=g) * torch.exp(0.5 * torch.randn(n, device=device, generator=g)) * 0.02
+    old, new = w.bfloat16(), (w + 1e-6 * torch.randn(n, device=device, generator=g).sign()).bfloat16()
+    del w
+    warm_kernels(device, max_classes=max(int(c) for c in args.classes.split(",")))
+    for mc in (int(c) for c in args.classes.split(",")):
+        payload = encode(old, new, max_classes=mc)
+        decode(old, payload)  # untimed first call
+        enc = min(timed(device, lambda: encode(old, new, max_classes=mc))[1] for _ in range(args.reps))
+        dec = min(timed(device, decode, old, payload)[1] for _ in range(args.reps))
+        gb = n * 2 / 1e9
+        yield {"bench": "weight_sync", "section": "codec", "device": _device_name(device), "values": n,
+               "max_classes": mc, "classes": payload.counts[0] if payload.kind == "delta" else None,
+               "changed_frac": round(float((old.view(torch.int16) != new.view(torch.int16)).float().mean()), 5),
+               "delta_ratio": round(len(to_bytes(payload)) / (n * 2), 5), "encode_s": round(enc, 5),
+               "decode_s": round(dec, 5), "encode_gbps": round(gb / enc, 3), "decode_gbps": round(gb / dec, 3),
+               "both_gbps": round(gb / (enc + dec), 3), "link_gbps": args.link_gbps,
+               "faster_than_link": enc + dec + len(to_bytes(payload)) / (args.link_gbps * 1e9) < gb / args.link_gbps,
+               "reps": args.reps}  # fmt: skip
+
+
+def groups(named: list[tuple[str, torch.Tensor]], group_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors in groups of at most `group_bytes` (a bigger tensor alone; 0: one tensor per group)."""
+    cur: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if cur and size + nbytes > group_bytes:
+            yield cur
+            cur, size = [], 0
+        cur.append((name, t))
+        size += nbytes
+    if cur:
+        yield cur
+
+
+def flat_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0].reshape(-1) if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
+
+
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -201,6 +256,7 @@ def bench_transfer(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], Iterator[dict[str, Any]]]] = {
     "delta": bench_delta,
+    "codec": bench_codec,
     "transfer": bench_transfer,
 }
 
@@ -221,6 +277,10 @@ def main() -> None:
     d.add_argument("--seq", type=int, default=128, help="tokens per sequence, prompt included")
     d.add_argument("--prompt-len", type=int, default=32)
     d.add_argument("--zstd-level", type=int, default=3)
+    d.add_argument("--group-mb", type=int, default=256,
+                   help="code consecutive tensors together, up to this many MB per payload (0: each tensor alone)")
+    d.add_argument("--codec-mb", type=int, default=64, help="codec section: MB of the synthetic bf16 tensor")
+    d.add_argument("--classes", default="8,16", help="codec section: comma-separated max_classes to compare")
     d.add_argument("--link-gbps", type=float, default=25.0, help="link speed (GB/s) the delta send competes with")
     t = ap.add_argument_group("transfer")
     t.add_argument("--transfer-size", choices=sorted(SIZES), default="100m", help="model shape published")

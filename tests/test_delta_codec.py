@@ -233,11 +233,53 @@ def test_exponent_context_beats_the_order0_bound_on_adam_like_updates() -> None:
     assert coded < 0.9 * entropy_bound_bits(old, new)
 
 
-@pytest.mark.gpu
-def test_cuda_roundtrip_matches_cpu() -> None:
-    old = weights((4096, 64), torch.bfloat16, 17)
-    new = perturb(old, 0.02, np.random.default_rng(17))
+def adam_like(n: int, dtype: torch.dtype, seed: int, lr: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """An old tensor of normal weights over many exponents and its AdamW-like update (every weight moves ~lr)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 2) * 0.02
+    step = lr * torch.randn(n, generator=g).sign() * (1 + 30 * (torch.rand(n, generator=g) < 0.01))
+    return w.to(dtype), (w + step).to(dtype)
+
+
+def check_cuda_matches_cpu(old: torch.Tensor, new: torch.Tensor) -> DeltaPayload:
+    """The CUDA codec (Triton class layout where there are several classes) makes the CPU's payload, decodes the
+    CPU's payload on the GPU and its own on the CPU, bit for bit."""
     p = encode(old.cuda(), new.cuda())
     assert p == encode(old, new)
     out = decode(old.cuda(), p)
     assert out.is_cuda and torch.equal(bits(out.cpu()), bits(new))
+    assert torch.equal(bits(decode(old, p)), bits(new))
+    return p
+
+
+@pytest.mark.gpu
+def test_cuda_roundtrip_matches_cpu() -> None:
+    old = weights((4096, 64), torch.bfloat16, 17)
+    check_cuda_matches_cpu(old, perturb(old, 0.02, np.random.default_rng(17)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [1, 2047, 2048, 2049, 100_003, 1 << 20])
+def test_cuda_class_layout_matches_cpu(dtype: torch.dtype, n: int) -> None:
+    # Block edges of the kernels (BLOCK = 2048) and many exponent classes (the AdamW-like update).
+    old, new = adam_like(n, dtype, seed=n)
+    p = check_cuda_matches_cpu(old, new)
+    if n >= 1 << 20 and dtype != torch.float32:
+        assert p.kind == "delta" and p.counts[0] > 2  # several classes: the Triton path ran
+
+
+@pytest.mark.gpu
+def test_cuda_special_values_and_corruption() -> None:
+    specials = [0x7FC0, 0x7FC1, 0x7F81, 0xFFC3, 0xFF80, 0x7F80, 0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x7F7F, 0xFF7F]
+    sp = torch.tensor(np.array(specials * 50, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
+    old, new = adam_like(1 << 18, torch.bfloat16, seed=3)
+    old, new = torch.cat([old, sp]), torch.cat([new, perturb(sp, 0.3, np.random.default_rng(1))])
+    p = check_cuda_matches_cpu(old, new)
+    assert p.kind == "delta" and p.counts[0] > 2
+    rng = np.random.default_rng(5)
+    for _ in range(20):  # a flipped body bit: a structural error or a checksum mismatch, never a wrong tensor
+        data = bytearray(p.data)
+        data[int(rng.integers(len(data)))] ^= 1 << int(rng.integers(8))
+        with pytest.raises(DeltaError):
+            decode(old.cuda(), dataclasses.replace(p, data=bytes(data)))

@@ -46,7 +46,11 @@ def mpirun() -> list[str]:
     """The mpirun command prefix; skips (fails under MILES_REQUIRE_ALL=1) without mpirun or mpi4py."""
     path = shutil.which("mpirun")
     require(path is not None and _has_mpi4py(), "mpirun and mpi4py (the mpi extra)")
-    return [path or "mpirun", "--allow-run-as-root", "--oversubscribe"]
+    cmd = [path or "mpirun", "--allow-run-as-root", "--oversubscribe"]
+    if not (shutil.which("ssh") or shutil.which("rsh")):
+        # Open MPI insists on finding its remote launcher even when every rank is local (containers without ssh)
+        cmd += ["--mca", "plm_rsh_agent", shutil.which("false") or "/bin/false"]
+    return cmd
 
 
 def clean_env(**extra: str) -> dict[str, str]:

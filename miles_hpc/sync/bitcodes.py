@@ -75,10 +75,14 @@ def put_rice(w: BitWriter, v: torch.Tensor, width: int) -> list[int]:
     q = v >> k
     esc = q >= Q_CAP
     q = torch.where(esc, Q_CAP, q)
-    w.unary(q)
-    w.fixed(v[~esc] & ((1 << k) - 1), k)
-    w.fixed(v[esc], width)
-    return [k, int(q.sum()) + v.numel()]
+    qbits, n_esc = (int(x) for x in torch.stack([q.sum() + v.numel(), esc.sum()]).tolist())
+    w.unary(q, qbits)
+    if n_esc:
+        w.fixed(v[~esc] & ((1 << k) - 1), k)
+        w.fixed(v[esc], width)
+    else:  # the usual case: no boolean indexing (each one waits for the device)
+        w.fixed(v & ((1 << k) - 1), k)
+    return [k, qbits]
 
 
 def get_rice(r: BitReader, c: Cursor, n: int, width: int) -> torch.Tensor:
@@ -86,27 +90,35 @@ def get_rice(r: BitReader, c: Cursor, n: int, width: int) -> torch.Tensor:
     if k > MAX_CODED_BITS or qbits < n or (n == 0 and qbits):
         raise DeltaError(f"corrupt delta counts: Rice k={k}, {qbits} unary bits for {n} values")
     ends = torch.nonzero(r.take(qbits)).flatten()
-    if ends.numel() != n or (n and int(ends[-1]) != qbits - 1):
+    if ends.numel() != n:
         raise DeltaError(f"corrupt delta: unary section has {ends.numel()} codes, expected {n}")
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64, device=r.device)
     q = torch.diff(ends, prepend=ends.new_full((1,), -1)) - 1
     esc = q == Q_CAP
-    if n and int(q.max()) > Q_CAP:
+    last, q_max, n_esc = (int(x) for x in torch.stack([ends[-1], q.max(), esc.sum()]).tolist())
+    if last != qbits - 1:
+        raise DeltaError(f"corrupt delta: unary section has {n} codes and {qbits - 1 - last} bits after them")
+    if q_max > Q_CAP:
         raise DeltaError("corrupt delta: Rice quotient above the escape cap")
+    if not n_esc:
+        return (q << k) | r.fixed(n, k)
     v = torch.empty(n, dtype=torch.int64, device=r.device)
-    v[~esc] = (q[~esc] << k) | r.fixed(n - int(esc.sum()), k)
-    v[esc] = r.fixed(int(esc.sum()), width)
+    v[~esc] = (q[~esc] << k) | r.fixed(n - n_esc, k)
+    v[esc] = r.fixed(n_esc, width)
     return v
 
 
 def best_k(v: torch.Tensor, width: int) -> int:
     """The k of least exact coded length, searched around log2 of the mean (Rice cost is unimodal in k)."""
     guess = max(0, int(math.log2(max(float(v.double().mean()) * math.log(2), 1.0))))
-    costs = {}
-    for k in range(max(0, guess - 2), min(guess + 3, MAX_CODED_BITS)):
+    ks = list(range(max(0, guess - 2), min(guess + 3, MAX_CODED_BITS)))
+    costs = []
+    for k in ks:
         q = v >> k
-        esc = q >= Q_CAP
-        costs[k] = int(torch.where(esc, Q_CAP + 1 + width, q + 1 + k).sum())
-    return min(costs, key=lambda k: (costs[k], k))
+        costs.append(torch.where(q >= Q_CAP, Q_CAP + 1 + width, q + 1 + k).sum())
+    exact = torch.stack(costs).tolist()  # one wait for the device, not one per k
+    return min(zip(exact, ks))[1]
 
 
 # ---------------------------------------------------------------- bits
@@ -122,22 +134,30 @@ class BitWriter:
             shifts = torch.arange(width - 1, -1, -1, device=v.device)
             self.parts.append(((v[:, None] >> shifts) & 1).to(torch.uint8).flatten())
 
-    def unary(self, q: torch.Tensor) -> None:
-        bits = torch.zeros(int(q.sum()) + q.numel(), dtype=torch.uint8, device=q.device)
+    def unary(self, q: torch.Tensor, total: int | None = None) -> None:
+        """q zeros then a one per value; `total` = sum(q) + len(q) when the caller has it (saves a device wait)."""
+        total = int(q.sum()) + q.numel() if total is None else total
+        bits = torch.zeros(total, dtype=torch.uint8, device=q.device)
         bits[torch.cumsum(q + 1, 0) - 1] = 1
         self.parts.append(bits)
 
     def getvalue(self) -> bytes:
         bits = torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.uint8, device=self.device)
         bits = torch.cat([bits, bits.new_zeros(-bits.numel() % 8)]).view(-1, 8).to(torch.int32)
-        packed = (bits << torch.arange(7, -1, -1, device=bits.device, dtype=torch.int32)).sum(1)
-        return packed.to(torch.uint8).cpu().numpy().tobytes()
+        packed = (bits << torch.arange(7, -1, -1, device=bits.device, dtype=torch.int32)).sum(1).to(torch.uint8)
+        if packed.is_cuda:  # through pinned memory: a pageable copy runs at a fraction of the link
+            host = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            torch.cuda.current_stream(packed.device).synchronize()
+            packed = host
+        return packed.numpy().tobytes()
 
 
 class BitReader:
     def __init__(self, data: bytes, device: torch.device) -> None:
         self.device = device
-        raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).to(device)
+        raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+        raw = raw.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else raw.to(device)
         self.bits = ((raw[:, None] >> torch.arange(7, -1, -1, device=device, dtype=torch.uint8)) & 1).flatten()
         self.pos = 0
 

@@ -5,7 +5,10 @@ may import this too).
 Invariants: `decode(old, encode(old, new))` has exactly the bits of `new` (NaN payloads, infinities, -0.0 and
 subnormals included) or raises `DeltaError`; `decode` verifies `tensor_checksum` of its result; a payload is never
 larger than the raw tensor plus the framing ("full" is sent instead). Element-wise work is vectorised torch on the
-tensors' device; Python loops run only over context classes (at most `max_classes`) and code sections.
+tensors' device, plus three Triton kernels on CUDA that lay the classes out without a sort (`delta_kernels.py`; the
+CPU sorts, and a GPU test checks both make the same payload); Python loops run only over context classes (at most
+`max_classes`) and code sections. Code many tensors as one payload (their concatenation) where per-call costs
+matter: a GPU call costs ~10 ms of fixed overhead (device waits, launches), whatever the size.
 
 Model. A 2-byte (bfloat16, float16) or 4-byte (float32) pattern u maps to the order-preserving integer
     key(u) = u XOR (sign bit of u set ? 0xFFFF : 0x8000)        (0xFFFFFFFF / 0x80000000 for 32-bit patterns),
@@ -34,7 +37,7 @@ Counts (`DeltaPayload.counts`): [C, low_1 .. low_{C-1}] (class c covers exponent
 unary bits). The body is the bit stream, zero-padded to whole bytes.
 
 Framing (`to_bytes`; integers are unsigned LEB128 varints unless sized):
-    b"MHWD" | u8 version=1 | u8 kind (0 same, 1 delta, 2 full) | u8 dtype (1 bfloat16, 2 float16, 3 float32)
+    b"MHWD" | u8 version=2 | u8 kind (0 same, 1 delta, 2 full) | u8 dtype (1 bfloat16, 2 float16, 3 float32)
     | varint ndim | varint dim * ndim | u8 checksum length | checksum digest bytes
     | varint len(counts) | varint count * len(counts) | varint len(body) | body | u32 LE CRC-32 of all before it
 "full" bodies are the little-endian bytes of `new`; "same" bodies are empty.
@@ -47,7 +50,7 @@ import math
 import sys
 import zlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -56,13 +59,14 @@ from miles_hpc.sync import bitcodes as bc
 from miles_hpc.sync.bitcodes import DeltaError
 from miles_hpc.sync.checksum import tensor_checksum
 
-__all__ = ["DeltaError", "DeltaPayload", "decode", "encode", "encode_full", "from_bytes", "to_bytes"]
+__all__ = ["DeltaError", "DeltaPayload", "decode", "encode", "encode_full", "from_bytes", "to_bytes", "warm_kernels"]
 
 Kind = Literal["same", "delta", "full"]
 _KINDS: tuple[Kind, ...] = ("same", "delta", "full")
 MAGIC = b"MHWD"
-VERSION = 1
+VERSION = 2  # 2: ranks within a class in flat index order (1 ordered them by exponent first)
 _CLASS_HEADER_BITS = 96.0  # the DP's price of one more class: ~10 varints of counts
+_PARTITION_SAMPLE = 1 << 22  # elements whose exponents estimate the class sizes for the partition
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +119,7 @@ class DeltaPayload:
 
 
 # ---------------------------------------------------------------- public API
-def encode(old: torch.Tensor, new: torch.Tensor, *, max_classes: int = 16) -> DeltaPayload:
+def encode(old: torch.Tensor, new: torch.Tensor, *, max_classes: int = 8) -> DeltaPayload:
     """Code `new` against `old` (same shape and dtype, any device); `max_classes` bounds the context classes."""
     if old.dtype != new.dtype or old.shape != new.shape:
         raise DeltaError(f"old {old.dtype} {tuple(old.shape)} and new {new.dtype} {tuple(new.shape)} differ")
@@ -168,6 +172,22 @@ def decode(old: torch.Tensor, payload: DeltaPayload) -> torch.Tensor:
             "(corrupt payload, or `old` is not the tensor the delta was made against)"
         )
     return out
+
+
+def warm_kernels(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, max_classes: int = 8) -> None:
+    """Compile the CUDA kernels for every class count up to `max_classes` now (a no-op elsewhere), so that the
+    first updates (and benchmarks) do not pay Triton's compile time."""
+    spec = _SPECS[str(dtype).removeprefix("torch.")]
+    probe = torch.zeros(4096, dtype=spec.bits, device=device)
+    kern = _kernels(probe)
+    if kern is None:
+        return
+    for c in range(4, max_classes + 4, 4):
+        lows = kern.padded_lows(list(range(1, c)), spec.n_exp, probe.device)
+        kern.class_ranks(probe, probe + 1, lows, spec.width, spec.exp_shift, spec.n_exp)
+        _, cnt = kern.class_sizes(probe, lows, spec.exp_shift, spec.n_exp)
+        kern.apply_dense(probe, lows, cnt, torch.zeros(probe.numel(), dtype=torch.int32 if spec.width == 16 else
+                         torch.int64, device=probe.device), spec.width, spec.exp_shift, spec.n_exp)  # fmt: skip
 
 
 def to_bytes(payload: DeltaPayload) -> bytes:
@@ -225,36 +245,48 @@ def _encode_changes(
     """(body, counts) of the changes at flat indices `idx`, or None when the estimate already exceeds raw size."""
     d = _keys(nb[idx], spec) - _keys(ob[idx], spec)
     mag = d.abs()
-    exp_all = _exponents(ob, spec)
-    exp_chg = exp_all[idx]
+    exp_chg = _exponents(ob[idx], spec)
     esc = mag > 1
 
-    def hist(x: torch.Tensor, w: torch.Tensor | None = None) -> np.ndarray:
-        return torch.bincount(x, weights=w, minlength=spec.n_exp).double().cpu().numpy()
+    def hist(x: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.bincount(x, weights=w, minlength=spec.n_exp).double()
 
-    n_e, k_e = hist(exp_all), hist(exp_chg)
-    lows, est_bits = _partition(n_e, k_e, hist(exp_chg[esc]), hist(exp_chg[esc], (mag[esc] - 2).double()), max_classes)
+    # The partition is a choice of the encoder (the decoder reads it from the counts): an estimate from a
+    # strided sample of the unchanged elements' exponents is enough, and on large tensors much cheaper.
+    stride = max(1, ob.numel() // _PARTITION_SAMPLE)
+    n_e = hist(_exponents(ob[::stride], spec)) * stride
+    stats = torch.stack([n_e, hist(exp_chg), hist(exp_chg[esc]), hist(exp_chg[esc], (mag[esc] - 2).double())])
+    n_e, k_e, x_e, s_e = stats.cpu().numpy()
+    lows, est_bits = _partition(n_e, k_e, x_e, s_e, max_classes)
     if est_bits >= ob.numel() * spec.width:
         return None  # dense and wide changes: a full send wins, skip emitting the bits
-    bounds = [0, *lows, spec.n_exp]
-    counts = [len(bounds) - 1, *lows]
+    n_classes = len(lows) + 1
+    counts = [n_classes, *lows]
     w = bc.BitWriter(ob.device)
-    if len(bounds) > 2:
-        # One stable sort by exponent lays every class out contiguously, each in flat index order: a class's
-        # changed ranks are the nonzeros of its slice of the sorted change mask, and a stable sort of the changes
-        # by exponent puts their differences in the same order. (Cost independent of the number of classes.)
-        changed_sorted = (ob != nb)[torch.argsort(exp_all, stable=True)]
-        d = d[torch.argsort(exp_chg, stable=True)]
-        starts = np.concatenate([[0], np.cumsum(n_e)]).astype(np.int64)[bounds]
-        k_starts = np.concatenate([[0], np.cumsum(k_e)]).astype(np.int64)[bounds]
-    for c in range(len(bounds) - 1):
-        if len(bounds) == 2:  # one class: ranks are flat indices
-            n_c, ranks, d_c = ob.numel(), idx, d
-        else:
-            n_c = int(starts[c + 1] - starts[c])
-            ranks = torch.nonzero(changed_sorted[starts[c] : starts[c + 1]]).flatten()
-            d_c = d[k_starts[c] : k_starts[c + 1]]
-        counts += bc.put_set(w, ranks, n_c)
+    if n_classes == 1:  # ranks are flat indices
+        n_c, k_c, all_ranks = np.array([ob.numel()]), np.array([idx.numel()]), idx
+    elif (kern := _kernels(ob)) is not None:  # class-major ranks and differences without a sort (delta_kernels.py)
+        lows_t = kern.padded_lows(lows, spec.n_exp, ob.device)
+        all_ranks, d, n_t, k_t = kern.class_ranks(ob, nb, lows_t, spec.width, spec.exp_shift, spec.n_exp)
+        n_c, k_c = torch.stack([n_t, k_t])[:, :n_classes].cpu().numpy()
+    else:
+        # One stable sort by class lays every class out contiguously, each in flat index order: a class's changed
+        # ranks are the nonzeros of its slice of the sorted change mask, and a stable sort of the changes by class
+        # puts their differences in the same order. (Cost independent of the number of classes.)
+        cls = _class_ids(_exponents(ob, spec), lows)
+        changed_sorted = (ob != nb)[torch.argsort(cls, stable=True)]
+        cls_chg = cls[idx]
+        d = d[torch.argsort(cls_chg, stable=True)]
+        n_c = torch.bincount(cls, minlength=n_classes).cpu().numpy()
+        k_c = torch.bincount(cls_chg, minlength=n_classes).cpu().numpy()
+        starts = np.concatenate([[0], np.cumsum(n_c)])
+        all_ranks = torch.cat([torch.nonzero(changed_sorted[starts[c] : starts[c + 1]]).flatten()
+                               for c in range(n_classes)])  # fmt: skip
+    k_starts = np.concatenate([[0], np.cumsum(k_c)]).astype(np.int64)
+    for c in range(n_classes):
+        ranks = all_ranks[k_starts[c] : k_starts[c + 1]]
+        d_c = d[k_starts[c] : k_starts[c + 1]]
+        counts += bc.put_set(w, ranks, int(n_c[c]))
         w.fixed((d_c < 0).to(torch.int64), 1)
         m_c = d_c.abs()
         big = m_c > 1
@@ -273,25 +305,42 @@ def _decode_changes(ob: torch.Tensor, data: bytes, counts: tuple[int, ...], spec
     if any(a >= b for a, b in itertools.pairwise(bounds)):
         raise DeltaError(f"corrupt delta counts: class bounds {bounds} are not increasing")
     r = bc.BitReader(data, ob.device)
-    if n_classes > 1:  # the encoder's layout: classes contiguous after a stable sort by exponent
-        exp_all = _exponents(ob, spec)
-        order = torch.argsort(exp_all, stable=True)
-        n_e = torch.bincount(exp_all, minlength=spec.n_exp).cpu().numpy()
-        starts = np.concatenate([[0], np.cumsum(n_e)]).astype(np.int64)[bounds]
+    kern = _kernels(ob) if n_classes > 1 else None
+    if kern is not None:
+        lows_t = kern.padded_lows(lows, spec.n_exp, ob.device)
+        n_c, block_cnt = kern.class_sizes(ob, lows_t, spec.exp_shift, spec.n_exp)
+        starts = np.concatenate([[0], np.cumsum(n_c[:n_classes].cpu().numpy())]).astype(np.int64)
+    elif n_classes > 1:  # the encoder's layout: classes contiguous after a stable sort by class
+        cls = _class_ids(_exponents(ob, spec), lows)
+        order = torch.argsort(cls, stable=True)
+        sizes = torch.bincount(cls, minlength=n_classes).cpu().numpy()
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     idx_parts, d_parts = [], []
     for k in range(n_classes):
-        members = None if n_classes == 1 else order[starts[k] : starts[k + 1]]
-        ranks = bc.get_set(r, c, ob.numel() if members is None else members.numel())
+        n_k = ob.numel() if n_classes == 1 else int(starts[k + 1] - starts[k])
+        ranks = bc.get_set(r, c, n_k)
         neg = r.fixed(ranks.numel(), 1).bool()
         mag = torch.ones(ranks.numel(), dtype=torch.int64, device=ob.device)
         big = bc.get_set(r, c, ranks.numel())
         mag[big] = bc.get_rice(r, c, big.numel(), spec.width) + 2
-        idx_parts.append(ranks if members is None else members[ranks])
+        if n_classes == 1:
+            idx_parts.append(ranks)
+        elif kern is not None:  # index into the class-major order
+            idx_parts.append(ranks + int(starts[k]))
+        else:
+            idx_parts.append(order[starts[k] : starts[k + 1]][ranks])
         d_parts.append(torch.where(neg, -mag, mag))
     if c.pos != len(counts):
         raise DeltaError(f"corrupt delta counts: {len(counts) - c.pos} unused")
     r.finish()
     idx, d = torch.cat(idx_parts), torch.cat(d_parts)
+    if kern is not None:
+        dense = torch.zeros(ob.numel(), dtype=torch.int32 if spec.width == 16 else torch.int64, device=ob.device)
+        dense[idx] = d.to(dense.dtype)
+        out, bad = kern.apply_dense(ob, lows_t, block_cnt, dense, spec.width, spec.exp_shift, spec.n_exp)
+        if bad:
+            raise DeltaError("corrupt delta: a difference moves a value outside its dtype's bit patterns")
+        return out
     key = _keys(ob[idx], spec) + d
     if key.numel() and (int(key.min()) < 0 or int(key.max()) >= 1 << spec.width):
         raise DeltaError("corrupt delta: a difference moves a value outside its dtype's bit patterns")
@@ -342,6 +391,24 @@ def _h2(k: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- bit patterns
+_kernel_module: object | None = None
+
+
+def _kernels(t: torch.Tensor) -> Any:
+    """`sync.delta_kernels` for CUDA tensors where Triton imports, else None (the sort-based torch path)."""
+    global _kernel_module
+    if not t.is_cuda:
+        return None
+    if _kernel_module is None:
+        try:
+            from miles_hpc.sync import delta_kernels
+
+            _kernel_module = delta_kernels
+        except ImportError:
+            _kernel_module = False
+    return _kernel_module or None
+
+
 def _flat_bits(t: torch.Tensor, spec: _Spec) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(spec.bits)
 
@@ -349,6 +416,11 @@ def _flat_bits(t: torch.Tensor, spec: _Spec) -> torch.Tensor:
 def _exponents(bits: torch.Tensor, spec: _Spec) -> torch.Tensor:
     """The exponent field of each pattern, as int16 (the narrowest type bincount and a stable sort take)."""
     return ((bits >> spec.exp_shift) & (spec.n_exp - 1)).to(torch.int16)
+
+
+def _class_ids(exp: torch.Tensor, lows: list[int]) -> torch.Tensor:
+    """Class of each exponent field: how many class lower bounds (`lows`, increasing) are <= it."""
+    return torch.bucketize(exp, torch.tensor(lows, dtype=exp.dtype, device=exp.device), out_int32=True, right=True)
 
 
 def _keys(bits: torch.Tensor, spec: _Spec) -> torch.Tensor:
