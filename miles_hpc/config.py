@@ -361,10 +361,6 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "name", "must be a non-empty string")
-        _require(self.mode == "sync" or self.algo.opd_teacher is None, "algo.opd_teacher",
-                 "on-policy distillation runs in mode sync so far")
-        _require(self.mode == "sync" or self.rollout.agent is None, "rollout.agent",
-                 "multi-turn agents run in mode sync so far")
         _require(self.rollout.agent is not None or self.data.task != "terminal", "data.task",
                  "the terminal task is multi-turn: set rollout.agent (miles_hpc.rollout.agents:terminal_agent)")
         _require(self.rollout.agent is None or not self.algo.routing_replay, "algo.routing_replay",

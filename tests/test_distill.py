@@ -41,22 +41,23 @@ def test_config_checks(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "algo.opd_teacher" in proc.stderr and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="opd_only"):
         load_config(REPO / "configs/tiny_cpu.yaml", ["algo.opd_only=true"])
-    with pytest.raises(ConfigError, match="algo.opd_teacher"):
-        load_config(REPO / "configs/tiny_cpu.yaml", ["algo.opd_teacher=/t", "mode=fully_async"])
 
 
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
 @pytest.mark.parametrize("teacher_seed", [0, 5])
-def test_loop_with_a_teacher_engine(teacher_seed: int, tmp_path: Path) -> None:
+def test_loop_with_a_teacher_engine(teacher_seed: int, mode: str, tmp_path: Path) -> None:
     # Seed 0 is the run's own initial model (`model.init_*` with seed 0): before any update the teacher agrees
-    # with the student exactly; another seed is another model, which disagrees.
+    # with the student exactly; another seed is another model, which disagrees. (Fully async: step 0 trains on
+    # groups generated before the first update, so the same holds.)
     teacher = init_model("qwen3", "tiny", tmp_path / "teacher", seed=teacher_seed)
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"), f"run_dir={run_dir}",
             "steps=2", "train.world_size=1", "train.sft_warmup_steps=0", "rollout.prompts_per_step=2",
-            "rollout.samples_per_prompt=2", f"algo.opd_teacher={teacher}", "algo.opd_coef=0.5"]  # fmt: skip
+            "rollout.samples_per_prompt=2", f"algo.opd_teacher={teacher}", "algo.opd_coef=0.5", f"mode={mode}"]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     kl0 = m[0]["opd/reverse_kl"]
-    assert len(m) == 2 and (abs(kl0) < 1e-5 if teacher_seed == 0 else kl0 > 0.01), kl0
+    # (A sampled estimate of the reverse KL: positive in expectation, either sign on four short samples.)
+    assert len(m) == 2 and (abs(kl0) < 1e-5 if teacher_seed == 0 else abs(kl0) > 0.01), kl0
     assert (run_dir / "logs" / "teacher.log").is_file()

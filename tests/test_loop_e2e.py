@@ -132,6 +132,29 @@ def test_tiny_agentic_config_runs_multi_turn_episodes(tmp_path: Path) -> None:
     assert any(p.name.startswith("events") for p in (run_dir / "tb").rglob("*"))
 
 
+@pytest.mark.parametrize("pause", ["retract", "abort"])
+def test_agents_in_fully_async_mode(pause: str, tmp_path: Path) -> None:
+    # Episodes hold their slots across weight updates: a group may span versions (staleness from generated tokens
+    # only, never the tool output's -1), a turn aborted by an update continues from its tokens, and the run
+    # trains every step with the environment's rewards.
+    run_dir = tmp_path / "agent_async"
+    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_agent_cpu.yaml"),
+            f"run_dir={run_dir}", "steps=3", "mode=fully_async", "fully_async.max_inflight=6",
+            "fully_async.max_staleness=1", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+            f"sync.pause_mode={pause}"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = metrics(run_dir)
+    assert len(m) == 3 and all(r["rollout/turns_mean"] > 1 for r in m)
+    assert all(r["async/staleness_max"] <= 1 for r in m) and all(0.5 < r["prefix_cache_hit_rate"] <= 1 for r in m)
+    samples = [s for f in sorted((run_dir / "trajectories").glob("*.h5")) for s in TrajectoryReader(f)]
+    assert len(samples) == 3 * 2 * 2
+    for s in samples:
+        gen = [v for v, k in zip(s.policy_version, s.loss_mask) if k]
+        assert gen and min(gen) >= s.train_step - 1 and max(gen) <= s.train_step  # versions of its own window
+        assert s.loss_mask[s.prompt_len :].count(0) > 0 or s.metadata.get("commands", 0) <= 1
+
+
 def test_unavailable_strategy_fails_before_anything_starts(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"),
             f"run_dir={tmp_path / 'run'}", "sync.strategy=lora"]  # fmt: skip

@@ -86,3 +86,39 @@ def test_reference_agent_meets_the_contract_on_a_real_engine(tmp_path: Path) -> 
         asyncio.run(asyncio.wait_for(main(), 120))
     finally:
         stop_all([proc])
+
+
+def test_an_agent_turn_aborted_by_a_weight_update_continues_from_its_tokens(tmp_path: Path) -> None:
+    # Fully async, pause mode abort: a turn cut by an update comes back with finish "abort" and its tokens so far;
+    # the context continues it (without the seed) and the conversation gets one turn, versions 0 then 1.
+    from transformers import AutoTokenizer
+
+    from miles_hpc.models.presets import init_model
+    from miles_hpc.rollout.agents import AgentContext
+    from miles_hpc.rollout.conversation import Conversation
+    from miles_hpc.rollout.responses import FinishReason, GenerateOutput, WeightVersionSpan
+
+    tok = AutoTokenizer.from_pretrained(str(init_model("qwen3", "tiny", tmp_path / "m", seed=0)))
+    calls: list[tuple[int, dict]] = []
+
+    async def generate(ids: list[int], params: dict, **kw: object) -> GenerateOutput:
+        calls.append((len(ids), dict(params)))
+        first = len(calls) == 1
+        n, v = (3, "0") if first else (int(params["max_new_tokens"]), "1")
+        return GenerateOutput(rid=f"r{len(calls)}", output_ids=[65 + len(calls)] * n, prompt_tokens=len(ids),
+                              finish_reason=FinishReason(type="abort" if first else "length"), completion_tokens=n,
+                              cached_tokens=0, output_logprobs=[-0.5] * n, weight_version=v,
+                              weight_versions=(WeightVersionSpan(version=v, start=0, end=n),))  # fmt: skip
+
+    async def main() -> None:
+        ctx = AgentContext(generate_fn=generate, tokenizer=tok, session=1, group_id=1,
+                           sampling={"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 3})  # fmt: skip
+        conv = Conversation.start(tok, [{"role": "user", "content": "ls"}])
+        start = len(conv.ids)
+        await ctx.generate(conv)
+        assert conv.ids[start:] == [66] * 3 + [67] * 5
+        s = conv.to_sample(prompt_id=0, group_id=1, reward=0.0)
+        assert s.policy_version[start:] == [0] * 3 + [1] * 5 and s.loss_mask[start:] == [1] * 8
+        assert calls[1][0] == start + 3 and calls[1][1]["max_new_tokens"] == 5 and "sampling_seed" not in calls[1][1]
+
+    asyncio.run(main())

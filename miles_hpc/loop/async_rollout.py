@@ -30,31 +30,26 @@ from miles_hpc.config import RunConfig
 from miles_hpc.data.prompts import PromptIterator, PromptRecord
 from miles_hpc.loop.rollout_step import Rollout, sampling_params, score, to_sample
 from miles_hpc.rollout.filters import drop_zero_variance_groups
-from miles_hpc.rollout.pieces import Pieces, piece_params
+from miles_hpc.rollout.agents import AgentContext, AgentFn
+from miles_hpc.rollout.pieces import continue_aborted
 from miles_hpc.rollout.router import Router
 
 __all__ = ["GroupBuffer", "Producer", "generate_sample", "staleness"]
 
 
 def staleness(group: Sequence[Rollout], version: int) -> int:
-    """``version`` minus the oldest weight version of any generated token of the group (0 for no tokens)."""
-    oldest = [min(r.sample.policy_version[r.sample.prompt_len :], default=version) for r in group]
+    """``version`` minus the oldest weight version of any generated token of the group (0 for no tokens); the
+    tool output and user turns inside a multi-turn sample (loss mask 0, version -1) are not generated."""
+    oldest = [min((v for v, m in zip(r.sample.policy_version, r.sample.loss_mask) if m), default=version)
+              for r in group]  # fmt: skip
     return version - min(oldest, default=version)
 
 
 async def generate_sample(router: Router, record: PromptRecord, ids: list[int], params: dict[str, Any],
                           group_id: int, tokenizer: Any) -> Rollout:  # fmt: skip
     """One sample; a generation aborted by a weight update (pause mode ``abort``) continues from its tokens."""
-    out = await router.generate(ids, params, affinity_key=group_id, return_logprob=True)
-    if out.finish_reason.type == "abort" and out.output_ids:
-        pieces = Pieces(prompt=list(ids))
-        pieces.add(out)
-        cont = {k: v for k, v in params.items() if k != "sampling_seed"}  # continuing a seeded request is not exact
-        while out.finish_reason.type == "abort" and len(pieces.output_ids) < int(params["max_new_tokens"]):
-            out = await router.generate(ids + pieces.output_ids, piece_params(cont, len(pieces.output_ids), 0),
-                                        affinity_key=group_id, return_logprob=True)  # fmt: skip
-            pieces.add(out)
-        out = pieces.result(out.rid, 0)
+    kw = {"affinity_key": group_id, "return_logprob": True}
+    out = await continue_aborted(router.generate, ids, params, await router.generate(ids, params, **kw), **kw)
     text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
     return Rollout(record, to_sample(out, ids, record.prompt_id, group_id), text)
 
@@ -127,8 +122,9 @@ class Producer:
 
     def __init__(self, cfg: RunConfig, router: Router, prompts: PromptIterator, render: Callable[[PromptRecord], list[int]],
                  tokenizer: Any, reward_fn: Any, buffer: GroupBuffer, *, first_group_id: int,
-                 version: int = 0) -> None:  # fmt: skip
+                 version: int = 0, agent: AgentFn | None = None) -> None:  # fmt: skip
         self.cfg, self.router, self.prompts, self.render = cfg, router, prompts, render
+        self.agent = agent  # rollout.agent: each sample is an episode its environment scores
         self.tokenizer, self.reward_fn, self.buffer = tokenizer, reward_fn, buffer
         self.slots = asyncio.Semaphore(cfg.fully_async.max_inflight)
         self.pending: collections.deque[PromptRecord] = collections.deque()  # recycled first, then the iterator's
@@ -202,7 +198,7 @@ class Producer:
                 self._next_group += 1
                 self.inflight[group_id] = record
                 self.stats.started_groups += 1
-                ids = self.render(record)
+                ids = self.render(record) if self.agent is None else []  # an agent renders its own conversation
                 samples = []
                 for j in range(n):
                     await self.slots.acquire()
@@ -222,6 +218,12 @@ class Producer:
     async def _one(self, record: PromptRecord, ids: list[int], params: dict[str, Any], group_id: int) -> Rollout:
         self._account(+1)
         try:
+            if self.agent is not None:
+                ro = self.cfg.rollout
+                ctx = AgentContext(generate_fn=self.router.generate, tokenizer=self.tokenizer, sampling=params,
+                                   session=group_id, group_id=group_id, max_turns=ro.max_turns,
+                                   max_output_chars=ro.max_tool_output_chars)  # fmt: skip
+                return Rollout(record, await self.agent(ctx, record), "")
             return await generate_sample(self.router, record, ids, params, group_id, self.tokenizer)
         finally:
             self._account(-1)
@@ -239,7 +241,8 @@ class Producer:
                 s.cancel()
             await self.buffer.fail(e)
             return
-        await score([group], self.reward_fn)
+        if self.agent is None:  # an agent's environment has scored its episodes
+            await score([group], self.reward_fn)
         self.stats.finished_groups += 1
         if self.cfg.algo.dynamic_sampling and not drop_zero_variance_groups([[r.sample for r in group]])[0]:
             self.stats.dropped_zero_variance += 1  # consumed: DAPO's dynamic sampling uses up the prompt

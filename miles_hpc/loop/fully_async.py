@@ -10,6 +10,10 @@ that produced it, so a group started before an update and finished after it is m
 loss-masked (None: all tokens train, with the IS correction of ``algo.tis_cap`` / ``algo.mis_*`` on each token's
 rollout log-prob).
 
+Multi-turn agents (``rollout.agent``) run here as in the sync loop: each sample is an episode, its slot held
+until the episode ends; its environment scores it. On-policy distillation (``algo.opd_teacher``): the teacher
+scores each batch before the step, while the engines keep generating.
+
 Metrics per step: ``async/trainer_idle_frac`` (time waiting for groups / step time), ``async/engine_util`` (mean
 fraction of the max_inflight slots generating), ``async/buffer_depth``, ``async/staleness_mean|max`` and the
 histogram ``async/staleness_<s>`` (groups of each staleness), ``async/dropped_stale``, ``perf/samples_per_s``.
@@ -24,7 +28,8 @@ from collections import Counter
 
 from miles_hpc.loop.async_rollout import GroupBuffer, Producer, staleness
 from miles_hpc.loop.rollout_step import Rollout
-from miles_hpc.loop.sync import LoopContext, publish, rollout_metrics, save_checkpoint, to_train_batch, warmup
+from miles_hpc.loop.sync import (LoopContext, opd_kl, publish, rollout_metrics, save_checkpoint, teacher_scores,
+                                to_train_batch, warmup)  # fmt: skip
 
 
 async def run(ctx: LoopContext, start_step: int) -> list[float]:
@@ -35,7 +40,7 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
     await publish(ctx, version=start_step)  # the engines start from the trainer's weights
     buffer = GroupBuffer(fa.buffer_groups)
     producer = Producer(cfg, ctx.router, ctx.prompts, ctx.render, ctx.tokenizer, ctx.reward_fn, buffer,
-                        first_group_id=start_step * 1_000_000, version=start_step)  # fmt: skip
+                        first_group_id=start_step * 1_000_000, version=start_step, agent=ctx.agent)  # fmt: skip
     by_id = {r.prompt_id: r for r in ctx.records}
     for pid in (ctx.resumed or {}).get("async_pending", []):  # prompts drawn but not trained before the restart
         producer.pending.append(by_id[pid])
@@ -62,7 +67,8 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
             t_wait = time.perf_counter() - t0
             stale = [staleness(g, step) for g in groups]
             samples = [r.sample for g in groups for r in g]
-            batch = to_train_batch(groups, cfg)
+            opd = await teacher_scores(ctx, groups)  # the teacher scores while the engines keep generating
+            batch = to_train_batch(groups, cfg, opd)
             if fa.mask_tokens_older_than is not None:
                 mask_old_tokens(batch.loss_mask, batch.advantages, samples, step - fa.mask_tokens_older_than)
             t1 = time.perf_counter()
@@ -82,6 +88,7 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
             hist = Counter(stale)
             ctx.metrics.log(step, {
                 **rollout_metrics(samples), **train_metrics, **sync_metrics, "weight_version": step + 1,
+                **({} if opd is None else {"opd/reverse_kl": opd_kl(groups, cfg, opd)}),
                 "async/trainer_idle_frac": t_wait / wall, "async/engine_util": producer.utilisation(),
                 "async/buffer_depth": len(buffer), "async/dropped_stale": stale_dropped,
                 "async/dropped_zero_variance": producer.stats.dropped_zero_variance,

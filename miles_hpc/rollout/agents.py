@@ -22,8 +22,9 @@ from typing import Any
 
 from miles_hpc.data.prompts import PromptRecord
 from miles_hpc.data.sample import Sample
-from miles_hpc.rollout.conversation import Conversation
 from miles_hpc.data.terminal_env import TerminalEnv, make_terminal_task
+from miles_hpc.rollout.conversation import Conversation
+from miles_hpc.rollout.pieces import continue_aborted
 
 __all__ = ["AgentContext", "AgentFn", "check_agent", "terminal_agent"]
 
@@ -78,7 +79,10 @@ class AgentContext:
         if "sampling_seed" in params:  # another draw per turn, the same on every rerun
             params["sampling_seed"] = (int(params["sampling_seed"]) + 7919 * self.calls) % (2**31 - 1)
         self.calls += 1
-        out = await self.generate_fn(conv.ids, params, affinity_key=self.session, return_logprob=True)
+        kw = {"affinity_key": self.session, "return_logprob": True}
+        # A turn aborted by a weight update (fully async, pause mode abort) continues from its tokens.
+        out = await continue_aborted(self.generate_fn, conv.ids, params,
+                                     await self.generate_fn(conv.ids, params, **kw), **kw)  # fmt: skip
         return conv.add_generated(out.output_ids, out.output_logprobs, out.token_versions(),
                                   prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
                                   finish=out.finish_reason.type)  # fmt: skip

@@ -1,4 +1,5 @@
-"""A generation produced in pieces, merged into what one request would have returned (stage: rollout; no I/O).
+"""A generation produced in pieces, merged into what one request would have returned (stage: rollout; no I/O of
+its own: `continue_aborted` calls the generate function it is given).
 
 The router (router.py) continues a generation from ``prompt + output so far`` when it chunks it or when the engine
 running it failed. This module says when that is exact and how the pieces join.
@@ -18,7 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -120,3 +121,19 @@ class Pieces:
             chunks=self.count,
             resubmissions=resubmissions,
         )
+
+
+async def continue_aborted(generate_fn: Callable[..., Awaitable[GenerateOutput]], ids: list[int],
+                           params: Mapping[str, Any], out: GenerateOutput, **kw: Any) -> GenerateOutput:  # fmt: skip
+    """`out`, or, when a weight update aborted it (pause mode ``abort``) after some tokens, those tokens continued
+    until the generation finishes otherwise: one output, as if never interrupted (its later tokens carry the new
+    weight version). `kw` goes to every call of `generate_fn` (``Router.generate``'s signature)."""
+    if out.finish_reason.type != "abort" or not out.output_ids or params.get("max_new_tokens") is None:
+        return out
+    pieces = Pieces(prompt=list(ids))
+    pieces.add(out)
+    cont = {k: v for k, v in params.items() if k != "sampling_seed"}  # continuing a seeded request is not exact
+    while out.finish_reason.type == "abort" and len(pieces.output_ids) < int(params["max_new_tokens"]):
+        out = await generate_fn(list(ids) + pieces.output_ids, piece_params(cont, len(pieces.output_ids), 0), **kw)
+        pieces.add(out)
+    return pieces.result(out.rid, 0)
