@@ -256,6 +256,12 @@ class SyncConfig:
         metadata=_help("broadcast/p2p over torch.distributed (gloo/NCCL/RCCL) or over MPI (mpi4py; the vendor MPI "
                        "is often the tuned RDMA path): every process must then run under an MPI launcher"),
     )  # fmt: skip
+    delta_device: Literal["cpu", "trainer"] = field(
+        default="cpu",
+        metadata=_help("strategy delta: where the last published copy lives and the codec runs: host memory, or "
+                       "the trainer's device (GPU coding, ~300x faster, for one rollout-dtype copy of the model in "
+                       "trainer rank 0's GPU memory)"),
+    )  # fmt: skip
     mpi_gpu_aware: Literal["auto", "on", "off"] = field(
         default="auto",
         metadata=_help("transport mpi: hand CUDA buffers to MPI (on), stage through pinned host memory (off), or "

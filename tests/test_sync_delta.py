@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -190,7 +191,26 @@ def test_writer_renames_atomically_and_reads_back(tmp_path: Path) -> None:
     assert m.full_bytes == 3 * new.numel() * 2 and m.total_bytes == sum(e.length for e in m.tensors)
     assert all(read_payload(final, e).checksum == tensor_checksum(new) for e in m.tensors)
     raw = json.loads((final / "manifest.json").read_text())
-    assert raw["format"] == "miles-hpc-weights/1" and raw["tensors"][0]["shape"] == [64, 8]
+    assert raw["format"] == "miles-hpc-weights/2" and raw["tensors"][0]["shape"] == [64, 8]
+
+    # A group: one frame for three tensors (their concatenation); each entry keeps its own shape and checksum.
+    parts = [torch.randn(shape).to(torch.bfloat16) for shape in ((4, 3), (5,), (2, 2))]
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    group_dir = tmp_path / "g3"
+    with VersionWriter(group_dir, version="3", base_version=None, shard_bytes=64) as w:
+        w.add("solo", encode_full(new))
+        w.add_group([(f"p{i}", tuple(p.shape), tensor_checksum(p)) for i, p in enumerate(parts)], encode_full(flat))
+        g = w.commit()
+    members = [e for e in g.tensors if e.name.startswith("p")]
+    assert [e.elem_offset for e in members] == [0, 12, 17] and len({(e.file, e.offset) for e in members}) == 1
+    assert g.total_bytes == g.tensors[0].length + members[0].length and g.full_bytes == (64 * 8 + 21) * 2
+    assert g == read_manifest(group_dir) and all(read_payload(group_dir, e).shape == (21,) for e in members)
+    raw = json.loads((group_dir / "manifest.json").read_text())
+    raw["tensors"][2]["length"] += 1  # a member disagreeing with its frame
+    (group_dir / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ManifestError, match="share the frame"):
+        read_manifest(group_dir)
+    shutil.rmtree(group_dir)
 
     with VersionWriter(final, version="2", base_version=None) as w:  # a retried publish replaces the version
         w.add("a", encode_full(old))
@@ -246,8 +266,8 @@ def test_prune_keeps_the_newest_versions_and_drops_leftovers(tmp_path: Path) -> 
 
 
 # ---------------------------------------------------------------- the engine side, in-process
-def engine_of(dtype: str) -> Engine:
-    return Engine(load_pretrained(tiny_model()), EngineConfig(dtype=dtype, max_total_tokens=256))
+def engine_of(dtype: str, device: str = "cpu") -> Engine:
+    return Engine(load_pretrained(tiny_model()), EngineConfig(dtype=dtype, max_total_tokens=256, device=device))
 
 
 async def _stage(sync: DeltaSync, named: Named, version: str, *, full: bool = False) -> Staged:
@@ -277,13 +297,15 @@ def test_engine_refuses_a_delta_in_another_dtype_and_a_wrong_base(tmp_path: Path
     assert {k: v for k, v in bf16.checksums().items() if k in s2.checksums} == s2.checksums
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 def test_engine_whose_weights_are_not_the_base_ends_half_updated(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    grouped: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The version says "1" but one tensor differs (a mislabelled engine): its checksum catches it after the tensors
-    before it were applied (one per part here), so the paused engine is half-updated and refuses to continue."""
+    """The version says "1" but one tensor differs (a mislabelled engine): its checksum catches it. Tensor by
+    tensor, after the tensors before it were applied (one per part here), so the paused engine is half-updated and
+    refuses to continue; in one group (the whole tiny model), before any tensor of the group was applied."""
     monkeypatch.setattr(delta_receiver, "BUCKET_BYTES", 1)  # every tensor its own update part
-    sync = DeltaSync(DeltaSpec(run_dir=tmp_path, rollout_dtype=torch.bfloat16))
+    sync = DeltaSync(DeltaSpec(run_dir=tmp_path, rollout_dtype=torch.bfloat16, group_bytes=1 << 30 if grouped else 1))
     w1 = base_weights()
     sync.commit(asyncio.run(_stage(sync, w1, "1")))
     s2 = asyncio.run(_stage(sync, step(w1, seed=2), "2"))
@@ -295,8 +317,37 @@ def test_engine_whose_weights_are_not_the_base_ends_half_updated(
     engine.pause("in_place")
     with pytest.raises(RequestError, match=rf"tensor '{bad}' in .*payload-00000.bin: checksum mismatch"):
         apply_version(engine, s2.directory, base_version="1", weight_version=None, flush_cache=True)
+    if grouped:
+        assert engine.weight_version == "1" and not engine.half_updated
+        return
     assert engine.weight_version == "1" and engine.half_updated
     with pytest.raises(RequestError, match="half-updated"):
         engine.resume()
     with pytest.raises(RequestError, match="half-updated, not version '1'"):  # the trainer must send full tensors
         apply_version(engine, s2.directory, base_version="1", weight_version=None, flush_cache=True)
+
+
+@pytest.mark.gpu
+def test_gpu_coding_on_the_trainer_device_and_decoding_on_the_engine_gpu(tmp_path: Path) -> None:
+    # `sync.delta_device: trainer`: the kept copies live on the GPU the tensors come from and the codec runs there
+    # (Triton class layout); the engine decodes each group against its own CUDA weights.
+    sync = DeltaSync(DeltaSpec(run_dir=tmp_path, rollout_dtype=torch.bfloat16, device=None, group_bytes=1 << 16))
+    w1 = [(n, t.cuda()) for n, t in base_weights()]
+    engine = engine_of("bfloat16", "cuda")
+    s1 = asyncio.run(_stage(sync, w1, "1"))
+    engine.pause("in_place")
+    apply_version(engine, s1.directory, base_version=None, weight_version=None, flush_cache=True)
+    sync.commit(s1)
+    assert all(t.is_cuda for t in sync._kept.values())
+    w2 = [(n, t.cuda()) for n, t in step([(n, t.cpu()) for n, t in w1], seed=3)]
+    s2 = asyncio.run(_stage(sync, w2, "2"))
+    assert s2.manifest is not None and any(e.elem_offset for e in s2.manifest.tensors)  # several groups of several
+    assert {e.kind for e in s2.manifest.tensors} >= {"delta"}
+    report = apply_version(engine, s2.directory, base_version="1", weight_version=None, flush_cache=True)
+    assert report.version == "2" and engine.weight_version == "2"
+    from miles_hpc.models import hf_target
+
+    held = dict(engine.model.named_parameters())
+    for name, t in w2:
+        target = hf_target(engine.model, name, held)
+        assert target.is_cuda and torch.equal(target.view(torch.int16), t.view(torch.int16)), name

@@ -4,7 +4,8 @@ Stage: engine (weight sync, engine side). The trainer (``sync/delta.py``) writes
 (``sync/delta_manifest.py``: manifest + payload files) and names it here; `apply_version` reads it, decodes each
 tensor against this engine's current value of that HF tensor (the same name mapping as ``/weights_checker``:
 ``models.hf_target``, per-expert views of fused MoE tensors), and applies the results with
-``Engine.update_weights``, the last part carrying the new ``weight_version``.
+``Engine.update_weights``, the last part carrying the new ``weight_version``. A frame that codes a group of tensors
+(their concatenation) is decoded once against the concatenation of this engine's tensors, on their device.
 
 Invariants:
 - Nothing is written before everything that can be checked was: the manifest, the base version (the engine must
@@ -22,6 +23,7 @@ Every error names the file and the tensor; the server answers it with HTTP 400.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 from miles_hpc.models import hf_target
+from miles_hpc.sync.checksum import tensor_checksums
 from miles_hpc.sync.delta_codec import DeltaError, decode
 from miles_hpc.sync.delta_manifest import Entry, Manifest, read_manifest, read_payload
 
@@ -72,13 +75,15 @@ def apply_version(
         if engine.half_updated:
             raise RequestError(f"engine weights are half-updated, not version {m.base_version!r}: a delta cannot "
                                "apply; it needs the full tensors")  # fmt: skip
-    targets = _targets(engine, m, directory)
+    targets, skip = _targets(engine, m, directory)
     for e in m.tensors:  # every frame readable and as described before anything is written
         read_payload(directory, e)
     changed = 0
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, new in _decoded(directory, m, targets):
+        if name in skip:
+            continue
         if bucket and size + new.numel() * new.element_size() > BUCKET_BYTES:
             engine.update_weights(bucket, version=None, flush_cache=False)
             bucket, size = [], 0
@@ -90,17 +95,23 @@ def apply_version(
     return DeltaReport(version=version, tensors=len(m.tensors), changed=changed, bytes_read=2 * m.total_bytes)
 
 
-def _targets(engine: Engine, m: Manifest, directory: Path) -> dict[str, torch.Tensor]:
-    """HF name -> the view of the model's parameter it fills; checks names, shapes and delta dtypes."""
+def _targets(engine: Engine, m: Manifest, directory: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """(HF name -> the view of the model's parameter it fills, names to decode but not apply); checks names, shapes
+    and delta dtypes."""
     model = engine.model
     params = dict(model.named_parameters())
     out: dict[str, torch.Tensor] = {}
+    skip: set[str] = set()
     for e in m.tensors:
         where = f"tensor {e.name!r} of {directory}"
+        name = e.name
         if model.config.tie_word_embeddings and e.name == "lm_head.weight":
-            continue  # the embedding itself, as loading and every other update skip it
+            # The embedding itself, which loading and every other update skip; a group that holds it still needs
+            # its current values (the embedding's) to decode against.
+            skip.add(e.name)
+            name = "model.embed_tokens.weight"
         try:
-            target = hf_target(model, e.name, params)
+            target = hf_target(model, name, params)
         except KeyError:
             raise RequestError(f"{where}: no such tensor in this {model.config.model_type} model") from None
         if tuple(target.shape) != e.shape:
@@ -110,18 +121,21 @@ def _targets(engine: Engine, m: Manifest, directory: Path) -> dict[str, torch.Te
             raise RequestError(f"{where}: a {e.dtype} delta, but this engine holds {held}: deltas need the engine "
                                f"in the rollout dtype (send full tensors, or serve with --dtype {e.dtype})")  # fmt: skip
         out[e.name] = target
-    return out
+    return out, skip
 
 
 def _decoded(directory: Path, m: Manifest, targets: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, new tensor) of each changed entry, decoded against the engine's current value and verified."""
+    frames: dict[tuple[str, int], list[Entry]] = {}
     for e in m.tensors:
-        if e.name not in targets:
+        frames.setdefault((e.file, e.offset), []).append(e)
+    for entries in frames.values():
+        if entries[0].kind == "same":
             continue
-        target = targets[e.name]
-        new = _decode(directory, e, target)
-        if e.kind != "same":
-            yield e.name, new
+        if entries[0].elem_offset is None:
+            yield entries[0].name, _decode(directory, entries[0], targets[entries[0].name])
+        else:
+            yield from _decode_group(directory, entries, targets)
 
 
 def _decode(directory: Path, e: Entry, target: torch.Tensor) -> torch.Tensor:
@@ -132,3 +146,39 @@ def _decode(directory: Path, e: Entry, target: torch.Tensor) -> torch.Tensor:
         return decode(old, payload)
     except DeltaError as err:
         raise RequestError(f"tensor {e.name!r} in {directory / e.file}: {err}") from err
+
+
+def _decode_group(
+    directory: Path, entries: list[Entry], targets: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one group frame: decoded once against the concatenation of their current values, each then
+    checked against its own checksum."""
+    first = entries[0]
+    where = f"tensor {first.name!r} (and {len(entries) - 1} more in its group) in {directory / first.file}"
+    entries = sorted(entries, key=lambda e: e.elem_offset or 0)
+    at = 0
+    for e in entries:
+        if e.elem_offset != at:
+            raise RequestError(f"{where}: the group's tensors do not tile it ({e.name!r} starts at {e.elem_offset}, "
+                               f"expected {at})")  # fmt: skip
+        at += math.prod(e.shape)
+    payload = read_payload(directory, first)
+    if payload.shape != (at,):
+        raise RequestError(f"{where}: the group's tensors hold {at} values, its payload {payload.shape}")
+    dtype, device = getattr(torch, payload.dtype), targets[first.name].device
+    if payload.kind == "full":
+        old = torch.empty(at, dtype=dtype, device=device)
+    else:
+        old = torch.cat([targets[e.name].reshape(-1) for e in entries]) if at else torch.empty(0, dtype=dtype)
+    try:
+        flat = decode(old, payload, verify=False)  # checked tensor by tensor below: a mismatch names its tensor
+    except DeltaError as err:
+        raise RequestError(f"{where}: {err}") from err
+    news = [(e.name, flat[e.elem_offset : e.elem_offset + math.prod(e.shape)].view(e.shape)) for e in entries]
+    got = tensor_checksums(news)
+    for e, (name, _) in zip(entries, news):  # all checked before any is applied
+        if got[name] != e.checksum:
+            raise RequestError(f"tensor {name!r} in {directory / e.file}: checksum mismatch after decoding its group: "
+                               f"got {got[name]}, the manifest says {e.checksum} (corrupt payload, or this engine's "
+                               "tensor is not the one the delta was made against)")  # fmt: skip
+    yield from news

@@ -4,16 +4,22 @@ Stage: sync (pure: imports only `atomic` and the codec, so the engine reads what
 module). Layout, under ``RUN/weights/``::
 
     v<N>/manifest.json            what changed since base_version (kinds same | delta | full), or all "full"
-    v<N>/payload-00000.bin ...    `delta_codec.to_bytes` frames, back to back, a few tensors per file
+    v<N>/payload-00000.bin ...    `delta_codec.to_bytes` frames, back to back, a few frames per file
     v<N>/full/manifest.json       only when some engine lacks the base: every tensor "full", base_version null
     v<N>/full/payload-00000.bin ...
 
 ``manifest.json``::
 
-    {"format": "miles-hpc-weights/1", "version": "3", "base_version": "2",
+    {"format": "miles-hpc-weights/2", "version": "3", "base_version": "2",
      "tensors": [{"name": HF name, "file": "payload-00000.bin", "offset": 0, "length": 123, "kind": "delta",
-                  "dtype": "bfloat16", "shape": [64, 32], "checksum": tensor_checksum of the new tensor}, ...],
-     "total_bytes": sum of the lengths, "full_bytes": bytes of the new tensors themselves}
+                  "dtype": "bfloat16", "shape": [64, 32], "checksum": tensor_checksum of the new tensor,
+                  "elem_offset": null}, ...],
+     "total_bytes": sum of the frames' lengths, "full_bytes": bytes of the new tensors themselves}
+
+A frame codes one tensor (``elem_offset`` null: the frame's shape and checksum are the tensor's) or a group of
+tensors coded as one (their flat concatenation, in ``elem_offset`` order): every entry of a group names the same
+file, offset, length, kind and dtype, and its ``elem_offset`` is where its values start in the concatenation; its
+checksum is of the tensor itself (the frame's own checksum covers the concatenation).
 
 Invariants: a reader never sees a half-written version: `VersionWriter` writes into ``v<N>.partial/``, fsyncs the
 payloads and the manifest, then renames the directory to ``v<N>/`` (a rename is atomic on POSIX file systems); an
@@ -24,6 +30,7 @@ needed). Every reading error (`ManifestError`) names the manifest or payload fil
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import uuid
@@ -47,7 +54,7 @@ __all__ = [
     "read_payload",
 ]
 
-FORMAT = "miles-hpc-weights/1"
+FORMAT = "miles-hpc-weights/2"  # 2: frames may code a group of tensors (elem_offset)
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
 KINDS = ("same", "delta", "full")
@@ -69,6 +76,7 @@ class Entry:
     dtype: str  # e.g. "bfloat16"
     shape: tuple[int, ...]
     checksum: str  # of the new tensor
+    elem_offset: int | None = None  # in a group's frame: where this tensor's values start; None: its own frame
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,6 +133,28 @@ class VersionWriter:
                                    dtype=payload.dtype, shape=payload.shape, checksum=payload.checksum))  # fmt: skip
         self._full_bytes += payload.raw_nbytes
 
+    def add_group(self, members: list[tuple[str, tuple[int, ...], str]], payload: DeltaPayload) -> None:
+        """One frame for several tensors: `payload` codes the concatenation of `members` (name, shape, checksum of
+        the tensor), in this order."""
+        if payload.kind != "full" and self.base_version is None:
+            raise ValueError(f"tensor {members[0][0]!r}: a {payload.kind!r} payload in a version without a base")
+        frame = to_bytes(payload)
+        if self._file is None or self._file.tell() >= self.shard_bytes:
+            self._next_file()
+        assert self._file is not None
+        offset = self._file.tell()
+        self._file.write(frame)
+        at = 0
+        for name, shape, checksum in members:
+            self._entries.append(Entry(name=name, file=self._file_name, offset=offset, length=len(frame),
+                                       kind=payload.kind, dtype=payload.dtype, shape=tuple(shape), checksum=checksum,
+                                       elem_offset=at))  # fmt: skip
+            at += math.prod(shape)
+        if (at,) != payload.shape:
+            raise ValueError(f"group of {len(members)} tensors from {members[0][0]!r} holds {at} values, its payload "
+                             f"{payload.shape}")  # fmt: skip
+        self._full_bytes += payload.raw_nbytes
+
     def commit(self) -> Manifest:
         """fsync the payloads, write the manifest, rename ``v<N>.partial`` to ``v<N>``: a version written before
         under the same name (a retried publish) is replaced."""
@@ -133,8 +163,9 @@ class VersionWriter:
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"tensor {dup!r} appears twice in weight version {self.version}")
+        frames = {(e.file, e.offset): e.length for e in self._entries}
         manifest = Manifest(version=self.version, base_version=self.base_version, tensors=tuple(self._entries),
-                            total_bytes=sum(e.length for e in self._entries), full_bytes=self._full_bytes)  # fmt: skip
+                            total_bytes=sum(frames.values()), full_bytes=self._full_bytes)  # fmt: skip
         write_text_atomic(self.partial / MANIFEST, manifest.to_json())
         if self.final.exists():
             stale = self.final.with_name(f"{self.final.name}.stale-{uuid.uuid4().hex[:8]}")
@@ -209,8 +240,20 @@ def _parse(raw: Any) -> Manifest:
             raise ValueError(f"{where}: offset, length and shape must be non-negative integers")
         if t["kind"] not in KINDS or (base is None and t["kind"] != "full"):
             raise ValueError(f"{where}: kind {t['kind']!r} (a version without base_version holds 'full' only)")
+        at = t.get("elem_offset")
+        if at is not None and (not isinstance(at, int) or isinstance(at, bool) or at < 0):
+            raise ValueError(f"{where}: elem_offset must be a non-negative integer or null")
         entries.append(Entry(name=name, file=f, offset=t["offset"], length=t["length"], kind=t["kind"],
-                             dtype=str(t["dtype"]), shape=tuple(t["shape"]), checksum=str(t["checksum"])))  # fmt: skip
+                             dtype=str(t["dtype"]), shape=tuple(t["shape"]), checksum=str(t["checksum"]),
+                             elem_offset=at))  # fmt: skip
+    frames: dict[tuple[str, int], Entry] = {}
+    for e in entries:  # the entries of one frame agree on what the frame is
+        first = frames.setdefault((e.file, e.offset), e)
+        if (first.length, first.kind, first.dtype) != (e.length, e.kind, e.dtype) or (
+            e is not first and (first.elem_offset is None or e.elem_offset is None)
+        ):
+            raise ValueError(f"tensors {first.name!r} and {e.name!r} share the frame at {e.file}:{e.offset} but "
+                             "not its length, kind and dtype, or one of them is not a group member")  # fmt: skip
     return Manifest(version=raw["version"], base_version=base, tensors=tuple(entries),
                     total_bytes=int(raw["total_bytes"]), full_bytes=int(raw["full_bytes"]))  # fmt: skip
 
@@ -231,8 +274,14 @@ def read_payload(directory: str | os.PathLike[str], entry: Entry) -> DeltaPayloa
         payload = from_bytes(frame)
     except DeltaError as e:
         raise ManifestError(f"{where}: {e}") from e
-    got = (payload.kind, payload.dtype, payload.shape, payload.checksum)
-    want = (entry.kind, entry.dtype, entry.shape, entry.checksum)
+    if entry.elem_offset is None:
+        got = (payload.kind, payload.dtype, payload.shape, payload.checksum)
+        want = (entry.kind, entry.dtype, entry.shape, entry.checksum)
+    else:  # a group member: the frame is the concatenation, this tensor a range of it
+        fits = len(payload.shape) == 1 and entry.elem_offset + math.prod(entry.shape) <= payload.shape[0]
+        got = (payload.kind, payload.dtype, fits)
+        want = (entry.kind, entry.dtype, True)
     if got != want:
-        raise ManifestError(f"{where}: the payload is (kind, dtype, shape, checksum) {got}, the manifest says {want}")
+        raise ManifestError(f"{where}: the payload is {got}, the manifest says {want} (kind, dtype, shape/range, "
+                            "checksum)")  # fmt: skip
     return payload

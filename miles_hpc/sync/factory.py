@@ -61,7 +61,9 @@ def build_sync(cfg: RunConfig, run_dir: Path, master_address: str, next_port: Ca
                                timeout_s=s.timeout_s, mpi_gpu_aware=gpu_aware), trainer)  # fmt: skip
     if s.strategy == "delta":
         rollout_dtype = getattr(torch, cfg.model.dtype)
-        return DeltaSync(DeltaSpec(run_dir=run_dir, rollout_dtype=rollout_dtype, timeout_s=s.timeout_s))
+        return DeltaSync(DeltaSpec(run_dir=run_dir, rollout_dtype=rollout_dtype, timeout_s=s.timeout_s,
+                                   group_bytes=min(s.bucket_bytes, 1 << 30),
+                                   device="cpu" if s.delta_device == "cpu" else None))  # fmt: skip
     if s.strategy == "colocated":  # the engines of a local run share the trainer's host
         rollout_dtype = getattr(torch, cfg.model.dtype)
         return ColocatedSync(ColocatedSpec(bucket_bytes=s.bucket_bytes, rollout_dtype=rollout_dtype,
