@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from miles_hpc.models.attention import no_cudnn_sdpa
 from miles_hpc.models.rope import rotate_half
 
 
@@ -93,9 +94,10 @@ def paged_decode_reference(
     slots = (block_tables.to(torch.int64)[:, blk] * block_size + kpos % block_size).masked_fill(~mask, 0)
     k = k_cache[slots].transpose(1, 2)  # [N, Hkv, ctx, D]
     v = v_cache[slots].transpose(1, 2)
-    o = F.scaled_dot_product_attention(
-        q[:, :, None], k, v, attn_mask=mask[:, None, None], scale=scale, enable_gqa=hq != k.shape[1]
-    )
+    with no_cudnn_sdpa():
+        o = F.scaled_dot_product_attention(
+            q[:, :, None], k, v, attn_mask=mask[:, None, None], scale=scale, enable_gqa=hq != k.shape[1]
+        )
     return o[:, :, 0]
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from miles_hpc.models.attention import no_cudnn_sdpa
+
 from .kv_cache import KVCache
 
 # (q [N, Hq, D], k_cache, v_cache [slots, Hkv, D], block_tables int32 [N, W], context_lens int32 [N], *, block_size,
@@ -151,6 +153,10 @@ class PagedAttention:
         cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
         del cu_seqlens  # the metadata says more (prefix lengths, slots)
+        with no_cudnn_sdpa():  # per-shape cuDNN plans cost ms of host time (models/attention.py)
+            return self._attend(q, k, v, layer_idx, scale)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
         m = self.meta
         kc, vc = self.cache.flat(layer_idx)
         # [1, H, T, D] -> [T, H, D]: the cache's slot-major layout.
