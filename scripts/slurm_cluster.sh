@@ -68,12 +68,14 @@ stop() {
   rm -rf "$DIR/pids" "$DIR/run" "$DIR/state" "$DIR/spool" "$DIR/tmp" "$DIR/bin" "$DIR/slurm.conf"
 }
 
-# slurm-wlm, and libpmix2 for `srun --mpi=pmix`: slurmd loads the PMIx library once, when it starts, so installing
-# it later (e.g. with openmpi-bin) leaves pmix steps hanging until the cluster is restarted.
+# slurm-wlm, and libpmix-dev for `srun --mpi=pmix`: Slurm's pmix plugin dlopens the unversioned
+# pmix2/lib/libpmix.so, which only the -dev package ships (libpmix2 alone: "can not load PMIx library"; CI used to
+# get it with libopenmpi-dev). slurmd loads the library once, when it starts, so installing it later leaves pmix
+# steps failing until the cluster is restarted.
 install_slurm() {
   local pkgs=()
   command -v slurmctld >/dev/null || pkgs+=(slurm-wlm)
-  ldconfig -p | grep -q 'libpmix\.so\.2 ' || pkgs+=(libpmix2)
+  compgen -G '/usr/lib/*/pmix2/lib/libpmix.so' >/dev/null || pkgs+=(libpmix-dev)
   [ "${#pkgs[@]}" = 0 ] && return
   [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || die "missing: apt-get install ${pkgs[*]}"
   echo "slurm_cluster: installing ${pkgs[*]} ..." >&2

@@ -10,12 +10,14 @@ is one array job, a task per grid point, each in its own run directory, tabulate
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import require
 from slurm_support import SlurmCluster, slurm_cluster_fixture  # noqa: F401  (the fixture `slurm_cluster`)
 
 from miles_hpc.config import load_config
@@ -109,6 +111,7 @@ def test_sweep_runs_one_array_task_per_grid_point(slurm_cluster: SlurmCluster, t
 
 BOOTSTRAP_PROG = """
 import json
+import shutil
 from miles_hpc.cluster.bootstrap import _from_mpi, bootstrap
 slurm, mpi = bootstrap(), _from_mpi()
 print("PLACE " + json.dumps({"slurm": slurm.as_dict(), "mpi": mpi.as_dict()}), flush=True)
@@ -118,6 +121,7 @@ print("PLACE " + json.dumps({"slurm": slurm.as_dict(), "mpi": mpi.as_dict()}), f
 def test_bootstrap_under_srun_pmix_agrees_with_mpi(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """Two tasks on two nodes started by `srun --mpi=pmix`: Slurm's variables and MPI (mpi4py over PMIx) give the
     same ranks, world size and master node."""
+    require(shutil.which("mpirun") is not None, "Open MPI (its libmpi, loaded by mpi4py in the tasks)")
     prog = tmp_path / "place.py"
     prog.write_text(BOOTSTRAP_PROG)
     script = (f"#!/bin/bash\n#SBATCH --nodes=2 --ntasks=2 --ntasks-per-node=1 --time=2\n"
