@@ -16,6 +16,7 @@ from miles_hpc.rollout.plugins import PluginError, load_object
 from miles_hpc.rollout.rewards import (
     RewardOutcome,
     boxed_math,
+    char_match,
     exact_match,
     extract_boxed,
     load_reward_fn,
@@ -35,6 +36,17 @@ def test_exact_match() -> None:
     assert r(exact_match, "8.", "8") == 0.0
     assert r(exact_match, "", "8") == 0.0
     assert r(exact_match, "c ba", "cba") == 0.0
+
+
+def test_char_match() -> None:
+    assert r(char_match, " abcd\n", "abcd") == 1.0
+    assert r(char_match, "abca", "abcd") == 0.75
+    assert r(char_match, "ab", "abcd") == 0.5  # too short: the missing half is lost
+    assert r(char_match, "abcdcd", "abcd") == pytest.approx(4 / 6)  # too long: extra characters cost too
+    assert r(char_match, "bcda", "abcd") == 0.0  # positions, not a bag of characters
+    assert r(char_match, "", "abcd") == 0.0 and r(char_match, "", "") == 1.0
+    for got, want in (("x", "x"), ("xy", "x"), ("a b", "ab")):
+        assert (r(char_match, got, want) == 1.0) == (r(exact_match, got, want) == 1.0)
 
 
 @pytest.mark.parametrize(

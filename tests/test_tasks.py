@@ -11,6 +11,8 @@ def _solve(prompt: str) -> str:
     # An independent solver, written from the docstring's formats rather than the generators.
     if prompt.startswith("copy "):
         return prompt.removeprefix("copy ")
+    if prompt.startswith("echo "):
+        return prompt.removeprefix("echo ")
     if prompt.startswith("reverse "):
         return prompt.removeprefix("reverse ")[::-1]
     a, b = prompt.removesuffix("=").split("+")
@@ -25,7 +27,7 @@ def test_labels_correct_and_formats(name: str) -> None:
     for r in recs:
         assert isinstance(r.prompt, str) and isinstance(r.label, str) and r.metadata == {"task": name}
         assert r.label == _solve(r.prompt)
-        assert 1 <= len(r.label.encode()) <= spec.max_answer_tokens and len(r.prompt) <= 12
+        assert 1 <= len(r.label.encode()) <= spec.max_answer_tokens and len(r.prompt) <= len("reverse ") + spec.max_answer_tokens
     assert len({r.prompt for r in recs}) > 20  # not one problem repeated
 
 
@@ -37,6 +39,12 @@ def test_task_shapes() -> None:
     for name in ("copy", "reverse"):
         letters = {r.label for r in make_task(name, n=2000, seed=0)}
         assert {len(s) for s in letters} == {2, 3, 4} and set("".join(letters)) == set("abcd")
+
+
+def test_echo_lengths_long_tailed() -> None:
+    lengths = sorted(len(r.label) for r in make_task("echo", n=20000, seed=0))
+    median, p99 = lengths[len(lengths) // 2], lengths[int(0.99 * len(lengths))]
+    assert median == 3 and p99 >= 8 * median and lengths[0] == 1 and lengths[-1] == 32
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))

@@ -10,6 +10,10 @@ Tasks (answer format in each ``TaskSpec.answer_format``):
 - ``arith``: single-digit addition with a one-digit sum, ``"3+5="`` -> ``"8"`` (55 distinct problems).
 - ``copy``: ``"copy abc"`` -> ``"abc"``; 2-4 letters from ``abcd``.
 - ``reverse``: ``"reverse abc"`` -> ``"cba"``; 2-4 letters from ``abcd``.
+- ``echo``: ``"echo abcab"`` -> ``"abcab"``, a copy task whose lengths are long-tailed: 1-32 letters from ``abcd``,
+  the length drawn from a lognormal with median 3 and sigma 0.9 (p99 about 8x the median; 8% of answers are longer
+  than 10). Responses as long-tailed as their answers make a few samples decide a synchronous rollout's time: the
+  task of the fully async comparison (docs/fully_async.md).
 - ``terminal``: multi-turn; the prompt is the goal of a simulated terminal task (``data/terminal_env.py``), the
   label its answer, ``metadata["task_seed"]`` rebuilds its files. Needs ``rollout.agent`` (the reference:
   ``miles_hpc.rollout.agents:terminal_agent``), whose environment gives the reward.
@@ -26,6 +30,7 @@ GRPO groups to have reward variance. ``TaskSpec.max_answer_tokens`` + 1 (for the
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +41,7 @@ from miles_hpc.data.terminal_env import make_terminal_task
 __all__ = ["TASKS", "TaskSpec", "make_task", "task_spec"]
 
 _LETTERS = "abcd"
+_ECHO_MAX = 32
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,6 +71,12 @@ def _copy(rng: random.Random) -> tuple[str, str]:
     return f"copy {s}", s
 
 
+def _echo(rng: random.Random) -> tuple[str, str]:
+    n = min(_ECHO_MAX, max(1, round(math.exp(math.log(3) + 0.9 * rng.gauss(0.0, 1.0)))))
+    s = "".join(rng.choice(_LETTERS) for _ in range(n))
+    return f"echo {s}", s
+
+
 def _reverse(rng: random.Random) -> tuple[str, str]:
     s = _letters(rng)
     return f"reverse {s}", s[::-1]
@@ -86,6 +98,8 @@ TASKS: dict[str, TaskSpec] = {
                  draw=_copy),
         TaskSpec(name="reverse", answer_format=f"the 2-4 letters (from {_LETTERS!r}) after 'reverse ', reversed",
                  max_answer_tokens=4, draw=_reverse),
+        TaskSpec(name="echo", answer_format=f"the 1-{_ECHO_MAX} letters (from {_LETTERS!r}) after 'echo '",
+                 max_answer_tokens=_ECHO_MAX, draw=_echo),
         TaskSpec(name="terminal", answer_format="commands over turns; the answer written to /answer.txt",
                  max_answer_tokens=32, draw=_terminal),
     )

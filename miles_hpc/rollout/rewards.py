@@ -11,7 +11,8 @@ Invariants of :func:`score_samples`:
   yields ``RewardOutcome(reward=0.0, failed=True, error=...)`` for that input only; the others proceed;
 - the samples are not modified: the caller decides how an outcome lands in ``Sample.reward`` / ``status``.
 
-Built-ins (all return 1.0 or 0.0): :func:`exact_match`, :func:`numeric_match`, :func:`boxed_math`.
+Built-ins returning 1.0 or 0.0: :func:`exact_match`, :func:`numeric_match`, :func:`boxed_math`; with partial credit
+in [0, 1]: :func:`char_match`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "RewardOutcome",
     "boxed_math",
     "call_reward_fn",
+    "char_match",
     "exact_match",
     "extract_boxed",
     "load_reward_fn",
@@ -156,6 +158,16 @@ def load_reward_fn(path: str, kwargs: Mapping[str, Any] | None = None) -> AnyRew
 def exact_match(inp: RewardInput) -> float:
     """1.0 when the response equals ``str(label)``, both stripped of surrounding whitespace; else 0.0."""
     return 1.0 if inp.response.strip() == str(inp.label).strip() else 0.0
+
+
+def char_match(inp: RewardInput) -> float:
+    """Partial credit for string answers: the characters equal to the label's at the same position, divided by the
+    longer of response and label (both stripped). 1.0 exactly when ``exact_match`` gives 1.0; a response too short
+    or too long loses the share it misses or adds, so the length of the answer is part of what is rewarded."""
+    got, want = inp.response.strip(), str(inp.label).strip()
+    if not got or not want:
+        return 1.0 if got == want else 0.0
+    return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want))
 
 
 # A number: optional sign (not when glued to a preceding word/number, so "10-5" ends in "5"), thousands groups,
