@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorldInfo", "world_from_env", "init_trainer_world", "broadcast_object", "all_reduce_floats", "teardown"]
+__all__ = ["WorldInfo", "world_from_env", "init_trainer_world", "broadcast_object", "all_reduce_floats", "group_size",
+           "teardown"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,12 +107,19 @@ def broadcast_object(obj: Any = None, src: int = 0) -> Any:
     return box[0]
 
 
-def all_reduce_floats(values: list[float], device: torch.device, op: str = "sum") -> list[float]:
-    """Reduce a few scalars across the world in one float64 collective ("sum" or "max")."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not values:
+def group_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in `group` (None: the default group); 1 without a process group."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def all_reduce_floats(
+    values: list[float], device: torch.device, op: str = "sum", group: dist.ProcessGroup | None = None
+) -> list[float]:
+    """Reduce a few scalars across `group` (None: the world) in one float64 collective ("sum" or "max")."""
+    if group_size(group) == 1 or not values:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
     return t.tolist()
 
 
