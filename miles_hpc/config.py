@@ -32,6 +32,7 @@ __all__ = [
     "RolloutConfig",
     "TrainConfig",
     "SyncConfig",
+    "MegatronConfig",
     "StoreConfig",
     "RunConfig",
     "load_config",
@@ -298,6 +299,23 @@ class FullyAsyncConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MegatronConfig:
+    """`train.backend: megatron` (train/megatron.py): megatron-core's parallel layout over the trainer ranks."""
+
+    tensor_parallel: int = field(default=1, metadata=_help("TP: ranks that split each layer (consecutive ranks)"))
+    pipeline_parallel: int = field(default=1, metadata=_help("PP: pipeline stages (1 so far)"))
+    expert_parallel: int = field(default=1, metadata=_help("EP: ranks that split the experts (1 so far)"))
+    context_parallel: int = field(default=1, metadata=_help("CP: ranks that split the sequence (1 so far)"))
+    distributed_optimizer: bool = field(
+        default=True, metadata=_help("shard fp32 master weights and Adam state over data-parallel ranks")
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel"):
+            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StoreConfig:
     """HDF5 trajectory shards under RUN/trajectories."""
 
@@ -361,6 +379,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     fully_async: FullyAsyncConfig = field(default_factory=FullyAsyncConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)

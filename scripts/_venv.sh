@@ -29,7 +29,8 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   # instead of pulling a multi-GB CUDA build. Set MILES_TORCH_SPEC to use another torch.
   "$VENV/bin/python" -m pip install -q "${MILES_TORCH_SPEC:-torch==2.13.0}"
   # mpi: mpi4py's wheels load the system MPI at run time; without one the MPI tier skips (CI installs Open MPI).
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,mpi]"
+  # megatron: megatron-core for train.backend=megatron (2.4 MB; the CPU tests patch its CUDA-only helpers).
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,mpi,megatron]"
   touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -50,3 +50,19 @@ def need_command():
         return path or ""
 
     return check
+
+
+def megatron_cpu_shims() -> None:
+    """Test-only: let megatron-core's forward run on a CPU-only torch. It calls three CUDA-only helpers, none of
+    which does anything a CPU run needs: `torch.cuda.current_device()` (the device of its global memory buffer and
+    of RoPE's inverse frequencies: here the CPU) and the CUDA RNG tracker's `fork` (dropout under tensor
+    parallelism; our configs have none). Library code never patches these (`train/megatron.py`)."""
+    import contextlib
+
+    import torch
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if torch.cuda.is_available():
+        return
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # type: ignore[method-assign]

@@ -22,7 +22,8 @@ def build_trainer(cfg: RunConfig, model_dir: Path) -> Any:
     from miles_hpc.train.fsdp import FSDPTrainer
 
     if cfg.train.backend != "fsdp":
-        raise ValueError(f"train.backend: {cfg.train.backend!r} is not available yet (fsdp is)")
+        raise ValueError(f"train.backend: {cfg.train.backend!r} does not run in `miles-hpc run` yet: the megatron "
+                         "trainer exists (train/megatron.py) but has no checkpoints or weight-sync wiring; use fsdp")
     return FSDPTrainer(str(model_dir), cfg.train, cfg.algo, device=cfg.train.device, seed=cfg.seed,
                        total_steps=cfg.steps * cfg.train.updates_per_step)
 

@@ -1,0 +1,174 @@
+"""HF <-> megatron-core weight mapping (stage: train; used by `train/megatron.py`). Pure tensor functions: no
+megatron import, no process group, so the layouts are unit-tested without megatron.
+
+Megatron names are those of `GPTModel` built with the local layer spec (`get_gpt_layer_local_spec`):
+
+| HF (our `iter_hf_tensors`) | megatron-core | TP split |
+| --- | --- | --- |
+| `model.embed_tokens.weight` | `embedding.word_embeddings.weight` | rows (vocab, padded) |
+| `model.layers.i.input_layernorm.weight` | `decoder.layers.i.input_layernorm.weight` | replicated |
+| `...self_attn.{q,k,v}_proj.weight` (and `.bias`) | `decoder.layers.i.self_attention.linear_qkv.weight` | rows, by query group |
+| `...self_attn.o_proj.weight` | `...self_attention.linear_proj.weight` | columns |
+| `...self_attn.o_proj.bias` | `...self_attention.linear_proj.bias` | replicated |
+| `...self_attn.{q,k}_norm.weight` | `...self_attention.{q,k}_layernorm.weight` | replicated |
+| `...post_attention_layernorm.weight` | `decoder.layers.i.pre_mlp_layernorm.weight` | replicated |
+| `...mlp.{gate,up}_proj.weight` | `decoder.layers.i.mlp.linear_fc1.weight` | rows, gate and up each |
+| `...mlp.down_proj.weight` | `...mlp.linear_fc2.weight` | columns |
+| `model.norm.weight` | `decoder.final_layernorm.weight` | replicated |
+| `lm_head.weight` (untied) | `output_layer.weight` | rows (vocab, padded) |
+
+Layouts (megatron's, for TP size t):
+- `linear_qkv` holds, per query group g (a kv head), the group's query heads, then its key head, then its value
+  head: `[g0: q.. k v | g1: q.. k v | ...]` along the output dim; rank r holds groups r*G/t .. (r+1)*G/t - 1. The
+  query heads of those groups are exactly the heads whose `linear_proj` columns rank r holds.
+- `linear_fc1` on rank r is `[gate rows of r; up rows of r]` (each of gate and up split in t), so the full
+  (t = 1) tensor is `[gate; up]` and a TP shard is not a contiguous slice of it.
+- The vocabulary is padded to `padded_vocab_size` (a multiple of 128 x t, as Megatron-LM does) with zero rows;
+  logits of padding ids are dropped before any softmax (`train/megatron.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from miles_hpc.models import CausalLM, ModelConfig, iter_hf_tensors
+
+__all__ = ["MCORE_FAMILIES", "Rule", "from_mcore", "hf_order", "iter_full_hf", "mcore_rules", "padded_vocab_size",
+           "to_mcore"]
+
+# Families whose megatron mapping exists (MoE and MLA families: later, see docs/megatron.md).
+MCORE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+Kind = Literal["replicated", "cols", "vocab", "qkv", "fc1"]
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One megatron tensor and the HF tensors it is made of."""
+
+    mcore: str
+    hf: tuple[str, ...]
+    kind: Kind
+
+
+def padded_vocab_size(vocab: int, tp: int, multiple: int = 128) -> int:
+    """Vocabulary rows megatron holds: `vocab` rounded up to a multiple of `multiple * tp`."""
+    step = multiple * tp
+    return -(-vocab // step) * step
+
+
+def mcore_rules(cfg: ModelConfig) -> list[Rule]:
+    """Every megatron tensor of a `GPTModel` for `cfg` (local spec), with its HF sources, in layer order."""
+    if cfg.model_type not in MCORE_FAMILIES:
+        raise NotImplementedError(
+            f"the megatron backend maps {', '.join(MCORE_FAMILIES)} so far; model_type {cfg.model_type!r} (MoE/MLA "
+            "families) is not mapped yet: use train.backend=fsdp"
+        )
+    rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
+    for i in range(cfg.num_hidden_layers):
+        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+        att = hf + "self_attn."
+        rules.append(Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated"))
+        rules.append(Rule(mc + "self_attention.linear_qkv.weight",
+                          tuple(f"{att}{p}_proj.weight" for p in "qkv"), "qkv"))  # fmt: skip
+        if cfg.qkv_bias:
+            rules.append(Rule(mc + "self_attention.linear_qkv.bias", tuple(f"{att}{p}_proj.bias" for p in "qkv"), "qkv"))
+        rules.append(Rule(mc + "self_attention.linear_proj.weight", (att + "o_proj.weight",), "cols"))
+        if cfg.o_bias:
+            rules.append(Rule(mc + "self_attention.linear_proj.bias", (att + "o_proj.bias",), "replicated"))
+        if cfg.model_type == "qwen3" or cfg.use_qk_norm:
+            rules.append(Rule(mc + "self_attention.q_layernorm.weight", (att + "q_norm.weight",), "replicated"))
+            rules.append(Rule(mc + "self_attention.k_layernorm.weight", (att + "k_norm.weight",), "replicated"))
+        rules.append(Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated"))
+        rules.append(Rule(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), "fc1"))
+        rules.append(Rule(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "cols"))
+        if cfg.mlp_bias:
+            rules.append(Rule(mc + "mlp.linear_fc1.bias", (hf + "mlp.gate_proj.bias", hf + "mlp.up_proj.bias"), "fc1"))
+            rules.append(Rule(mc + "mlp.linear_fc2.bias", (hf + "mlp.down_proj.bias",), "replicated"))
+    rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
+    if not cfg.tie_word_embeddings:
+        rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab"))
+    return rules
+
+
+def to_mcore(rule: Rule, hf: Mapping[str, torch.Tensor], cfg: ModelConfig, tp_rank: int, tp: int) -> torch.Tensor:
+    """The TP rank's shard of `rule.mcore` from the full HF tensors `hf` (a new tensor, contiguous)."""
+    src = [hf[n] for n in rule.hf]
+    if rule.kind == "replicated":
+        return src[0].clone()
+    if rule.kind == "cols":
+        return _chunk(src[0], 1, tp, tp_rank, rule).clone()
+    if rule.kind == "vocab":
+        t = src[0]
+        full = t.new_zeros((padded_vocab_size(cfg.vocab_size, tp), *t.shape[1:]))
+        full[: t.shape[0]] = t
+        return _chunk(full, 0, tp, tp_rank, rule).clone()
+    if rule.kind == "fc1":
+        return torch.cat([_chunk(s, 0, tp, tp_rank, rule) for s in src])
+    if rule.kind == "qkv":
+        return _chunk(_fuse_qkv(cfg, *src), 0, tp, tp_rank, rule).clone()
+    raise AssertionError(rule.kind)
+
+
+def from_mcore(rule: Rule, shards: list[torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The full HF tensors of `rule` from its shards on TP ranks 0..t-1 (inverse of `to_mcore`)."""
+    tp = len(shards)
+    if rule.kind == "replicated":
+        return {rule.hf[0]: shards[0]}
+    if rule.kind == "cols":
+        return {rule.hf[0]: torch.cat(shards, 1)}
+    if rule.kind == "vocab":
+        return {rule.hf[0]: torch.cat(shards, 0)[: cfg.vocab_size]}
+    if rule.kind == "fc1":
+        halves = [s.chunk(2, 0) for s in shards]
+        return {rule.hf[0]: torch.cat([h[0] for h in halves]), rule.hf[1]: torch.cat([h[1] for h in halves])}
+    if rule.kind == "qkv":
+        q, k, v = _split_qkv(cfg, torch.cat(shards, 0))
+        return dict(zip(rule.hf, (q, k, v)))
+    raise AssertionError(rule.kind)
+
+
+def hf_order(cfg: ModelConfig) -> list[str]:
+    """HF tensor names in `iter_hf_tensors` order (the order `Trainer.state_for_sync` yields), from a model on
+    the meta device: no memory."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    return [name for name, _ in iter_hf_tensors(model)]
+
+
+def iter_full_hf(cfg: ModelConfig, gather: Callable[[Rule], list[torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) in `hf_order`, each rule's TP shards fetched by `gather(rule)` once, when its first
+    HF tensor comes up (at most one rule's tensors held at a time, plus fused partners waiting their turn)."""
+    by_hf = {name: rule for rule in mcore_rules(cfg) for name in rule.hf}
+    ready: dict[str, torch.Tensor] = {}
+    for name in hf_order(cfg):
+        if name not in ready:
+            ready.update(from_mcore(by_hf[name], gather(by_hf[name]), cfg))
+        yield name, ready.pop(name)
+
+
+# ---------------------------------------------------------------- layouts
+def _chunk(t: torch.Tensor, dim: int, tp: int, rank: int, rule: Rule) -> torch.Tensor:
+    if t.shape[dim] % tp:
+        raise ValueError(f"{rule.mcore}: dim {dim} of size {t.shape[dim]} does not split over tensor parallel {tp}")
+    return t.chunk(tp, dim)[rank]
+
+
+def _fuse_qkv(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[G x (q heads of the group, k, v)] along dim 0 (weights [rows, hidden] or biases [rows])."""
+    groups, hd = cfg.num_key_value_heads, cfg.head_dim
+    per = cfg.num_attention_heads // groups
+    rest = q.shape[1:]
+    parts = (q.reshape(groups, per * hd, *rest), k.reshape(groups, hd, *rest), v.reshape(groups, hd, *rest))
+    return torch.cat(parts, 1).reshape(-1, *rest)
+
+
+def _split_qkv(cfg: ModelConfig, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, hd = cfg.num_key_value_heads, cfg.head_dim
+    per = cfg.num_attention_heads // groups
+    rest = fused.shape[1:]
+    q, k, v = fused.reshape(groups, (per + 2) * hd, *rest).split([per * hd, hd, hd], 1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)

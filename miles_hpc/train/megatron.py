@@ -1,0 +1,311 @@
+"""megatron-core training backend (stage: train; DESIGN section 5): megatron-core's `GPTModel` built from our HF
+model config and loaded from an HF checkpoint with tensor parallelism, trained by `MegatronTrainer` (the `Trainer`
+protocol's step from `train/step.PackedTrainer`; megatron's DDP, `finalize_model_grads` and optimizer, distributed
+or not). docs/megatron.md says what exists and what does not yet (PP/EP/CP, MoE and MLA mappings, R3, checkpoints).
+
+megatron-core is an optional dependency (`pip install miles-hpc[megatron]`); importing this module without it
+raises an ImportError that says so.
+
+Invariants:
+- The model is megatron's own `GPTModel` with the local layer spec (no Transformer Engine needed); our code only
+  maps configs and weights (`train/mcore_weights.py`) and feeds it.
+- Packed micro-batches (`train/logprobs.PackedMicroBatch`: sequences concatenated, no padding) run as one row with
+  a block-diagonal causal mask, so no token attends across sequences. Megatron's RoPE indexes the row by absolute
+  position, not by our per-sequence `position_ids`; inside a sequence only position differences enter the scores,
+  so the result is the per-sequence one (a test checks it against our model).
+- Logits are gathered over tensor-parallel ranks and the vocabulary padding is dropped before any softmax.
+- megatron-core's forward calls CUDA-only helpers (a global buffer on `torch.cuda.current_device()`, the CUDA RNG
+  tracker): the library runs on GPUs; the CPU tests patch those helpers in tests/ (never here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "train.backend=megatron needs megatron-core: pip install 'miles-hpc[megatron]' (megatron-core 0.16 on "
+        "Python 3.11, newer releases on 3.12)"
+    ) from e
+
+from miles_hpc.config import AlgoConfig, MegatronConfig, TrainConfig
+from miles_hpc.models import ModelConfig, iter_hf_tensors, load_pretrained, read_config
+from miles_hpc.sync.checksum import tensor_checksum
+from miles_hpc.train.logprobs import PackedMicroBatch, token_logprobs
+from miles_hpc.train.losses import policy_loss
+from miles_hpc.train.optim import build_optimizer, lr_lambda
+from miles_hpc.train.step import LossFn, PackedTrainer
+from miles_hpc.train.mcore_weights import Rule, iter_full_hf, mcore_rules, padded_vocab_size, to_mcore
+
+__all__ = ["MegatronTrainer", "build_gpt", "finalize_grads", "full_hf_state", "init_model_parallel", "load_hf_weights", "packed_logits",
+           "transformer_config", "wrap_ddp"]  # fmt: skip
+
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu}
+
+
+def init_model_parallel(tensor_parallel: int = 1, *, seed: int = 0) -> None:
+    """megatron's parallel state over the default process group (which must exist): TP groups of
+    `tensor_parallel` consecutive ranks, the rest data parallel; on GPUs also megatron's per-TP-rank CUDA RNG
+    states (`seed`)."""
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("megatron needs the trainer process group: call dist.init_trainer_world first")
+    world = torch.distributed.get_world_size()
+    if world % tensor_parallel:
+        raise ValueError(f"megatron.tensor_parallel={tensor_parallel} does not divide the {world} trainer ranks")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    """megatron's `TransformerConfig` for our model config (after `init_model_parallel`). Raises, naming the
+    field, for what the mapping does not cover yet."""
+    mcore_rules(cfg)  # the family check, with its message
+    if cfg.rope_scaling is not None:
+        raise NotImplementedError(f"megatron backend: rope_scaling {cfg.rope_scaling.rope_type!r} is not mapped yet")
+    if cfg.hidden_act not in _ACTIVATIONS:
+        raise NotImplementedError(f"megatron backend: hidden_act {cfg.hidden_act!r} is not mapped yet")
+    if cfg.o_bias != cfg.mlp_bias:
+        raise NotImplementedError(
+            f"megatron backend: {cfg.model_type} with attention_bias={cfg.o_bias} and mlp_bias={cfg.mlp_bias}: "
+            "megatron has one bias switch (add_bias_linear) for the attention output and the MLP"
+        )
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return TransformerConfig(
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
+        kv_channels=cfg.head_dim, normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps,
+        gated_linear_unit=True, activation_func=_ACTIVATIONS[cfg.hidden_act], add_bias_linear=cfg.o_bias,
+        add_qkv_bias=cfg.qkv_bias, qk_layernorm=cfg.model_type == "qwen3" or cfg.use_qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        # Initialisation also sets the TP attributes of each parameter (`tensor_model_parallel`, which grad-norm
+        # and checkpointing read): without it megatron takes every TP shard for a replica. The values are then
+        # overwritten with the checkpoint's.
+        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=True,
+        # the fused kernels are CUDA-only; off, the same math runs in torch
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False,
+    )  # fmt: skip
+
+
+def build_gpt(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> GPTModel:
+    """A randomly initialised `GPTModel` (this rank's TP shard; on the current GPU, else the CPU) for `cfg`; fill it
+    with `load_hf_weights`."""
+    tcfg = transformer_config(cfg, dtype=dtype)
+    spec = get_gpt_layer_local_spec(qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return GPTModel(
+        config=tcfg, transformer_layer_spec=spec, vocab_size=padded_vocab_size(cfg.vocab_size, tp),
+        max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",
+        rotary_base=int(cfg.rope_theta), share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        parallel_output=False,
+    )  # fmt: skip
+
+
+def load_hf_weights(model: GPTModel, cfg: ModelConfig, path: str | Path) -> None:
+    """Fill this rank's shards from the HF checkpoint at `path` (read whole on every rank; checked against the
+    model's shapes, naming the tensor)."""
+    hf = dict(iter_hf_tensors(load_pretrained(path, dtype=torch.float32, device="cpu")))
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    params = dict(model.named_parameters())
+    for rule in mcore_rules(cfg):
+        shard = to_mcore(rule, hf, cfg, rank, tp)
+        if rule.mcore not in params:
+            raise KeyError(f"megatron model has no {rule.mcore} (from {', '.join(rule.hf)})")
+        target = params[rule.mcore]
+        if target.shape != shard.shape:
+            raise ValueError(f"{rule.mcore}: megatron shard {tuple(target.shape)} vs mapped {tuple(shard.shape)} "
+                             f"from {', '.join(rule.hf)}")  # fmt: skip
+        with torch.no_grad():
+            target.copy_(shard)
+    unfilled = set(params) - {r.mcore for r in mcore_rules(cfg)}
+    if unfilled:
+        raise KeyError(f"megatron parameters with no HF source: {sorted(unfilled)}")
+
+
+def wrap_ddp(model: GPTModel, *, distributed_optimizer: bool = False) -> DistributedDataParallel:
+    """megatron's data-parallel wrapper: gradients accumulate in fp32 buffers (`param.main_grad`) and are reduced
+    over the data-parallel group by `finalize_grads`."""
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer)
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+
+
+def finalize_grads(model: DistributedDataParallel) -> None:
+    """After the last backward of a step: data-parallel reduction, and the sums over TP ranks that replicated
+    parameters computed in pieces (QK layernorms see only their rank's heads); megatron's own `finalize_model_grads`."""
+    finalize_model_grads([model])
+
+
+def full_hf_state(model: GPTModel, cfg: ModelConfig, *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) in `iter_hf_tensors` order, gathered over the TP group (a collective: every TP rank
+    iterates to the end). Every rank yields the same tensors. `grads`: the parameters' gradients instead (HF-named,
+    to compare with another backend's)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    params = dict(model.named_parameters())
+
+    def gather(rule: Rule) -> list[torch.Tensor]:
+        p = params[rule.mcore]
+        g = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad  # under wrap_ddp: main_grad
+        if grads and g is None:
+            raise RuntimeError(f"{rule.mcore} has no gradient: run backward first")
+        local = (g if grads else p).detach().contiguous()
+        if tp == 1:
+            return [local]
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        torch.distributed.all_gather(parts, local, group=group)
+        return parts
+
+    yield from iter_full_hf(cfg, gather)
+
+
+def packed_logits(model: GPTModel, mb: PackedMicroBatch, vocab_size: int) -> torch.Tensor:
+    """Logits [1, T, vocab] of a packed micro-batch: one row, block-diagonal causal mask (True = masked, megatron's
+    convention), the vocabulary padding cut off."""
+    t = mb.num_tokens
+    seq = mb.seq_ids.to(mb.input_ids.device)
+    allowed = (seq[:, None] == seq[None, :]) & torch.ones(t, t, dtype=torch.bool, device=seq.device).tril()
+    positions = torch.arange(t, device=mb.input_ids.device)[None]
+    logits = model(mb.input_ids, positions, attention_mask=~allowed[None, None])
+    return logits[..., :vocab_size]
+
+
+class MegatronTrainer(PackedTrainer):
+    """One rank of the megatron-core trainer. Construct on every rank after `init_trainer_world`; all methods are
+    collectives (see `miles_hpc.train.protocol.Trainer`). Ranks r*TP .. r*TP+TP-1 form tensor-parallel group r,
+    which is data-parallel rank r."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        train_cfg: TrainConfig,
+        algo_cfg: AlgoConfig,
+        megatron_cfg: MegatronConfig,
+        *,
+        device: str | torch.device,
+        seed: int,
+        total_steps: int | None = None,
+        loss_fn: LossFn = policy_loss,
+    ) -> None:
+        for name in ("pipeline_parallel", "expert_parallel", "context_parallel"):
+            if getattr(megatron_cfg, name) != 1:
+                raise NotImplementedError(f"megatron.{name}={getattr(megatron_cfg, name)}: only 1 is supported so far")
+        if algo_cfg.routing_replay:
+            raise NotImplementedError("algo.routing_replay (R3) is not wired into the megatron backend yet")
+        if train_cfg.activation_checkpointing or train_cfg.compile:
+            raise NotImplementedError("train.activation_checkpointing / train.compile: not with the megatron backend yet")
+        if not torch.distributed.is_initialized():
+            raise RuntimeError("MegatronTrainer needs the trainer process group: call dist.init_trainer_world first")
+        self.train_cfg, self.algo_cfg, self.loss_fn = train_cfg, algo_cfg, loss_fn
+        self.device = torch.device(device)
+        self._rank, self._world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        init_model_parallel(megatron_cfg.tensor_parallel, seed=seed)
+        self._dp_rank = parallel_state.get_data_parallel_rank()
+        self._dp_world = parallel_state.get_data_parallel_world_size()
+        self._dp_group = parallel_state.get_data_parallel_group()
+        self._gathers_logprobs = parallel_state.get_tensor_model_parallel_rank() == 0
+        self._step, self._last_lr, self._r3 = 0, train_cfg.lr, None
+        torch.manual_seed(seed)
+        self.config = read_config(model_path)
+        bf16 = train_cfg.mixed_precision and self.device.type == "cuda"
+        model = build_gpt(self.config, dtype=torch.bfloat16 if bf16 else torch.float32)
+        load_hf_weights(model, self.config, model_path)
+        self.model = wrap_ddp(model.to(self.device), distributed_optimizer=megatron_cfg.distributed_optimizer)
+        self.model.train()
+        self._lr_at = lr_lambda(train_cfg, total_steps)
+        if self.device.type == "cuda":
+            opt = OptimizerConfig(
+                optimizer="adam", lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
+                adam_beta1=train_cfg.adam_betas[0], adam_beta2=train_cfg.adam_betas[1], adam_eps=train_cfg.adam_eps,
+                clip_grad=train_cfg.grad_clip, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                use_distributed_optimizer=megatron_cfg.distributed_optimizer,
+            )  # fmt: skip
+            self.optimizer: Any = get_megatron_optimizer(opt, [self.model])
+        else:
+            # megatron's optimizers are CUDA-only (CUDA tensor type checks, CUDA scalars): on the CPU (tests) the
+            # same AdamW as the FSDP backend over this rank's shards, fed megatron's reduced gradients.
+            if megatron_cfg.distributed_optimizer:
+                raise ValueError("megatron.distributed_optimizer needs CUDA (megatron's optimizer is CUDA-only); "
+                                 "set megatron.distributed_optimizer=false on the CPU")  # fmt: skip
+            self.optimizer = build_optimizer(train_cfg, self.model.module.named_parameters(), self.device)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
+        return self.train_cfg.lr * self._lr_at(self._step)
+
+    def _forward(
+        self, mb: PackedMicroBatch, with_entropy: bool, entropy_grad: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = packed_logits(self.model, mb, self.config.vocab_size)
+        return token_logprobs(logits, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    def _clip_and_step(self) -> torch.Tensor:
+        finalize_grads(self.model)
+        self._last_lr = self.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._last_lr
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            norm = self._clip_cpu()
+            self.optimizer.step()
+        else:
+            ok, norm, _ = self.optimizer.step()
+            if not ok:
+                raise FloatingPointError(f"megatron optimizer skipped step {self._step} (inf/nan gradients)")
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._step += 1
+        return torch.as_tensor(float(norm) if norm is not None else 0.0)
+
+    def _clip_cpu(self) -> float:
+        """The CPU optimizer's half of megatron's step: gradients from the fp32 buffers, the global norm with
+        replicated (non-TP) parameters counted once, clipping by `train.grad_clip`."""
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        sq = torch.zeros((), dtype=torch.float64)
+        grads = []
+        for p in self.model.module.parameters():
+            p.grad = p.main_grad
+            grads.append(p.grad)
+            if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+                sq += p.grad.double().pow(2).sum()
+        torch.distributed.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
+        norm = float(sq.sqrt())
+        clip = self.train_cfg.grad_clip
+        if clip > 0 and norm > clip:
+            torch._foreach_mul_(grads, clip / (norm + 1e-6))
+        return norm
+
+    # ------------------------------------------------------------------ weights out
+    def state_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors in `iter_hf_tensors` order, gathered over the TP group one megatron tensor at a
+        time; every rank yields the same tensors (data-parallel replicas hold the same weights)."""
+        yield from full_hf_state(self.model.module, self.config)
+
+    def checksums(self, dtype: torch.dtype | None = None) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for name, t in self.state_for_sync():
+            if self._rank == 0:
+                out[name] = tensor_checksum(t if dtype is None else t.to(dtype))
+        return out
+
+    def save(self, path: str | Path, extra: dict | None = None) -> Path:
+        raise NotImplementedError("megatron checkpoints (megatron dist_checkpointing) are not implemented yet")
+
+    def load(self, path: str | Path) -> dict:
+        raise NotImplementedError("megatron checkpoints (megatron dist_checkpointing) are not implemented yet")

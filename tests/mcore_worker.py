@@ -1,0 +1,78 @@
+"""One rank of a megatron-core run on the CPU (gloo), started by tests/test_megatron.py under
+RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
+
+    python mcore_worker.py model MODEL_DIR TP OUT_FILE [DEVICE]
+        GPTModel with tensor parallel TP on the HF weights: the logits of the packed micro-batch of
+        test_megatron.py, the gradient of a log-prob loss, and the weights and gradients gathered back to HF names.
+    python mcore_worker.py train MODEL_DIR TP OUT_FILE DISTRIBUTED_OPTIMIZER [DEVICE]
+        MegatronTrainer (fp32): compute_logprobs, one train_step (2 mini-batches), the full weights after it.
+
+Rank 0 saves what it got to OUT_FILE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import megatron_cpu_shims  # noqa: E402
+
+megatron_cpu_shims()
+
+from test_megatron import LENGTHS, TRAIN_LENGTHS, loss_of, packed_batch  # noqa: E402
+from test_train_fsdp import STEP_ALGO, STEP_CFG, make_batch  # noqa: E402
+
+from miles_hpc.config import MegatronConfig  # noqa: E402
+from miles_hpc.models import read_config  # noqa: E402
+from miles_hpc.train import dist as tdist  # noqa: E402
+from miles_hpc.train import megatron as mg  # noqa: E402
+
+
+def model_run(model_dir: str, tp: int, device: str) -> dict:
+    world = tdist.world_from_env(device=device)
+    tdist.init_trainer_world(world)
+    mg.init_model_parallel(tensor_parallel=tp)
+    cfg = read_config(model_dir)
+    model = mg.build_gpt(cfg)
+    mg.load_hf_weights(model, cfg, model_dir)
+    ddp = mg.wrap_ddp(model.to(world.device))
+    mb = packed_batch(LENGTHS, world.device)
+    logits = mg.packed_logits(ddp, mb, cfg.vocab_size)
+    loss = loss_of(logits, mb)
+    loss.backward()
+    mg.finalize_grads(ddp)
+    weights = {k: v.cpu().clone() for k, v in mg.full_hf_state(model, cfg)}
+    grads = {k: v.cpu().clone() for k, v in mg.full_hf_state(model, cfg, grads=True)}
+    return {"logits": logits.detach().cpu(), "loss": loss.detach().cpu(), "weights": weights, "grads": grads}
+
+
+def train_run(model_dir: str, tp: int, distributed_optimizer: bool, device: str) -> dict:
+    world = tdist.world_from_env(device=device)
+    tdist.init_trainer_world(world)
+    mcfg = MegatronConfig(tensor_parallel=tp, distributed_optimizer=distributed_optimizer)
+    cfg = dataclasses.replace(STEP_CFG, mixed_precision=False)
+    trainer = mg.MegatronTrainer(model_dir, cfg, STEP_ALGO, mcfg, device=world.device, seed=0)
+    batch = make_batch(TRAIN_LENGTHS)
+    logprobs = trainer.compute_logprobs(batch)
+    metrics = trainer.train_step(batch)
+    weights = {k: v.cpu().clone() for k, v in trainer.state_for_sync()}
+    return {"logprobs": logprobs, "metrics": metrics, "weights": weights, "step": trainer.step}
+
+
+def main(mode: str, model_dir: str, tp: str, out: str, *extra: str) -> None:
+    torch.set_num_threads(1)
+    if mode == "model":
+        result = model_run(model_dir, int(tp), *extra)
+    else:
+        result = train_run(model_dir, int(tp), extra[0] == "1", *(extra[1:] or ["cpu"]))
+    if torch.distributed.get_rank() == 0:
+        torch.save(result, out)
+    tdist.teardown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

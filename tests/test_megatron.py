@@ -1,0 +1,213 @@
+"""megatron-core backend, part 1 (train/mcore_weights.py, train/megatron.py): the HF <-> Megatron weight mapping,
+and megatron's own `GPTModel` on our HF weights computing what our model computes, with tensor parallelism over
+gloo on the CPU (megatron_cpu_shims in conftest.py).
+
+The model runs are subprocesses (tests/mcore_worker.py): megatron's parallel state is process-global.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_hpc.data.sample import token_hash
+from miles_hpc.models import ModelConfig, build_model, iter_hf_tensors, load_pretrained, save_pretrained
+from miles_hpc.models.presets import preset_config
+from miles_hpc.train.batch import TrainBatch
+from miles_hpc.train.logprobs import PackedMicroBatch, pack_samples, token_logprobs
+from miles_hpc.train.mcore_weights import from_mcore, iter_full_hf, mcore_rules, padded_vocab_size, to_mcore
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import require  # noqa: E402
+from test_train_fsdp import STEP_ALGO, STEP_CFG, make_batch, tiny_model, world  # noqa: E402,F401
+
+from miles_hpc.train.fsdp import FSDPTrainer  # noqa: E402
+
+LENGTHS = (7, 12, 25, 5)
+TRAIN_LENGTHS = (7, 12, 25, 5, 18, 9, 3)  # a train step: rank 1 of two gets fewer micro-batches (dummies run)
+WORKER = Path(__file__).parent / "mcore_worker.py"
+
+
+def tiny_config(arch: str, **overrides: object) -> ModelConfig:
+    return ModelConfig.from_hf_dict({**preset_config(arch, "tiny"), **overrides})
+
+
+def packed_batch(lengths: tuple[int, ...], device: torch.device | str = "cpu") -> PackedMicroBatch:
+    """Several sequences packed into one micro-batch, a 3-token prompt each, advantages of both signs."""
+    g = torch.Generator().manual_seed(0)
+    toks = [torch.randint(0, 300, (n,), generator=g).tolist() for n in lengths]
+    batch = TrainBatch(
+        tokens=toks,
+        loss_mask=[[0] * 3 + [1] * (len(t) - 3) for t in toks],
+        rollout_logprobs=[[0.0] * len(t) for t in toks],
+        advantages=[[1.0 if i % 2 == 0 else -0.5] * len(t) for i, t in enumerate(toks)],
+        token_hash=[token_hash(t) for t in toks],
+    )
+    return pack_samples(batch, list(range(len(toks))), torch.device(device))
+
+
+def loss_of(logits: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:
+    """A policy-gradient-shaped loss: advantage-weighted log-probs of the loss tokens."""
+    lp, _ = token_logprobs(logits, mb, with_entropy=False)
+    return -(lp * mb.advantages * mb.loss_mask).sum()
+
+
+# ---------------------------------------------------------------- mapping (pure)
+@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("qwen2", {}), ("llama", {"attention_bias": True}),
+                                            ("qwen3", {"tie_word_embeddings": False})])  # fmt: skip
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mapping_round_trips(arch: str, overrides: dict, tp: int) -> None:
+    cfg = tiny_config(arch, **overrides)
+    torch.manual_seed(0)
+    hf = {k: v.clone() for k, v in iter_hf_tensors(build_model(cfg))}
+    rules = mcore_rules(cfg)
+    assert {n for r in rules for n in r.hf} == set(hf)  # every HF tensor has exactly one home
+    shards = {r.mcore: [to_mcore(r, hf, cfg, rank, tp) for rank in range(tp)] for r in rules}
+    back = dict(iter_full_hf(cfg, lambda rule: shards[rule.mcore]))
+    assert list(back) == list(hf)  # iter_hf_tensors order
+    for name, t in hf.items():
+        assert torch.equal(back[name], t), name
+
+
+def test_layouts_follow_megatron() -> None:
+    """qkv: per query group [its q heads, k, v]; a TP rank holds whole groups. fc1 on a rank: [its gate; its up].
+    Vocabulary: zero rows up to a multiple of 128 x TP."""
+    cfg = tiny_config("qwen3")  # 4 query heads in 2 groups, head_dim 16, hidden 64
+    hd, per = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    hf = {k: v.clone() for k, v in iter_hf_tensors(build_model(cfg))}
+    rules = {r.mcore: r for r in mcore_rules(cfg)}
+    q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    qkv1 = to_mcore(rules["decoder.layers.0.self_attention.linear_qkv.weight"], hf, cfg, 1, 2)  # rank 1: group 1
+    assert torch.equal(qkv1[: per * hd], q[per * hd : 2 * per * hd])
+    assert torch.equal(qkv1[per * hd : (per + 1) * hd], k[hd : 2 * hd])
+    assert torch.equal(qkv1[(per + 1) * hd :], v[hd : 2 * hd])
+    gate, up = hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"]
+    half = gate.shape[0] // 2
+    fc1 = to_mcore(rules["decoder.layers.0.mlp.linear_fc1.weight"], hf, cfg, 1, 2)
+    assert torch.equal(fc1, torch.cat([gate[half:], up[half:]]))
+    emb = rules["embedding.word_embeddings.weight"]
+    assert padded_vocab_size(320, 2) == 512
+    rank1 = to_mcore(emb, hf, cfg, 1, 2)
+    assert torch.equal(rank1[: 320 - 256], hf["model.embed_tokens.weight"][256:]) and not rank1[64:].any()
+    assert torch.equal(from_mcore(emb, [to_mcore(emb, hf, cfg, r, 2) for r in range(2)], cfg)[emb.hf[0]],
+                       hf["model.embed_tokens.weight"])  # fmt: skip
+
+
+def test_unmapped_families_say_so() -> None:
+    with pytest.raises(NotImplementedError, match="qwen3_moe.*train.backend=fsdp"):
+        mcore_rules(tiny_config("qwen3_moe"))
+
+
+# ---------------------------------------------------------------- megatron's model on our weights
+def _run_world(mode: str, model_dir: Path, world: int, tp: int, out: Path, *extra: str) -> dict:
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(model_dir), str(tp), str(out), *extra],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]  # fmt: skip
+    for p in procs:
+        log, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, log.decode()[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("arch,overrides,tp", [("qwen3", {}, 1), ("qwen3", {"tie_word_embeddings": False}, 2),
+                                               ("qwen2", {}, 2), ("llama", {}, 2)])  # fmt: skip
+def test_megatron_model_matches_ours(arch: str, overrides: dict, tp: int, tmp_path: Path) -> None:
+    """Same logits, loss and HF-named gradients as our CausalLM (fp32, packed sequences), TP=1 and TP=2; the
+    weights gathered back from the TP shards are the checkpoint's, bit for bit. Gradients go through megatron's
+    DDP wrapper and `finalize_model_grads` (the TP sums of the QK layernorms' pieces)."""
+    _compare_with_ours(tiny_config(arch, **overrides), tp, tmp_path, "cpu", atol=2e-5)
+
+
+@pytest.mark.gpu
+def test_megatron_model_matches_ours_gpu(tmp_path: Path) -> None:
+    """The same on a GPU (NCCL, megatron's CUDA RNG tracker and buffers, no shims), the small preset."""
+    _compare_with_ours(ModelConfig.from_hf_dict(preset_config("qwen3", "small")), 1, tmp_path, "cuda", atol=1e-4)
+
+
+def _compare_with_ours(cfg: ModelConfig, tp: int, tmp_path: Path, device: str, atol: float) -> None:
+    require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
+    torch.manual_seed(1)
+    save_pretrained(build_model(cfg), tmp_path / "model")
+    got = _run_world("model", tmp_path / "model", tp, tp, tmp_path / "out.pt", device)
+
+    ours = load_pretrained(tmp_path / "model", dtype=torch.float32, device=device)
+    mb = packed_batch(LENGTHS, device)
+    logits = ours(mb.input_ids, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens)
+    loss = loss_of(logits, mb)
+    loss.backward()
+    assert got["logits"].shape == logits.shape
+    torch.testing.assert_close(got["logits"], logits.detach().cpu(), atol=atol, rtol=1e-5)
+    torch.testing.assert_close(got["loss"], loss.detach().cpu(), atol=atol, rtol=1e-5)
+    hf = dict(iter_hf_tensors(ours))
+    assert list(got["weights"]) == list(hf)
+    for name, t in hf.items():
+        assert torch.equal(got["weights"][name], t.cpu()), name
+    params = dict(ours.named_parameters())
+    for name, g in got["grads"].items():
+        torch.testing.assert_close(g, params[name].grad.cpu(), atol=atol, rtol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+
+
+# ---------------------------------------------------------------- the trainer
+@pytest.mark.parametrize("world_size,tp", [(1, 1), (2, 2), (2, 1)])
+def test_trainer_step_equals_fsdp(world: None, tiny_model: Path, tmp_path: Path, world_size: int, tp: int) -> None:
+    """MegatronTrainer (TP or DP over gloo; on the CPU the FSDP backend's AdamW over megatron's reduced gradients)
+    and FSDPTrainer (one rank) on the same batch and weights (fp32): the same log-probs, step metrics and weights
+    after a train step of two mini-batches, which checks that megatron's DP gradient averaging and TP reductions
+    meet our loss normalisation."""
+    _compare_step_with_fsdp(tiny_model, tmp_path, world_size, tp, False, "cpu", atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_trainer_step_equals_fsdp_gpu(world: None, tiny_model: Path, tmp_path: Path, distributed_optimizer: bool) -> None:
+    """On a GPU megatron's own optimizer steps (`get_megatron_optimizer`, distributed or not): the same step as
+    the FSDP backend's on the CPU (fp32 both)."""
+    _compare_step_with_fsdp(tiny_model, tmp_path, 1, 1, distributed_optimizer, "cuda", atol=1e-4)
+
+
+def _compare_step_with_fsdp(model_dir: Path, tmp_path: Path, world_size: int, tp: int, distributed_optimizer: bool,
+                            device: str, atol: float) -> None:  # fmt: skip
+    require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
+    got = _run_world("train", model_dir, world_size, tp, tmp_path / "out.pt", str(int(distributed_optimizer)), device)
+    ref = run_fsdp_once(str(model_dir))
+    assert got["step"] == 2
+    assert len(got["logprobs"]) == len(TRAIN_LENGTHS)
+    for a, b in zip(got["logprobs"], ref["logprobs"]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=atol, rtol=0)
+    for key in ("loss", "pg_loss", "entropy", "tokens", "loss_tokens", "lr", "clip_frac", "grad_norm"):
+        assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=atol), key
+    assert list(got["weights"]) == list(ref["weights"])
+    moved = 0
+    for name, w in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][name], w, atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+        moved += int(not torch.equal(w, ref["before"][name]))
+    assert moved == len(ref["weights"])  # the step changed every tensor, so equality is not trivial
+
+
+def run_fsdp_once(model_dir: str) -> dict:
+    trainer = FSDPTrainer(model_dir, dataclasses.replace(STEP_CFG, mixed_precision=False), STEP_ALGO, device="cpu",
+                          seed=0)  # fmt: skip
+    before = {k: v.clone() for k, v in trainer.state_for_sync()}
+    batch = make_batch(TRAIN_LENGTHS)
+    logprobs = trainer.compute_logprobs(batch)
+    metrics = trainer.train_step(batch)
+    return {"logprobs": logprobs, "metrics": metrics, "before": before,
+            "weights": {k: v.clone() for k, v in trainer.state_for_sync()}}  # fmt: skip
