@@ -1,10 +1,14 @@
-"""Trainer throughput and MFU of our FSDP2 backend versus a plain `transformers` training step, same GPU, same run.
+"""Trainer throughput and MFU of our FSDP2 and megatron-core backends versus a plain `transformers` training step,
+same GPU, same run.
 
 Prints one JSON line per side: tokens/s, model TFLOP/s and MFU = model FLOPs / time / peak. Model FLOPs per token
 are the usual 6 x (matmul parameters, LM head included) plus causal attention 6 x layers x heads x head_dim x seq
 (forward + backward); the peak is the dense bf16 datasheet figure (989 TFLOP/s on H100/H200 SXM, `--peak-tflops`).
 With one update per step (the default) our `train_step` runs no extra forward for the PPO old log-probs. Ours runs
 twice: eager, and with `train.compile=true` (decoder layers compiled, attention eager; compile time is in warm-up).
+The megatron side is `MegatronTrainer` (TP 1, bf16 params, megatron's distributed optimizer, local layer spec:
+no Transformer Engine, so attention is megatron's unfused softmax over a block-diagonal mask, one sequence per
+micro-batch).
 
     python benchmarks/bench_train.py                 # ~1.1B Qwen3 shapes, seq 4096, batch 2, bf16, one GPU
 """
@@ -12,6 +16,7 @@ twice: eager, and with `train.compile=true` (decoder layers compiled, attention 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import tempfile
@@ -54,15 +59,25 @@ def timed(fn, steps: int, warmup: int) -> list[float]:
     return out
 
 
-def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int, compile: bool = False) -> list[float]:
+def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int, compile: bool = False,
+               backend: str = "fsdp") -> list[float]:  # fmt: skip
     from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
-    from miles_hpc.train.fsdp import FSDPTrainer
 
-    os.environ["MASTER_PORT"] = str(29533 + int(compile))  # a fresh store per run in this process
+    os.environ["MASTER_PORT"] = str(29533 + int(compile) + 2 * (backend == "megatron"))  # a fresh store per run
     init_trainer_world(world_from_env(device="cuda"))
-    cfg = TrainConfig(lr=1e-5, max_tokens_per_microbatch=sum(len(s) for s in seqs), mixed_precision=True,
-                      compile=compile)  # fmt: skip
-    trainer = FSDPTrainer(str(model_dir), cfg, AlgoConfig(), device="cuda", seed=0)
+    # One packed micro-batch; megatron: one sequence per micro-batch, since its local-spec attention materialises
+    # [heads, T, T] scores (T = 8192 packed does not fit an H200 at the default shape).
+    tokens = len(seqs[0]) if backend == "megatron" else sum(len(s) for s in seqs)
+    cfg = TrainConfig(lr=1e-5, max_tokens_per_microbatch=tokens, mixed_precision=True, compile=compile)
+    if backend == "megatron":
+        from miles_hpc.config import MegatronConfig
+        from miles_hpc.train.megatron import MegatronTrainer
+
+        trainer = MegatronTrainer(str(model_dir), cfg, AlgoConfig(), MegatronConfig(), device="cuda", seed=0)
+    else:
+        from miles_hpc.train.fsdp import FSDPTrainer
+
+        trainer = FSDPTrainer(str(model_dir), cfg, AlgoConfig(), device="cuda", seed=0)
     g = torch.Generator().manual_seed(0)
     batch = TrainBatch(
         tokens=seqs, loss_mask=[[0] + [1] * (len(s) - 1) for s in seqs],
@@ -101,7 +116,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, allocator warm-up)")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--sides", default="eager,compiled,hf", help="comma-separated subset of eager,compiled,hf")
+    ap.add_argument("--sides", default="eager,compiled,megatron,hf",
+                    help="comma-separated subset of eager,compiled,megatron,hf")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf_dict(SHAPE_1B)
     g = torch.Generator().manual_seed(1)
@@ -113,10 +129,14 @@ def main() -> None:
         torch.manual_seed(0)
         save_pretrained(build_model(cfg, dtype=torch.bfloat16), model_dir)
         compiled = lambda *a: bench_ours(*a, compile=True)  # noqa: E731
+        megatron = lambda *a: bench_ours(*a, backend="megatron")  # noqa: E731
         runs = {"eager": ("miles_hpc_fsdp2", bench_ours), "compiled": ("miles_hpc_fsdp2_compiled", compiled),
-                "hf": ("transformers_adamw_fused", bench_hf)}  # fmt: skip
+                "megatron": ("miles_hpc_megatron_core", megatron), "hf": ("transformers_adamw_fused", bench_hf)}
         sides = [runs[k] for k in args.sides.split(",") if not (k == "hf" and args.skip_hf)]
         for name, fn in sides:
+            if name.endswith("megatron_core") and importlib.util.find_spec("megatron.core") is None:
+                print(json.dumps({"bench": "train", "side": name, "skipped": "megatron-core is not installed"}))
+                continue
             times = fn(model_dir, seqs, args.steps, args.warmup)
             t = sum(times) / len(times)  # the mean step: MFU and tokens/s from it
             line = {

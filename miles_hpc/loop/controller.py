@@ -19,13 +19,22 @@ from miles_hpc.loop.run_dir import RunPaths, prepare_run_dir, resolve_model
 
 
 def build_trainer(cfg: RunConfig, model_dir: Path) -> Any:
+    total_steps = cfg.steps * cfg.train.updates_per_step
+    if cfg.train.backend == "megatron":
+        if cfg.train.device != "cuda":
+            raise ValueError("train.backend=megatron runs on GPUs (megatron-core's forward, optimizer and checkpoints "
+                             "are CUDA-only): set train.device=cuda, or use train.backend=fsdp on the CPU")  # fmt: skip
+        if cfg.sync.strategy == "p2p":
+            raise ValueError("sync.strategy=p2p needs per-rank shard maps, which the megatron trainer does not give "
+                             "yet: use broadcast, delta or colocated")  # fmt: skip
+        from miles_hpc.train.megatron import MegatronTrainer
+
+        return MegatronTrainer(str(model_dir), cfg.train, cfg.algo, cfg.megatron, device=cfg.train.device,
+                               seed=cfg.seed, total_steps=total_steps)  # fmt: skip
     from miles_hpc.train.fsdp import FSDPTrainer
 
-    if cfg.train.backend != "fsdp":
-        raise ValueError(f"train.backend: {cfg.train.backend!r} does not run in `miles-hpc run` yet: the megatron "
-                         "trainer exists (train/megatron.py) but has no checkpoints or weight-sync wiring; use fsdp")
     return FSDPTrainer(str(model_dir), cfg.train, cfg.algo, device=cfg.train.device, seed=cfg.seed,
-                       total_steps=cfg.steps * cfg.train.updates_per_step)
+                       total_steps=total_steps)
 
 
 def preflight(cfg: RunConfig) -> GpuPlan:

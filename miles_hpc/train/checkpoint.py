@@ -2,12 +2,14 @@
 
 Stage: train. Layout of one checkpoint (DESIGN section 3: ``RUN/checkpoints/step_N/``):
 
-    step_N/dcp/            DCP shards of {"model", "optim"} (each rank writes its own shards; resharding on load
-                           to another world size is DCP's job)
-    step_N/trainer.pt      {"scheduler": LambdaLR state, "step": optimizer steps}   (rank 0)
+    step_N/dcp/            FSDP: DCP shards of {"model", "optim"} (each rank writes its own shards; resharding on
+                           load to another world size is DCP's job)
+    step_N/trainer.pt      FSDP: {"scheduler": LambdaLR state, "step": optimizer steps}   (rank 0)
+    step_N/mcore/          megatron: megatron's dist_checkpointing of {"model", "optimizer"} (train/megatron.py)
+    step_N/megatron.json   megatron: {"step": optimizer steps, "tensor_parallel": ..., "data_parallel": ...}
     step_N/rng_rank{r}.pt  torch CPU (+ CUDA) RNG state of rank r
     step_N/extra.json      the loop's state (step, data position, weight version, ...): JSON, inspectable
-    step_N/meta.json       written last, before the rename
+    step_N/meta.json       {"format", "step", "world_size", "backend"}: written last, before the rename
 
 Invariants:
 - Atomic: everything is written to ``step_N.partial/`` and renamed to ``step_N/`` by rank 0 once every rank has
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path", "CHECKPOINT_FORMAT"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path", "read_checkpoint",
+           "write_checkpoint", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -64,16 +68,11 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(
-    path: str | Path,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    *,
-    step: int,
-    extra: dict[str, Any],
+def write_checkpoint(
+    path: str | Path, *, step: int, extra: dict[str, Any], backend: str, write_state: Callable[[Path], None]
 ) -> Path:
-    """Write a checkpoint to `path` atomically (collective). `extra` must be JSON-serialisable."""
+    """Write a checkpoint to `path` atomically (collective): `write_state(dir)` writes the backend's own files on
+    every rank (itself collective), then the RNG of each rank, the loop's `extra` (JSON) and `meta.json`."""
     final = Path(path)
     tmp = final.with_name(final.name + ".partial")
     rank = dist.get_rank()
@@ -86,14 +85,12 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    write_state(tmp)
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:
-        torch.save({"scheduler": scheduler.state_dict(), "step": step}, tmp / "trainer.pt")
         (tmp / "extra.json").write_text(extra_text + "\n")
-        meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": dist.get_world_size()}
+        meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": dist.get_world_size(), "backend": backend}
         (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
         if final.exists():  # re-saving the same step: move the old one aside first, never leave neither
             old = final.with_name(final.name + ".old")
@@ -107,6 +104,47 @@ def save_checkpoint(
     return final
 
 
+def read_checkpoint(path: str | Path, backend: str) -> tuple[Path, dict[str, Any]]:
+    """Check that `path` is a complete checkpoint of `backend`, restore this rank's RNG; returns (dir, extra)."""
+    root = Path(path)
+    if not (root / "meta.json").is_file():
+        raise FileNotFoundError(f"{root}: not a complete checkpoint (no meta.json)")
+    meta = json.loads((root / "meta.json").read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{root}: checkpoint format {meta.get('format')}, this code reads {CHECKPOINT_FORMAT}")
+    saved = meta.get("backend", "fsdp")  # checkpoints before the megatron backend are FSDP's
+    if saved != backend:
+        raise ValueError(f"{root}: written by the {saved} backend, this run uses train.backend={backend} (export it "
+                         "to HF format with `miles-hpc export` and start from that instead)")  # fmt: skip
+    rng_file = root / f"rng_rank{dist.get_rank()}.pt"
+    if rng_file.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seed
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    return root, json.loads((root / "extra.json").read_text())
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    *,
+    step: int,
+    extra: dict[str, Any],
+) -> Path:
+    """Write an FSDP checkpoint to `path` atomically (collective). `extra` must be JSON-serialisable."""
+
+    def write_state(tmp: Path) -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        if dist.get_rank() == 0:
+            torch.save({"scheduler": scheduler.state_dict(), "step": step}, tmp / "trainer.pt")
+
+    return write_checkpoint(path, step=step, extra=extra, backend="fsdp", write_state=write_state)
+
+
 def load_checkpoint(
     path: str | Path,
     model: torch.nn.Module,
@@ -114,23 +152,11 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> tuple[int, dict[str, Any]]:
     """Restore model, optimizer, scheduler and this rank's RNG from `path` (collective); returns (step, extra)."""
-    root = Path(path)
-    if not (root / "meta.json").is_file():
-        raise FileNotFoundError(f"{root}: not a complete checkpoint (no meta.json)")
-    meta = json.loads((root / "meta.json").read_text())
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{root}: checkpoint format {meta.get('format')}, this code reads {CHECKPOINT_FORMAT}")
+    root, extra = read_checkpoint(path, "fsdp")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(root / "dcp"))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer = torch.load(root / "trainer.pt", weights_only=True)
     scheduler.load_state_dict(trainer["scheduler"])
-    rng_file = root / f"rng_rank{dist.get_rank()}.pt"
-    if rng_file.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seed
-        rng = torch.load(rng_file, weights_only=True)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-    extra = json.loads((root / "extra.json").read_text())
     return int(trainer["step"]), extra
