@@ -304,7 +304,7 @@ class MegatronConfig:
 
     tensor_parallel: int = field(default=1, metadata=_help("TP: ranks that split each layer (consecutive ranks)"))
     pipeline_parallel: int = field(default=1, metadata=_help("PP: pipeline stages (1 so far)"))
-    expert_parallel: int = field(default=1, metadata=_help("EP: ranks that split the experts (1 so far)"))
+    expert_parallel: int = field(default=1, metadata=_help("EP: data-parallel ranks that split the MoE experts"))
     context_parallel: int = field(default=1, metadata=_help("CP: ranks that split the sequence (1 so far)"))
     distributed_optimizer: bool = field(
         default=True, metadata=_help("shard fp32 master weights and Adam state over data-parallel ranks")

@@ -53,11 +53,13 @@ def need_command():
 
 
 def megatron_cpu_shims() -> None:
-    """Test-only: let megatron-core's forward run on a CPU-only torch. It calls three CUDA-only helpers, none of
-    which does anything a CPU run needs: `torch.cuda.current_device()` (the device of its global memory buffer and
-    of RoPE's inverse frequencies: here the CPU) and the CUDA RNG tracker's `fork` (dropout under tensor
-    parallelism; our configs have none). Library code never patches these (`train/megatron.py`)."""
+    """Test-only: let megatron-core's forward run on a CPU-only torch. It calls CUDA-only helpers, none of which
+    does anything a CPU run needs: `torch.cuda.current_device()` (the device of its global memory buffer, of
+    RoPE's inverse frequencies and of the MoE router's weight: here the CPU), the CUDA RNG tracker's `fork`
+    (dropout under tensor parallelism; our configs have none) and the MoE dispatcher's side stream. Library code
+    never patches these (`train/megatron.py`)."""
     import contextlib
+    import types
 
     import torch
     from megatron.core.tensor_parallel import random as mrandom
@@ -66,3 +68,24 @@ def megatron_cpu_shims() -> None:
         return
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # type: ignore[method-assign]
+    # The MoE all-to-all dispatcher moves its split sizes to the host on a side CUDA stream: one stand-in stream
+    # that is also the current one makes that a plain copy (the tensors are on the CPU already).
+    done = types.SimpleNamespace(synchronize=lambda: None)
+    stream = types.SimpleNamespace(wait_stream=lambda other: None, synchronize=lambda: None,
+                                   record_event=lambda *args: done)  # fmt: skip
+    torch.cuda.Stream = lambda *args, **kwargs: stream  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *args, **kwargs: stream  # type: ignore[assignment]
+    torch.cuda.stream = lambda s: contextlib.nullcontext()  # type: ignore[assignment]
+    # ... and converts them to numpy only when they come from a GPU; all_to_all_single wants sequences.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def to_host(tensor, as_numpy=False, record_stream=False):  # noqa: ANN001, ANN202
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    # megatron-core 0.16 without Transformer Engine leaves `te_general_gemm` undefined and its MoE router tests it
+    # against None (a NameError); 0.17+ define it as None when TE is missing, as here.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -1,10 +1,10 @@
 """One rank of a megatron-core run on the CPU (gloo), started by tests/test_megatron.py under
 RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
 
-    python mcore_worker.py model MODEL_DIR TP OUT_FILE [DEVICE]
+    python mcore_worker.py model MODEL_DIR TP EP OUT_FILE [DEVICE]
         GPTModel with tensor parallel TP on the HF weights: the logits of the packed micro-batch of
         test_megatron.py, the gradient of a log-prob loss, and the weights and gradients gathered back to HF names.
-    python mcore_worker.py train MODEL_DIR TP OUT_FILE DISTRIBUTED_OPTIMIZER [DEVICE]
+    python mcore_worker.py train MODEL_DIR TP EP OUT_FILE DISTRIBUTED_OPTIMIZER [DEVICE]
         MegatronTrainer (fp32): compute_logprobs, one train_step (2 mini-batches), the full weights after it.
 
 Rank 0 saves what it got to OUT_FILE.
@@ -32,10 +32,10 @@ from miles_hpc.train import dist as tdist  # noqa: E402
 from miles_hpc.train import megatron as mg  # noqa: E402
 
 
-def model_run(model_dir: str, tp: int, device: str) -> dict:
+def model_run(model_dir: str, tp: int, ep: int, device: str = "cpu") -> dict:
     world = tdist.world_from_env(device=device)
     tdist.init_trainer_world(world)
-    mg.init_model_parallel(tensor_parallel=tp)
+    mg.init_model_parallel(tensor_parallel=tp, expert_parallel=ep)
     cfg = read_config(model_dir)
     model = mg.build_gpt(cfg)
     mg.load_hf_weights(model, cfg, model_dir)
@@ -50,10 +50,10 @@ def model_run(model_dir: str, tp: int, device: str) -> dict:
     return {"logits": logits.detach().cpu(), "loss": loss.detach().cpu(), "weights": weights, "grads": grads}
 
 
-def train_run(model_dir: str, tp: int, distributed_optimizer: bool, device: str) -> dict:
+def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, device: str) -> dict:
     world = tdist.world_from_env(device=device)
     tdist.init_trainer_world(world)
-    mcfg = MegatronConfig(tensor_parallel=tp, distributed_optimizer=distributed_optimizer)
+    mcfg = MegatronConfig(tensor_parallel=tp, expert_parallel=ep, distributed_optimizer=distributed_optimizer)
     cfg = dataclasses.replace(STEP_CFG, mixed_precision=False)
     trainer = mg.MegatronTrainer(model_dir, cfg, STEP_ALGO, mcfg, device=world.device, seed=0)
     batch = make_batch(TRAIN_LENGTHS)
@@ -63,12 +63,12 @@ def train_run(model_dir: str, tp: int, distributed_optimizer: bool, device: str)
     return {"logprobs": logprobs, "metrics": metrics, "weights": weights, "step": trainer.step}
 
 
-def main(mode: str, model_dir: str, tp: str, out: str, *extra: str) -> None:
+def main(mode: str, model_dir: str, tp: str, ep: str, out: str, *extra: str) -> None:
     torch.set_num_threads(1)
     if mode == "model":
-        result = model_run(model_dir, int(tp), *extra)
+        result = model_run(model_dir, int(tp), int(ep), *extra)
     else:
-        result = train_run(model_dir, int(tp), extra[0] == "1", *(extra[1:] or ["cpu"]))
+        result = train_run(model_dir, int(tp), int(ep), extra[0] == "1", *(extra[1:] or ["cpu"]))
     if torch.distributed.get_rank() == 0:
         torch.save(result, out)
     tdist.teardown()

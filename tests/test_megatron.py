@@ -20,6 +20,7 @@ import torch
 
 from miles_hpc.data.sample import token_hash
 from miles_hpc.models import ModelConfig, build_model, iter_hf_tensors, load_pretrained, save_pretrained
+from miles_hpc.models.hf_io import hf_parts
 from miles_hpc.models.presets import preset_config
 from miles_hpc.train.batch import TrainBatch
 from miles_hpc.train.logprobs import PackedMicroBatch, pack_samples, token_logprobs
@@ -62,7 +63,7 @@ def loss_of(logits: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:
 
 # ---------------------------------------------------------------- mapping (pure)
 @pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("qwen2", {}), ("llama", {"attention_bias": True}),
-                                            ("qwen3", {"tie_word_embeddings": False})])  # fmt: skip
+                                            ("qwen3", {"tie_word_embeddings": False}), ("qwen3_moe", {})])  # fmt: skip
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mapping_round_trips(arch: str, overrides: dict, tp: int) -> None:
     cfg = tiny_config(arch, **overrides)
@@ -102,15 +103,26 @@ def test_layouts_follow_megatron() -> None:
 
 
 def test_unmapped_families_say_so() -> None:
-    with pytest.raises(NotImplementedError, match="qwen3_moe.*train.backend=fsdp"):
-        mcore_rules(tiny_config("qwen3_moe"))
+    with pytest.raises(NotImplementedError, match="deepseek_v3.*train.backend=fsdp"):
+        mcore_rules(tiny_config("deepseek_v3"))
+
+
+def test_experts_live_on_their_expert_parallel_rank() -> None:
+    cfg = tiny_config("qwen3_moe")  # 8 experts
+    rules = [r for r in mcore_rules(cfg) if r.expert == 5 and r.mcore.startswith("decoder.layers.1.")]
+    fc1 = next(r for r in rules if r.kind == "expert_fc1")
+    assert fc1.hf == ("model.layers.1.mlp.experts.5.gate_proj.weight", "model.layers.1.mlp.experts.5.up_proj.weight")
+    assert (fc1.owner(8, 2), fc1.mcore_name(8, 2)) == (1, "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight")
+    assert (fc1.owner(8, 1), fc1.mcore_name(8, 1)) == (0, fc1.mcore)
+    router = next(r for r in mcore_rules(cfg) if r.mcore.endswith("mlp.router.weight"))
+    assert router.mcore_name(8, 2) == router.mcore and router.expert is None
 
 
 # ---------------------------------------------------------------- megatron's model on our weights
-def _run_world(mode: str, model_dir: Path, world: int, tp: int, out: Path, *extra: str) -> dict:
+def _run_world(mode: str, model_dir: Path, world: int, tp: int, out: Path, *extra: str, ep: int = 1) -> dict:
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(model_dir), str(tp), str(out), *extra],
+    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(model_dir), str(tp), str(ep), str(out), *extra],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]  # fmt: skip
     for p in procs:
@@ -127,13 +139,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("arch,overrides,tp", [("qwen3", {}, 1), ("qwen3", {"tie_word_embeddings": False}, 2),
-                                               ("qwen2", {}, 2), ("llama", {}, 2)])  # fmt: skip
-def test_megatron_model_matches_ours(arch: str, overrides: dict, tp: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch,overrides,tp,ep", [("qwen3", {}, 1, 1), ("qwen3", {"tie_word_embeddings": False}, 2, 1),
+                                                  ("qwen2", {}, 2, 1), ("llama", {}, 2, 1), ("qwen3_moe", {}, 1, 1),
+                                                  ("qwen3_moe", {}, 1, 2), ("qwen3_moe", {"norm_topk_prob": False}, 1, 2)])
+def test_megatron_model_matches_ours(arch: str, overrides: dict, tp: int, ep: int, tmp_path: Path) -> None:
     """Same logits, loss and HF-named gradients as our CausalLM (fp32, packed sequences), TP=1 and TP=2; the
     weights gathered back from the TP shards are the checkpoint's, bit for bit. Gradients go through megatron's
     DDP wrapper and `finalize_model_grads` (the TP sums of the QK layernorms' pieces)."""
-    _compare_with_ours(tiny_config(arch, **overrides), tp, tmp_path, "cpu", atol=2e-5)
+    _compare_with_ours(tiny_config(arch, **overrides), tp, tmp_path, "cpu", atol=2e-5, ep=ep)
 
 
 @pytest.mark.gpu
@@ -142,11 +155,11 @@ def test_megatron_model_matches_ours_gpu(tmp_path: Path) -> None:
     _compare_with_ours(ModelConfig.from_hf_dict(preset_config("qwen3", "small")), 1, tmp_path, "cuda", atol=1e-4)
 
 
-def _compare_with_ours(cfg: ModelConfig, tp: int, tmp_path: Path, device: str, atol: float) -> None:
+def _compare_with_ours(cfg: ModelConfig, tp: int, tmp_path: Path, device: str, atol: float, ep: int = 1) -> None:
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
     torch.manual_seed(1)
     save_pretrained(build_model(cfg), tmp_path / "model")
-    got = _run_world("model", tmp_path / "model", tp, tp, tmp_path / "out.pt", device)
+    got = _run_world("model", tmp_path / "model", tp * ep, tp, tmp_path / "out.pt", device, ep=ep)
 
     ours = load_pretrained(tmp_path / "model", dtype=torch.float32, device=device)
     mb = packed_batch(LENGTHS, device)
@@ -160,20 +173,32 @@ def _compare_with_ours(cfg: ModelConfig, tp: int, tmp_path: Path, device: str, a
     assert list(got["weights"]) == list(hf)
     for name, t in hf.items():
         assert torch.equal(got["weights"][name], t.cpu()), name
-    params = dict(ours.named_parameters())
+    ours_grads = {hf_name: p.grad[index] if index else p.grad for name, p in ours.named_parameters()
+                  for hf_name, index in hf_parts(cfg, name, p.shape)}  # fused experts carved into HF tensors
+    assert set(got["grads"]) == set(ours_grads)
     for name, g in got["grads"].items():
-        torch.testing.assert_close(g, params[name].grad.cpu(), atol=atol, rtol=1e-4,
+        torch.testing.assert_close(g, ours_grads[name].cpu(), atol=atol, rtol=1e-4,
                                    msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
 
 
 # ---------------------------------------------------------------- the trainer
-@pytest.mark.parametrize("world_size,tp", [(1, 1), (2, 2), (2, 1)])
-def test_trainer_step_equals_fsdp(world: None, tiny_model: Path, tmp_path: Path, world_size: int, tp: int) -> None:
+@pytest.fixture(scope="module")
+def tiny_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles_hpc.models.presets import init_model
+
+    return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("tiny_moe") / "model")
+
+
+@pytest.mark.parametrize("world_size,tp,ep", [(1, 1, 1), (2, 2, 1), (2, 1, 1), (2, 1, 2)])
+def test_trainer_step_equals_fsdp(world: None, tiny_model: Path, tiny_moe_model: Path, tmp_path: Path,
+                                  world_size: int, tp: int, ep: int) -> None:  # fmt: skip
     """MegatronTrainer (TP or DP over gloo; on the CPU the FSDP backend's AdamW over megatron's reduced gradients)
     and FSDPTrainer (one rank) on the same batch and weights (fp32): the same log-probs, step metrics and weights
     after a train step of two mini-batches, which checks that megatron's DP gradient averaging and TP reductions
-    meet our loss normalisation."""
-    _compare_step_with_fsdp(tiny_model, tmp_path, world_size, tp, False, "cpu", atol=1e-5)
+    meet our loss normalisation. With ep=2 the model is the Qwen3-MoE preset, its experts split over the two
+    ranks (megatron's token dispatcher, expert gradients reduced over the expert-data-parallel group)."""
+    model = tiny_moe_model if ep > 1 else tiny_model
+    _compare_step_with_fsdp(model, tmp_path, world_size, tp, False, "cpu", atol=1e-5, ep=ep)
 
 
 @pytest.mark.gpu
@@ -185,9 +210,10 @@ def test_trainer_step_equals_fsdp_gpu(world: None, tiny_model: Path, tmp_path: P
 
 
 def _compare_step_with_fsdp(model_dir: Path, tmp_path: Path, world_size: int, tp: int, distributed_optimizer: bool,
-                            device: str, atol: float) -> None:  # fmt: skip
+                            device: str, atol: float, ep: int = 1) -> None:  # fmt: skip
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
-    got = _run_world("train", model_dir, world_size, tp, tmp_path / "out.pt", str(int(distributed_optimizer)), device)
+    got = _run_world("train", model_dir, world_size, tp, tmp_path / "out.pt", str(int(distributed_optimizer)), device,
+                     ep=ep)  # fmt: skip
     ref = run_fsdp_once(str(model_dir))
     assert got["step"] == 2
     assert len(got["logprobs"]) == len(TRAIN_LENGTHS)

@@ -14,6 +14,9 @@ Megatron names are those of `GPTModel` built with the local layer spec (`get_gpt
 | `...post_attention_layernorm.weight` | `decoder.layers.i.pre_mlp_layernorm.weight` | replicated |
 | `...mlp.{gate,up}_proj.weight` | `decoder.layers.i.mlp.linear_fc1.weight` | rows, gate and up each |
 | `...mlp.down_proj.weight` | `...mlp.linear_fc2.weight` | columns |
+| `...mlp.gate.weight` (Qwen3-MoE router) | `decoder.layers.i.mlp.router.weight` | replicated |
+| `...mlp.experts.e.{gate,up}_proj.weight` | `...mlp.experts.local_experts.l.linear_fc1.weight` on EP rank e // (E/ep), l = e % (E/ep) | none (expert TP 1) |
+| `...mlp.experts.e.down_proj.weight` | `...mlp.experts.local_experts.l.linear_fc2.weight` | none |
 | `model.norm.weight` | `decoder.final_layernorm.weight` | replicated |
 | `lm_head.weight` (untied) | `output_layer.weight` | rows (vocab, padded) |
 
@@ -40,18 +43,34 @@ from miles_hpc.models import CausalLM, ModelConfig, iter_hf_tensors
 __all__ = ["MCORE_FAMILIES", "Rule", "from_mcore", "hf_order", "iter_full_hf", "mcore_rules", "padded_vocab_size",
            "to_mcore"]
 
-# Families whose megatron mapping exists (MoE and MLA families: later, see docs/megatron.md).
-MCORE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
-Kind = Literal["replicated", "cols", "vocab", "qkv", "fc1"]
+# Families whose megatron mapping exists (the MLA and group-router families: later, see docs/megatron.md).
+MCORE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
+Kind = Literal["replicated", "cols", "vocab", "qkv", "fc1", "expert_fc1", "expert_fc2"]
 
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """One megatron tensor and the HF tensors it is made of."""
+    """One megatron tensor and the HF tensors it is made of. Expert tensors (`expert` set) are named here by their
+    global expert index; the rank that holds expert e under expert parallelism ep calls it local expert
+    e % (E / ep) (`mcore_name`)."""
 
     mcore: str
     hf: tuple[str, ...]
     kind: Kind
+    expert: int | None = None
+
+    def owner(self, num_experts: int, ep: int) -> int:
+        """The expert-parallel rank holding this expert tensor."""
+        if self.expert is None:
+            raise ValueError(f"{self.mcore} is not an expert tensor: every rank holds it")
+        return self.expert // (num_experts // ep)
+
+    def mcore_name(self, num_experts: int, ep: int) -> str:
+        """The parameter name on its owner: the local expert index under expert parallelism."""
+        if self.expert is None:
+            return self.mcore
+        local = self.expert % (num_experts // ep)
+        return self.mcore.replace(f".local_experts.{self.expert}.", f".local_experts.{local}.")
 
 
 def padded_vocab_size(vocab: int, tp: int, multiple: int = 128) -> int:
@@ -79,10 +98,18 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
         rules.append(Rule(mc + "self_attention.linear_proj.weight", (att + "o_proj.weight",), "cols"))
         if cfg.o_bias:
             rules.append(Rule(mc + "self_attention.linear_proj.bias", (att + "o_proj.bias",), "replicated"))
-        if cfg.model_type == "qwen3" or cfg.use_qk_norm:
+        if cfg.qk_norm:
             rules.append(Rule(mc + "self_attention.q_layernorm.weight", (att + "q_norm.weight",), "replicated"))
             rules.append(Rule(mc + "self_attention.k_layernorm.weight", (att + "k_norm.weight",), "replicated"))
         rules.append(Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated"))
+        if cfg.is_moe_layer(i):
+            rules.append(Rule(mc + "mlp.router.weight", (hf + "mlp.gate.weight",), "replicated"))
+            for e in range(cfg.num_experts):
+                src, dst = f"{hf}mlp.experts.{e}.", f"{mc}mlp.experts.local_experts.{e}."
+                rules.append(Rule(dst + "linear_fc1.weight", (src + "gate_proj.weight", src + "up_proj.weight"),
+                                  "expert_fc1", e))  # fmt: skip
+                rules.append(Rule(dst + "linear_fc2.weight", (src + "down_proj.weight",), "expert_fc2", e))
+            continue
         rules.append(Rule(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), "fc1"))
         rules.append(Rule(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "cols"))
         if cfg.mlp_bias:
@@ -97,8 +124,10 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
 def to_mcore(rule: Rule, hf: Mapping[str, torch.Tensor], cfg: ModelConfig, tp_rank: int, tp: int) -> torch.Tensor:
     """The TP rank's shard of `rule.mcore` from the full HF tensors `hf` (a new tensor, contiguous)."""
     src = [hf[n] for n in rule.hf]
-    if rule.kind == "replicated":
+    if rule.kind == "replicated" or rule.kind == "expert_fc2":  # experts are whole on their owner (expert TP 1)
         return src[0].clone()
+    if rule.kind == "expert_fc1":
+        return torch.cat(src)
     if rule.kind == "cols":
         return _chunk(src[0], 1, tp, tp_rank, rule).clone()
     if rule.kind == "vocab":
@@ -114,10 +143,14 @@ def to_mcore(rule: Rule, hf: Mapping[str, torch.Tensor], cfg: ModelConfig, tp_ra
 
 
 def from_mcore(rule: Rule, shards: list[torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The full HF tensors of `rule` from its shards on TP ranks 0..t-1 (inverse of `to_mcore`)."""
+    """The full HF tensors of `rule` from its shards on TP ranks 0..t-1 (inverse of `to_mcore`; an expert tensor
+    has one shard, its owner's)."""
     tp = len(shards)
-    if rule.kind == "replicated":
+    if rule.kind == "replicated" or rule.kind == "expert_fc2":
         return {rule.hf[0]: shards[0]}
+    if rule.kind == "expert_fc1":
+        gate, up = shards[0].chunk(2, 0)
+        return {rule.hf[0]: gate, rule.hf[1]: up}
     if rule.kind == "cols":
         return {rule.hf[0]: torch.cat(shards, 1)}
     if rule.kind == "vocab":

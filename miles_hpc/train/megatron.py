@@ -32,7 +32,7 @@ try:
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -58,18 +58,23 @@ __all__ = ["MegatronTrainer", "build_gpt", "finalize_grads", "full_hf_state", "i
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu}
 
 
-def init_model_parallel(tensor_parallel: int = 1, *, seed: int = 0) -> None:
+def init_model_parallel(tensor_parallel: int = 1, expert_parallel: int = 1, *, seed: int = 0) -> None:
     """megatron's parallel state over the default process group (which must exist): TP groups of
-    `tensor_parallel` consecutive ranks, the rest data parallel; on GPUs also megatron's per-TP-rank CUDA RNG
-    states (`seed`)."""
+    `tensor_parallel` consecutive ranks, the rest data parallel; MoE experts split over `expert_parallel` of the
+    data-parallel ranks (expert TP 1); on GPUs also megatron's per-TP-rank CUDA RNG states (`seed`)."""
     if not torch.distributed.is_initialized():
         raise RuntimeError("megatron needs the trainer process group: call dist.init_trainer_world first")
     world = torch.distributed.get_world_size()
     if world % tensor_parallel:
         raise ValueError(f"megatron.tensor_parallel={tensor_parallel} does not divide the {world} trainer ranks")
+    if (world // tensor_parallel) % expert_parallel:
+        raise ValueError(f"megatron.expert_parallel={expert_parallel} does not divide the "
+                         f"{world // tensor_parallel} data-parallel ranks")  # fmt: skip
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                             expert_model_parallel_size=expert_parallel,
+                                             expert_tensor_parallel_size=1)  # fmt: skip
     if torch.cuda.is_available():
         model_parallel_cuda_manual_seed(seed)
 
@@ -88,12 +93,34 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
             "megatron has one bias switch (add_bias_linear) for the attention output and the MLP"
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    moe: dict[str, Any] = {}
+    if cfg.num_experts:
+        if tp > 1:
+            raise NotImplementedError("megatron backend: MoE with megatron.tensor_parallel > 1 needs megatron's "
+                                      "sequence parallelism, not wired yet; split the experts with expert_parallel")
+        if cfg.num_experts % parallel_state.get_expert_model_parallel_world_size():
+            raise ValueError(f"megatron.expert_parallel does not divide num_experts={cfg.num_experts}")
+        # Qwen3-MoE routing: softmax over all experts then top-k, renormalised when norm_topk_prob; megatron's
+        # top-k over the logits then softmax over the k is that renormalised form, pre-softmax the other.
+        moe = dict(
+            num_moe_experts=cfg.num_experts, moe_router_topk=cfg.num_experts_per_tok,
+            moe_ffn_hidden_size=cfg.moe_intermediate_size, moe_router_pre_softmax=not cfg.norm_topk_prob,
+            # router logits in the activations' dtype, as transformers computes them (softmax in fp32 after)
+            moe_router_score_function="softmax", moe_router_load_balancing_type="none",
+            # all-to-all: data-parallel ranks hold packed micro-batches of different lengths, which the all-gather
+            # dispatcher (equal shapes on every rank) cannot take
+            moe_token_dispatcher_type="alltoall",
+            moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+            moe_layer_freq=[int(cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)],
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        )  # fmt: skip
     return TransformerConfig(
+        **moe,
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
         kv_channels=cfg.head_dim, normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps,
         gated_linear_unit=True, activation_func=_ACTIVATIONS[cfg.hidden_act], add_bias_linear=cfg.o_bias,
-        add_qkv_bias=cfg.qkv_bias, qk_layernorm=cfg.model_type == "qwen3" or cfg.use_qk_norm,
+        add_qkv_bias=cfg.qkv_bias, qk_layernorm=cfg.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         # Initialisation also sets the TP attributes of each parameter (`tensor_model_parallel`, which grad-norm
@@ -110,7 +137,10 @@ def build_gpt(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> GPTMod
     """A randomly initialised `GPTModel` (this rank's TP shard; on the current GPU, else the CPU) for `cfg`; fill it
     with `load_hf_weights`."""
     tcfg = transformer_config(cfg, dtype=dtype)
-    spec = get_gpt_layer_local_spec(qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")  # fmt: skip
+    if cfg.num_experts:  # dense and MoE layers mixed (`moe_layer_freq`): one spec per layer
+        spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return GPTModel(
         config=tcfg, transformer_layer_spec=spec, vocab_size=padded_vocab_size(cfg.vocab_size, tp),
@@ -125,18 +155,24 @@ def load_hf_weights(model: GPTModel, cfg: ModelConfig, path: str | Path) -> None
     model's shapes, naming the tensor)."""
     hf = dict(iter_hf_tensors(load_pretrained(path, dtype=torch.float32, device="cpu")))
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    ep, ep_rank = _expert_layout()
     params = dict(model.named_parameters())
+    filled = set()
     for rule in mcore_rules(cfg):
+        if rule.expert is not None and rule.owner(cfg.num_experts, ep) != ep_rank:
+            continue  # another expert-parallel rank's expert
+        name = rule.mcore_name(cfg.num_experts, ep)
         shard = to_mcore(rule, hf, cfg, rank, tp)
-        if rule.mcore not in params:
-            raise KeyError(f"megatron model has no {rule.mcore} (from {', '.join(rule.hf)})")
-        target = params[rule.mcore]
+        if name not in params:
+            raise KeyError(f"megatron model has no {name} (from {', '.join(rule.hf)})")
+        target = params[name]
         if target.shape != shard.shape:
-            raise ValueError(f"{rule.mcore}: megatron shard {tuple(target.shape)} vs mapped {tuple(shard.shape)} "
+            raise ValueError(f"{name}: megatron shard {tuple(target.shape)} vs mapped {tuple(shard.shape)} "
                              f"from {', '.join(rule.hf)}")  # fmt: skip
         with torch.no_grad():
             target.copy_(shard)
-    unfilled = set(params) - {r.mcore for r in mcore_rules(cfg)}
+        filled.add(name)
+    unfilled = set(params) - filled
     if unfilled:
         raise KeyError(f"megatron parameters with no HF source: {sorted(unfilled)}")
 
@@ -154,24 +190,40 @@ def finalize_grads(model: DistributedDataParallel) -> None:
     finalize_model_grads([model])
 
 
+def _expert_layout() -> tuple[int, int]:
+    """(expert-parallel size, this rank's index in it)."""
+    return parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_expert_model_parallel_rank()
+
+
 def full_hf_state(model: GPTModel, cfg: ModelConfig, *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) in `iter_hf_tensors` order, gathered over the TP group (a collective: every TP rank
     iterates to the end). Every rank yields the same tensors. `grads`: the parameters' gradients instead (HF-named,
     to compare with another backend's)."""
     group = parallel_state.get_tensor_model_parallel_group()
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    ep, _ = _expert_layout()
     params = dict(model.named_parameters())
 
-    def gather(rule: Rule) -> list[torch.Tensor]:
-        p = params[rule.mcore]
+    def local(name: str) -> torch.Tensor:
+        p = params[name]
         g = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad  # under wrap_ddp: main_grad
         if grads and g is None:
-            raise RuntimeError(f"{rule.mcore} has no gradient: run backward first")
-        local = (g if grads else p).detach().contiguous()
+            raise RuntimeError(f"{name} has no gradient: run backward first")
+        return (g if grads else p).detach().contiguous()
+
+    def gather(rule: Rule) -> list[torch.Tensor]:
+        mine = local(rule.mcore_name(cfg.num_experts, ep))
+        if rule.expert is not None:  # whole on its owner: every EP rank sends the same local index, keep the owner's
+            # TODO(scale): one collective per expert tensor; gather a layer's experts at once for real models.
+            if ep == 1:
+                return [mine]
+            parts = [torch.empty_like(mine) for _ in range(ep)]
+            torch.distributed.all_gather(parts, mine, group=parallel_state.get_expert_model_parallel_group())
+            return [parts[rule.owner(cfg.num_experts, ep)]]
         if tp == 1:
-            return [local]
-        parts = [torch.empty_like(local) for _ in range(tp)]
-        torch.distributed.all_gather(parts, local, group=group)
+            return [mine]
+        parts = [torch.empty_like(mine) for _ in range(tp)]
+        torch.distributed.all_gather(parts, mine, group=group)
         return parts
 
     yield from iter_full_hf(cfg, gather)
@@ -205,7 +257,7 @@ class MegatronTrainer(PackedTrainer):
         total_steps: int | None = None,
         loss_fn: LossFn = policy_loss,
     ) -> None:
-        for name in ("pipeline_parallel", "expert_parallel", "context_parallel"):
+        for name in ("pipeline_parallel", "context_parallel"):
             if getattr(megatron_cfg, name) != 1:
                 raise NotImplementedError(f"megatron.{name}={getattr(megatron_cfg, name)}: only 1 is supported so far")
         if algo_cfg.routing_replay:
@@ -217,7 +269,7 @@ class MegatronTrainer(PackedTrainer):
         self.train_cfg, self.algo_cfg, self.loss_fn = train_cfg, algo_cfg, loss_fn
         self.device = torch.device(device)
         self._rank, self._world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        init_model_parallel(megatron_cfg.tensor_parallel, seed=seed)
+        init_model_parallel(megatron_cfg.tensor_parallel, megatron_cfg.expert_parallel, seed=seed)
         self._dp_rank = parallel_state.get_data_parallel_rank()
         self._dp_world = parallel_state.get_data_parallel_world_size()
         self._dp_group = parallel_state.get_data_parallel_group()
@@ -279,13 +331,18 @@ class MegatronTrainer(PackedTrainer):
         """The CPU optimizer's half of megatron's step: gradients from the fp32 buffers, the global norm with
         replicated (non-TP) parameters counted once, clipping by `train.grad_clip`."""
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        sq = torch.zeros((), dtype=torch.float64)
+        sq, sq_experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         grads = []
         for p in self.model.module.parameters():
             p.grad = p.main_grad
             grads.append(p.grad)
-            if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-                sq += p.grad.double().pow(2).sum()
+            if getattr(p, "allreduce", True):  # dense: TP shards count everywhere, TP replicas on TP rank 0
+                if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+                    sq += p.grad.double().pow(2).sum()
+            elif tp_rank == 0:  # an expert: whole (expert TP 1), distinct on each expert-parallel rank
+                sq_experts += p.grad.double().pow(2).sum()
+        torch.distributed.all_reduce(sq_experts, group=parallel_state.get_expert_model_parallel_group())
+        sq += sq_experts
         torch.distributed.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
         norm = float(sq.sqrt())
         clip = self.train_cfg.grad_clip
