@@ -112,7 +112,8 @@ def test_experts_live_on_their_expert_parallel_rank() -> None:
     rules = [r for r in mcore_rules(cfg) if r.expert == 5 and r.mcore.startswith("decoder.layers.1.")]
     fc1 = next(r for r in rules if r.kind == "expert_fc1")
     assert fc1.hf == ("model.layers.1.mlp.experts.5.gate_proj.weight", "model.layers.1.mlp.experts.5.up_proj.weight")
-    assert (fc1.owner(8, 2), fc1.mcore_name(8, 2)) == (1, "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight")
+    local1 = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"
+    assert (fc1.owner(8, 2), fc1.mcore_name(8, 2)) == (1, local1)
     assert (fc1.owner(8, 1), fc1.mcore_name(8, 1)) == (0, fc1.mcore)
     router = next(r for r in mcore_rules(cfg) if r.mcore.endswith("mlp.router.weight"))
     assert router.mcore_name(8, 2) == router.mcore and router.expert is None
@@ -139,9 +140,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("arch,overrides,tp,ep", [("qwen3", {}, 1, 1), ("qwen3", {"tie_word_embeddings": False}, 2, 1),
-                                                  ("qwen2", {}, 2, 1), ("llama", {}, 2, 1), ("qwen3_moe", {}, 1, 1),
-                                                  ("qwen3_moe", {}, 1, 2), ("qwen3_moe", {"norm_topk_prob": False}, 1, 2)])
+@pytest.mark.parametrize("arch,overrides,tp,ep", [
+    ("qwen3", {}, 1, 1), ("qwen3", {"tie_word_embeddings": False}, 2, 1), ("qwen2", {}, 2, 1), ("llama", {}, 2, 1),
+    ("qwen3_moe", {}, 1, 1), ("qwen3_moe", {}, 1, 2), ("qwen3_moe", {"norm_topk_prob": False}, 1, 2),
+])  # fmt: skip
 def test_megatron_model_matches_ours(arch: str, overrides: dict, tp: int, ep: int, tmp_path: Path) -> None:
     """Same logits, loss and HF-named gradients as our CausalLM (fp32, packed sequences), TP=1 and TP=2; the
     weights gathered back from the TP shards are the checkpoint's, bit for bit. Gradients go through megatron's
@@ -203,7 +205,8 @@ def test_trainer_step_equals_fsdp(world: None, tiny_model: Path, tiny_moe_model:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
-def test_trainer_step_equals_fsdp_gpu(world: None, tiny_model: Path, tmp_path: Path, distributed_optimizer: bool) -> None:
+def test_trainer_step_equals_fsdp_gpu(world: None, tiny_model: Path, tmp_path: Path,
+                                      distributed_optimizer: bool) -> None:  # fmt: skip
     """On a GPU megatron's own optimizer steps (`get_megatron_optimizer`, distributed or not): the same step as
     the FSDP backend's on the CPU (fp32 both)."""
     _compare_step_with_fsdp(tiny_model, tmp_path, 1, 1, distributed_optimizer, "cuda", atol=1e-4)

@@ -7,7 +7,7 @@ Megatron names are those of `GPTModel` built with the local layer spec (`get_gpt
 | --- | --- | --- |
 | `model.embed_tokens.weight` | `embedding.word_embeddings.weight` | rows (vocab, padded) |
 | `model.layers.i.input_layernorm.weight` | `decoder.layers.i.input_layernorm.weight` | replicated |
-| `...self_attn.{q,k,v}_proj.weight` (and `.bias`) | `decoder.layers.i.self_attention.linear_qkv.weight` | rows, by query group |
+| `...self_attn.{q,k,v}_proj.weight` (`.bias`) | `...self_attention.linear_qkv.weight` | rows, by query group |
 | `...self_attn.o_proj.weight` | `...self_attention.linear_proj.weight` | columns |
 | `...self_attn.o_proj.bias` | `...self_attention.linear_proj.bias` | replicated |
 | `...self_attn.{q,k}_norm.weight` | `...self_attention.{q,k}_layernorm.weight` | replicated |
@@ -15,9 +15,11 @@ Megatron names are those of `GPTModel` built with the local layer spec (`get_gpt
 | `...mlp.{gate,up}_proj.weight` | `decoder.layers.i.mlp.linear_fc1.weight` | rows, gate and up each |
 | `...mlp.down_proj.weight` | `...mlp.linear_fc2.weight` | columns |
 | `...mlp.gate.weight` (Qwen3-MoE router) | `decoder.layers.i.mlp.router.weight` | replicated |
-| `...mlp.experts.e.{gate,up}_proj.weight` | `...mlp.experts.local_experts.l.linear_fc1.weight` on EP rank e // (E/ep), l = e % (E/ep) | none (expert TP 1) |
+| `...mlp.experts.e.{gate,up}_proj.weight` | `...experts.local_experts.l.linear_fc1.weight` (*) | none (expert TP 1) |
 | `...mlp.experts.e.down_proj.weight` | `...mlp.experts.local_experts.l.linear_fc2.weight` | none |
 | `model.norm.weight` | `decoder.final_layernorm.weight` | replicated |
+
+(*) on expert-parallel rank e // (E / ep), as local expert l = e % (E / ep).
 | `lm_head.weight` (untied) | `output_layer.weight` | rows (vocab, padded) |
 
 Layouts (megatron's, for TP size t):
@@ -94,7 +96,8 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
         rules.append(Rule(mc + "self_attention.linear_qkv.weight",
                           tuple(f"{att}{p}_proj.weight" for p in "qkv"), "qkv"))  # fmt: skip
         if cfg.qkv_bias:
-            rules.append(Rule(mc + "self_attention.linear_qkv.bias", tuple(f"{att}{p}_proj.bias" for p in "qkv"), "qkv"))
+            qkv_bias = tuple(f"{att}{p}_proj.bias" for p in "qkv")
+            rules.append(Rule(mc + "self_attention.linear_qkv.bias", qkv_bias, "qkv"))
         rules.append(Rule(mc + "self_attention.linear_proj.weight", (att + "o_proj.weight",), "cols"))
         if cfg.o_bias:
             rules.append(Rule(mc + "self_attention.linear_proj.bias", (att + "o_proj.bias",), "replicated"))
@@ -110,7 +113,8 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
                                   "expert_fc1", e))  # fmt: skip
                 rules.append(Rule(dst + "linear_fc2.weight", (src + "down_proj.weight",), "expert_fc2", e))
             continue
-        rules.append(Rule(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), "fc1"))
+        gate_up = (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+        rules.append(Rule(mc + "mlp.linear_fc1.weight", gate_up, "fc1"))
         rules.append(Rule(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "cols"))
         if cfg.mlp_bias:
             rules.append(Rule(mc + "mlp.linear_fc1.bias", (hf + "mlp.gate_proj.bias", hf + "mlp.up_proj.bias"), "fc1"))

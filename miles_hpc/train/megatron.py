@@ -1,7 +1,8 @@
 """megatron-core training backend (stage: train; DESIGN section 5): megatron-core's `GPTModel` built from our HF
 model config and loaded from an HF checkpoint with tensor parallelism, trained by `MegatronTrainer` (the `Trainer`
 protocol's step from `train/step.PackedTrainer`; megatron's DDP, `finalize_model_grads` and optimizer, distributed
-or not). docs/megatron.md says what exists and what does not yet (PP/EP/CP, MoE and MLA mappings, R3, checkpoints).
+or not). docs/megatron.md says what exists and what does not yet (PP/CP, MLA and group-router mappings, R3,
+resuming from a checkpoint).
 
 megatron-core is an optional dependency (`pip install miles-hpc[megatron]`); importing this module without it
 raises an ImportError that says so.
@@ -15,7 +16,8 @@ Invariants:
   so the result is the per-sequence one (a test checks it against our model).
 - Logits are gathered over tensor-parallel ranks and the vocabulary padding is dropped before any softmax.
 - megatron-core's forward calls CUDA-only helpers (a global buffer on `torch.cuda.current_device()`, the CUDA RNG
-  tracker): the library runs on GPUs; the CPU tests patch those helpers in tests/ (never here).
+  tracker, the MoE dispatcher's side stream), and its optimizers and checkpoint writers are CUDA-only: the backend
+  runs on GPUs; the CPU tests patch those helpers in tests/ (never here) and step with torch's AdamW.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ from miles_hpc.train.optim import build_optimizer, lr_lambda
 from miles_hpc.train.step import LossFn, PackedTrainer
 from miles_hpc.train.mcore_weights import Rule, iter_full_hf, mcore_rules, padded_vocab_size, to_mcore
 
-__all__ = ["MegatronTrainer", "build_gpt", "finalize_grads", "full_hf_state", "init_model_parallel", "load_hf_weights", "packed_logits",
-           "transformer_config", "wrap_ddp"]  # fmt: skip
+__all__ = ["MegatronTrainer", "build_gpt", "finalize_grads", "full_hf_state", "init_model_parallel",
+           "load_hf_weights", "packed_logits", "transformer_config", "wrap_ddp"]  # fmt: skip
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu}
 
@@ -263,7 +265,8 @@ class MegatronTrainer(PackedTrainer):
         if algo_cfg.routing_replay:
             raise NotImplementedError("algo.routing_replay (R3) is not wired into the megatron backend yet")
         if train_cfg.activation_checkpointing or train_cfg.compile:
-            raise NotImplementedError("train.activation_checkpointing / train.compile: not with the megatron backend yet")
+            raise NotImplementedError("train.activation_checkpointing / train.compile: not with the megatron backend "
+                                      "yet")  # fmt: skip
         if not torch.distributed.is_initialized():
             raise RuntimeError("MegatronTrainer needs the trainer process group: call dist.init_trainer_world first")
         self.train_cfg, self.algo_cfg, self.loss_fn = train_cfg, algo_cfg, loss_fn
@@ -379,7 +382,8 @@ class MegatronTrainer(PackedTrainer):
                           "data_parallel": self._dp_world}  # fmt: skip
                 (tmp / "megatron.json").write_text(json.dumps(layout) + "\n")
 
-        return ckpt.write_checkpoint(path, step=self._step, extra=extra or {}, backend="megatron", write_state=write_state)
+        return ckpt.write_checkpoint(path, step=self._step, extra=extra or {}, backend="megatron",
+                                     write_state=write_state)  # fmt: skip
 
     def load(self, path: str | Path) -> dict[str, Any]:
         # Measured on an H200 (megatron-core 0.19.2, torch Adam: no Apex/TE): `save` writes the checkpoint, but
@@ -388,8 +392,8 @@ class MegatronTrainer(PackedTrainer):
         # then fails on that `step` key). Until that is solved, refuse clearly instead of failing inside megatron.
         raise NotImplementedError(
             f"{path}: resuming the megatron backend from its checkpoint does not work yet (megatron-core's optimizer "
-            "state restore without Apex/Transformer Engine; docs/megatron.md). Start afresh with resume=false, or "
-            "export the weights (the checkpoint's model is megatron dist_checkpointing under mcore/)"
+            "state restore without Apex/Transformer Engine; docs/megatron.md). Start afresh with resume=false (the "
+            "saved weights stay under mcore/, in megatron's dist_checkpointing format)"
         )
 
     def _sharded_state(self) -> dict[str, Any]:

@@ -257,7 +257,9 @@ class _Metrics:
     def add_max(self, key: str, v: float) -> None:
         self.maxes[key] = max(self.maxes.get(key, -math.inf), v)
 
-    def reduce(self, device: torch.device, group: dist.ProcessGroup | None = None) -> tuple[dict[str, float], dict[str, float]]:
+    def reduce(
+        self, device: torch.device, group: dist.ProcessGroup | None = None
+    ) -> tuple[dict[str, float], dict[str, float]]:
         # A rank with only dummy micro-batches has fewer keys: agree on the union first (tiny object collective).
         keys = [sorted(self.sums), sorted(self.maxes)]
         if group_size(group) > 1:
