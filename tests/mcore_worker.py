@@ -4,8 +4,9 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
     python mcore_worker.py model MODEL_DIR TP EP OUT_FILE [DEVICE]
         GPTModel with tensor parallel TP on the HF weights: the logits of the packed micro-batch of
         test_megatron.py, the gradient of a log-prob loss, and the weights and gradients gathered back to HF names.
-    python mcore_worker.py train MODEL_DIR TP EP OUT_FILE DISTRIBUTED_OPTIMIZER [DEVICE]
-        MegatronTrainer (fp32): compute_logprobs, one train_step (2 mini-batches), the full weights after it.
+    python mcore_worker.py train MODEL_DIR TP EP OUT_FILE DISTRIBUTED_OPTIMIZER [DEVICE [R3]]
+        MegatronTrainer (fp32): compute_logprobs, one train_step (2 mini-batches), the full weights after it;
+        R3=1: the batch carries routing records and algo.routing_replay is on.
 
 Rank 0 saves what it got to OUT_FILE.
 """
@@ -23,7 +24,7 @@ from conftest import megatron_cpu_shims  # noqa: E402
 
 megatron_cpu_shims()
 
-from test_megatron import LENGTHS, TRAIN_LENGTHS, loss_of, packed_batch  # noqa: E402
+from test_megatron import LENGTHS, TRAIN_LENGTHS, loss_of, packed_batch, r3_batch  # noqa: E402
 from test_train_fsdp import STEP_ALGO, STEP_CFG, make_batch  # noqa: E402
 
 from miles_hpc.config import MegatronConfig  # noqa: E402
@@ -50,13 +51,14 @@ def model_run(model_dir: str, tp: int, ep: int, device: str = "cpu") -> dict:
     return {"logits": logits.detach().cpu(), "loss": loss.detach().cpu(), "weights": weights, "grads": grads}
 
 
-def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, device: str) -> dict:
+def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, device: str, r3: bool = False) -> dict:
     world = tdist.world_from_env(device=device)
     tdist.init_trainer_world(world)
     mcfg = MegatronConfig(tensor_parallel=tp, expert_parallel=ep, distributed_optimizer=distributed_optimizer)
     cfg = dataclasses.replace(STEP_CFG, mixed_precision=False)
-    trainer = mg.MegatronTrainer(model_dir, cfg, STEP_ALGO, mcfg, device=world.device, seed=0)
-    batch = make_batch(TRAIN_LENGTHS)
+    algo = dataclasses.replace(STEP_ALGO, routing_replay=r3)
+    trainer = mg.MegatronTrainer(model_dir, cfg, algo, mcfg, device=world.device, seed=0)
+    batch = r3_batch(trainer.config) if r3 else make_batch(TRAIN_LENGTHS)
     logprobs = trainer.compute_logprobs(batch)
     metrics = trainer.train_step(batch)
     weights = {k: v.cpu().clone() for k, v in trainer.state_for_sync()}
@@ -68,7 +70,8 @@ def main(mode: str, model_dir: str, tp: str, ep: str, out: str, *extra: str) -> 
     if mode == "model":
         result = model_run(model_dir, int(tp), int(ep), *extra)
     else:
-        result = train_run(model_dir, int(tp), int(ep), extra[0] == "1", *(extra[1:] or ["cpu"]))
+        device = extra[1] if len(extra) > 1 else "cpu"
+        result = train_run(model_dir, int(tp), int(ep), extra[0] == "1", device, extra[2:] == ("1",))
     if torch.distributed.get_rank() == 0:
         torch.save(result, out)
     tdist.teardown()

@@ -213,11 +213,11 @@ def test_trainer_step_equals_fsdp_gpu(world: None, tiny_model: Path, tmp_path: P
 
 
 def _compare_step_with_fsdp(model_dir: Path, tmp_path: Path, world_size: int, tp: int, distributed_optimizer: bool,
-                            device: str, atol: float, ep: int = 1) -> None:  # fmt: skip
+                            device: str, atol: float, ep: int = 1, r3: bool = False) -> dict:  # fmt: skip
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
     got = _run_world("train", model_dir, world_size, tp, tmp_path / "out.pt", str(int(distributed_optimizer)), device,
-                     ep=ep)  # fmt: skip
-    ref = run_fsdp_once(str(model_dir))
+                     str(int(r3)), ep=ep)  # fmt: skip
+    ref = run_fsdp_once(str(model_dir), r3=r3)
     assert got["step"] == 2
     assert len(got["logprobs"]) == len(TRAIN_LENGTHS)
     for a, b in zip(got["logprobs"], ref["logprobs"]):
@@ -230,13 +230,46 @@ def _compare_step_with_fsdp(model_dir: Path, tmp_path: Path, world_size: int, tp
         torch.testing.assert_close(got["weights"][name], w, atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
         moved += int(not torch.equal(w, ref["before"][name]))
     assert moved == len(ref["weights"])  # the step changed every tensor, so equality is not trivial
+    return got["metrics"]
 
 
-def run_fsdp_once(model_dir: str) -> dict:
-    trainer = FSDPTrainer(model_dir, dataclasses.replace(STEP_CFG, mixed_precision=False), STEP_ALGO, device="cpu",
+@pytest.mark.parametrize("world_size,ep", [(1, 1), (2, 2)])
+def test_r3_replays_recorded_experts_like_fsdp(world: None, tiny_moe_model: Path, tmp_path: Path, world_size: int,
+                                               ep: int) -> None:  # fmt: skip
+    """R3 in megatron (its router-replay hook, recorded ids where there are records, the live top-k elsewhere) and
+    in our model give the same step; the records, mostly unlike the router's own choice, cover all but the last
+    rows of each sample."""
+    metrics = _compare_step_with_fsdp(tiny_moe_model, tmp_path, world_size, 1, False, "cpu", atol=1e-5, ep=ep, r3=True)
+    ref = run_fsdp_once(str(tiny_moe_model), r3=True)["metrics"]
+    for key in ("r3/coverage", "r3/topk_agreement"):
+        assert metrics[key] == pytest.approx(ref[key], abs=1e-9), key
+    # every token but the last of a sample (never run by the engine) and the two -1 rows has a record
+    assert metrics["r3/coverage"] == pytest.approx(sum(n - 3 for n in TRAIN_LENGTHS) / sum(TRAIN_LENGTHS))
+    assert metrics["r3/topk_agreement"] < 0.5
+
+
+def r3_batch(cfg: ModelConfig) -> TrainBatch:
+    """The train batch with R3 records: random expert ids per token and MoE layer (mostly not what the router would
+    pick, so replaying them changes the step), the last two rows of each sample without a record (-1)."""
+    batch = make_batch(TRAIN_LENGTHS)
+    g = torch.Generator().manual_seed(3)
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    records = []
+    for toks in batch.tokens:
+        rows = len(toks) - 1
+        ids = torch.rand(rows, layers, cfg.num_experts, generator=g).argsort(-1)[..., : cfg.num_experts_per_tok]
+        ids[-2:] = -1
+        records.append(ids.numpy())
+    batch.routed_experts = records
+    return batch
+
+
+def run_fsdp_once(model_dir: str, r3: bool = False) -> dict:
+    algo = dataclasses.replace(STEP_ALGO, routing_replay=r3)
+    trainer = FSDPTrainer(model_dir, dataclasses.replace(STEP_CFG, mixed_precision=False), algo, device="cpu",
                           seed=0)  # fmt: skip
     before = {k: v.clone() for k, v in trainer.state_for_sync()}
-    batch = make_batch(TRAIN_LENGTHS)
+    batch = r3_batch(trainer.config) if r3 else make_batch(TRAIN_LENGTHS)
     logprobs = trainer.compute_logprobs(batch)
     metrics = trainer.train_step(batch)
     return {"logprobs": logprobs, "metrics": metrics, "before": before,

@@ -1,8 +1,8 @@
 """megatron-core training backend (stage: train; DESIGN section 5): megatron-core's `GPTModel` built from our HF
 model config and loaded from an HF checkpoint with tensor parallelism, trained by `MegatronTrainer` (the `Trainer`
 protocol's step from `train/step.PackedTrainer`; megatron's DDP, `finalize_model_grads` and optimizer, distributed
-or not). docs/megatron.md says what exists and what does not yet (PP/CP, MLA and group-router mappings, R3,
-resuming from a checkpoint).
+or not), with R3 through megatron's router-replay hook. docs/megatron.md says what exists and what does not yet
+(PP/CP, MLA and group-router mappings, resuming from a checkpoint).
 
 megatron-core is an optional dependency (`pip install miles-hpc[megatron]`); importing this module without it
 raises an ImportError that says so.
@@ -37,6 +37,7 @@ try:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.router_replay import RouterReplay
     from megatron.core.transformer.transformer_config import TransformerConfig
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -46,6 +47,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from miles_hpc.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_hpc.models import ModelConfig, iter_hf_tensors, load_pretrained, read_config
+from miles_hpc.models.moe import merge_replay
 from miles_hpc.sync.checksum import tensor_checksum
 from miles_hpc.train import checkpoint as ckpt
 from miles_hpc.train.logprobs import PackedMicroBatch, token_logprobs
@@ -192,6 +194,11 @@ def finalize_grads(model: DistributedDataParallel) -> None:
     finalize_model_grads([model])
 
 
+def _router(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """The MoE router of a decoder layer, None for a dense layer."""
+    return getattr(layer.mlp, "router", None)
+
+
 def _expert_layout() -> tuple[int, int]:
     """(expert-parallel size, this rank's index in it)."""
     return parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_expert_model_parallel_rank()
@@ -242,6 +249,33 @@ def packed_logits(model: GPTModel, mb: PackedMicroBatch, vocab_size: int) -> tor
     return logits[..., :vocab_size]
 
 
+class _Replay(RouterReplay):
+    """R3 in one megatron MoE layer, through megatron's router-replay hook: where a token has a recorded expert
+    choice (`record` [T, k]; rows of -1: none) it replaces megatron's top-k and the gate weights are recomputed
+    from the current router scores at those ids (megatron's replay path: the softmax over the k gathered logits);
+    tokens without a record keep the live choice. With `compare`, the live choice is kept everywhere and only the
+    agreement is counted. `stats`: (recorded, agreeing, tokens), as our model's `replay_stats`."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        RouterReplay.global_router_replay_instances.remove(self)  # held by its router, not megatron's global list
+        self.num_experts = num_experts
+        self.record: torch.Tensor | None = None
+        self.compare = False
+        self.stats: torch.Tensor | None = None
+
+    def get_replay_topk(  # megatron's signature
+        self, scores: torch.Tensor, topk: int, num_groups: int | None = None, group_topk: int | None = None,
+        default_compute_topk: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        probs, live = default_compute_topk(scores, topk, num_groups, group_topk)
+        if self.record is None:
+            return probs, live
+        ids, stats = merge_replay(self.record, live, self.num_experts, self.compare)
+        self.stats = stats if self.stats is None else self.stats + stats
+        return (probs, live) if ids is live else (scores.gather(1, ids), ids)
+
+
 class MegatronTrainer(PackedTrainer):
     """One rank of the megatron-core trainer. Construct on every rank after `init_trainer_world`; all methods are
     collectives (see `miles_hpc.train.protocol.Trainer`). Ranks r*TP .. r*TP+TP-1 form tensor-parallel group r,
@@ -262,8 +296,6 @@ class MegatronTrainer(PackedTrainer):
         for name in ("pipeline_parallel", "context_parallel"):
             if getattr(megatron_cfg, name) != 1:
                 raise NotImplementedError(f"megatron.{name}={getattr(megatron_cfg, name)}: only 1 is supported so far")
-        if algo_cfg.routing_replay:
-            raise NotImplementedError("algo.routing_replay (R3) is not wired into the megatron backend yet")
         if train_cfg.activation_checkpointing or train_cfg.compile:
             raise NotImplementedError("train.activation_checkpointing / train.compile: not with the megatron backend "
                                       "yet")  # fmt: skip
@@ -283,6 +315,10 @@ class MegatronTrainer(PackedTrainer):
         bf16 = train_cfg.mixed_precision and self.device.type == "cuda"
         model = build_gpt(self.config, dtype=torch.bfloat16 if bf16 else torch.float32)
         load_hf_weights(model, self.config, model_path)
+        # R3: every MoE layer's router consults its replay (megatron's hook), in layer order = the records' order
+        self._replays = [_Replay(self.config.num_experts) for layer in model.decoder.layers if _router(layer)]
+        for layer, replay in zip([layer for layer in model.decoder.layers if _router(layer)], self._replays):
+            _router(layer).router_replay = replay
         self.model = wrap_ddp(model.to(self.device), distributed_optimizer=megatron_cfg.distributed_optimizer)
         self.model.train()
         self._lr_at = lr_lambda(train_cfg, total_steps)
@@ -310,7 +346,15 @@ class MegatronTrainer(PackedTrainer):
     def _forward(
         self, mb: PackedMicroBatch, with_entropy: bool, entropy_grad: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        for j, replay in enumerate(self._replays):
+            replay.record = None if mb.routing is None else mb.routing[0, :, j, :]
+            replay.compare = not self.algo_cfg.routing_replay
         logits = packed_logits(self.model, mb, self.config.vocab_size)
+        if mb.routing is not None and self._replays:
+            stats = torch.stack([r.stats for r in self._replays if r.stats is not None]).sum(0)
+            for replay in self._replays:
+                replay.stats = None
+            self._r3 = stats if self._r3 is None else self._r3 + stats
         return token_logprobs(logits, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def _clip_and_step(self) -> torch.Tensor:
