@@ -62,7 +62,11 @@ def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, dev
     logprobs = trainer.compute_logprobs(batch)
     metrics = trainer.train_step(batch)
     weights = {k: v.cpu().clone() for k, v in trainer.state_for_sync()}
-    return {"logprobs": logprobs, "metrics": metrics, "weights": weights, "step": trainer.step}
+    sm, rank = trainer.shard_map(), trainer.rank
+    mismatch = [n for n in sm.shapes if not sm.layout[n][rank].empty
+                and not torch.equal(weights[n][sm.layout[n][rank].slices()], sm.local[n].cpu())]  # fmt: skip
+    return {"logprobs": logprobs, "metrics": metrics, "weights": weights, "step": trainer.step,
+            "shard_map_mismatch": mismatch}  # fmt: skip
 
 
 def main(mode: str, model_dir: str, tp: str, ep: str, out: str, *extra: str) -> None:

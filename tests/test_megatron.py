@@ -24,7 +24,15 @@ from miles_hpc.models.hf_io import hf_parts
 from miles_hpc.models.presets import preset_config
 from miles_hpc.train.batch import TrainBatch
 from miles_hpc.train.logprobs import PackedMicroBatch, pack_samples, token_logprobs
-from miles_hpc.train.mcore_weights import from_mcore, iter_full_hf, mcore_rules, padded_vocab_size, to_mcore
+from miles_hpc.train.mcore_weights import (
+    from_mcore,
+    iter_full_hf,
+    local_hf_parts,
+    mcore_boxes,
+    mcore_rules,
+    padded_vocab_size,
+    to_mcore,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import require  # noqa: E402
@@ -100,6 +108,31 @@ def test_layouts_follow_megatron() -> None:
     assert torch.equal(rank1[: 320 - 256], hf["model.embed_tokens.weight"][256:]) and not rank1[64:].any()
     assert torch.equal(from_mcore(emb, [to_mcore(emb, hf, cfg, r, 2) for r in range(2)], cfg)[emb.hf[0]],
                        hf["model.embed_tokens.weight"])  # fmt: skip
+
+
+@pytest.mark.parametrize("arch,overrides,tp,ep", [("qwen3", {}, 2, 1), ("qwen3", {"tie_word_embeddings": False}, 2, 1),
+                                                  ("qwen2", {}, 2, 1), ("qwen3_moe", {}, 1, 2)])  # fmt: skip
+def test_shard_boxes_hold_what_each_rank_holds(arch: str, overrides: dict, tp: int, ep: int) -> None:
+    """p2p sync's view of megatron shards: on every rank, each HF tensor's box indexes exactly the data
+    `local_hf_parts` takes from that rank's megatron tensor, and the boxes of all ranks cover every element."""
+    cfg = tiny_config(arch, **overrides)
+    torch.manual_seed(0)
+    hf = {k: v.clone() for k, v in iter_hf_tensors(build_model(cfg))}
+    shapes = {k: tuple(v.shape) for k, v in hf.items()}
+    covered = {k: torch.zeros(v.shape, dtype=torch.bool) for k, v in hf.items()}
+    coords = [(t, e) for e in range(ep) for t in range(tp)]
+    for rule in mcore_rules(cfg):
+        for t, e in coords:
+            boxes = mcore_boxes(rule, shapes, cfg, t, tp, e, ep)
+            if rule.expert is not None and rule.owner(cfg.num_experts, ep) != e:
+                assert all(b.empty for b in boxes.values())
+                continue
+            parts = local_hf_parts(rule, to_mcore(rule, hf, cfg, t, tp), cfg, t, tp)
+            assert set(parts) == set(boxes) == set(rule.hf)
+            for name, box in boxes.items():
+                assert torch.equal(hf[name][box.slices()], parts[name]), (name, t, e)
+                covered[name][box.slices()] = True
+    assert all(bool(c.all()) for c in covered.values())
 
 
 def test_unmapped_families_say_so() -> None:
@@ -230,6 +263,7 @@ def _compare_step_with_fsdp(model_dir: Path, tmp_path: Path, world_size: int, tp
         torch.testing.assert_close(got["weights"][name], w, atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
         moved += int(not torch.equal(w, ref["before"][name]))
     assert moved == len(ref["weights"])  # the step changed every tensor, so equality is not trivial
+    assert got["shard_map_mismatch"] == []  # rank 0's p2p shard map holds what its boxes say
     return got["metrics"]
 
 
@@ -286,10 +320,6 @@ def test_run_refuses_megatron_where_it_cannot_run(tmp_path: Path) -> None:
 
     cfg = load_config(REPO / "configs/tiny_cpu.yaml", ["train.backend=megatron"])
     with pytest.raises(ValueError, match="megatron runs on GPUs.*train.device=cuda"):
-        build_trainer(cfg, tmp_path)
-    cfg = load_config(REPO / "configs/tiny_cpu.yaml", ["train.backend=megatron", "train.device=cuda",
-                                                       "sync.strategy=p2p"])  # fmt: skip
-    with pytest.raises(ValueError, match="p2p needs per-rank shard maps"):
         build_trainer(cfg, tmp_path)
 
 

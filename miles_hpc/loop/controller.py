@@ -24,9 +24,6 @@ def build_trainer(cfg: RunConfig, model_dir: Path) -> Any:
         if cfg.train.device != "cuda":
             raise ValueError("train.backend=megatron runs on GPUs (megatron-core's forward, optimizer and checkpoints "
                              "are CUDA-only): set train.device=cuda, or use train.backend=fsdp on the CPU")  # fmt: skip
-        if cfg.sync.strategy == "p2p":
-            raise ValueError("sync.strategy=p2p needs per-rank shard maps, which the megatron trainer does not give "
-                             "yet: use broadcast, delta or colocated")  # fmt: skip
         from miles_hpc.train.megatron import MegatronTrainer
 
         return MegatronTrainer(str(model_dir), cfg.train, cfg.algo, cfg.megatron, device=cfg.train.device,

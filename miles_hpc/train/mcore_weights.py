@@ -41,9 +41,10 @@ from typing import Literal
 import torch
 
 from miles_hpc.models import CausalLM, ModelConfig, iter_hf_tensors
+from miles_hpc.sync.plan import Box
 
-__all__ = ["MCORE_FAMILIES", "Rule", "from_mcore", "hf_order", "iter_full_hf", "mcore_rules", "padded_vocab_size",
-           "to_mcore"]
+__all__ = ["MCORE_FAMILIES", "Rule", "from_mcore", "hf_order", "iter_full_hf", "local_hf_parts", "mcore_boxes",
+           "mcore_rules", "padded_vocab_size", "to_mcore"]
 
 # Families whose megatron mapping exists (the MLA and group-router families: later, see docs/megatron.md).
 MCORE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -187,6 +188,52 @@ def iter_full_hf(cfg: ModelConfig, gather: Callable[[Rule], list[torch.Tensor]])
         yield name, ready.pop(name)
 
 
+# ---------------------------------------------------------------- what each rank holds (p2p sync)
+def mcore_boxes(rule: Rule, shapes: Mapping[str, tuple[int, ...]], cfg: ModelConfig, tp_rank: int, tp: int,
+                ep_rank: int, ep: int) -> dict[str, Box]:  # fmt: skip
+    """The part of each of `rule`'s HF tensors (global `shapes`) that the rank at (tp_rank, ep_rank) holds: a box,
+    empty where it holds nothing. Every TP layout above holds contiguous rows (or columns) of each HF tensor: the
+    fused QKV's groups are whole query groups, i.e. contiguous heads of q, k and v."""
+    out = {}
+    for name in rule.hf:
+        shape = shapes[name]
+        full = Box.full(shape)
+        if rule.expert is not None:
+            out[name] = full if rule.owner(cfg.num_experts, ep) == ep_rank else full.with_dim(0, 0, 0)
+        elif rule.kind == "replicated":
+            out[name] = full
+        elif rule.kind == "cols":
+            step = shape[1] // tp
+            out[name] = full.with_dim(1, tp_rank * step, (tp_rank + 1) * step)
+        elif rule.kind == "vocab":
+            step = padded_vocab_size(cfg.vocab_size, tp) // tp
+            lo, hi = min(shape[0], tp_rank * step), min(shape[0], (tp_rank + 1) * step)
+            out[name] = full.with_dim(0, lo, hi)
+        else:  # qkv, fc1: rows, split evenly
+            step = shape[0] // tp
+            out[name] = full.with_dim(0, tp_rank * step, (tp_rank + 1) * step)
+    return out
+
+
+def local_hf_parts(rule: Rule, local: torch.Tensor, cfg: ModelConfig, tp_rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """This rank's parts of `rule`'s HF tensors from its local megatron tensor: the data of the boxes of
+    `mcore_boxes` (views where the layout allows, copies for the fused QKV's q, k, v)."""
+    if rule.kind in ("replicated", "cols", "expert_fc2"):
+        return {rule.hf[0]: local}
+    if rule.kind == "vocab":  # the padding rows are nobody's
+        step = padded_vocab_size(cfg.vocab_size, tp) // tp
+        held = max(0, min(cfg.vocab_size, (tp_rank + 1) * step) - tp_rank * step)
+        return {rule.hf[0]: local[:held]}
+    if rule.kind in ("fc1", "expert_fc1"):
+        gate, up = local.chunk(2, 0)
+        return {rule.hf[0]: gate, rule.hf[1]: up}
+    if rule.kind == "qkv":
+        groups = cfg.num_key_value_heads // tp
+        q, k, v = _split_groups(local, groups, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim)
+        return dict(zip(rule.hf, (q, k, v)))
+    raise AssertionError(rule.kind)
+
+
 # ---------------------------------------------------------------- layouts
 def _chunk(t: torch.Tensor, dim: int, tp: int, rank: int, rule: Rule) -> torch.Tensor:
     if t.shape[dim] % tp:
@@ -204,8 +251,14 @@ def _fuse_qkv(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def _split_qkv(cfg: ModelConfig, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups, hd = cfg.num_key_value_heads, cfg.head_dim
-    per = cfg.num_attention_heads // groups
+    groups = cfg.num_key_value_heads
+    return _split_groups(fused, groups, cfg.num_attention_heads // groups, cfg.head_dim)
+
+
+def _split_groups(
+    fused: torch.Tensor, groups: int, per: int, hd: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v rows of `groups` fused query groups of `per` query heads each."""
     rest = fused.shape[1:]
     q, k, v = fused.reshape(groups, (per + 2) * hd, *rest).split([per * hd, hd, hd], 1)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)

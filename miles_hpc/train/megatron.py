@@ -46,15 +46,25 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from miles_hpc.config import AlgoConfig, MegatronConfig, TrainConfig
-from miles_hpc.models import ModelConfig, iter_hf_tensors, load_pretrained, read_config
+from miles_hpc.models import CausalLM, ModelConfig, iter_hf_tensors, load_pretrained, read_config
 from miles_hpc.models.moe import merge_replay
 from miles_hpc.sync.checksum import tensor_checksum
+from miles_hpc.sync.plan import Box
 from miles_hpc.train import checkpoint as ckpt
 from miles_hpc.train.logprobs import PackedMicroBatch, token_logprobs
 from miles_hpc.train.losses import policy_loss
 from miles_hpc.train.optim import build_optimizer, lr_lambda
 from miles_hpc.train.step import LossFn, PackedTrainer
-from miles_hpc.train.mcore_weights import Rule, iter_full_hf, mcore_rules, padded_vocab_size, to_mcore
+from miles_hpc.train.mcore_weights import (
+    Rule,
+    iter_full_hf,
+    local_hf_parts,
+    mcore_boxes,
+    mcore_rules,
+    padded_vocab_size,
+    to_mcore,
+)
+from miles_hpc.train.shards import ShardMap
 
 __all__ = ["MegatronTrainer", "build_gpt", "finalize_grads", "full_hf_state", "init_model_parallel",
            "load_hf_weights", "packed_logits", "transformer_config", "wrap_ddp"]  # fmt: skip
@@ -194,6 +204,12 @@ def finalize_grads(model: DistributedDataParallel) -> None:
     finalize_model_grads([model])
 
 
+def _meta_model(cfg: ModelConfig) -> CausalLM:
+    """Our model for `cfg` on the meta device: HF names and shapes, no memory."""
+    with torch.device("meta"):
+        return CausalLM(cfg)
+
+
 def _router(layer: torch.nn.Module) -> torch.nn.Module | None:
     """The MoE router of a decoder layer, None for a dense layer."""
     return getattr(layer.mlp, "router", None)
@@ -309,6 +325,11 @@ class MegatronTrainer(PackedTrainer):
         self._dp_world = parallel_state.get_data_parallel_world_size()
         self._dp_group = parallel_state.get_data_parallel_group()
         self._gathers_logprobs = parallel_state.get_tensor_model_parallel_rank() == 0
+        # every rank's (TP rank, EP rank): what each holds, for the p2p sync's shard map
+        coords = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank())
+        self._coords: list[tuple[int, int]] = [coords] * self._world
+        if self._world > 1:
+            torch.distributed.all_gather_object(self._coords, coords)
         self._step, self._last_lr, self._r3 = 0, train_cfg.lr, None
         torch.manual_seed(seed)
         self.config = read_config(model_path)
@@ -402,6 +423,26 @@ class MegatronTrainer(PackedTrainer):
         """Full HF-named tensors in `iter_hf_tensors` order, gathered over the TP group one megatron tensor at a
         time; every rank yields the same tensors (data-parallel replicas hold the same weights)."""
         yield from full_hf_state(self.model.module, self.config)
+
+    def shard_map(self) -> ShardMap:
+        """What every rank holds of each HF tensor (its TP rows/columns, its experts) and this rank's data, for the
+        p2p sync (no collective: the ranks' coordinates were gathered at construction)."""
+        cfg = self.config
+        tp, ep = parallel_state.get_tensor_model_parallel_world_size(), _expert_layout()[0]
+        tp_rank, ep_rank = self._coords[self._rank]
+        shapes = {n: tuple(t.shape) for n, t in iter_hf_tensors(_meta_model(cfg))}
+        params = dict(self.model.module.named_parameters())
+        layout: dict[str, list[Box]] = {n: [] for n in shapes}
+        local: dict[str, torch.Tensor] = {}
+        for rule in mcore_rules(cfg):
+            for t_rank, e_rank in self._coords:
+                for name, box in mcore_boxes(rule, shapes, cfg, t_rank, tp, e_rank, ep).items():
+                    layout[name].append(box)
+            if rule.expert is None or rule.owner(cfg.num_experts, ep) == ep_rank:
+                mine = params[rule.mcore_name(cfg.num_experts, ep)].detach()
+                local.update((n, t) for n, t in local_hf_parts(rule, mine, cfg, tp_rank, tp).items()
+                             if not layout[n][self._rank].empty)  # fmt: skip
+        return ShardMap(shapes, {n: tuple(b) for n, b in layout.items()}, local)
 
     def checksums(self, dtype: torch.dtype | None = None) -> dict[str, str]:
         out: dict[str, str] = {}
