@@ -71,7 +71,8 @@ def loss_of(logits: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:
 
 # ---------------------------------------------------------------- mapping (pure)
 @pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("qwen2", {}), ("llama", {"attention_bias": True}),
-                                            ("qwen3", {"tie_word_embeddings": False}), ("qwen3_moe", {})])  # fmt: skip
+                                            ("qwen3", {"tie_word_embeddings": False}), ("qwen3_moe", {}),
+                                            ("glm4_moe", {})])  # fmt: skip
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mapping_round_trips(arch: str, overrides: dict, tp: int) -> None:
     cfg = tiny_config(arch, **overrides)
@@ -111,7 +112,8 @@ def test_layouts_follow_megatron() -> None:
 
 
 @pytest.mark.parametrize("arch,overrides,tp,ep", [("qwen3", {}, 2, 1), ("qwen3", {"tie_word_embeddings": False}, 2, 1),
-                                                  ("qwen2", {}, 2, 1), ("qwen3_moe", {}, 1, 2)])  # fmt: skip
+                                                  ("qwen2", {}, 2, 1), ("qwen3_moe", {}, 1, 2), ("glm4_moe", {}, 2, 1),
+                                                  ("glm4_moe", {}, 1, 2)])  # fmt: skip
 def test_shard_boxes_hold_what_each_rank_holds(arch: str, overrides: dict, tp: int, ep: int) -> None:
     """p2p sync's view of megatron shards: on every rank, each HF tensor's box indexes exactly the data
     `local_hf_parts` takes from that rank's megatron tensor, and the boxes of all ranks cover every element."""
@@ -176,6 +178,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("arch,overrides,tp,ep", [
     ("qwen3", {}, 1, 1), ("qwen3", {"tie_word_embeddings": False}, 2, 1), ("qwen2", {}, 2, 1), ("llama", {}, 2, 1),
     ("qwen3_moe", {}, 1, 1), ("qwen3_moe", {}, 1, 2), ("qwen3_moe", {"norm_topk_prob": False}, 1, 2),
+    ("glm4_moe", {}, 1, 1), ("glm4_moe", {}, 1, 2),
 ])  # fmt: skip
 def test_megatron_model_matches_ours(arch: str, overrides: dict, tp: int, ep: int, tmp_path: Path) -> None:
     """Same logits, loss and HF-named gradients as our CausalLM (fp32, packed sequences), TP=1 and TP=2; the
@@ -193,7 +196,12 @@ def test_megatron_model_matches_ours_gpu(tmp_path: Path) -> None:
 def _compare_with_ours(cfg: ModelConfig, tp: int, tmp_path: Path, device: str, atol: float, ep: int = 1) -> None:
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
     torch.manual_seed(1)
-    save_pretrained(build_model(cfg), tmp_path / "model")
+    model = build_model(cfg)
+    with torch.no_grad():  # a correction bias large enough to change which experts win (init leaves it at 0)
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.uniform_(-0.3, 0.3)
+    save_pretrained(model, tmp_path / "model")
     got = _run_world("model", tmp_path / "model", tp * ep, tp, tmp_path / "out.pt", device, ep=ep)
 
     ours = load_pretrained(tmp_path / "model", dtype=torch.float32, device=device)
@@ -211,6 +219,8 @@ def _compare_with_ours(cfg: ModelConfig, tp: int, tmp_path: Path, device: str, a
     ours_grads = {hf_name: p.grad[index] if index else p.grad for name, p in ours.named_parameters()
                   for hf_name, index in hf_parts(cfg, name, p.shape)}  # fused experts carved into HF tensors
     assert set(got["grads"]) == set(ours_grads)
+    for name in [n for n, g in ours_grads.items() if g is None]:  # frozen (GLM's router correction bias)
+        assert not got["grads"].pop(name).any(), name
     for name, g in got["grads"].items():
         torch.testing.assert_close(g, ours_grads[name].cpu(), atol=atol, rtol=1e-4,
                                    msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
@@ -224,15 +234,23 @@ def tiny_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("tiny_moe") / "model")
 
 
-@pytest.mark.parametrize("world_size,tp,ep", [(1, 1, 1), (2, 2, 1), (2, 1, 1), (2, 1, 2)])
-def test_trainer_step_equals_fsdp(world: None, tiny_model: Path, tiny_moe_model: Path, tmp_path: Path,
-                                  world_size: int, tp: int, ep: int) -> None:  # fmt: skip
+@pytest.fixture(scope="module")
+def tiny_glm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles_hpc.models.presets import init_model
+
+    return init_model("glm4_moe", "tiny", tmp_path_factory.mktemp("tiny_glm") / "model")
+
+
+@pytest.mark.parametrize("world_size,tp,ep,arch", [(1, 1, 1, "qwen3"), (2, 2, 1, "qwen3"), (2, 1, 1, "qwen3"),
+                                                   (2, 1, 2, "qwen3_moe"), (2, 1, 2, "glm4_moe")])  # fmt: skip
+def test_trainer_step_equals_fsdp(world: None, tiny_model: Path, tiny_moe_model: Path, tiny_glm_model: Path,
+                                  tmp_path: Path, world_size: int, tp: int, ep: int, arch: str) -> None:  # fmt: skip
     """MegatronTrainer (TP or DP over gloo; on the CPU the FSDP backend's AdamW over megatron's reduced gradients)
     and FSDPTrainer (one rank) on the same batch and weights (fp32): the same log-probs, step metrics and weights
     after a train step of two mini-batches, which checks that megatron's DP gradient averaging and TP reductions
-    meet our loss normalisation. With ep=2 the model is the Qwen3-MoE preset, its experts split over the two
-    ranks (megatron's token dispatcher, expert gradients reduced over the expert-data-parallel group)."""
-    model = tiny_moe_model if ep > 1 else tiny_model
+    meet our loss normalisation. With ep=2 the model is a MoE preset, its experts split over the two ranks
+    (megatron's token dispatcher, expert gradients reduced over the expert-data-parallel group)."""
+    model = {"qwen3": tiny_model, "qwen3_moe": tiny_moe_model, "glm4_moe": tiny_glm_model}[arch]
     _compare_step_with_fsdp(model, tmp_path, world_size, tp, False, "cpu", atol=1e-5, ep=ep)
 
 
@@ -262,7 +280,8 @@ def _compare_step_with_fsdp(model_dir: Path, tmp_path: Path, world_size: int, tp
     for name, w in ref["weights"].items():
         torch.testing.assert_close(got["weights"][name], w, atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
         moved += int(not torch.equal(w, ref["before"][name]))
-    assert moved == len(ref["weights"])  # the step changed every tensor, so equality is not trivial
+    frozen = sum(n.endswith("e_score_correction_bias") for n in ref["weights"])  # GLM's router bias stays
+    assert moved == len(ref["weights"]) - frozen  # the step changed every other tensor: equality is not trivial
     assert got["shard_map_mismatch"] == []  # rank 0's p2p shard map holds what its boxes say
     return got["metrics"]
 

@@ -14,7 +14,9 @@ Megatron names are those of `GPTModel` built with the local layer spec (`get_gpt
 | `...post_attention_layernorm.weight` | `decoder.layers.i.pre_mlp_layernorm.weight` | replicated |
 | `...mlp.{gate,up}_proj.weight` | `decoder.layers.i.mlp.linear_fc1.weight` | rows, gate and up each |
 | `...mlp.down_proj.weight` | `...mlp.linear_fc2.weight` | columns |
-| `...mlp.gate.weight` (Qwen3-MoE router) | `decoder.layers.i.mlp.router.weight` | replicated |
+| `...mlp.gate.weight` (MoE router) | `decoder.layers.i.mlp.router.weight` | replicated |
+| `...mlp.gate.e_score_correction_bias` (GLM) | `...mlp.router.expert_bias` (a buffer) | replicated |
+| `...mlp.shared_experts.{gate,up,down}_proj.weight` | `...mlp.shared_experts.linear_fc{1,2}.weight` | as the MLP |
 | `...mlp.experts.e.{gate,up}_proj.weight` | `...experts.local_experts.l.linear_fc1.weight` (*) | none (expert TP 1) |
 | `...mlp.experts.e.down_proj.weight` | `...mlp.experts.local_experts.l.linear_fc2.weight` | none |
 | `model.norm.weight` | `decoder.final_layernorm.weight` | replicated |
@@ -46,8 +48,8 @@ from miles_hpc.sync.plan import Box
 __all__ = ["MCORE_FAMILIES", "Rule", "from_mcore", "hf_order", "iter_full_hf", "local_hf_parts", "mcore_boxes",
            "mcore_rules", "padded_vocab_size", "to_mcore"]
 
-# Families whose megatron mapping exists (the MLA and group-router families: later, see docs/megatron.md).
-MCORE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# Families whose megatron mapping exists (DeepSeek-V3's MLA: later, see docs/megatron.md).
+MCORE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
 Kind = Literal["replicated", "cols", "vocab", "qkv", "fc1", "expert_fc1", "expert_fc2"]
 
 
@@ -108,6 +110,13 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
         rules.append(Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated"))
         if cfg.is_moe_layer(i):
             rules.append(Rule(mc + "mlp.router.weight", (hf + "mlp.gate.weight",), "replicated"))
+            if cfg.group_router:  # GLM-4.5: sigmoid router with a score correction bias, shared experts
+                rules.append(Rule(mc + "mlp.router.expert_bias", (hf + "mlp.gate.e_score_correction_bias",),
+                                  "replicated"))  # fmt: skip
+                shared = f"{hf}mlp.shared_experts."
+                rules.append(Rule(mc + "mlp.shared_experts.linear_fc1.weight",
+                                  (shared + "gate_proj.weight", shared + "up_proj.weight"), "fc1"))  # fmt: skip
+                rules.append(Rule(mc + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), "cols"))
             for e in range(cfg.num_experts):
                 src, dst = f"{hf}mlp.experts.{e}.", f"{mc}mlp.experts.local_experts.{e}."
                 rules.append(Rule(dst + "linear_fc1.weight", (src + "gate_proj.weight", src + "up_proj.weight"),

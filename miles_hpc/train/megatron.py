@@ -2,7 +2,7 @@
 model config and loaded from an HF checkpoint with tensor parallelism, trained by `MegatronTrainer` (the `Trainer`
 protocol's step from `train/step.PackedTrainer`; megatron's DDP, `finalize_model_grads` and optimizer, distributed
 or not), with R3 through megatron's router-replay hook. docs/megatron.md says what exists and what does not yet
-(PP/CP, MLA and group-router mappings, resuming from a checkpoint).
+(PP/CP, the MLA mapping, resuming from a checkpoint).
 
 megatron-core is an optional dependency (`pip install miles-hpc[megatron]`); importing this module without it
 raises an ImportError that says so.
@@ -116,11 +116,28 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
             raise ValueError(f"megatron.expert_parallel does not divide num_experts={cfg.num_experts}")
         # Qwen3-MoE routing: softmax over all experts then top-k, renormalised when norm_topk_prob; megatron's
         # top-k over the logits then softmax over the k is that renormalised form, pre-softmax the other.
+        group: dict[str, Any] = {}
+        if cfg.group_router:
+            # GLM-4.5: sigmoid scores, top-k of scores + the (frozen) correction bias within the best groups, gate =
+            # the scores at those ids, renormalised, times routed_scaling_factor; shared experts beside.
+            if not cfg.norm_topk_prob:
+                raise NotImplementedError("megatron backend: a sigmoid router without norm_topk_prob (megatron "
+                                          "always renormalises sigmoid gates)")  # fmt: skip
+            if cfg.n_group > 1 and cfg.num_experts_per_tok // cfg.topk_group != 2:
+                raise NotImplementedError(f"megatron backend: groups scored by their top {cfg.num_experts_per_tok} "
+                                          f"// {cfg.topk_group} experts, where the model sums its top 2")  # fmt: skip
+            group = dict(
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_bias_update_rate=0.0, moe_router_topk_scaling_factor=cfg.routed_scaling_factor,
+                moe_router_num_groups=cfg.n_group if cfg.n_group > 1 else None,
+                moe_router_group_topk=cfg.topk_group if cfg.n_group > 1 else None,
+                moe_shared_expert_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts or None,
+            )  # fmt: skip
         moe = dict(
             num_moe_experts=cfg.num_experts, moe_router_topk=cfg.num_experts_per_tok,
             moe_ffn_hidden_size=cfg.moe_intermediate_size, moe_router_pre_softmax=not cfg.norm_topk_prob,
             # router logits in the activations' dtype, as transformers computes them (softmax in fp32 after)
-            moe_router_score_function="softmax", moe_router_load_balancing_type="none",
+            moe_router_load_balancing_type="none", **{"moe_router_score_function": "softmax", **group},
             # all-to-all: data-parallel ranks hold packed micro-batches of different lengths, which the all-gather
             # dispatcher (equal shapes on every rank) cannot take
             moe_token_dispatcher_type="alltoall",
@@ -159,7 +176,8 @@ def build_gpt(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> GPTMod
     return GPTModel(
         config=tcfg, transformer_layer_spec=spec, vocab_size=padded_vocab_size(cfg.vocab_size, tp),
         max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",
-        rotary_base=int(cfg.rope_theta), share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        rotary_base=int(cfg.rope_theta), rotary_percent=cfg.partial_rotary_factor,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         parallel_output=False,
     )  # fmt: skip
 
@@ -171,15 +189,16 @@ def load_hf_weights(model: GPTModel, cfg: ModelConfig, path: str | Path) -> None
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     ep, ep_rank = _expert_layout()
     params = dict(model.named_parameters())
+    tensors = {**dict(model.named_buffers()), **params}  # GLM's router bias is a buffer
     filled = set()
     for rule in mcore_rules(cfg):
         if rule.expert is not None and rule.owner(cfg.num_experts, ep) != ep_rank:
             continue  # another expert-parallel rank's expert
         name = rule.mcore_name(cfg.num_experts, ep)
         shard = to_mcore(rule, hf, cfg, rank, tp)
-        if name not in params:
+        if name not in tensors:
             raise KeyError(f"megatron model has no {name} (from {', '.join(rule.hf)})")
-        target = params[name]
+        target = tensors[name]
         if target.shape != shard.shape:
             raise ValueError(f"{name}: megatron shard {tuple(target.shape)} vs mapped {tuple(shard.shape)} "
                              f"from {', '.join(rule.hf)}")  # fmt: skip
@@ -228,8 +247,11 @@ def full_hf_state(model: GPTModel, cfg: ModelConfig, *, grads: bool = False) -> 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep, _ = _expert_layout()
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
 
     def local(name: str) -> torch.Tensor:
+        if name not in params:  # a frozen buffer (GLM's router bias): no gradient, zeros in its place
+            return torch.zeros_like(buffers[name]) if grads else buffers[name].detach()
         p = params[name]
         g = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad  # under wrap_ddp: main_grad
         if grads and g is None:
@@ -431,7 +453,7 @@ class MegatronTrainer(PackedTrainer):
         tp, ep = parallel_state.get_tensor_model_parallel_world_size(), _expert_layout()[0]
         tp_rank, ep_rank = self._coords[self._rank]
         shapes = {n: tuple(t.shape) for n, t in iter_hf_tensors(_meta_model(cfg))}
-        params = dict(self.model.module.named_parameters())
+        params = {**dict(self.model.module.named_buffers()), **dict(self.model.module.named_parameters())}
         layout: dict[str, list[Box]] = {n: [] for n in shapes}
         local: dict[str, torch.Tensor] = {}
         for rule in mcore_rules(cfg):
