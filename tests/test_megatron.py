@@ -1,6 +1,7 @@
-"""megatron-core backend, part 1 (train/mcore_weights.py, train/megatron.py): the HF <-> Megatron weight mapping,
-and megatron's own `GPTModel` on our HF weights computing what our model computes, with tensor parallelism over
-gloo on the CPU (megatron_cpu_shims in conftest.py).
+"""megatron-core backend (train/mcore_weights.py, train/megatron.py): the HF <-> Megatron weight mapping and the
+p2p shard layout, megatron's own `GPTModel` on our HF weights computing what our model computes, and
+`MegatronTrainer` stepping like `FSDPTrainer` (R3 included), with tensor, data and expert parallelism over gloo on
+the CPU (megatron_cpu_shims in conftest.py); the GPU tier runs megatron's optimizer and `miles-hpc run`.
 
 The model runs are subprocesses (tests/mcore_worker.py): megatron's parallel state is process-global.
 """
