@@ -30,7 +30,6 @@ from torch.utils.checkpoint import checkpoint
 
 from miles_hpc.config import AlgoConfig, TrainConfig
 from miles_hpc.models import CausalLM, iter_hf_tensors, load_pretrained
-from miles_hpc.sync.checksum import tensor_checksum
 from miles_hpc.train import checkpoint as ckpt
 from miles_hpc.train.logprobs import PackedMicroBatch, token_logprobs
 from miles_hpc.train.losses import policy_loss
@@ -143,13 +142,6 @@ class FSDPTrainer(PackedTrainer):
     def shard_map(self) -> ShardMap:
         """What every rank holds of each HF tensor and this rank's part of it (p2p sync; no collective)."""
         return shard_map(self.model, self._rank, self._world)
-
-    def checksums(self, dtype: torch.dtype | None = None) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for name, t in self.state_for_sync():
-            if self._rank == 0:
-                out[name] = tensor_checksum(t if dtype is None else t.to(dtype))
-        return out
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:

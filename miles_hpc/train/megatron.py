@@ -48,7 +48,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from miles_hpc.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_hpc.models import CausalLM, ModelConfig, iter_hf_tensors, load_pretrained, read_config
 from miles_hpc.models.moe import merge_replay
-from miles_hpc.sync.checksum import tensor_checksum
 from miles_hpc.sync.plan import Box
 from miles_hpc.train import checkpoint as ckpt
 from miles_hpc.train.logprobs import PackedMicroBatch, token_logprobs
@@ -465,13 +464,6 @@ class MegatronTrainer(PackedTrainer):
                 local.update((n, t) for n, t in local_hf_parts(rule, mine, cfg, tp_rank, tp).items()
                              if not layout[n][self._rank].empty)  # fmt: skip
         return ShardMap(shapes, {n: tuple(b) for n, b in layout.items()}, local)
-
-    def checksums(self, dtype: torch.dtype | None = None) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for name, t in self.state_for_sync():
-            if self._rank == 0:
-                out[name] = tensor_checksum(t if dtype is None else t.to(dtype))
-        return out
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:

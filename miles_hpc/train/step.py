@@ -27,7 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from miles_hpc.config import AlgoConfig, TrainConfig
 from miles_hpc.data.sample import token_hash
+from miles_hpc.sync.checksum import tensor_checksum
 from miles_hpc.train.batch import TrainBatch
 from miles_hpc.train.dist import all_reduce_floats, group_size
 from miles_hpc.train.logprobs import PackedMicroBatch, dummy_microbatch, pack_samples
@@ -97,6 +98,19 @@ class PackedTrainer:
         """After a mini-batch: clip the global grad norm, step the optimizer and the schedule, count the step;
         returns the pre-clip norm as a device scalar, identical on every rank."""
         raise NotImplementedError
+
+    def state_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named weights (the backend's; see `Trainer.state_for_sync`)."""
+        raise NotImplementedError
+
+    def checksums(self, dtype: torch.dtype | None = None) -> dict[str, str]:
+        """HF name -> checksum of the full weights (cast to `dtype`), from `state_for_sync`: a collective, every
+        rank iterates; complete on rank 0, {} elsewhere."""
+        out: dict[str, str] = {}
+        for name, t in self.state_for_sync():
+            if self._rank == 0:
+                out[name] = tensor_checksum(t if dtype is None else t.to(dtype))
+        return out
 
     # ------------------------------------------------------------------ planning
     def _plan(self, batch: TrainBatch, indices: list[int]) -> list[list[int]]:
