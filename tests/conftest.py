@@ -56,7 +56,8 @@ def megatron_cpu_shims() -> None:
     """Test-only: let megatron-core's forward run on a CPU-only torch. It calls CUDA-only helpers, none of which
     does anything a CPU run needs: `torch.cuda.current_device()` (the device of its global memory buffer, of
     RoPE's inverse frequencies and of the MoE router's weight: here the CPU), the CUDA RNG tracker's `fork`
-    (dropout under tensor parallelism; our configs have none) and the MoE dispatcher's side stream. Library code
+    (dropout under tensor parallelism; our configs have none), the MoE dispatcher's side stream, and the pipeline
+    schedule's device syncs and "cuda" tensors. Library code
     never patches these (`train/megatron.py`)."""
     import contextlib
     import types
@@ -64,6 +65,14 @@ def megatron_cpu_shims() -> None:
     import torch
     from megatron.core.tensor_parallel import random as mrandom
 
+    # megatron-core 0.16's MLA sets its HAVE_TE when `megatron.core.extensions.transformer_engine` imports, which
+    # it does without Transformer Engine (a mock in its place), then tests `isinstance(linear_proj, TELinear)`
+    # against that mock (a TypeError); the extension's own HAVE_TE says whether TE is there (0.19 reads that one).
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.transformer import multi_latent_attention
+
+    if not te_extension.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
     if torch.cuda.is_available():
         return
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
@@ -89,3 +98,18 @@ def megatron_cpu_shims() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # Pipeline stages: the schedule counts tokens in a tensor it makes on "cuda", the p2p exchange synchronises the
+    # device after its batched sends, and the tied embedding's first sync moves the weight with `.cuda()`.
+    from megatron.core.pipeline_parallel import schedules
+
+    class _CpuTorch(types.ModuleType):
+        def __getattr__(self, name: str):  # noqa: ANN204
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*args, device=None, **kwargs):  # noqa: ANN001, ANN205
+            return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    schedules.torch = _CpuTorch("torch")
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]

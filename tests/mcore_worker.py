@@ -6,7 +6,8 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
         test_megatron.py, the gradient of a log-prob loss, and the weights and gradients gathered back to HF names.
     python mcore_worker.py train MODEL_DIR TP EP OUT_FILE DISTRIBUTED_OPTIMIZER [DEVICE [R3]]
         MegatronTrainer (fp32): compute_logprobs, one train_step (2 mini-batches), the full weights after it;
-        R3=1: the batch carries routing records and algo.routing_replay is on.
+        R3=1: the batch carries routing records and algo.routing_replay is on. MCORE_PP in the environment: the
+        number of pipeline stages (default 1).
 
 Rank 0 saves what it got to OUT_FILE.
 """
@@ -14,6 +15,7 @@ Rank 0 saves what it got to OUT_FILE.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -54,7 +56,8 @@ def model_run(model_dir: str, tp: int, ep: int, device: str = "cpu") -> dict:
 def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, device: str, r3: bool = False) -> dict:
     world = tdist.world_from_env(device=device)
     tdist.init_trainer_world(world)
-    mcfg = MegatronConfig(tensor_parallel=tp, expert_parallel=ep, distributed_optimizer=distributed_optimizer)
+    mcfg = MegatronConfig(tensor_parallel=tp, expert_parallel=ep, distributed_optimizer=distributed_optimizer,
+                          pipeline_parallel=int(os.environ.get("MCORE_PP", "1")))  # fmt: skip
     cfg = dataclasses.replace(STEP_CFG, mixed_precision=False)
     algo = dataclasses.replace(STEP_ALGO, routing_replay=r3)
     trainer = mg.MegatronTrainer(model_dir, cfg, algo, mcfg, device=world.device, seed=0)

@@ -5,7 +5,6 @@ rewrites history fails loudly, naming the message."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
 
 from miles_hpc.data.tasks import make_task
 from miles_hpc.data.terminal_env import TerminalEnv, make_terminal_task, parse_command

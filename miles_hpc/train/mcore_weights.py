@@ -11,6 +11,13 @@ Megatron names are those of `GPTModel` built with the local layer spec (`get_gpt
 | `...self_attn.o_proj.weight` | `...self_attention.linear_proj.weight` | columns |
 | `...self_attn.o_proj.bias` | `...self_attention.linear_proj.bias` | replicated |
 | `...self_attn.{q,k}_norm.weight` | `...self_attention.{q,k}_layernorm.weight` | replicated |
+| MLA: `...self_attn.q_proj.weight` (no q LoRA) | `...self_attention.linear_q_proj.weight` | rows, by head (**) |
+| MLA: `...self_attn.q_a_proj.weight` | `...self_attention.linear_q_down_proj.weight` | rows |
+| MLA: `...self_attn.q_a_layernorm.weight` | `...self_attention.q_layernorm.weight` | replicated |
+| MLA: `...self_attn.q_b_proj.weight` | `...self_attention.linear_q_up_proj.weight` | rows, by head (**) |
+| MLA: `...self_attn.kv_a_proj_with_mqa.weight` | `...self_attention.linear_kv_down_proj.weight` | rows (**) |
+| MLA: `...self_attn.kv_a_layernorm.weight` | `...self_attention.kv_layernorm.weight` | replicated |
+| MLA: `...self_attn.kv_b_proj.weight` | `...self_attention.linear_kv_up_proj.weight` | rows, by head |
 | `...post_attention_layernorm.weight` | `decoder.layers.i.pre_mlp_layernorm.weight` | replicated |
 | `...mlp.{gate,up}_proj.weight` | `decoder.layers.i.mlp.linear_fc1.weight` | rows, gate and up each |
 | `...mlp.down_proj.weight` | `...mlp.linear_fc2.weight` | columns |
@@ -21,8 +28,10 @@ Megatron names are those of `GPTModel` built with the local layer spec (`get_gpt
 | `...mlp.experts.e.down_proj.weight` | `...mlp.experts.local_experts.l.linear_fc2.weight` | none |
 | `model.norm.weight` | `decoder.final_layernorm.weight` | replicated |
 
-(*) on expert-parallel rank e // (E / ep), as local expert l = e % (E / ep).
 | `lm_head.weight` (untied) | `output_layer.weight` | rows (vocab, padded) |
+
+(*) on expert-parallel rank e // (E / ep), as local expert l = e % (E / ep).
+(**) with `rope_interleave=False`, the rotary rows in megatron's order (below).
 
 Layouts (megatron's, for TP size t):
 - `linear_qkv` holds, per query group g (a kv head), the group's query heads, then its key head, then its value
@@ -30,6 +39,13 @@ Layouts (megatron's, for TP size t):
   query heads of those groups are exactly the heads whose `linear_proj` columns rank r holds.
 - `linear_fc1` on rank r is `[gate rows of r; up rows of r]` (each of gate and up split in t), so the full
   (t = 1) tensor is `[gate; up]` and a TP shard is not a contiguous slice of it.
+- MLA (DeepSeek-V3): megatron's down projections are column-parallel too (each rank computes its rows of the
+  latent and gathers the rest), so every projection but `linear_proj` splits rows in t contiguous pieces; the
+  per-head layouts ([nope | rope] for q, [nope | v] for kv_b) are HF's, so a rank's rows are whole heads. Megatron's
+  MLA RoPE always reads the rotary dims as interleaved pairs (x0, x1), (x2, x3), ... (it de-interleaves them
+  before rotating halves), which is `rope_interleave=True` as is. For `rope_interleave=False` (halves rotated) the
+  rotary rows of q (per head) and of `kv_a_proj_with_mqa` are stored interleaved: megatron row 2i is HF row i,
+  row 2i+1 is HF row d/2 + i, so the de-interleaving gives back HF's halves and the scores are HF's.
 - The vocabulary is padded to `padded_vocab_size` (a multiple of 128 x t, as Megatron-LM does) with zero rows;
   logits of padding ids are dropped before any softmax (`train/megatron.py`).
 """
@@ -48,9 +64,10 @@ from miles_hpc.sync.plan import Box
 __all__ = ["MCORE_FAMILIES", "Rule", "from_mcore", "hf_order", "iter_full_hf", "local_hf_parts", "mcore_boxes",
            "mcore_rules", "padded_vocab_size", "to_mcore"]
 
-# Families whose megatron mapping exists (DeepSeek-V3's MLA: later, see docs/megatron.md).
-MCORE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
-Kind = Literal["replicated", "cols", "vocab", "qkv", "fc1", "expert_fc1", "expert_fc2"]
+# Families whose megatron mapping exists (deepseek_v3 includes Kimi-K2, model_type alias kimi_k2).
+MCORE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
+# rows: contiguous rows per TP rank; q_heads / kv_down: rows, MLA's rotary rows reordered (`_row_perm`)
+Kind = Literal["replicated", "cols", "vocab", "qkv", "fc1", "expert_fc1", "expert_fc2", "rows", "q_heads", "kv_down"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,16 +105,22 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
     """Every megatron tensor of a `GPTModel` for `cfg` (local spec), with its HF sources, in layer order."""
     if cfg.model_type not in MCORE_FAMILIES:
         raise NotImplementedError(
-            f"the megatron backend maps {', '.join(MCORE_FAMILIES)} so far; model_type {cfg.model_type!r} (MoE/MLA "
-            "families) is not mapped yet: use train.backend=fsdp"
+            f"the megatron backend maps {', '.join(MCORE_FAMILIES)} so far; model_type {cfg.model_type!r} is not "
+            "mapped yet: use train.backend=fsdp"
         )
+    if cfg.is_mla and cfg.qkv_bias:
+        raise NotImplementedError("megatron backend: deepseek_v3 with attention_bias=True (megatron's MLA has no bias "
+                                  "on its q/kv down projections)")  # fmt: skip
     rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
     for i in range(cfg.num_hidden_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
         att = hf + "self_attn."
         rules.append(Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated"))
-        rules.append(Rule(mc + "self_attention.linear_qkv.weight",
-                          tuple(f"{att}{p}_proj.weight" for p in "qkv"), "qkv"))  # fmt: skip
+        if cfg.is_mla:
+            rules.extend(_mla_rules(cfg, att, mc + "self_attention."))
+        else:
+            rules.append(Rule(mc + "self_attention.linear_qkv.weight",
+                              tuple(f"{att}{p}_proj.weight" for p in "qkv"), "qkv"))  # fmt: skip
         if cfg.qkv_bias:
             qkv_bias = tuple(f"{att}{p}_proj.bias" for p in "qkv")
             rules.append(Rule(mc + "self_attention.linear_qkv.bias", qkv_bias, "qkv"))
@@ -135,6 +158,20 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
     return rules
 
 
+def _mla_rules(cfg: ModelConfig, att: str, mc: str) -> list[Rule]:
+    """One layer's MLA projections and norms (`att`: HF prefix, `mc`: megatron prefix); o_proj is the common rule.
+    No biases: megatron's MLA has none on its down projections (`mcore_rules` refuses MLA's attention_bias)."""
+    if cfg.q_lora_rank is None:
+        q = [Rule(mc + "linear_q_proj.weight", (att + "q_proj.weight",), "q_heads")]
+    else:
+        q = [Rule(mc + "linear_q_down_proj.weight", (att + "q_a_proj.weight",), "rows"),
+             Rule(mc + "q_layernorm.weight", (att + "q_a_layernorm.weight",), "replicated"),
+             Rule(mc + "linear_q_up_proj.weight", (att + "q_b_proj.weight",), "q_heads")]  # fmt: skip
+    return [*q, Rule(mc + "linear_kv_down_proj.weight", (att + "kv_a_proj_with_mqa.weight",), "kv_down"),
+            Rule(mc + "kv_layernorm.weight", (att + "kv_a_layernorm.weight",), "replicated"),
+            Rule(mc + "linear_kv_up_proj.weight", (att + "kv_b_proj.weight",), "rows")]  # fmt: skip
+
+
 def to_mcore(rule: Rule, hf: Mapping[str, torch.Tensor], cfg: ModelConfig, tp_rank: int, tp: int) -> torch.Tensor:
     """The TP rank's shard of `rule.mcore` from the full HF tensors `hf` (a new tensor, contiguous)."""
     src = [hf[n] for n in rule.hf]
@@ -153,6 +190,9 @@ def to_mcore(rule: Rule, hf: Mapping[str, torch.Tensor], cfg: ModelConfig, tp_ra
         return torch.cat([_chunk(s, 0, tp, tp_rank, rule) for s in src])
     if rule.kind == "qkv":
         return _chunk(_fuse_qkv(cfg, *src), 0, tp, tp_rank, rule).clone()
+    if rule.kind in ("rows", "q_heads", "kv_down"):
+        perm = _row_perm(rule, cfg, tp)
+        return _chunk(src[0] if perm is None else src[0][perm], 0, tp, tp_rank, rule).clone()
     raise AssertionError(rule.kind)
 
 
@@ -175,6 +215,9 @@ def from_mcore(rule: Rule, shards: list[torch.Tensor], cfg: ModelConfig) -> dict
     if rule.kind == "qkv":
         q, k, v = _split_qkv(cfg, torch.cat(shards, 0))
         return dict(zip(rule.hf, (q, k, v)))
+    if rule.kind in ("rows", "q_heads", "kv_down"):
+        full, perm = torch.cat(shards, 0), _row_perm(rule, cfg, tp)
+        return {rule.hf[0]: full if perm is None else full[torch.argsort(perm)]}
     raise AssertionError(rule.kind)
 
 
@@ -218,7 +261,7 @@ def mcore_boxes(rule: Rule, shapes: Mapping[str, tuple[int, ...]], cfg: ModelCon
             step = padded_vocab_size(cfg.vocab_size, tp) // tp
             lo, hi = min(shape[0], tp_rank * step), min(shape[0], (tp_rank + 1) * step)
             out[name] = full.with_dim(0, lo, hi)
-        else:  # qkv, fc1: rows, split evenly
+        else:  # qkv, fc1, rows, q_heads, kv_down: rows, split evenly (`_row_perm` keeps rows on their rank)
             step = shape[0] // tp
             out[name] = full.with_dim(0, tp_rank * step, (tp_rank + 1) * step)
     return out
@@ -240,10 +283,36 @@ def local_hf_parts(rule: Rule, local: torch.Tensor, cfg: ModelConfig, tp_rank: i
         groups = cfg.num_key_value_heads // tp
         q, k, v = _split_groups(local, groups, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim)
         return dict(zip(rule.hf, (q, k, v)))
+    if rule.kind in ("rows", "q_heads", "kv_down"):
+        perm = _row_perm(rule, cfg, tp)
+        if perm is None:
+            return {rule.hf[0]: local}
+        step = perm.numel() // tp  # this rank's rows, back in HF order (a copy)
+        return {rule.hf[0]: local[torch.argsort(perm[tp_rank * step : (tp_rank + 1) * step])]}
     raise AssertionError(rule.kind)
 
 
 # ---------------------------------------------------------------- layouts
+def _row_perm(rule: Rule, cfg: ModelConfig, tp: int) -> torch.Tensor | None:
+    """MLA with `rope_interleave=False`: megatron row j of `rule`'s tensor is HF row perm[j] (the rotary rows
+    interleaved, see the module docstring); None where the rows are HF's as they are. The reordering stays inside
+    each TP rank's rows (whole heads for q; for kv_a, raises where the rotary rows straddle two ranks)."""
+    if rule.kind not in ("q_heads", "kv_down") or cfg.rope_interleave:
+        return None
+    d = cfg.head_dim
+    rope = torch.arange(d).view(2, d // 2).t().reshape(-1)  # [0, d/2, 1, d/2 + 1, ...]
+    if rule.kind == "q_heads":
+        nope = cfg.qk_nope_head_dim
+        head = torch.cat([torch.arange(nope), nope + rope])
+        return (head + (nope + d) * torch.arange(cfg.num_attention_heads)[:, None]).reshape(-1)
+    rank = cfg.kv_lora_rank
+    step = (rank + d) // tp
+    if rank // step != (rank + d - 1) // step:
+        raise NotImplementedError(f"{rule.mcore}: rope_interleave=False with tensor parallel {tp}: the rotary rows "
+                                  f"{rank}..{rank + d - 1} of kv_a_proj_with_mqa straddle two TP ranks")  # fmt: skip
+    return torch.cat([torch.arange(rank), rank + rope])
+
+
 def _chunk(t: torch.Tensor, dim: int, tp: int, rank: int, rule: Rule) -> torch.Tensor:
     if t.shape[dim] % tp:
         raise ValueError(f"{rule.mcore}: dim {dim} of size {t.shape[dim]} does not split over tensor parallel {tp}")

@@ -46,6 +46,8 @@ __all__ = ["LossFn", "PackedTrainer", "check_token_hashes"]
 LossFn = Callable[..., tuple[torch.Tensor, Mapping[str, float]]]
 # A micro-batch's metrics waiting for the host: (micro-batch, loss, entropy, loss stats, train log-probs if mismatch)
 _Pending = tuple[PackedMicroBatch, torch.Tensor, torch.Tensor, Mapping[str, float], torch.Tensor | None]
+# (micro-batch, its log-probs, its entropy) -> its loss
+_LossOf = Callable[[PackedMicroBatch, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 # policy_loss metrics that are micro-batch means over masked tokens (averaged with token weights across
 # micro-batches and ranks); pg_loss is globally normalised (summed); ratio_max is a max.
 _SUMMED = ("pg_loss",)
@@ -94,6 +96,30 @@ class PackedTrainer:
         """Backward of one micro-batch's share of the mini-batch loss (see the module's invariants)."""
         (loss * self._dp_world).backward()
 
+    def _forward_only(self, mbs: list[PackedMicroBatch]) -> list[torch.Tensor | None]:
+        """No-grad log-probs [T] of each micro-batch; None where this rank does not compute them (a pipeline stage
+        before the last). The default runs `_forward` on each."""
+        with torch.no_grad():
+            return [self._forward(mb, with_entropy=False)[0] for mb in mbs]
+
+    def _forward_backward(self, mbs: list[PackedMicroBatch], loss_of: _LossOf, entropy_grad: bool) -> None:
+        """Forward and backward of one mini-batch's micro-batches: `loss_of(mb, logprobs, entropy)` gives the
+        micro-batch's loss (and records its metrics). The default runs them one after the other; a pipeline-parallel
+        backend runs its schedule and calls `loss_of` on the last stage only."""
+        for mb in mbs:
+            lp, ent = self._forward(mb, with_entropy=True, entropy_grad=entropy_grad)
+            self._backward(loss_of(mb, lp, ent))
+
+    def _metrics_group(self) -> dist.ProcessGroup | None:
+        """The group metrics are reduced over: every rank holding a distinct part of them (the data-parallel ranks;
+        with pipeline stages, those too)."""
+        return self._dp_group
+
+    def _logprobs_to_rank0(self, merged: list[list[float]] | None) -> list[list[float]]:
+        """`compute_logprobs`' result, which the data-parallel gather left on one rank (`merged`, None elsewhere),
+        on rank 0 ([] elsewhere). The default: that rank is rank 0."""
+        return merged if merged is not None and self._rank == 0 else []
+
     def _clip_and_step(self) -> torch.Tensor:
         """After a mini-batch: clip the global grad norm, step the optimizer and the schedule, count the step;
         returns the pre-clip norm as a device scalar, identical on every rank."""
@@ -126,24 +152,23 @@ class PackedTrainer:
     def _microbatch(self, batch: TrainBatch, ids: list[int]) -> PackedMicroBatch:
         return pack_samples(batch, ids, self.device) if ids else dummy_microbatch(self.device)
 
-    @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        mbs = [self._microbatch(batch, ids) for ids in self._plan(batch, list(range(len(batch))))]
         mine: dict[int, list[float]] = {}
-        for ids in self._plan(batch, list(range(len(batch)))):
-            mb = self._microbatch(batch, ids)
-            lp, _ = self._forward(mb, with_entropy=False)
-            if not mb.is_dummy:
+        for mb, lp in zip(mbs, self._forward_only(mbs)):
+            if lp is not None and not mb.is_dummy:
                 mine.update(zip(mb.sample_ids, (x.tolist() for x in mb.split(lp.cpu()))))
-        if not self._gathers_logprobs:
-            return []  # a model-parallel replica of what another rank sends
-        gathered: list[dict[int, list[float]]] = [mine]
-        if self._dp_world > 1:
-            gathered = [{} for _ in range(self._dp_world)] if self._rank == 0 else []
-            dist.gather_object(mine, gathered if self._rank == 0 else None, dst=0, group=self._dp_group)
-        if self._rank != 0:
-            return []
-        merged = {k: v for part in gathered for k, v in part.items()}
-        return [merged[i] for i in range(len(batch))]
+        merged: list[list[float]] | None = None
+        if self._gathers_logprobs:  # else: a model-parallel replica of what another rank sends, or no log-probs
+            gathered: list[dict[int, list[float]]] = [mine]
+            dst = 0 if self._dp_group is None else dist.get_global_rank(self._dp_group, 0)
+            if self._dp_world > 1:
+                gathered = [{} for _ in range(self._dp_world)] if self._rank == dst else []
+                dist.gather_object(mine, gathered if self._rank == dst else None, dst=dst, group=self._dp_group)
+            if self._rank == dst:
+                union = {k: v for part in gathered for k, v in part.items()}
+                merged = [union[i] for i in range(len(batch))]
+        return self._logprobs_to_rank0(merged)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         check_token_hashes(batch)
@@ -158,15 +183,13 @@ class PackedTrainer:
         # the old ones (ratio exactly 1): skip the extra forward, a third of the step's compute.
         single_update = len(minibatches) == 1
         old: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            for plan in plans if not single_update else ():
-                for ids in plan:
-                    mb = self._microbatch(batch, ids)
-                    lp, _ = self._forward(mb, with_entropy=False)
-                    if mb.is_dummy:
-                        continue
-                    old.update(zip(mb.sample_ids, mb.split(lp)))
-                    _add_mismatch(acc, lp, mb)
+        for plan in plans if not single_update else ():
+            mbs = [self._microbatch(batch, ids) for ids in plan]
+            for mb, lp in zip(mbs, self._forward_only(mbs)):
+                if lp is None or mb.is_dummy:
+                    continue
+                old.update(zip(mb.sample_ids, mb.split(lp)))
+                _add_mismatch(acc, lp, mb)
 
         # Pass 2: one optimizer step per mini-batch. Metrics stay on the device until the optimizer step has been
         # launched, then come to the host: no device sync leaves the GPU idle while the host catches up.
@@ -174,23 +197,22 @@ class PackedTrainer:
         for mini, plan in zip(minibatches, plans):
             total_tokens, num_seqs = _global_counts(batch, mini)
             pending: list[_Pending] = []
-            for ids in plan:
-                mb = self._microbatch(batch, ids)
-                lp, ent = self._forward(mb, with_entropy=True, entropy_grad=want_entropy)
+
+            def loss_of(mb: PackedMicroBatch, lp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
                 if mb.is_dummy:
                     # Keeps the graph connected to every sharded parameter, so backward's reduce-scatter runs.
-                    loss = lp.sum() * 0.0 + (ent.sum() * 0.0 if ent is not None else 0.0)
-                    self._backward(loss)
-                    continue
+                    return lp.sum() * 0.0 + (ent.sum() * 0.0 if ent is not None else 0.0)
                 old_lp = lp.detach() if single_update else torch.cat([old[i] for i in mb.sample_ids])
                 loss, stats = self.loss_fn(
                     lp, old_lp, mb.advantages, mb.loss_mask, mb.seq_ids, self.algo_cfg,
                     rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
                     entropy=ent if want_entropy else None, num_seqs=num_seqs, total_tokens=total_tokens,
                 )  # fmt: skip
-                self._backward(loss)
                 assert ent is not None
                 pending.append((mb, loss.detach(), ent.detach(), stats, old_lp if single_update else None))
+                return loss
+
+            self._forward_backward([self._microbatch(batch, ids) for ids in plan], loss_of, want_entropy)
             grad_norms.append(self._clip_and_step())
             for mb, loss, ent, stats, train_lp in pending:
                 _record(acc, mb, loss, ent, stats, train_lp)
@@ -202,7 +224,7 @@ class PackedTrainer:
         return metrics
 
     def _reduce_metrics(self, acc: _Metrics, batch: TrainBatch, num_updates: int) -> dict[str, float]:
-        sums, maxes = acc.reduce(self.device, self._dp_group)
+        sums, maxes = acc.reduce(self.device, self._metrics_group())
         loss_tokens = max(sums.pop("loss_tokens", 0.0), 1.0)
         out: dict[str, float] = {
             "loss": sums.pop("loss", 0.0) / num_updates,

@@ -1,0 +1,142 @@
+"""DeepSeek-V3 / Kimi-K2 multi-latent attention in the megatron-core backend (stage: train; used by
+`train/mcore_model.py`): `MLATransformerConfig` fields for our config, and megatron's local MLA layer spec made to
+build and to train right under tensor parallelism. Each piece names the megatron-core behaviour it works around
+(0.16 and 0.19); docs/megatron.md lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from miles_hpc.models import ModelConfig
+
+__all__ = ["KVDownGather", "local_mla_spec", "mla_kwargs"]
+
+
+def mla_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """`MLATransformerConfig` fields for DeepSeek-V3's attention (see `local_mla_spec` for the layer spec).
+    Megatron's MLA scores with softmax scale mscale(factor, mscale_all_dim)^2 / sqrt(nope + rope) and scales
+    cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim) under yarn, as our `models/mla.py`; its yarn
+    frequencies are transformers' (`models/rope.py`). Raises, naming the field, where they would differ."""
+    rope: dict[str, Any] = dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    rs = cfg.rope_scaling
+    if rs is not None:
+        if rs.rope_type != "yarn":
+            raise NotImplementedError(f"megatron backend: rope_scaling {rs.rope_type!r} with MLA (megatron's MLA "
+                                      "has plain and yarn RoPE)")  # fmt: skip
+        unmapped = {"rope_scaling.factor (derived from the lengths)": rs.factor is None,
+                    "rope_scaling.attention_factor": rs.attention_factor is not None,
+                    "rope_scaling.truncate=False (megatron's MLA rounds the yarn range)": rs.truncate is False,
+                    "rope_scaling.mscale_all_dim without mscale": bool(rs.mscale_all_dim) and not rs.mscale,
+                    }  # fmt: skip
+        for field, bad in unmapped.items():
+            if bad:
+                raise NotImplementedError(f"megatron backend: {field} is not mapped yet")
+        rope = dict(
+            rope_type="yarn", rotary_scaling_factor=rs.factor,
+            original_max_position_embeddings=rs.original_max_position_embeddings,
+            beta_fast=rs.beta_fast or 32, beta_slow=rs.beta_slow or 1,
+            # without mscale_all_dim the model scales cos/sin by mscale(factor, 1) and leaves the softmax alone
+            mscale=rs.mscale if rs.mscale_all_dim else 1.0, mscale_all_dim=rs.mscale_all_dim or 0.0,
+        )  # fmt: skip
+    return dict(
+        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_nope_head_dim,
+        qk_pos_emb_head_dim=cfg.head_dim, v_head_dim=cfg.v_head_dim, rotary_base=cfg.rope_theta, **rope,
+        # every head has its own key (from the shared latent); the local attention's output width is
+        # heads x kv_channels, i.e. the value heads
+        num_query_groups=cfg.num_attention_heads, kv_channels=cfg.v_head_dim, add_qkv_bias=False,
+        # the latent norms come from the spec (`local_mla_spec`); qk_layernorm would make finalize_model_grads
+        # sum the q_layernorm gradients over TP, which every rank already has whole (the q up projection
+        # all-reduces its input gradient)
+        qk_layernorm=False,
+    )  # fmt: skip
+
+
+def local_mla_spec(spec: Any, cfg: ModelConfig) -> Any:
+    """megatron's local MLA layer spec (one layer's `ModuleSpec` or a block's), made to build: its attention takes
+    the spec's modules as given (`_MLASelfAttention`), with the latent RMSNorms (q's only with q LoRA) and a local
+    core attention that accepts MLA's arguments (`_MLACoreAttention`)."""
+    norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=True)
+
+    def mla_layer(layer: ModuleSpec) -> ModuleSpec:
+        attention = layer.submodules.self_attention
+        parts = dataclasses.replace(attention.submodules, core_attention=_MLACoreAttention, kv_layernorm=norm,
+                                    q_layernorm=norm if cfg.q_lora_rank is not None else IdentityOp)  # fmt: skip
+        attention = dataclasses.replace(attention, module=_MLASelfAttention, submodules=parts)
+        return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
+
+    if isinstance(spec, ModuleSpec):
+        return mla_layer(spec)
+    return dataclasses.replace(spec, layer_specs=[mla_layer(layer) for layer in spec.layer_specs])
+
+
+class KVDownGather:
+    """Forward hook on MLA's `linear_kv_down_proj` under TP > 1 (column-parallel in the local spec): gathers its
+    output here, so that the rotary key's gradient is summed over TP ranks. Megatron gathers it itself and splits
+    the gradient back (`gather_from_tensor_model_parallel_region`), which is right for the latent (the kv up
+    projection all-reduces its input gradient) but not for the rotary key part, shared by all heads: each rank's
+    gradient there comes from its own heads only, and the split keeps one rank's (megatron-core 0.16
+    multi_latent_attention.py get_query_key_value_tensors, 0.19 the same; only its sequence-parallel path with a
+    replicated down projection sums it). Given the whole width, megatron takes its non-gathering branch."""
+
+    def __init__(self, kv_lora_rank: int) -> None:
+        self.kv_lora_rank = kv_lora_rank
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, Any]
+                 ) -> tuple[torch.Tensor, Any]:  # fmt: skip
+        local, bias = output
+        full = gather_from_tensor_model_parallel_region(local)  # backward: this rank's columns of the gradient
+        latent, rope = full.split([self.kv_lora_rank, full.shape[-1] - self.kv_lora_rank], dim=-1)
+        return torch.cat([latent, _SumGradOverTP.apply(rope)], dim=-1), bias
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward: the gradient summed over the TP group. (megatron's
+    `copy_to_tensor_model_parallel_region` does this, but 0.16 all-reduces a contiguous copy of a non-contiguous
+    gradient and returns the original, unreduced: tensor_parallel/mappings.py `_reduce`; 0.19 returns the copy.)"""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may hold the incoming one elsewhere
+        torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        return grad
+
+
+class _MLASelfAttention(MLASelfAttention):
+    """megatron's MLA self-attention, built from its spec's modules. megatron-core 0.19 instead resolves the q/kv
+    norms from `config.qk_layernorm` and the backend (`transformer/mla_qk_norm_config.py`): off, it drops the
+    latent norms; on, without Transformer Engine it cannot build `linear_q_proj` (no q LoRA), and it makes
+    finalize_model_grads sum the q_layernorm gradients over TP. 0.16 builds the spec's modules and never calls
+    this hook."""
+
+    def _resolve_qk_norm_config(self, submodules: Any) -> dict[str, Any]:
+        names = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "q_layernorm", "kv_layernorm")
+        return {name: getattr(submodules, name) for name in names}
+
+
+class _MLACoreAttention(DotProductAttention):
+    """megatron's local (unfused) attention for MLA. MLA passes its q/k and v head widths (`k_channels`,
+    `v_channels`), which the local attention does not take (megatron-core 0.16 and 0.19: a TypeError); its forward
+    already reads the q/k width from the tensors, and the v width is `config.kv_channels` (= v_head_dim,
+    `mla_kwargs`). The softmax scale is MLA's (passed)."""
+
+    def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(*args, **kwargs)
+        if v_channels not in (None, self.hidden_size_per_attention_head):
+            raise ValueError(f"MLA's v head width {v_channels} != config.kv_channels "
+                             f"{self.hidden_size_per_attention_head}")  # fmt: skip

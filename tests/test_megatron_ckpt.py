@@ -1,0 +1,117 @@
+"""megatron checkpoints (`MegatronTrainer.save`/`load`: megatron's dist_checkpointing) on the CPU over gloo: a
+checkpoint written at one layout resumes at another (data-parallel 2 -> 1, tensor-parallel 1 -> 2, expert-parallel
+2 -> 1) with the same weights, Adam moments and step, our step (the LR schedule's position), RNG and loop state,
+and the next train step equals that of the run that never stopped; a checkpoint of another model config is refused.
+
+The runs are subprocesses (tests/mcore_ckpt_worker.py): megatron's parallel state is process-global.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import require  # noqa: E402
+from test_megatron import _free_port, tiny_moe_model  # noqa: E402,F401
+from test_train_fsdp import tiny_model  # noqa: E402,F401
+
+WORKER = Path(__file__).parent / "mcore_ckpt_worker.py"
+METRICS = ("loss", "pg_loss", "entropy", "tokens", "loss_tokens", "lr", "clip_frac", "grad_norm")
+
+
+def _run(mode: str, model_dir: Path, ckpt: Path, out: Path, *, world: int, tp: int = 1, ep: int = 1,
+         device: str = "cpu", distributed_optimizer: bool = False) -> dict:  # fmt: skip
+    require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))}
+    argv = [sys.executable, str(WORKER), mode, str(model_dir), str(tp), str(ep), str(ckpt), str(out), device,
+            str(int(distributed_optimizer))]  # fmt: skip
+    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for r in range(world)]  # fmt: skip
+    for p in procs:
+        log, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, log.decode()[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def dense_ckpt(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """Written by 2 data-parallel ranks (TP 1) after one train step; the run then took the next step."""
+    tmp = tmp_path_factory.mktemp("dense_ckpt")
+    return tmp / "step_1", _run("save", tiny_model, tmp / "step_1", tmp / "saved.pt", world=2)
+
+
+def _assert_resumed(saved: dict, got: dict, atol: float = 1e-5) -> None:
+    before, after = saved["at_save"], got["at_save"]
+    assert after["step"] == before["step"] == 2 and after["lr"] == before["lr"]  # 2 optimizer steps, warm-up lr
+    assert after["adam_steps"] == before["adam_steps"] == {2.0}  # Adam's own step (bias correction)
+    assert got["extra"] == saved["extra"]
+    assert torch.equal(got["rng"], saved["rng"])
+    assert list(after["weights"]) == list(before["weights"])
+    for name, w in before["weights"].items():
+        assert torch.equal(after["weights"][name], w), name
+    for key, moments in (before["moments"] or {}).items():  # (the CPU path's AdamW)
+        assert set(after["moments"][key]) == set(moments)
+        for name, m in moments.items():
+            assert m.any() and torch.equal(after["moments"][key][name], m), (key, name)
+    # the next step equals the uninterrupted run's (up to the reduction order of another layout)
+    for key in METRICS:
+        assert got["next"]["metrics"][key] == pytest.approx(saved["next"]["metrics"][key], rel=1e-4, abs=atol), key
+    for name, w in saved["next"]["weights"].items():
+        torch.testing.assert_close(got["next"]["weights"][name], w, atol=atol, rtol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+        assert not torch.equal(w, before["weights"][name]), name  # the step moved it: equality is not trivial
+
+
+@pytest.mark.parametrize("world,tp", [(1, 1), (2, 2)], ids=["dp2_to_dp1", "dp2_to_tp2"])
+def test_resume_on_another_layout(dense_ckpt: tuple[Path, dict], tiny_model: Path, tmp_path: Path, world: int,
+                                  tp: int) -> None:  # fmt: skip
+    """Saved at DP 2 (TP 1), resumed at DP 1 on one rank, and at TP 2 (the layers split over two ranks):
+    megatron's dist_checkpointing reshards model and optimizer state alike (both named by the model's tensors)."""
+    ckpt, saved = dense_ckpt
+    assert json.loads((ckpt / "megatron.json").read_text())["data_parallel"] == 2
+    _assert_resumed(saved, _run("resume", tiny_model, ckpt, tmp_path / "got.pt", world=world, tp=tp))
+
+
+def test_moe_resumes_with_another_expert_parallel_size(tiny_moe_model: Path, tmp_path: Path) -> None:
+    """Qwen3-MoE with its 8 experts split over 2 expert-parallel ranks (4 each), resumed on one rank holding all 8:
+    each expert's weights and moments come back from the checkpoint by their global expert index."""
+    saved = _run("save", tiny_moe_model, tmp_path / "step_1", tmp_path / "saved.pt", world=2, ep=2)
+    got = _run("resume", tiny_moe_model, tmp_path / "step_1", tmp_path / "got.pt", world=1)
+    assert any(".mlp.experts.7." in name for name in got["at_save"]["moments"]["exp_avg"])
+    _assert_resumed(saved, got)
+
+
+def test_another_model_config_is_refused(dense_ckpt: tuple[Path, dict], tiny_model: Path, tmp_path: Path) -> None:
+    """The same shapes with another RoPE base: dist_checkpointing alone would load it; `load` refuses, naming the
+    checkpoint and both values."""
+    ckpt, _ = dense_ckpt
+    other = tmp_path / "model"
+    shutil.copytree(tiny_model, other)
+    config = json.loads((other / "config.json").read_text())
+    theta = config["rope_theta"]
+    (other / "config.json").write_text(json.dumps({**config, "rope_theta": theta * 2}))
+    got = _run("refuse", other, ckpt, tmp_path / "got.pt", world=1)
+    assert got["error"] is not None, "load accepted a checkpoint of another model config"
+    assert str(ckpt) in got["error"]
+    assert f"rope_theta={float(theta)!r} in the checkpoint, {float(theta * 2)!r} in this run" in got["error"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_resume_with_megatron_optimizer_gpu(tiny_model: Path, tmp_path: Path, distributed_optimizer: bool) -> None:
+    """On a GPU the optimizer is megatron's: the non-distributed one restores Adam's step itself; the distributed
+    one's fully reshardable layout loads through `load`'s way around its torch-Adam `step` handling. The same
+    layout (one GPU), fp32: weights, Adam's step, our step and the next train step as the run that never stopped."""
+    kw = {"world": 1, "device": "cuda", "distributed_optimizer": distributed_optimizer}
+    saved = _run("save", tiny_model, tmp_path / "step_1", tmp_path / "saved.pt", **kw)
+    _assert_resumed(saved, _run("resume", tiny_model, tmp_path / "step_1", tmp_path / "got.pt", **kw), atol=1e-4)
