@@ -303,9 +303,11 @@ class MegatronConfig:
     """`train.backend: megatron` (train/megatron.py): megatron-core's parallel layout over the trainer ranks."""
 
     tensor_parallel: int = field(default=1, metadata=_help("TP: ranks that split each layer (consecutive ranks)"))
-    pipeline_parallel: int = field(default=1, metadata=_help("PP: pipeline stages (1 so far)"))
+    pipeline_parallel: int = field(default=1, metadata=_help("PP: pipeline stages (megatron's 1F1B schedule; they "
+                                                             "split the layers evenly)"))
     expert_parallel: int = field(default=1, metadata=_help("EP: data-parallel ranks that split the MoE experts"))
-    context_parallel: int = field(default=1, metadata=_help("CP: ranks that split the sequence (1 so far)"))
+    context_parallel: int = field(default=1, metadata=_help("CP: ranks that split the sequence (1 so far: "
+                                                            "megatron's needs Transformer Engine)"))
     distributed_optimizer: bool = field(
         default=True, metadata=_help("shard fp32 master weights and Adam state over data-parallel ranks")
     )
@@ -313,6 +315,29 @@ class MegatronConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel"):
             _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraConfig:
+    """LoRA RL (models/lora.py): train adapters only, the base weights frozen; with `sync.strategy: lora` only the
+    adapters travel to the engines, which apply them per request (SGLang's /load_lora_adapter)."""
+
+    rank: int = field(default=0, metadata=_help("adapter rank r (0 = LoRA off: full fine-tuning)"))
+    alpha: float = field(default=16.0, metadata=_help("scaling = alpha / rank"))
+    dropout: float = field(default=0.0, metadata=_help("dropout on the adapters' input while training"))
+    target_modules: tuple[str, ...] = field(
+        default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        metadata=_help("linears to adapt: module names (PEFT's matching: the name or its last parts) or 're:REGEX'"),
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.rank >= 0, "rank", f"must be >= 0, got {self.rank}")
+        _require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(bool(self.target_modules), "target_modules", "must name at least one module")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -380,6 +405,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     fully_async: FullyAsyncConfig = field(default_factory=FullyAsyncConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
@@ -397,6 +423,10 @@ class RunConfig:
                  "fully_async.buffer_groups", f"must hold a step's {self.rollout.prompts_per_step} groups "
                  f"(rollout.prompts_per_step), got {self.fully_async.buffer_groups}")  # fmt: skip
         _require(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
+        _require(self.sync.strategy != "lora" or self.lora.enabled, "sync.strategy",
+                 "lora sends adapters only: set lora.rank > 0 (or pick a strategy that sends full weights)")
+        _require(not self.lora.enabled or self.train.backend == "fsdp", "lora.rank",
+                 "LoRA trains with train.backend=fsdp (megatron-core has no adapter layers of its own)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -44,6 +44,8 @@ class EngineConfig:
     """Reuse the KV of full blocks shared with earlier prompts (hash chain over token ids)."""
     seed: int = 0
     """Seeds the per-request sampling seeds of requests that bring none."""
+    max_loras: int = 8
+    """LoRA adapters held at once (`/load_lora_adapter`; a request picks one by name in `lora_path`)."""
     triton_kernels: bool = True
     """On CUDA with Triton installed: the paged-decode attention kernel and the fused decode step of dense models;
     False = the torch path (gathered keys + SDPA, the model's own forward)."""
@@ -64,7 +66,7 @@ class EngineConfig:
             raise ValueError(f"device: {e}") from e
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}")
-        positive = ("block_size", "max_total_tokens", "max_running_requests", "max_prefill_tokens")
+        positive = ("block_size", "max_total_tokens", "max_running_requests", "max_prefill_tokens", "max_loras")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -31,6 +31,7 @@ from miles_hpc.models import CausalLM, load_pretrained
 
 from .config import EngineConfig
 from .kv_cache import BlockManager, KVCache
+from .lora import AdapterSet
 from .report import Counters, build_result, engine_stats
 from .runner import ModelRunner
 from .scheduler import Req, Scheduler
@@ -83,9 +84,10 @@ class Engine:
             max_prefill_tokens=config.max_prefill_tokens,
             enable_prefix_cache=config.enable_prefix_cache,
         )
+        self.loras = AdapterSet(self.model, self.device, dtype, max_loras=config.max_loras)
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device,
                                   triton_kernels=config.triton_kernels, cuda_graphs=config.cuda_graphs,
-                                  fused_extend_tokens=config.fused_extend_tokens)  # fmt: skip
+                                  fused_extend_tokens=config.fused_extend_tokens, loras=self.loras)  # fmt: skip
         self.limits = Limits(vocab_size=self.vocab_size, max_context_len=self.max_context_len,
                              kv_capacity_tokens=num_blocks * bs, num_moe_layers=self.num_moe_layers)  # fmt: skip
 
@@ -200,11 +202,15 @@ class Engine:
         Accepted while paused (it waits). `on_done` gets the `GenerateResult` once.
         """
         validate_request(req, self.limits)
+        if req.lora_path is not None and req.lora_path not in self.loras:
+            raise RequestError(f"LoRA adapter {req.lora_path!r} is not loaded (loaded: {sorted(self.loras.adapters)}; "
+                               "POST /load_lora_adapter first)")  # fmt: skip
         sp = req.sampling
         prompt = list(req.input_ids)
         early = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         r = Req(req=req, on_done=on_done, seed=0, t_submit=time.monotonic(), tokens=prompt, prompt_len=len(prompt),
-                banned_early=tuple(sorted(early)), stop_ids=frozenset(sp.stop_token_ids))  # fmt: skip
+                banned_early=tuple(sorted(early)), stop_ids=frozenset(sp.stop_token_ids),
+                namespace=None if req.lora_path is None else b"lora\0" + req.lora_path.encode())  # fmt: skip
         k = req.logprob_start_len
         if req.return_logprob and k >= 0:
             r.input_logprobs = [None] * len(prompt)
@@ -258,6 +264,7 @@ class Engine:
                 f"weights are half-updated (an update begun after version {self._version} never finished); "
                 "finish the update or reload weights from disk before continuing generation"
             )
+        self._abort_orphans()
         with self._cond:
             self._paused = False
             self._cond.notify_all()
@@ -297,6 +304,56 @@ class Engine:
         self.update_weights(iter_checkpoint(self.model, path), version=version, flush_cache=flush_cache)
         self.model_path = str(path)
         self._half_updated = False  # every tensor of a whole checkpoint: consistent weights again
+
+    # ---------------------------------------------------------------- LoRA adapters
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` (replacing one of that name: generation must then be paused,
+        as a weight update's). The prefix cache is flushed: KV computed under the old adapter is never reused."""
+        with self._between_steps():
+            if name in self.loras and not self._paused and self._uses(name):
+                raise RequestError(f"LoRA adapter {name!r} is in use by running requests: pause generation before "
+                                   "replacing it")  # fmt: skip
+            try:
+                self.loras.load(name, path)
+            except (OSError, ValueError, KeyError) as e:
+                raise RequestError(f"cannot load LoRA adapter {name!r}: {e}") from None
+            self.blocks.flush()
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving `name`. Refused while requests use it, unless paused (an adapter update: unload, then load
+        the new one; requests still naming a missing adapter when generation continues are aborted)."""
+        with self._between_steps():
+            if not self._paused and self._uses(name):
+                raise RequestError(f"LoRA adapter {name!r} is in use by requests in flight")
+            try:
+                self.loras.unload(name)
+            except KeyError as e:
+                raise RequestError(str(e.args[0])) from None
+            self.blocks.flush()
+
+    def lora_checksums(self, name: str) -> dict[str, str]:
+        with self._between_steps():
+            try:
+                return self.loras.checksums(name)
+            except KeyError as e:
+                raise RequestError(str(e.args[0])) from None
+
+    def _uses(self, name: str) -> bool:
+        self._drain_inbox()
+        return any(r.req.lora_path == name for r in (*self.scheduler.running, *self.scheduler.waiting))
+
+    def _abort_orphans(self) -> None:
+        """Abort the requests whose LoRA adapter is no longer loaded (unloaded during a pause)."""
+        with self._between_steps():
+            self._drain_inbox()
+            gone = [r for r in (*self.scheduler.running, *self.scheduler.waiting)
+                    if r.req.lora_path is not None and r.req.lora_path not in self.loras]  # fmt: skip
+            results = []
+            for r in gone:
+                self.scheduler.remove(r.rid)
+                r.finish = FinishReason(type="abort", message=f"LoRA adapter {r.req.lora_path!r} was unloaded")
+                results.append(self._finish(r))
+        _deliver(results)
 
     def checksums(self) -> dict[str, str]:
         """HF name -> `sync.checksum.tensor_checksum` of the engine's tensor (Hub per-expert layout for MoE)."""

@@ -173,7 +173,6 @@ UNSUPPORTED_GENERATE_FIELDS: dict[str, str] = {  # SGLang fields accepted only w
     "input_embeds": "input_embeds is not supported: send input_ids",
     "image_data": _MULTIMODAL, "video_data": _MULTIMODAL, "audio_data": _MULTIMODAL,
     "token_ids_logprob": "token_ids_logprob is not implemented",
-    "lora_path": "LoRA adapters are not implemented",
     "session_params": "sessions are not implemented",
     "custom_logit_processor": "custom logit processors are not implemented",
     "extra_key": _NO_NAMESPACE, "cache_salt": _NO_NAMESPACE,
@@ -191,6 +190,7 @@ GENERATE_FIELDS: dict[str, F] = {
     "return_text_in_logprobs": F(only(False, "log-prob entries carry no text ([logprob, id, null])"), False),
     "return_hidden_states": F(only(False, "hidden states are not returned"), False),
     "log_metrics": F(boolean, True),  # accepted and ignored: every request is counted
+    "lora_path": F(_ANY),  # a loaded adapter's name, or one per prompt (checked per item below)
     "routing_key": F(string),  # accepted and ignored: one engine, no data parallelism inside
     "priority": F(integer),  # accepted and ignored: scheduling is first come, first served
     **{name: F(only(None, why)) for name, why in UNSUPPORTED_GENERATE_FIELDS.items()},
@@ -268,6 +268,7 @@ def parse_generate(body: Any, limits: ModelLimits, new_rid: Callable[[], str]) -
     if len(set(rids)) != n:
         raise BadRequest("field `rid`: rids within one request must be distinct")
     logprob = _per_item(top["return_logprob"], n, batched, "return_logprob", boolean, False)
+    loras = _per_item(top["lora_path"], n, batched, "lora_path", string, None)
     starts = _per_item(top["logprob_start_len"], n, batched, "logprob_start_len", at_least(-1), -1)
     raw_sp = top["sampling_params"]
     if isinstance(raw_sp, list) and not batched:
@@ -287,7 +288,7 @@ def parse_generate(body: Any, limits: ModelLimits, new_rid: Callable[[], str]) -
             raise BadRequest(f"field `routed_experts_start_len`: {top['routed_experts_start_len']} > prompt length")
         routed = {k: top[k] for k in ("return_routed_experts", "routed_experts_start_len")}
         requests.append(GenerateRequest(rid=rids[i], input_ids=prompt, sampling=sampling, return_logprob=logprob[i],
-                                        logprob_start_len=starts[i], **routed))  # fmt: skip
+                                        logprob_start_len=starts[i], lora_path=loras[i], **routed))  # fmt: skip
         skip.append(True if not isinstance(sp_items[i], dict) else sp_items[i].get("skip_special_tokens") is not False)
     return ParsedGenerate(requests=requests, batched=batched, skip_special_tokens=skip)
 
@@ -379,6 +380,10 @@ SCHEMAS: dict[str, dict[str, F]] = {
         "load_format": F(only(None, "tensors arrive as they are broadcast")),
     },
     "destroy_weights_update_group": {"rid": F(string), "group_name": F(string, "weight_update_group")},
+    "load_lora_adapter": {"lora_name": F(string, required=True), "lora_path": F(string, required=True),
+                          "pinned": F(boolean, False)},  # fmt: skip
+    "unload_lora_adapter": {"lora_name": F(string, required=True)},
+    "lora_adapter_checksums": {"lora_name": F(string, required=True)},  # our extension
     "update_weights_from_p2p": {  # our extension (docs/engine.md; the p2p strategy, sync/p2p.py)
         **_WEIGHT_COMMON,
         "names": F(list_of(string), required=True),

@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from miles_hpc.models import CausalLM
 from .cuda_graphs import DecodeRunner
 from .decode_forward import DecodeForward, unsupported_reason
 from .kv_cache import BlockManager, KVCache
+from .lora import AdapterSet
 from .paged_attention import AttentionMetadata, DecodeKernel, PagedAttention
 from .sampling import SamplingBatch, sample
 from .scheduler import Scheduled
@@ -59,9 +61,13 @@ class ModelRunner:
         triton_kernels: bool = False,
         cuda_graphs: bool = False,
         fused_extend_tokens: int = 0,
+        loras: AdapterSet | None = None,
     ) -> None:
-        """`triton_kernels` / `cuda_graphs` take effect on CUDA where Triton imports (EngineConfig's knobs)."""
+        """`triton_kernels` / `cuda_graphs` take effect on CUDA where Triton imports (EngineConfig's knobs).
+        `loras`: the engine's LoRA adapters; a step with a request that names one runs eagerly (the hooks that
+        apply adapters run in the model's own forward, not in the fused decode step)."""
         self.model, self.cache, self.bm, self.device = model, cache, blocks, device
+        self.loras = loras
         self.fused_extend_tokens = fused_extend_tokens
         self.vocab = model.config.vocab_size
         self.is_moe = model.num_moe_layers > 0
@@ -94,7 +100,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Sequence[Scheduled]) -> StepOutput:
-        if self.decode is not None and self._fits_rows(batch, self.decode.max_batch):
+        with_lora = any(s.r.req.lora_path is not None for s in batch)
+        if self.decode is not None and not with_lora and self._fits_rows(batch, self.decode.max_batch):
             return self._run_rows(batch, self.decode)
         meta = self._metadata(batch)
         lp_counts = [0 if s.lp_rows is None else s.lp_rows[1] - s.lp_rows[0] for s in batch]
@@ -164,14 +171,16 @@ class ModelRunner:
                 sample_rows.append(q0 + s.n - 1)
             q0 += s.n
         pieces.append(torch.tensor(sample_rows, dtype=torch.int64))
-        out = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=self.device)[None],
-            position_ids=meta.positions[None],
-            cu_seqlens=meta.query_start_loc,
-            return_routed_experts=self.is_moe,
-            attn_backend=PagedAttention(self.cache, meta, self.decode_kernel),
-            logits_indices=torch.cat(pieces).to(self.device),
-        )
+        adapters = [s.r.req.lora_path for s in batch for _ in range(s.n)]  # per packed row
+        with self.loras.step(adapters) if self.loras is not None else contextlib.nullcontext():
+            out = self.model(
+                torch.tensor(ids, dtype=torch.int64, device=self.device)[None],
+                position_ids=meta.positions[None],
+                cu_seqlens=meta.query_start_loc,
+                return_routed_experts=self.is_moe,
+                attn_backend=PagedAttention(self.cache, meta, self.decode_kernel),
+                logits_indices=torch.cat(pieces).to(self.device),
+            )
         if not self.is_moe:
             return out[0]
         logits, routed = out

@@ -42,6 +42,7 @@ class Req:
     lp_next: int | None = None  # first prompt row whose logits are still owed for input log-probs; None = none owed
     blocks: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)  # chained keys of the full blocks of `tokens`
+    namespace: bytes | None = None  # seeds the key chain: the LoRA adapter's name, None for the base model
     num_registered: int = 0  # blocks of `blocks` offered to the prefix index
     num_computed: int = 0
     row: int = -1  # block-table row while running
@@ -62,7 +63,7 @@ class Req:
     def ensure_keys(self, n_blocks: int, block_size: int) -> list[bytes]:
         while len(self.keys) < n_blocks:
             j = len(self.keys)
-            parent = self.keys[-1] if self.keys else None
+            parent = self.keys[-1] if self.keys else self.namespace
             self.keys.append(block_key(parent, self.tokens[j * block_size : (j + 1) * block_size]))
         return self.keys[:n_blocks]
 

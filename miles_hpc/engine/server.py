@@ -110,7 +110,9 @@ class EngineServer:
         info = {"/get_server_info": self.server_info, "/server_info": self.server_info,
                 "/get_model_info": self.model_info, "/model_info": self.model_info}  # fmt: skip
         admin = {"/abort_request": self.abort_request, "/pause_generation": self.pause,
-                 "/continue_generation": self.resume, "/flush_cache": self.flush_cache, **self.weights.routes()}
+                 "/continue_generation": self.resume, "/flush_cache": self.flush_cache, **self.weights.routes(),
+                 "/load_lora_adapter": self.load_lora_adapter, "/unload_lora_adapter": self.unload_lora_adapter,
+                 "/lora_adapter_checksums": self.lora_adapter_checksums}  # the last: our extension
         for path, handler in {**probes, **info}.items():
             app.router.add_get(path, handler, allow_head=False)
         for path, handler in {"/generate": self.generate, **admin}.items():
@@ -238,8 +240,29 @@ class EngineServer:
 
     async def resume(self, request: web.Request) -> web.Response:
         protocol.parse_control("continue_generation", await self._json(request))
-        self.engine.resume()
+        await asyncio.to_thread(self.engine.resume)  # may abort requests whose LoRA adapter was unloaded
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    # ------------------------------------------------------------------ LoRA adapters (engine/lora.py)
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        p = protocol.parse_control("load_lora_adapter", await self._json(request))
+        await asyncio.to_thread(self.engine.load_lora_adapter, p["lora_name"], p["lora_path"])
+        return web.json_response(self._lora_answer())
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        p = protocol.parse_control("unload_lora_adapter", await self._json(request))
+        await asyncio.to_thread(self.engine.unload_lora_adapter, p["lora_name"])
+        return web.json_response(self._lora_answer())
+
+    async def lora_adapter_checksums(self, request: web.Request) -> web.Response:
+        """Our extension: PEFT name -> checksum of each tensor of a loaded adapter (the lora sync verifies them)."""
+        p = protocol.parse_control("lora_adapter_checksums", await self._json(request))
+        sums = await asyncio.to_thread(self.engine.lora_checksums, p["lora_name"])
+        return web.json_response({"lora_name": p["lora_name"], "checksums": sums})
+
+    def _lora_answer(self) -> dict[str, Any]:
+        """SGLang's LoRA update answer: success, error message, the adapters now loaded (name -> path)."""
+        return {"success": True, "error_message": None, "loaded_adapters": dict(self.engine.loras.paths)}
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """SGLang: optional query `timeout` (s) to wait for running requests; plain-text answer, 400 when busy."""

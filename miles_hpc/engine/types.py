@@ -47,6 +47,7 @@ class GenerateRequest:
     logprob_start_len: int = -1  # -1: output tokens only; k >= 0: also prompt tokens from position k
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    lora_path: str | None = None  # the name of a loaded LoRA adapter (SGLang's field), None: the base model
 
 
 @dataclass(kw_only=True, slots=True)

@@ -31,7 +31,7 @@ def build_trainer(cfg: RunConfig, model_dir: Path) -> Any:
     from miles_hpc.train.fsdp import FSDPTrainer
 
     return FSDPTrainer(str(model_dir), cfg.train, cfg.algo, device=cfg.train.device, seed=cfg.seed,
-                       total_steps=total_steps)
+                       total_steps=total_steps, lora=cfg.lora)
 
 
 def preflight(cfg: RunConfig) -> GpuPlan:
@@ -162,12 +162,16 @@ async def _run_async(cfg: RunConfig, trainer: Any, urls: list[str], api_key: str
     from miles_hpc.rollout.plugins import load_object
     from miles_hpc.rollout.router import Router
     from miles_hpc.sync.factory import build_sync
+    from miles_hpc.sync.lora import ADAPTER_NAME
     from miles_hpc.sync.publish import Publisher
 
     clients = [EngineClient(u, api_key=api_key, admin_api_key=admin_key) for u in urls]
     backend = "nccl" if cfg.train.device == cfg.rollout.device == "cuda" else "gloo"
     sync = build_sync(cfg, paths.root, "127.0.0.1", free_port, backend=backend, trainer=trainer)
-    router = Router(clients, owns_clients=True, on_readmit=lambda i, c: publisher.readmit_check(i, c))
+    # LoRA sync: the engines serve the trained adapter by name, so every generation names it
+    lora_path = ADAPTER_NAME if cfg.sync.strategy == "lora" else None
+    router = Router(clients, owns_clients=True, on_readmit=lambda i, c: publisher.readmit_check(i, c),
+                    lora_path=lora_path)  # fmt: skip
     publisher = Publisher(sync, router, pause_mode=cfg.sync.pause_mode)
     d = cfg.data
     ctx = LoopContext(

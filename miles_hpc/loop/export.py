@@ -4,7 +4,8 @@ Checkpoints are torch DCP directories (`RUN/checkpoints/step_N`, sharded like th
 need the trained policy as config.json + safetensors (+ tokenizer) to serve it, evaluate it, or use it as a
 teacher. This builds a one-rank trainer on the CPU (gloo) on the run's base model, loads the checkpoint (DCP
 re-shards to one rank), and writes the weights in the Hub layout with `save_pretrained`, next to copies of the
-base model's tokenizer and generation files. The run's config (`RUN/config.yaml`) says what the trainer was.
+base model's tokenizer and generation files. The run's config (`RUN/config.yaml`) says what the trainer was; a LoRA
+run's checkpoint (the adapter) is merged into the base weights (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None
            "MASTER_PORT": str(free_port())}  # fmt: skip
     init_trainer_world(world_from_env(env, device="cpu"))
     try:
-        trainer = FSDPTrainer(str(base), cfg.train, cfg.algo, device="cpu", seed=cfg.seed)
+        # LoRA runs: the adapter checkpoint onto the base; state_for_sync then gives the merged weights
+        trainer = FSDPTrainer(str(base), cfg.train, cfg.algo, device="cpu", seed=cfg.seed, lora=cfg.lora)
         trainer.load(ckpt)
         model = load_pretrained(base, dtype=torch.float32)
         params = dict(model.named_parameters())

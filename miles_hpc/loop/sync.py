@@ -61,6 +61,8 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
     if start_step == 0 and cfg.train.sft_warmup_steps:
         warmup(ctx)
         await publish(ctx, version=0)
+    elif start_step == 0 and ctx.publisher.sync.name == "lora":
+        await publish(ctx, version=0)  # LoRA: the engines serve the adapter by name from the first rollout on
     if start_step > 0:  # resumed: the engines loaded the base model, give them the trainer's weights
         await publish(ctx, version=start_step)
     for step in range(start_step, cfg.steps):
@@ -185,8 +187,13 @@ def to_train_batch(groups: list[list[Rollout]], cfg: RunConfig,
 async def publish(ctx: LoopContext, version: int) -> dict[str, float]:
     """Weights of the trainer -> every engine, verified against what was sent (sync/publish.py: pause mode, failed
     engines dropped, checksums); returns the sync metrics."""
-    report = await ctx.publisher.publish(ctx.trainer.state_for_sync, str(version))
-    return {"sync/engines": report.engines, "sync/dropped_engines": len(report.dropped)}
+    lora = ctx.publisher.sync.name == "lora"  # adapters only (sync/lora.py)
+    named_fn = ctx.trainer.adapter_for_sync if lora else ctx.trainer.state_for_sync
+    report = await ctx.publisher.publish(named_fn, str(version))
+    out = {"sync/engines": report.engines, "sync/dropped_engines": len(report.dropped)}
+    if lora:
+        out["sync/bytes"] = float(ctx.publisher.sync.last_push_bytes)  # type: ignore[attr-defined]
+    return out
 
 
 def rollout_metrics(samples: list[Any]) -> dict[str, float]:

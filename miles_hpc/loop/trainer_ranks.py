@@ -46,6 +46,10 @@ class RankedTrainer:
         self._fan_out("state_for_sync")
         return self.trainer.state_for_sync()
 
+    def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapter: every rank holds it whole, so rank 0 alone reads it (no collective, no fan-out)."""
+        return self.trainer.adapter_for_sync()  # type: ignore[attr-defined]
+
     def checksums(self, dtype: torch.dtype | None = None) -> dict[str, str]:
         self._fan_out("checksums", dtype)
         return self.trainer.checksums(dtype)

@@ -114,6 +114,10 @@ def _start_sglang(cfg: RunConfig, paths: RunPaths, model_dir: Path, index: int,
                             secrets_config_file=str(keys / f"sglang-{index}.yaml"), random_seed=cfg.seed + index,
                             weight_version="0", python=cfg.rollout.sglang_python,
                             base_gpu_id=0 if place.source == "single" else place.local_rank * cfg.rollout.engine_tp,
+                            # LoRA sync: SGLang serves adapters only when started for them (rank, target modules)
+                            enable_lora=cfg.sync.strategy == "lora",
+                            max_lora_rank=cfg.lora.rank if cfg.sync.strategy == "lora" else None,
+                            lora_target_modules=cfg.lora.target_modules if cfg.sync.strategy == "lora" else (),
                             extra_args=tuple(cfg.rollout.sglang_args))  # fmt: skip
     spec.write_secrets_config()
     child = subprocess.Popen(spec.command())

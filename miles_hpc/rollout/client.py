@@ -413,12 +413,32 @@ class EngineClient:
             await self._call(rq.DESTROY_WEIGHTS_UPDATE_GROUP, rq.destroy_weights_update_group_body(group_name))
         )
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str | Path, *, pinned: bool | None = None) -> str:
+    async def load_lora_adapter(self, lora_name: str, lora_path: str | Path, *,
+                                pinned: bool | None = None) -> dict[str, str]:  # fmt: skip
+        """Serve the PEFT adapter at `lora_path` (on the engine's file system) as `lora_name`; returns the adapters
+        loaded now (name -> path). A refusal raises `EngineProtocolError` with the engine's message."""
         body = rq.load_lora_adapter_body(lora_name, str(lora_path), pinned=pinned)
-        return _message(await self._call(rq.LOAD_LORA_ADAPTER, body))
+        return self._lora_answer(await self._call(rq.LOAD_LORA_ADAPTER, body), "POST /load_lora_adapter")
 
-    async def unload_lora_adapter(self, lora_name: str) -> str:
-        return _message(await self._call(rq.UNLOAD_LORA_ADAPTER, rq.unload_lora_adapter_body(lora_name)))
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        obj = await self._call(rq.UNLOAD_LORA_ADAPTER, rq.unload_lora_adapter_body(lora_name))
+        return self._lora_answer(obj, "POST /unload_lora_adapter")
+
+    async def lora_adapter_checksums(self, lora_name: str) -> dict[str, str]:
+        """Our engine's extension: PEFT name -> checksum of each tensor of a loaded adapter."""
+        obj = await self._call(rq.EXTENSIONS["lora_adapter_checksums"], {"lora_name": lora_name})
+        sums = obj.get("checksums") if isinstance(obj, dict) else None
+        if not isinstance(sums, dict):
+            raise EngineProtocolError(self.url, "POST /lora_adapter_checksums", f"no checksums in {str(obj)[:200]}")
+        return {str(k): str(v) for k, v in sums.items()}
+
+    def _lora_answer(self, obj: Any, what: str) -> dict[str, str]:
+        """SGLang's LoRA answer: {success, error_message, loaded_adapters}."""
+        if not isinstance(obj, dict) or not obj.get("success", False):
+            why = obj.get("error_message") if isinstance(obj, dict) else obj
+            raise EngineProtocolError(self.url, what, f"refused: {str(why)[:300]}")
+        loaded = obj.get("loaded_adapters") or {}
+        return {str(k): str(v) for k, v in loaded.items()} if isinstance(loaded, dict) else {}
 
     # ---------------------------------------------------------------------------------------------------------
 

@@ -93,6 +93,7 @@ EXTENSIONS: dict[str, Endpoint] = {
     "update_weights_from_delta": Endpoint("POST", "/update_weights_from_delta", admin=True, idempotent=False),
     "update_weights_from_p2p": Endpoint("POST", "/update_weights_from_p2p", admin=True, idempotent=False),
     "weights_piece_checksums": Endpoint("POST", "/weights_piece_checksums", admin=True, idempotent=True),
+    "lora_adapter_checksums": Endpoint("POST", "/lora_adapter_checksums", admin=True, idempotent=True),
 }
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name

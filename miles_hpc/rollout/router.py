@@ -120,11 +120,14 @@ class Router:
         *,
         on_readmit: ReadmitHook | None = None,
         owns_clients: bool = False,
+        lora_path: str | None = None,
     ) -> None:
+        """`lora_path`: the LoRA adapter every generation uses unless it names another (LoRA RL's served policy)."""
         if not clients:
             raise ValueError("Router needs at least one engine")
         self.clients = list(clients)
         self.config = config or RouterConfig()
+        self.lora_path = lora_path
         self.selector = EngineSelector(
             len(self.clients), margin=self.config.affinity_margin, capacity=self.config.affinity_capacity
         )
@@ -191,7 +194,7 @@ class Router:
         opts = {
             "return_logprob": return_logprob,
             "return_routed_experts": return_routed_experts,
-            "lora_path": lora_path,
+            "lora_path": lora_path if lora_path is not None else self.lora_path,
         }
         self._counts["submitted"] += 1
         try:

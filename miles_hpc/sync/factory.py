@@ -17,6 +17,8 @@ from miles_hpc.config import ConfigError, RunConfig
 from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
 from miles_hpc.sync.colocated import ColocatedSpec, ColocatedSync
 from miles_hpc.sync.delta import DeltaSpec, DeltaSync
+from miles_hpc.sync.lora import LoraSync, LoraSyncSpec
+from miles_hpc.models.lora import LoraSpec
 from miles_hpc.sync.p2p import P2PSpec, P2PSync, ShardSource
 from miles_hpc.sync.protocol import WeightSync
 
@@ -24,7 +26,7 @@ __all__ = ["RUNNABLE", "build_sync", "check_strategy"]
 
 log = logging.getLogger(__name__)
 
-RUNNABLE = ("broadcast", "p2p", "delta", "colocated")
+RUNNABLE = ("broadcast", "p2p", "delta", "colocated", "lora")
 
 
 def check_strategy(cfg: RunConfig) -> None:
@@ -64,6 +66,13 @@ def build_sync(cfg: RunConfig, run_dir: Path, master_address: str, next_port: Ca
         return DeltaSync(DeltaSpec(run_dir=run_dir, rollout_dtype=rollout_dtype, timeout_s=s.timeout_s,
                                    group_bytes=min(s.bucket_bytes, 1 << 30),
                                    device="cpu" if s.delta_device == "cpu" else None))  # fmt: skip
+    if s.strategy == "lora":  # adapters only, as PEFT files the engines load (SGLang's /load_lora_adapter)
+        lora = cfg.lora
+        spec = LoraSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
+        return LoraSync(LoraSyncSpec(run_dir=run_dir, spec=spec, rollout_dtype=getattr(torch, cfg.model.dtype),
+                                     base_model=cfg.model.path or "", timeout_s=s.timeout_s,
+                                     verify_bits=cfg.rollout.backend != "sglang",
+                                     check_base=cfg.rollout.backend != "sglang"))  # fmt: skip
     if s.strategy == "colocated":  # the engines of a local run share the trainer's host
         rollout_dtype = getattr(torch, cfg.model.dtype)
         return ColocatedSync(ColocatedSpec(bucket_bytes=s.bucket_bytes, rollout_dtype=rollout_dtype,

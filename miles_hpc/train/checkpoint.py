@@ -5,8 +5,11 @@ Stage: train. Layout of one checkpoint (DESIGN section 3: ``RUN/checkpoints/step
     step_N/dcp/            FSDP: DCP shards of {"model", "optim"} (each rank writes its own shards; resharding on
                            load to another world size is DCP's job)
     step_N/trainer.pt      FSDP: {"scheduler": LambdaLR state, "step": optimizer steps}   (rank 0)
+    step_N/adapter/        LoRA (backend "fsdp-lora"): the adapter in PEFT's format; the base weights are not saved
+    step_N/adapter_optim.pt LoRA: {"optim": AdamW state of the adapter, "scheduler", "step"} (rank 0; replicated)
     step_N/mcore/          megatron: megatron's dist_checkpointing of {"model", "optimizer"} (train/megatron.py)
-    step_N/megatron.json   megatron: {"step": optimizer steps, "tensor_parallel": ..., "data_parallel": ...}
+    step_N/megatron.json   megatron: {"step", "tensor_parallel", "pipeline_parallel", "expert_parallel",
+                           "data_parallel", "model": the HF config (a load of another model is refused)}
     step_N/rng_rank{r}.pt  torch CPU (+ CUDA) RNG state of rank r
     step_N/extra.json      the loop's state (step, data position, weight version, ...): JSON, inspectable
     step_N/meta.json       {"format", "step", "world_size", "backend"}: written last, before the rename
@@ -33,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path", "read_checkpoint",
-           "write_checkpoint", "CHECKPOINT_FORMAT"]
+           "write_checkpoint", "save_adapter_checkpoint", "load_adapter_checkpoint", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -66,6 +69,45 @@ def _rng_state() -> dict[str, Any]:
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def save_adapter_checkpoint(
+    path: str | Path,
+    adapter: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    *,
+    step: int,
+    extra: dict[str, Any],
+    base_model: str,
+) -> Path:
+    """LoRA RL: the adapter (PEFT files) and its optimizer state only; every rank holds them whole, rank 0 writes."""
+    from miles_hpc.models.lora import save_adapter
+
+    def write_state(tmp: Path) -> None:
+        if dist.get_rank() == 0:
+            save_adapter(tmp / "adapter", adapter, base_model=base_model)
+            state = {"optim": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}
+            torch.save(state, tmp / "adapter_optim.pt")
+
+    return write_checkpoint(path, step=step, extra=extra, backend="fsdp-lora", write_state=write_state)
+
+
+def load_adapter_checkpoint(
+    path: str | Path, adapter: Any, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
+) -> tuple[int, dict[str, Any]]:
+    """Restore a LoRA checkpoint into `adapter` (same spec: the file names the mismatch) and its optimizer."""
+    from miles_hpc.models.lora import load_adapter
+
+    root, extra = read_checkpoint(path, "fsdp-lora")
+    spec, tensors = load_adapter(root / "adapter", device=next(adapter.parameters()).device)
+    if spec != adapter.spec:
+        raise ValueError(f"{root / 'adapter'}: adapter {spec} differs from this run's lora config {adapter.spec}")
+    adapter.load_peft_state(tensors, source=str(root / "adapter"))
+    state = torch.load(root / "adapter_optim.pt", weights_only=True, map_location=next(adapter.parameters()).device)
+    optimizer.load_state_dict(state["optim"])
+    scheduler.load_state_dict(state["scheduler"])
+    return int(state["step"]), extra
 
 
 def write_checkpoint(

@@ -28,8 +28,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from miles_hpc.config import AlgoConfig, TrainConfig
+from miles_hpc.config import AlgoConfig, LoraConfig, TrainConfig
 from miles_hpc.models import CausalLM, iter_hf_tensors, load_pretrained
+from miles_hpc.models.lora import LoraAdapter, LoraSpec, attach
 from miles_hpc.train import checkpoint as ckpt
 from miles_hpc.train.logprobs import PackedMicroBatch, token_logprobs
 from miles_hpc.train.losses import policy_loss
@@ -54,9 +55,12 @@ class FSDPTrainer(PackedTrainer):
         seed: int,
         total_steps: int | None = None,
         loss_fn: LossFn = policy_loss,
+        lora: LoraConfig | None = None,
     ) -> None:
         """total_steps: optimizer steps of the whole run (needed by the cosine schedule).
-        loss_fn: a function with `policy_loss`'s signature (the default); a plug-in point for custom losses."""
+        loss_fn: a function with `policy_loss`'s signature (the default); a plug-in point for custom losses.
+        lora: with a rank > 0, LoRA RL: the base weights are frozen and only the adapter (`self.adapter`, replicated
+        on every rank, its gradients averaged over them) is trained, checkpointed and, by the lora sync, sent."""
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainer needs the trainer process group: call dist.init_trainer_world first")
         self.train_cfg, self.algo_cfg, self.loss_fn = train_cfg, algo_cfg, loss_fn
@@ -71,7 +75,17 @@ class FSDPTrainer(PackedTrainer):
         # TODO(scale): meta-device init + rank-0 load + broadcast (or DCP) for models larger than host memory.
         model = load_pretrained(model_path, dtype=torch.float32, device=self.device)
         self.config = model.config
+        self._model_path = Path(model_path)
         model.train()
+        self.adapter: LoraAdapter | None = None
+        if lora is not None and lora.enabled:
+            model.requires_grad_(False)
+            spec = LoraSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
+            self.adapter = LoraAdapter.for_model(model, spec, device=self.device)
+            for t in self.adapter.parameters():  # rank 0's initialisation everywhere
+                if self._world > 1:
+                    dist.broadcast(t.data, src=0)
+            attach(model, self.adapter)  # hooks on the target linears: inside the FSDP units, names unchanged
         if train_cfg.activation_checkpointing:
             for layer in model.model.layers:
                 _checkpoint_forward(layer)
@@ -96,7 +110,8 @@ class FSDPTrainer(PackedTrainer):
                 fully_shard(layer, reshard_after_forward=True, **kw)
         fully_shard(model, reshard_after_forward=False, **kw)
         self.model: CausalLM = model
-        self.optimizer = build_optimizer(train_cfg, model.named_parameters(), self.device)
+        trained = self.adapter.named_parameters() if self.adapter is not None else model.named_parameters()
+        self.optimizer = build_optimizer(train_cfg, trained, self.device)
         self.scheduler = build_scheduler(train_cfg, self.optimizer, total_steps)
 
     @property
@@ -122,7 +137,10 @@ class FSDPTrainer(PackedTrainer):
         """Clip the global grad norm, step AdamW and the schedule; returns the pre-clip norm as a device scalar
         (identical on every rank)."""
         max_norm = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else math.inf
-        norm = clip_sharded_grads_(self.model.parameters(), max_norm)
+        if self.adapter is not None:
+            norm = _average_and_clip_replicated_(list(self.adapter.parameters()), max_norm, self._world)
+        else:
+            norm = clip_sharded_grads_(self.model.parameters(), max_norm)
         self._last_lr = self.lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -136,20 +154,46 @@ class FSDPTrainer(PackedTrainer):
         full tensor). Every rank yields the same tensors, so callers on all ranks iterate in step."""
         # Reuse the one place that maps our names to HF names by handing it a view whose state_dict gathers
         # lazily: each DTensor is all-gathered only when iter_hf_tensors reaches it.
-        view = types.SimpleNamespace(config=self.config, state_dict=lambda: _GatheredStateDict(self.model))
+        # With LoRA: the merged weights (base + scaling * B @ A), which the engines then serve without adapters.
+        view = types.SimpleNamespace(config=self.config,
+                                     state_dict=lambda: _GatheredStateDict(self.model, self.adapter))  # fmt: skip
         yield from iter_hf_tensors(view)  # type: ignore[arg-type]
 
+    def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapter's tensors by PEFT name (every rank holds them whole; no collective)."""
+        if self.adapter is None:
+            raise RuntimeError("adapter_for_sync: this trainer has no LoRA adapter (lora.rank = 0)")
+        for name, t in self.adapter.peft_state():
+            yield name, t.detach()
+
     def shard_map(self) -> ShardMap:
-        """What every rank holds of each HF tensor and this rank's part of it (p2p sync; no collective)."""
-        return shard_map(self.model, self._rank, self._world)
+        """What every rank holds of each HF tensor and this rank's part of it (p2p sync; no collective). With
+        LoRA, this rank's rows of the merged weights."""
+        sm = shard_map(self.model, self._rank, self._world)
+        if self.adapter is None:
+            return sm
+        local = dict(sm.local)
+        for module in self.adapter.modules_:
+            name = module + ".weight"
+            if name in local:
+                (lo, hi), *_ = sm.layout[name][self._rank].dims
+                a, b = self.adapter.pair(module)
+                local[name] = local[name] + (b[lo:hi] @ a).detach().to(local[name].dtype) * self.adapter.spec.scaling
+        return ShardMap(sm.shapes, sm.layout, local)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        if self.adapter is not None:  # LoRA: the frozen base stays where it was loaded from
+            return ckpt.save_adapter_checkpoint(path, self.adapter, self.optimizer, self.scheduler, step=self._step,
+                                                extra=extra or {}, base_model=str(self._model_path))  # fmt: skip
         return ckpt.save_checkpoint(
             path, self.model, self.optimizer, self.scheduler, step=self._step, extra=extra or {}
         )
 
     def load(self, path: str | Path) -> dict[str, Any]:
+        if self.adapter is not None:
+            self._step, extra = ckpt.load_adapter_checkpoint(path, self.adapter, self.optimizer, self.scheduler)
+            return extra
         self._step, extra = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         return extra
 
@@ -178,14 +222,39 @@ def clip_sharded_grads_(params: Iterator[torch.nn.Parameter], max_norm: float) -
 
 
 class _GatheredStateDict:
-    """`items()` of the sharded model's state_dict with each DTensor all-gathered on demand (a collective)."""
+    """`items()` of the sharded model's state_dict with each DTensor all-gathered on demand (a collective), with a
+    LoRA adapter's update merged into the weights it adapts."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, adapter: LoraAdapter | None = None) -> None:
+        self.model, self.adapter = model, adapter
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        adapted = set(self.adapter.modules_) if self.adapter is not None else set()
         for name, t in self.model.state_dict().items():
-            yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+            full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+            module = name.removesuffix(".weight")
+            if module in adapted and self.adapter is not None:
+                full = full + self.adapter.delta(module).detach().to(full.dtype)
+            yield name, full
+
+
+def _average_and_clip_replicated_(params: list[torch.nn.Parameter], max_norm: float, world: int) -> torch.Tensor:
+    """For parameters every rank holds whole (a LoRA adapter): average the gradients over the ranks (one
+    all-reduce of their concatenation; the FSDP parameters' reduce-scatter averages too), then clip by the global
+    norm; returns the pre-clip norm."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    if world > 1:
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        flat /= world
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[offset : offset + g.numel()].view_as(g)
+            offset += g.numel()
+    else:
+        for p, g in zip(params, grads):
+            p.grad = g
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def _checkpoint_forward(layer: torch.nn.Module) -> None:
