@@ -1,0 +1,126 @@
+"""Batch-invariant primitives for zero-KL mode (stage: shared model code; issue 12, in progress: not wired into the
+model, the engine or the trainer yet; docs/lora.md, "Zero-KL mode").
+
+The problem: a GEMM or a reduction kernel picks its algorithm (blocking, vector path, split of the reduction) from
+the shapes of the call, so the same token row computed in a batch of 1 (the engine's decode step) and in a batch
+of 4096 (the trainer's packed forward) can differ in the last bits (measured with torch's CPU `mm`: rows of a
+1-7-row product differ from the same rows of a 300-row product by up to 4e-5; from 16 rows on they agree here,
+which is luck of the library, not a contract).
+
+The rule every function here follows: the kernels run on fixed-shape row tiles, `row_tile(width)` rows at a time
+(the last tile padded with zeros), so every call a row takes part in has the same shape whatever the batch, and a
+row's result depends on that row alone (GEMMs and row reductions do not mix rows). The tile height depends only on
+the row width, so the engine and the trainer pick the same one. The cost: the padding, and one kernel call per
+tile instead of one per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["KEY_CHUNK", "QUERY_TILE", "attention", "linear", "log_softmax", "rms_norm", "row_tile", "silu_mul",
+           "tiled"]  # fmt: skip
+
+MAX_TILE_ELEMENTS = 1 << 15  # one tile stays inside one parallel chunk of torch's CPU elementwise loops
+MAX_TILE_ROWS = 64
+QUERY_TILE = 16  # attention: queries per tile
+KEY_CHUNK = 64  # attention: keys per chunk
+
+
+def row_tile(width: int) -> int:
+    """Rows per tile for rows of `width` elements: a power of two, at most 64, and tile elements within
+    MAX_TILE_ELEMENTS where possible (at least 1 row)."""
+    rows = MAX_TILE_ROWS
+    while rows > 1 and rows * width > MAX_TILE_ELEMENTS:
+        rows //= 2
+    return rows
+
+
+def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """`fn` over the rows of `x` (any leading dims, last dim = a row) in fixed-shape tiles of `row_tile` rows; `fn`
+    must map a [rows, width] tile to [rows, ...] row by row. Differentiable (the tiles are views and a cat)."""
+    lead, w = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, w)
+    n = rows.shape[0]
+    r = row_tile(width or w)
+    pad = (-n) % r
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, w)])
+    out = torch.cat([fn(rows[i : i + r]) for i in range(0, rows.shape[0], r)])[:n]
+    return out.reshape(*lead, *out.shape[1:])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` with every GEMM of shape [row_tile(in), in] x [in, out]."""
+    return tiled(lambda t: torch.nn.functional.linear(t, weight, bias), x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as `models.layers.RMSNorm` computes it (float32 statistics, cast back), on fixed-shape tiles."""
+
+    def norm(t: torch.Tensor) -> torch.Tensor:
+        t32 = t.float()
+        return (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype) * weight
+
+    return tiled(norm, x)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's `silu(gate) * up` on fixed-shape tiles (transcendental elementwise kernels may take another vector
+    path at a tensor's tail, so a row's position must not depend on the batch either)."""
+    w = gate.shape[-1]
+    both = torch.cat([gate, up], dim=-1)
+    return tiled(lambda t: torch.nn.functional.silu(t[:, :w]) * t[:, w:], both, width=2 * w)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """float32 log-softmax over the last dim, on fixed-shape tiles (the log-probs both sides report)."""
+    return tiled(lambda t: torch.log_softmax(t.float(), dim=-1), logits)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of ONE sequence's queries, each over the keys at positions <= its own, computed the same way
+    whether the queries come one at a time (a decode step over the KV cache), as a chunk after a cached prefix, or
+    as the whole sequence (the trainer).
+
+    q [Hq, Nq, D] at absolute `positions` [Nq]; k [Hkv, Nk, D], v [Hkv, Nk, Dv] for positions 0..Nk-1 (Nk > every
+    query position; Hq a multiple of Hkv). In float32: for each tile of QUERY_TILE queries and each chunk of KEY_CHUNK
+    keys, scores [Hq, tile, chunk] by one fixed-shape batched GEMM; the row maximum over all chunks (order-free);
+    then, chunk by chunk in key order, exp(scores - max) summed into the denominator and multiplied into the output
+    by fixed-shape GEMMs. Chunks past a tile's last position add exact zeros, so they are skipped, and a row's result
+    does not depend on how many keys or queries the call holds. Returns [Hq, Nq, Dv] in q's dtype."""
+    hq, nq, _ = q.shape
+    hkv, nk, dv = v.shape
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not split into {hkv} key/value heads")
+    if nq and int(positions.max()) >= nk:
+        raise ValueError(f"a query at position {int(positions.max())} needs keys up to it; {nk} given")
+    rep = hq // hkv
+    kpad = (-nk) % KEY_CHUNK  # zero keys and values past the end: masked, and 0 * v stays 0 (no garbage)
+    k32 = torch.nn.functional.pad(k.float(), (0, 0, 0, kpad)).repeat_interleave(rep, dim=0)
+    v32 = torch.nn.functional.pad(v.float(), (0, 0, 0, kpad)).repeat_interleave(rep, dim=0)
+    qpad = (-nq) % QUERY_TILE
+    q32 = torch.nn.functional.pad(q.float(), (0, 0, 0, qpad))
+    pos = torch.nn.functional.pad(positions, (0, qpad), value=-1)  # padding queries see nothing
+    outs = []
+    for t in range(0, nq + qpad, QUERY_TILE):
+        qt, pt = q32[:, t : t + QUERY_TILE], pos[t : t + QUERY_TILE]
+        last = int(pt.max())
+        chunks = range(0, max(last + 1, 1), KEY_CHUNK)
+        scores = []
+        for c in chunks:
+            s = torch.bmm(qt, k32[:, c : c + KEY_CHUNK].transpose(1, 2)) * scale
+            keys = torch.arange(c, c + KEY_CHUNK, device=q.device)
+            scores.append(s.masked_fill(keys[None, None, :] > pt[None, :, None], float("-inf")))
+        m = torch.stack([s.amax(-1) for s in scores]).amax(0)  # [Hq, tile]
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # padding rows: all masked
+        denom = torch.zeros_like(m)
+        acc = q32.new_zeros(hq, QUERY_TILE, dv)
+        for c, s in zip(chunks, scores):
+            e = torch.exp(s - m[..., None])
+            denom = denom + e.sum(-1)
+            acc = acc + torch.bmm(e, v32[:, c : c + KEY_CHUNK])
+        outs.append(acc / torch.where(denom > 0, denom, torch.ones_like(denom))[..., None])
+    return torch.cat(outs, dim=1)[:, :nq].to(q.dtype)
