@@ -24,14 +24,9 @@ from typing import Any
 
 import torch
 
-try:
-    from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "train.backend=megatron needs megatron-core: pip install 'miles-hpc[megatron]' (megatron-core 0.16 on "
-        "Python 3.11, newer releases on 3.12)"
-    ) from e
+import miles_hpc.train.mcore_model  # noqa: F401  first: without megatron-core it raises the ImportError that says so
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from miles_hpc.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_hpc.models import iter_hf_tensors, read_config
