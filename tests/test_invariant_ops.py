@@ -95,3 +95,22 @@ def test_attention_is_the_same_for_decode_prefill_and_whole_sequence(hq: int, hk
     ref = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(hq // hkv, 0), v.repeat_interleave(hq // hkv, 0), is_causal=True, scale=0.25)
     torch.testing.assert_close(whole, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_primitives_are_batch_invariant_on_gpu(dtype: torch.dtype) -> None:
+    """The same checks with cuBLAS and CUDA kernels: the fixed-shape tiles pin the kernel choice there too."""
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(300, 512, generator=g).to("cuda", dtype)
+    w = torch.randn(256, 512, generator=g).to("cuda", dtype)
+    assert_invariant(lambda t: inv.linear(t, w), rows)
+    assert_invariant(lambda t: inv.rms_norm(t, torch.ones(512, device="cuda", dtype=dtype), 1e-6), rows)
+    assert_invariant(lambda t: inv.silu_mul(t[:, :256], t[:, 256:]), rows)
+    assert_invariant(inv.log_softmax, torch.randn(300, 1000, generator=g).to("cuda", dtype))
+    q, k, v = (torch.randn(h, 150, 16, generator=g).to("cuda", dtype) for h in (4, 2, 2))
+    pos = torch.arange(150, device="cuda")
+    whole = inv.attention(q, k, v, pos, 0.25)
+    for p in (0, 64, 149):
+        assert torch.equal(inv.attention(q[:, p : p + 1], k[:, : p + 1], v[:, : p + 1], pos[p : p + 1], 0.25),
+                           whole[:, p : p + 1]), p  # fmt: skip
