@@ -296,6 +296,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
             kv_cache_fraction=args.kv_cache_fraction,
             max_context_len=args.max_context_len, max_running_requests=args.max_running_requests, seed=args.seed,
+            batch_invariant=args.batch_invariant,
         )  # fmt: skip
         server_cfg = ServerConfig(host=args.host, port=args.port, keys=keys, rendezvous=args.rendezvous,
                                   max_request_bytes=int(args.max_request_mb * (1 << 20)),
@@ -324,6 +325,8 @@ def _add_serve_parser(sub: Any) -> None:
     srv.add_argument("--max-context-len", type=int, help="prompt + output tokens per request (default: model's)")
     srv.add_argument("--max-running-requests", type=int, default=256, help="requests decoding at once")
     srv.add_argument("--seed", type=int, default=0, help="seeds requests that bring no sampling_seed")
+    srv.add_argument("--batch-invariant", action="store_true",
+                     help="zero-KL mode: batch-invariant kernels (log-probs = a zero_kl trainer's, bitwise)")  # fmt: skip
     srv.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body (413 beyond)")
     srv.add_argument("--rendezvous", help="write {host, port, pid, url, ...} JSON here once listening")
     srv.add_argument("--weight-update-timeout", type=float, default=600.0,

@@ -397,6 +397,11 @@ class RunConfig:
     mode: Literal["sync", "fully_async"] = field(
         default="sync", metadata=_help("sync: generate, then train, each step; fully_async: both at once")
     )
+    zero_kl: bool = field(
+        default=False,
+        metadata=_help("batch-invariant kernels in engines and trainer: rollout and trainer log-probs equal bit for "
+                       "bit, train-inference KL exactly 0 (dense models; slower; docs/lora.md, Zero-KL mode)"),
+    )  # fmt: skip
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -427,6 +432,29 @@ class RunConfig:
                  "lora sends adapters only: set lora.rank > 0 (or pick a strategy that sends full weights)")
         _require(not self.lora.enabled or self.train.backend == "fsdp", "lora.rank",
                  "LoRA trains with train.backend=fsdp (megatron-core has no adapter layers of its own)")
+        if self.zero_kl:
+            self._check_zero_kl()
+
+    def _check_zero_kl(self) -> None:
+        """Zero-KL mode needs both sides to run the same batch-invariant kernels on the same numbers."""
+        why = "zero_kl needs the same batch-invariant kernels on both sides"
+        _require(not self.lora.enabled, "lora.rank", f"{why}: LoRA adapters (hooks) are not batch-invariant")
+        _require(self.train.backend == "fsdp", "train.backend", f"{why}: only train.backend=fsdp has them")
+        _require(self.rollout.backend == "embedded", "rollout.backend",
+                 f"{why}: only rollout.backend=embedded has them (SGLang's kernels are its own)")  # fmt: skip
+        _require(self.rollout.device == self.train.device, "rollout.device",
+                 f"{why} on one kind of device: rollout.device={self.rollout.device}, "
+                 f"train.device={self.train.device}")  # fmt: skip
+        _require(not self.train.compile, "train.compile", f"{why}: compiled (fused) layers change the bits")
+        mixed = self.train.device == "cuda" and self.train.mixed_precision
+        compute = "bfloat16" if mixed else "float32"
+        _require(self.model.dtype == compute, "model.dtype",
+                 f"{why} in one dtype: the engines compute in model.dtype={self.model.dtype}, the trainer in "
+                 f"{compute} (train.device={self.train.device}, "
+                 f"train.mixed_precision={self.train.mixed_precision})")  # fmt: skip
+        _require(self.model.path is not None or self.model.init_arch in ("llama", "qwen2", "qwen3"),
+                 "model.init_arch", f"zero_kl supports the dense families (llama, qwen2, qwen3), "
+                 f"not {self.model.init_arch}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -130,6 +130,8 @@ class LocalCluster:
                     "--rendezvous", str(self.rendezvous / f"engine-{i}.json"), "--seed", str(self.cfg.seed + i),
                     "--api-key-file", str(keys / "api_key"), "--admin-api-key-file", str(keys / "admin_api_key"),
                     "--dtype", self.cfg.model.dtype, "--weight-update-timeout", str(self.cfg.sync.timeout_s)]  # fmt: skip
+            if self.cfg.zero_kl:
+                argv.append("--batch-invariant")
             if self.gpus.engines:
                 share = self.cfg.rollout.kv_cache_fraction or (
                     SHARED_KV_FRACTION if self.gpus.shares_trainer_gpu(i) else ALONE_KV_FRACTION)  # fmt: skip

@@ -56,6 +56,10 @@ class EngineConfig:
     """With the fused decode step: a step whose prefill chunks are each at most this many tokens (a cached-prefix
     request's new suffix, a short follow-up turn) runs its tokens as rows of that step (each row attends the cache
     up to its own position), so a short prefill costs one graph replay instead of an eager forward; 0 = never."""
+    batch_invariant: bool = False
+    """Zero-KL mode: batch-invariant kernels (fixed-shape row tiles, per-sequence attention), so a token's logits and
+    log-prob do not depend on the batch, the prefix cache or the step it is computed in, and equal the trainer's in
+    zero-KL mode bit for bit. Always eager (no Triton decode, fused step or CUDA graphs); dense models only."""
 
     def __post_init__(self) -> None:
         if not self.device or not isinstance(self.device, str):
@@ -77,7 +81,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
-        for name in ("triton_kernels", "cuda_graphs"):
+        for name in ("triton_kernels", "cuda_graphs", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.fused_extend_tokens, int) or isinstance(self.fused_extend_tokens, bool) or (

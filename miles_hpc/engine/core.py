@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from miles_hpc.models import CausalLM, load_pretrained
+from miles_hpc.models.batch_invariant import make_batch_invariant
 
 from .config import EngineConfig
 from .kv_cache import BlockManager, KVCache
@@ -56,6 +57,8 @@ class Engine:
         mc = model.config
         dtype = config.torch_dtype() or next(model.parameters()).dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
+        if config.batch_invariant:
+            make_batch_invariant(self.model)  # refuses MoE and MLA models (NotImplementedError naming the type)
         self.dtype = dtype
         self.model_path = model_path
         self.vocab_size = mc.vocab_size
@@ -87,7 +90,8 @@ class Engine:
         self.loras = AdapterSet(self.model, self.device, dtype, max_loras=config.max_loras)
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device,
                                   triton_kernels=config.triton_kernels, cuda_graphs=config.cuda_graphs,
-                                  fused_extend_tokens=config.fused_extend_tokens, loras=self.loras)  # fmt: skip
+                                  fused_extend_tokens=config.fused_extend_tokens, loras=self.loras,
+                                  batch_invariant=config.batch_invariant)  # fmt: skip
         self.limits = Limits(vocab_size=self.vocab_size, max_context_len=self.max_context_len,
                              kv_capacity_tokens=num_blocks * bs, num_moe_layers=self.num_moe_layers)  # fmt: skip
 

@@ -14,6 +14,11 @@ Per-step metadata (`AttentionMetadata`) is built once per step as tensors, the l
   batched call), a later chunk gathers its prefix from the cache and uses a causal mask offset by the
   prefix length (query j at absolute position start+j sees keys 0..start+j).
 GQA uses SDPA's `enable_gqa`; the cache stores only the KV heads.
+
+Batch-invariant mode (zero-KL, `EngineConfig.batch_invariant`; metadata built with `batch_invariant=True`): every
+sequence's queries, decode or prefill alike, go through `models.invariant.attention` over that sequence's keys and
+values gathered from the cache at positions 0..context-1 (all written: this step's K/V go in first), so a query
+row's output is bit-identical to the trainer's whole-sequence computation. Costs one call per sequence per layer.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from miles_hpc.models import invariant
 from miles_hpc.models.attention import no_cudnn_sdpa
 
 from .kv_cache import KVCache
@@ -43,6 +49,14 @@ class PrefillSeq:
 
 
 @dataclass(slots=True)
+class InvariantSeq:
+    q_start: int  # rows [q_start, q_end) of the packed step
+    q_end: int
+    positions: torch.Tensor  # int64 [n]: absolute positions of the queries
+    key_slots: torch.Tensor  # int64 [ctx]: cache slots of positions 0..ctx-1
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     positions: torch.Tensor  # int64 [T]: absolute position of each packed token (prefix + offset)
     slot_mapping: torch.Tensor  # int64 [T]
@@ -56,6 +70,7 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None  # int32 [Bd, max_blocks]: for a decode kernel (instead of slots and mask)
     decode_lens: torch.Tensor | None  # int32 [Bd]
     prefills: list[PrefillSeq]
+    invariant_seqs: list[InvariantSeq] | None = None  # batch-invariant mode: every sequence, instead of the above
 
     @classmethod
     def build(
@@ -67,10 +82,12 @@ class AttentionMetadata:
         device: torch.device,
         *,
         gather_decode: bool = True,
+        batch_invariant: bool = False,
     ) -> AttentionMetadata:
         """starts[i] = tokens of sequence i already in the cache, lens[i] = new tokens this step;
         block_tables [B, >= max blocks] int32 on `device`. `gather_decode`: build the decode rows' slot matrix and
-        mask for the torch path; False: their block tables and lengths for a decode kernel."""
+        mask for the torch path; False: their block tables and lengths for a decode kernel. `batch_invariant`: only the
+        per-sequence slots of the batch-invariant mode."""
         b = len(starts)
         lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
         starts_t = torch.tensor(starts, dtype=torch.int64, device=device)
@@ -86,6 +103,16 @@ class AttentionMetadata:
         q_starts = [0] * b
         for i in range(1, b):
             q_starts[i] = q_starts[i - 1] + lens[i - 1]
+        if batch_invariant:
+            seqs = []
+            for i in range(b):
+                kpos = torch.arange(starts[i] + lens[i], device=device)
+                slots = tables[i, kpos // block_size] * block_size + kpos % block_size
+                seqs.append(InvariantSeq(q_starts[i], q_starts[i] + lens[i], kpos[starts[i] :], slots))
+            return cls(positions=pos, slot_mapping=slot_mapping, query_start_loc=qsl.to(torch.int32),
+                       context_lens=ctx.to(torch.int32), block_tables=block_tables, decode_rows=None,
+                       decode_slots=None, decode_mask=None, decode_tables=None, decode_lens=None, prefills=[],
+                       invariant_seqs=seqs)  # fmt: skip
         dec = [i for i in range(b) if lens[i] == 1]
         decode_rows = decode_slots = decode_mask = decode_tables = decode_lens = None
         if dec and not gather_decode:
@@ -162,6 +189,8 @@ class PagedAttention:
         # [1, H, T, D] -> [T, H, D]: the cache's slot-major layout.
         kc.index_copy_(0, m.slot_mapping, k[0].transpose(0, 1).to(kc.dtype))
         vc.index_copy_(0, m.slot_mapping, v[0].transpose(0, 1).to(vc.dtype))
+        if m.invariant_seqs is not None:
+            return self._attend_invariant(q, kc, vc, m.invariant_seqs, scale)
         gqa = q.shape[1] != k.shape[1]
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # MLA: values narrower than queries and keys
         if m.decode_rows is not None and self.decode_kernel is not None:
@@ -193,6 +222,17 @@ class PagedAttention:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
             out[:, :, p.q_start : p.q_end] = o
         return out
+
+    @staticmethod
+    def _attend_invariant(
+        q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seqs: list[InvariantSeq], scale: float
+    ) -> torch.Tensor:
+        parts = []
+        for sq in seqs:
+            ks = kc[sq.key_slots].transpose(0, 1)  # [Hkv, ctx, D]: exactly the written positions, no padding slots
+            vs = vc[sq.key_slots].transpose(0, 1)
+            parts.append(invariant.attention(q[0, :, sq.q_start : sq.q_end], ks, vs, sq.positions, scale))
+        return torch.cat(parts, dim=1)[None]
 
 
 def _split_rows(x: torch.Tensor, count: int) -> torch.Tensor:

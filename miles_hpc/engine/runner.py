@@ -17,6 +17,10 @@ Invariants:
   block past the allocator's) for its padding rows. A short prefill chunk becomes one row per token: every row
   writes its K/V before any row attends, and row j attends the cache up to its own position, which is causal
   attention over prefix + chunk. MoE models stay eager.
+- Batch-invariant (zero-KL) mode (`batch_invariant`): the model was made invariant (`models.batch_invariant`),
+  every step is one eager forward (no decode kernel, fused step or CUDA graphs: their GEMMs and reductions have
+  batch-dependent shapes), attention per sequence by `invariant.attention`, and every reported log-prob (sampled
+  tokens and input log-probs) from `invariant.log_softmax` of its logits row, as the trainer computes it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_hpc.models import CausalLM
+from miles_hpc.models import CausalLM, invariant
 
 from .cuda_graphs import DecodeRunner
 from .decode_forward import DecodeForward, unsupported_reason
@@ -62,10 +66,12 @@ class ModelRunner:
         cuda_graphs: bool = False,
         fused_extend_tokens: int = 0,
         loras: AdapterSet | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         """`triton_kernels` / `cuda_graphs` take effect on CUDA where Triton imports (EngineConfig's knobs).
         `loras`: the engine's LoRA adapters; a step with a request that names one runs eagerly (the hooks that
-        apply adapters run in the model's own forward, not in the fused decode step)."""
+        apply adapters run in the model's own forward, not in the fused decode step).
+        `batch_invariant`: zero-KL mode (module docstring); the caller has made `model` invariant."""
         self.model, self.cache, self.bm, self.device = model, cache, blocks, device
         self.loras = loras
         self.fused_extend_tokens = fused_extend_tokens
@@ -73,6 +79,9 @@ class ModelRunner:
         self.is_moe = model.num_moe_layers > 0
         self.decode_kernel: DecodeKernel | None = None
         self.decode: DecodeRunner | None = None  # decode-only steps; tests may inject a CPU one
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            return  # always eager, no decode kernel (module docstring)
         if not (triton_kernels and device.type == "cuda" and _triton_available()):
             return
         from .triton_ops import TritonDecodeOps
@@ -154,9 +163,8 @@ class ModelRunner:
         rows = torch.tensor([s.r.row for s in batch], dtype=torch.int64)
         width = max(-(-(st + n) // bs) for st, n in zip(starts, lens))
         tables = self.bm.tables[rows, :width].to(self.device, non_blocking=True)
-        return AttentionMetadata.build(
-            starts, lens, tables, bs, self.device, gather_decode=self.decode_kernel is None
-        )
+        return AttentionMetadata.build(starts, lens, tables, bs, self.device, gather_decode=self.decode_kernel is None,
+                                       batch_invariant=self.batch_invariant)  # fmt: skip
 
     def _forward(self, batch: Sequence[Scheduled], meta: AttentionMetadata) -> torch.Tensor:
         ids: list[int] = []
@@ -210,7 +218,11 @@ class ModelRunner:
         idx = [i for i, s in enumerate(batch) if s.sample]
         if not idx:
             return tokens, logprobs
-        tok_t, lp_t = sample(logits, sb if sb is not None else self._sampling_batch(batch))
+        sb = sb if sb is not None else self._sampling_batch(batch)
+        if self.batch_invariant:
+            tok_t, lp_t = sample(logits, sb, log_softmax=invariant.log_softmax)
+        else:
+            tok_t, lp_t = sample(logits, sb)
         for i, t, lp in zip(idx, tok_t.tolist(), lp_t.tolist()):
             tokens[i], logprobs[i] = t, lp
         return tokens, logprobs
@@ -226,6 +238,10 @@ class ModelRunner:
         out = []
         for a in range(0, logits.shape[0], _LP_CHUNK_ROWS):
             chunk = logits[a : a + _LP_CHUNK_ROWS].to(torch.float32)
+            if self.batch_invariant:  # the trainer's function, row by row the same bits
+                lp = invariant.log_softmax(chunk)
+                out.append(lp.gather(1, targets[a : a + _LP_CHUNK_ROWS, None]).squeeze(1))
+                continue
             picked = chunk.gather(1, targets[a : a + _LP_CHUNK_ROWS, None]).squeeze(1)
             out.append(picked - torch.logsumexp(chunk, dim=-1))
         return torch.cat(out).tolist()

@@ -11,12 +11,13 @@ Invariants:
 - Temperature 0 is greedy (argmax); top_k=1 is greedy too. Filters apply in SGLang's order: top-k, then top-p on the
   renormalised probabilities (the first token always stays), then min-p relative to the best token.
 - The reported log-prob is log_softmax(logits in float32, temperature 1)[token], unaffected by filters or bans
-  (SGLang reports the model's distribution, not the sampling one).
+  (SGLang reports the model's distribution, not the sampling one). In zero-KL mode the runner passes
+  `models.invariant.log_softmax`, the function the trainer scores tokens with, so both report the same bits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -112,10 +113,19 @@ class SamplingBatch:
         )
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [S, V] -> (token ids int64 [S], log-probs float32 [S] of those tokens at temperature 1)."""
+def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    log_softmax: Callable[[torch.Tensor], torch.Tensor] = _log_softmax,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [S, V] -> (token ids int64 [S], log-probs float32 [S] of those tokens at temperature 1).
+    `log_softmax`: float32 [S, V] -> float32 log-probs over the last dim (the batch-invariant one in zero-KL mode)."""
     logits = logits.to(torch.float32)
-    logprobs_all = torch.log_softmax(logits, dim=-1)
+    logprobs_all = log_softmax(logits)
     masked = logits
     if batch.ban_rows is not None:
         masked = logits.index_put((batch.ban_rows, batch.ban_cols), torch.tensor(float("-inf"), device=logits.device))

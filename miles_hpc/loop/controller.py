@@ -31,7 +31,7 @@ def build_trainer(cfg: RunConfig, model_dir: Path) -> Any:
     from miles_hpc.train.fsdp import FSDPTrainer
 
     return FSDPTrainer(str(model_dir), cfg.train, cfg.algo, device=cfg.train.device, seed=cfg.seed,
-                       total_steps=total_steps, lora=cfg.lora)
+                       total_steps=total_steps, lora=cfg.lora, zero_kl=cfg.zero_kl)
 
 
 def preflight(cfg: RunConfig) -> GpuPlan:

@@ -78,6 +78,8 @@ def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
                 "--rendezvous", str(paths.rendezvous / f"engine-{index}.json"), "--seed", str(cfg.seed + index),
                 "--api-key-file", str(keys / "api_key"), "--admin-api-key-file", str(keys / "admin_api_key"),
                 "--dtype", cfg.model.dtype, "--weight-update-timeout", str(cfg.sync.timeout_s)]  # fmt: skip
+        if cfg.zero_kl:
+            argv.append("--batch-invariant")
         if place.source != "single" and _cuda_available():
             argv += ["--device", f"cuda:{place.local_rank}"]
         child = subprocess.Popen(argv)

@@ -1,5 +1,6 @@
-"""Batch-invariant primitives for zero-KL mode (stage: shared model code; issue 12, in progress: not wired into the
-model, the engine or the trainer yet; docs/lora.md, "Zero-KL mode").
+"""Batch-invariant primitives for zero-KL mode (stage: shared model code; issue 12; docs/lora.md, "Zero-KL mode").
+`batch_invariant.make_batch_invariant` wires them into a model; the engine (`EngineConfig.batch_invariant`) and the
+trainer (`FSDPTrainer(zero_kl=True)`) use them.
 
 The problem: a GEMM or a reduction kernel picks its algorithm (blocking, vector path, split of the reduction) from
 the shapes of the call, so the same token row computed in a batch of 1 (the engine's decode step) and in a batch

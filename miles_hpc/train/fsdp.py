@@ -11,6 +11,9 @@ dummy ones, so FSDP's all-gathers and reduce-scatters stay matched.
 Invariants:
 - Master weights are float32; with `mixed_precision` on a GPU, compute is bf16 and gradient reduction fp32.
 - `train.compile` (GPU) compiles each decoder layer in place before sharding; attention stays eager (attention.py).
+- `zero_kl`: the model runs batch-invariant kernels (`models.batch_invariant`, per-sequence `invariant.attention`)
+  and scores tokens with `invariant.log_softmax`, so its log-probs equal an engine's in `batch_invariant` mode bit
+  for bit (docs/lora.md, "Zero-KL mode"). Refused with LoRA and with `train.compile`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from miles_hpc.config import AlgoConfig, LoraConfig, TrainConfig
 from miles_hpc.models import CausalLM, iter_hf_tensors, load_pretrained
+from miles_hpc.models.batch_invariant import make_batch_invariant, packed_attention
 from miles_hpc.models.lora import LoraAdapter, LoraSpec, attach
 from miles_hpc.train import checkpoint as ckpt
 from miles_hpc.train.logprobs import PackedMicroBatch, token_logprobs
@@ -56,13 +60,19 @@ class FSDPTrainer(PackedTrainer):
         total_steps: int | None = None,
         loss_fn: LossFn = policy_loss,
         lora: LoraConfig | None = None,
+        zero_kl: bool = False,
     ) -> None:
         """total_steps: optimizer steps of the whole run (needed by the cosine schedule).
         loss_fn: a function with `policy_loss`'s signature (the default); a plug-in point for custom losses.
         lora: with a rank > 0, LoRA RL: the base weights are frozen and only the adapter (`self.adapter`, replicated
-        on every rank, its gradients averaged over them) is trained, checkpointed and, by the lora sync, sent."""
+        on every rank, its gradients averaged over them) is trained, checkpointed and, by the lora sync, sent.
+        zero_kl: batch-invariant forward and log-probs (module docstring); dense models only."""
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainer needs the trainer process group: call dist.init_trainer_world first")
+        if zero_kl and ((lora is not None and lora.enabled) or train_cfg.compile):
+            raise ValueError("zero_kl: not with lora.rank > 0 (adapter hooks are not batch-invariant) nor with "
+                             "train.compile (fused kernels change the bits)")  # fmt: skip
+        self.zero_kl = zero_kl
         self.train_cfg, self.algo_cfg, self.loss_fn = train_cfg, algo_cfg, loss_fn
         self.device = torch.device(device)
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
@@ -77,6 +87,8 @@ class FSDPTrainer(PackedTrainer):
         self.config = model.config
         self._model_path = Path(model_path)
         model.train()
+        if zero_kl:
+            make_batch_invariant(model)  # in place, names unchanged; refuses MoE and MLA models
         self.adapter: LoraAdapter | None = None
         if lora is not None and lora.enabled:
             model.requires_grad_(False)
@@ -127,11 +139,14 @@ class FSDPTrainer(PackedTrainer):
         kw: dict[str, Any] = {}
         if mb.routing is not None:
             kw = {"routing_replay": mb.routing, "routing_compare": not self.algo_cfg.routing_replay}
+        if self.zero_kl:
+            kw["attn_backend"] = packed_attention
         logits = self.model(mb.input_ids, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens, **kw)
-        if kw:
+        if mb.routing is not None:
             stats = self.model.replay_stats()
             self._r3 = stats if self._r3 is None else self._r3 + stats
-        return token_logprobs(logits, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        return token_logprobs(logits, mb, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                              batch_invariant=self.zero_kl)  # fmt: skip
 
     def _clip_and_step(self) -> torch.Tensor:
         """Clip the global grad norm, step AdamW and the schedule; returns the pre-clip norm as a device scalar

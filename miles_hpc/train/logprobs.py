@@ -3,6 +3,10 @@
 Alignment (the convention of `TrainBatch` and `policy_loss`): the value at token t is about token t, computed from
 the logits at t-1 of the same sequence; the first token of every sequence has no logits before it and gets 0.0
 (and never carries loss: its mask is forced to 0 here).
+
+Zero-KL mode (`token_logprobs(..., batch_invariant=True)`): log-probs from `models.invariant.log_softmax` of each
+logits row, gathered at the token: the function and the tiles the engine reports its log-probs with, so a token's
+value is the engine's bit for bit. It holds a float32 [T, vocab] tensor (no chunked kernel).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from miles_hpc.models import invariant
 from miles_hpc.train.batch import TrainBatch
 
 __all__ = ["PackedMicroBatch", "pack_samples", "dummy_microbatch", "token_logprobs"]
@@ -116,7 +121,12 @@ def dummy_microbatch(device: torch.device) -> PackedMicroBatch:
 
 
 def token_logprobs(
-    logits: torch.Tensor, mb: PackedMicroBatch, *, with_entropy: bool, entropy_grad: bool = True
+    logits: torch.Tensor,
+    mb: PackedMicroBatch,
+    *,
+    with_entropy: bool,
+    entropy_grad: bool = True,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token t | < t) per token, float32 [T] (0 at sequence starts), and the entropy of the distribution
     that scored token t (also 0 at starts) when asked. Differentiable (the entropy only with `entropy_grad`: as a
@@ -125,13 +135,17 @@ def token_logprobs(
     Row t-1 of `logits` scores token t; rows that cross a sequence boundary are computed and then masked (one
     wasted row per sequence, which keeps the op dense). The float32 math runs in row chunks (`LogProbEntropy`), so
     a step never holds a float32 [T, vocab] tensor: at T = 8192 and a 152k vocabulary that is 5 GB per copy.
+    `batch_invariant`: zero-KL mode (module docstring).
     """
     # Every row, the last one scoring a placeholder target: slicing (or indexing) the [1, T, vocab] logits instead
     # would make autograd zero-fill and copy a full-size gradient; the unused row gets a zero gradient from the
     # [T] slice below.
     ids = mb.input_ids[0]
     target = torch.cat([ids[1:], ids[:1]])
-    lp, ent = LogProbEntropy.apply(logits.flatten(0, 1), target, with_entropy)  # a view: its backward is one too
+    if batch_invariant:
+        lp, ent = _invariant_logprobs(logits.flatten(0, 1), target, with_entropy)
+    else:
+        lp, ent = LogProbEntropy.apply(logits.flatten(0, 1), target, with_entropy)  # a view: backward is one too
     zero = lp.new_zeros(1)
     lp = torch.cat([zero, lp[:-1]]).masked_fill(mb.is_start, 0.0)
     if not with_entropy:
@@ -139,6 +153,17 @@ def token_logprobs(
     if not (entropy_grad and torch.is_grad_enabled()):
         ent = ent.detach()
     return lp, torch.cat([zero, ent[:-1]]).masked_fill(mb.is_start, 0.0)
+
+
+def _invariant_logprobs(
+    logits: torch.Tensor, target: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_softmax(logits)[target], entropy) by `invariant.log_softmax` (differentiable through autograd)."""
+    logp = invariant.log_softmax(logits)
+    lp = logp.gather(1, target[:, None]).squeeze(1)
+    if not with_entropy:
+        return lp, lp.new_empty(0)
+    return lp, -(logp.exp() * logp).sum(-1)
 
 
 CHUNK_ELEMENTS = 1 << 28
