@@ -108,7 +108,8 @@ def test_batched_prompts_and_per_item_values() -> None:
         ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "distinct"),
         ({"input_ids": [[1], [2]], "rid": ["a"]}, "1 values for 2 prompts"),
         ({"input_ids": [1], "sampling_params": [{}]}, "only allowed with batched"),
-        ({"input_ids": [1], "lora_path": "x"}, "LoRA"),
+        ({"input_ids": [1], "lora_path": 3}, "field `lora_path`"),  # a loaded adapter's name (engine/lora.py)
+        ({"input_ids": [[1], [2]], "lora_path": ["a"]}, "1 values for 2 prompts"),
         ({"input_ids": [1], "routed_experts_start_len": 2}, "routed_experts_start_len"),
         ([1, 2], "expected a JSON object"),
     ],
