@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.sync.checksum import tensor_checksums
 from miles_hpc.sync.delta_codec import DeltaPayload, encode, encode_full
-from miles_hpc.sync.delta_manifest import PARTIAL, Manifest, VersionWriter
+from miles_hpc.sync.delta_manifest import Manifest, VersionWriter, prune_versions
 from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, verify_checksums
 
 __all__ = ["DeltaSpec", "DeltaSync", "Staged"]
@@ -267,16 +266,5 @@ class DeltaSync:
     def prune(self, keep: Path) -> None:
         """Remove version directories but the newest `keep_versions` (`keep` counts as the newest) and leftovers
         of interrupted writes (``*.partial``, ``*.stale-*``)."""
-        root = self.spec.weights_dir
-        versions, junk = [], []
-        for p in root.iterdir() if root.is_dir() else ():
-            if not p.is_dir() or not p.name.startswith("v"):
-                continue
-            if p.name.endswith(PARTIAL) or ".stale-" in p.name:
-                junk.append(p)
-            elif p != keep:
-                versions.append(p)
-        versions.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
-        for p in junk + versions[self.spec.keep_versions - 1 :]:
-            shutil.rmtree(p, ignore_errors=True)
+        for p in prune_versions(self.spec.weights_dir, keep, self.spec.keep_versions):
             log.debug("delta sync: removed %s", os.fspath(p))

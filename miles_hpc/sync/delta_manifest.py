@@ -50,6 +50,7 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "VersionWriter",
+    "prune_versions",
     "read_manifest",
     "read_payload",
 ]
@@ -58,6 +59,25 @@ FORMAT = "miles-hpc-weights/2"  # 2: frames may code a group of tensors (elem_of
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
 KINDS = ("same", "delta", "full")
+
+
+def prune_versions(root: Path, keep: Path, count: int) -> list[Path]:
+    """Remove the version directories ``v*`` under `root` but the newest `count` (`keep`, the one just published,
+    counts as the newest) and leftovers of interrupted writes (``*.partial``, ``*.stale-*``); returns the removed.
+    Used by the strategies that publish versions as directories (delta, lora)."""
+    versions, junk = [], []
+    for p in root.iterdir() if root.is_dir() else ():
+        if not p.is_dir() or not p.name.startswith("v"):
+            continue
+        if p.name.endswith(PARTIAL) or ".stale-" in p.name:
+            junk.append(p)
+        elif p != keep:
+            versions.append(p)
+    versions.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    removed = junk + versions[count - 1 :]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
 
 
 class ManifestError(ValueError):

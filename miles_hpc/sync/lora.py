@@ -31,6 +31,7 @@ from miles_hpc.models.lora import LoraAdapter, LoraSpec, adapter_modules, save_a
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.errors import EngineError
 from miles_hpc.sync.checksum import tensor_checksums
+from miles_hpc.sync.delta_manifest import prune_versions
 from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError
 
 __all__ = ["ADAPTER_NAME", "LoraSync", "LoraSyncSpec"]
@@ -85,7 +86,7 @@ class LoraSync:
         if failed:
             raise EngineSyncError([u for u, _ in failed], f"loading the LoRA adapter {path} failed on {failed[0][0]}: "
                                                           f"{failed[0][1]}")  # fmt: skip
-        self._prune(version)
+        self._prune(path)
         return tensor_checksums(held.items())
 
     async def verify(self, clients: Sequence[EngineClient], expected: dict[str, str]) -> None:
@@ -135,10 +136,6 @@ class LoraSync:
         tmp.rename(final)
         return final
 
-    def _prune(self, version: str) -> None:
+    def _prune(self, keep: Path) -> None:
         """Keep the newest `keep_versions` adapter directories (a restarted engine reloads the current one)."""
-        root = self.spec.run_dir / "lora"
-        dirs = sorted((p for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
-        for old in dirs[: -self.spec.keep_versions]:
-            if old.name != f"v{version}":
-                shutil.rmtree(old, ignore_errors=True)
+        prune_versions(self.spec.run_dir / "lora", keep, self.spec.keep_versions)
