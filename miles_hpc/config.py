@@ -452,9 +452,6 @@ class RunConfig:
                  f"{why} in one dtype: the engines compute in model.dtype={self.model.dtype}, the trainer in "
                  f"{compute} (train.device={self.train.device}, "
                  f"train.mixed_precision={self.train.mixed_precision})")  # fmt: skip
-        _require(self.model.path is not None or self.model.init_arch in ("llama", "qwen2", "qwen3"),
-                 "model.init_arch", f"zero_kl supports the dense families (llama, qwen2, qwen3), "
-                 f"not {self.model.init_arch}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------

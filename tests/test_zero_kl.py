@@ -114,7 +114,7 @@ def max_diff(trainer: FSDPTrainer, seqs: list[tuple[list[int], list[float], int]
     return worst
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_engine_and_trainer_logprobs_are_bitwise_equal(world: None, tmp_path: Path, arch: str) -> None:
     ckpt = make_ckpt(tmp_path / "m", arch)
     seqs = generate(ckpt, batch_invariant=True)
@@ -164,11 +164,39 @@ def test_rope_cos_sin_do_not_depend_on_the_batch(tmp_path: Path) -> None:
         assert torch.equal(c1[0, 0], cos[0, p]) and torch.equal(s1[0, 0], sin[0, p])
 
 
-def test_moe_and_mla_models_are_refused(tmp_path: Path) -> None:
-    for arch in ("qwen3_moe", "deepseek_v3"):
-        model = load_pretrained(init_model(arch, "tiny", tmp_path / arch))
-        with pytest.raises(NotImplementedError, match=arch):
-            make_batch_invariant(model)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
+def test_invariant_moe_model_routes_and_replays_the_same_bits(tmp_path: Path, arch: str) -> None:
+    """MoE routers and experts (and DeepSeek's MLA) made invariant: the plain model's logits to fp32 noise and its
+    routes exactly; a sequence alone, or 5 of its tokens, give the bits and routes it has packed with another;
+    replaying its own routes changes nothing and counts every token once (tile padding left out)."""
+    plain = load_pretrained(make_ckpt(tmp_path / "m", arch))
+    inv = make_batch_invariant(load_pretrained(tmp_path / "m"))
+    ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, 30, 70], dtype=torch.int32)
+    with torch.no_grad():
+        ref, ref_routes = plain(ids, cu_seqlens=cu, return_routed_experts=True)
+        got, routes = inv(ids, cu_seqlens=cu, attn_backend=packed_attention, return_routed_experts=True)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        assert torch.equal(routes, ref_routes)
+        alone, alone_routes = inv(ids[:, 30:], attn_backend=packed_attention, return_routed_experts=True)
+        assert torch.equal(alone[0], got[0, 30:]) and torch.equal(alone_routes[0], routes[0, 30:])
+        assert torch.equal(inv(ids[:, 30:35], attn_backend=packed_attention)[0], got[0, 30:35])
+        replayed = inv(ids, cu_seqlens=cu, attn_backend=packed_attention, routing_replay=routes)
+        assert torch.equal(replayed, got)
+        layers = inv.num_moe_layers
+        assert inv.replay_stats().tolist() == [70 * layers, 70 * layers, 70 * layers]
+    inv(ids, cu_seqlens=cu, attn_backend=packed_attention, routing_replay=routes).sum().backward()
+    assert all(p.grad is not None for p in inv.parameters() if p.requires_grad)
+
+
+def test_dynamic_rope_past_its_native_length_is_refused() -> None:
+    hf = preset_config("qwen3", "tiny")
+    hf.update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=32)
+    model = make_batch_invariant(build_model(ModelConfig.from_hf_dict(hf)))
+    with torch.no_grad():
+        model(torch.zeros(1, 32, dtype=torch.long), attn_backend=packed_attention)  # within it: static frequencies
+        with pytest.raises(ValueError, match="max_position_embeddings=32"):
+            model(torch.zeros(1, 33, dtype=torch.long), attn_backend=packed_attention)
 
 
 @pytest.mark.parametrize(
@@ -184,7 +212,6 @@ def test_moe_and_mla_models_are_refused(tmp_path: Path) -> None:
             "train.compile",
         ),
         ({"rollout": {"device": "cuda"}}, "rollout.device"),
-        ({"model": {"init_arch": "qwen3_moe"}}, "model.init_arch"),
     ],
 )
 def test_config_refusals_name_the_key(overrides: dict, key: str) -> None:
@@ -194,6 +221,8 @@ def test_config_refusals_name_the_key(overrides: dict, key: str) -> None:
 
 def test_config_accepts_matching_dtypes() -> None:
     assert config_from_dict({"zero_kl": True}).zero_kl
+    for arch in ("qwen3_moe", "deepseek_v3", "glm4_moe"):
+        assert config_from_dict({"zero_kl": True, "model": {"init_arch": arch}}).zero_kl
     cfg = config_from_dict({"zero_kl": True, "model": {"dtype": "bfloat16"},
                             "train": {"device": "cuda"}, "rollout": {"device": "cuda"}})  # fmt: skip
     assert isinstance(cfg, RunConfig) and cfg.zero_kl

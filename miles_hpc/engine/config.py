@@ -59,7 +59,7 @@ class EngineConfig:
     batch_invariant: bool = False
     """Zero-KL mode: batch-invariant kernels (fixed-shape row tiles, per-sequence attention), so a token's logits and
     log-prob do not depend on the batch, the prefix cache or the step it is computed in, and equal the trainer's in
-    zero-KL mode bit for bit. Always eager (no Triton decode, fused step or CUDA graphs); dense models only."""
+    zero-KL mode bit for bit. Always eager (no Triton decode, fused step or CUDA graphs); every family (dense, MoE, MLA)."""
 
     def __post_init__(self) -> None:
         if not self.device or not isinstance(self.device, str):

@@ -58,7 +58,7 @@ class Engine:
         dtype = config.torch_dtype() or next(model.parameters()).dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
         if config.batch_invariant:
-            make_batch_invariant(self.model)  # refuses MoE and MLA models (NotImplementedError naming the type)
+            make_batch_invariant(self.model)  # refuses dynamic RoPE (ValueError)
         self.dtype = dtype
         self.model_path = model_path
         self.vocab_size = mc.vocab_size

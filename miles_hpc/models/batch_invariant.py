@@ -9,18 +9,25 @@ a prefill chunk after a cached prefix, or the trainer in a packed micro-batch of
   what it uses);
 - RoPE's cos/sin (transcendental elementwise kernels, whose vector path depends on where an element sits in the
   tensor) are computed on tiles of one position per row;
+- MoE routers (Qwen3-MoE's softmax top-k, DeepSeek-V3/GLM-4.5's group-limited sigmoid) run their whole forward
+  (gate GEMM, softmax or sigmoid, group and expert top-k, replay merge) on fixed-shape row tiles, so a token's
+  expert ids and gate weights do not depend on the batch; the routed experts run each expert's GEMMs through
+  `invariant.linear` (an expert's token count varies with the batch, its tiles do not) and sum a token's k slots by
+  sequential float32 adds in slot order (a reduction kernel over k could split it differently by batch size);
+- MLA needs nothing of its own: its projections are linears, its norms RMSNorms, its RoPE multiply-adds, and its
+  attention (keys of nope + rope width, narrower values) goes to the same per-sequence `invariant.attention`;
 - attention is the caller's: `packed_attention` here for the trainer (per packed sequence), the engine's paged
   backend in its invariant mode. The rest (embedding lookup, residual adds, RoPE's multiply-adds, casts) is
   elementwise IEEE arithmetic, exact whatever the batch.
 
-MoE and MLA models are refused (NotImplementedError naming the model type): the routers' top-k and the grouped
-expert GEMMs are not tiled yet.
+Refused at run time (ValueError naming the field): dynamic NTK RoPE past `max_position_embeddings`, where its
+frequencies depend on the longest position of the call, so the engine's step and the trainer's micro-batch would
+rotate the same position differently (within it, the frequencies are the static ones).
 """
 
 from __future__ import annotations
 
 import logging
-
 from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
@@ -32,6 +39,7 @@ from torch import nn
 from . import invariant
 from .attention import check_cu_seqlens
 from .layers import RMSNorm, SwiGLUMLP
+from .moe import Experts, GroupLimitedRouter, TopKRouter, grouped_mix
 from .transformer import CausalLM
 
 __all__ = ["is_batch_invariant", "make_batch_invariant", "packed_attention"]
@@ -59,11 +67,6 @@ def cap_cpu_threads(device: torch.device) -> None:
 
 def make_batch_invariant(model: CausalLM) -> CausalLM:
     """Switch `model`'s forward pieces to batch-invariant ones, in place (idempotent); returns `model`."""
-    cfg = model.config
-    if cfg.is_mla or model.num_moe_layers:
-        raise NotImplementedError(f"zero-KL mode (batch-invariant kernels) supports the dense families (llama, "
-                                  f"qwen2, qwen3); model_type {cfg.model_type!r} has "
-                                  f"{'MLA attention' if cfg.is_mla else 'MoE layers'}")  # fmt: skip
     if is_batch_invariant(model):
         return model
     cap_cpu_threads(next(model.parameters()).device)
@@ -74,6 +77,10 @@ def make_batch_invariant(model: CausalLM) -> CausalLM:
             _set_forward(module, _rms_norm_forward(module))
         elif isinstance(module, SwiGLUMLP):
             _set_forward(module, _mlp_forward(module))
+        elif isinstance(module, TopKRouter | GroupLimitedRouter):
+            _set_forward(module, _router_forward(module))
+        elif isinstance(module, Experts):
+            _set_forward(module, _experts_forward(module))
     _set_forward(model.rotary, _rope_forward(model.rotary))
     setattr(model, _FLAG, True)
     return model
@@ -91,17 +98,63 @@ def _rms_norm_forward(m: RMSNorm) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: invariant.rms_norm(x, m.weight, m.eps)
 
 
+def _act_mul(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`act(gate) * up` on fixed-shape tiles (gelu variants: silu_mul's tiling with the model's activation)."""
+    if act is F.silu:
+        return invariant.silu_mul(gate, up)
+    w = gate.shape[-1]
+    return invariant.tiled(lambda t: act(t[:, :w]) * t[:, w:], torch.cat([gate, up], dim=-1), width=2 * w)
+
+
 def _mlp_forward(m: SwiGLUMLP) -> Callable[[torch.Tensor], torch.Tensor]:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        gate, up = m.gate_proj(x), m.up_proj(x)  # already tiled linears
-        if m.act is F.silu:
-            h = invariant.silu_mul(gate, up)
-        else:  # gelu variants: the same tiling as silu_mul, with the model's activation
-            w = gate.shape[-1]
-            h = invariant.tiled(lambda t: m.act(t[:, :w]) * t[:, w:], torch.cat([gate, up], dim=-1), width=2 * w)
-        return m.down_proj(h)
+    return lambda x: m.down_proj(_act_mul(m.act, m.gate_proj(x), m.up_proj(x)))  # already tiled linears
+
+
+RouterForward = Callable[[torch.Tensor, torch.Tensor | None, bool], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _router_forward(m: TopKRouter | GroupLimitedRouter) -> RouterForward:
+    """The router's own forward on fixed-shape tiles of `row_tile(hidden)` tokens (padding: zero rows with no
+    replay record, dropped after). `replay_stats` sums the tiles' and leaves the padding out of the token count."""
+    own = type(m).forward
+
+    def forward(
+        x: torch.Tensor, replay: torch.Tensor | None = None, compare: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.shape[0]
+        r = invariant.row_tile(x.shape[1])
+        pad = (-n) % r
+        xp = F.pad(x, (0, 0, 0, pad))
+        rp = None if replay is None else F.pad(replay.to(torch.long), (0, 0, 0, pad), value=-1)
+        weights, ids, stats = [], [], []
+        for i in range(0, n + pad, r):
+            w, d = own(m, xp[i : i + r], None if rp is None else rp[i : i + r], compare)
+            weights.append(w)
+            ids.append(d)
+            if rp is not None:
+                stats.append(m.replay_stats)
+        if stats:
+            m.replay_stats = torch.stack(stats).sum(dim=0) - torch.tensor([0, 0, pad], device=stats[0].device)
+        return torch.cat(weights)[:n], torch.cat(ids)[:n]
 
     return forward
+
+
+def _experts_forward(m: Experts) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`Experts.forward` (the same grouping by expert) with tiled GEMMs and activation, and a token's k slots
+    summed in slot order by elementwise float32 adds."""
+
+    def expert(e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = invariant.linear(x, m.gate_up_proj[e]).chunk(2, dim=-1)
+        return invariant.linear(_act_mul(m.act, gate, up), m.down_proj[e])
+
+    def slot_sum(y: torch.Tensor) -> torch.Tensor:
+        total = y[:, 0].float()
+        for j in range(1, y.shape[1]):
+            total = total + y[:, j].float()
+        return total
+
+    return lambda x, ids, weights: grouped_mix(x, ids, weights, m.num_experts, expert, slot_sum)
 
 
 def _rope_forward(rot: nn.Module) -> Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]:
@@ -109,6 +162,11 @@ def _rope_forward(rot: nn.Module) -> Callable[[torch.Tensor, torch.dtype], tuple
     float32 multiply per element, exact anywhere."""
 
     def forward(position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        limit = rot.config.max_position_embeddings
+        if rot.dynamic and position_ids.numel() and int(position_ids.max()) >= limit:
+            raise ValueError(f"zero-KL mode: position {int(position_ids.max())} is past max_position_embeddings="
+                             f"{limit} with rope_scaling.rope_type 'dynamic', whose frequencies then depend on the "
+                             "longest sequence of each call (not batch-invariant); keep contexts within it")  # fmt: skip
         freqs = position_ids[..., None].float() * rot._inv_freq(position_ids)
         emb = torch.cat((freqs, freqs), dim=-1)
         r = emb.shape[-1]

@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -116,31 +117,48 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = ACTIVATIONS[act]
 
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `e`'s SwiGLU on its tokens x [n, H]."""
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down_proj[e])
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids/weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x)  [N, H]."""
-        n_tok, k = ids.shape
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        w_sorted = weights.reshape(-1)[order]
-        x_sorted = x[order // k]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
-        outs: list[torch.Tensor] = []
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            xe = x_sorted[start : start + n]
-            gate, up = F.linear(xe, self.gate_up_proj[e]).chunk(2, dim=-1)
-            ye = F.linear(self.act(gate) * up, self.down_proj[e])
-            outs.append(ye * w_sorted[start : start + n, None])
-            start += n
-        y_sorted = torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
-        # Combine without atomics (index_add_ is nondeterministic on GPU): put the results back in (token, slot)
-        # order and reduce over the k slots with one sum (float32 accumulation for bf16). This is transformers
-        # 5.24's default "grouped_mm" experts path, so the result is bitwise transformers' on CPU.
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=order.device)
-        return y_sorted[inv].view(n_tok, k, -1).sum(dim=1).to(x.dtype)
+        return grouped_mix(x, ids, weights, self.num_experts, self.expert)
+
+
+def grouped_mix(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+    slot_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The routed experts' output [N, H]: (token, slot) pairs grouped by expert, `expert(e, rows)` once per expert
+    that got tokens, results weighted and put back in (token, slot) order, then `slot_sum` ([N, k, H] -> [N, H];
+    default one sum over k) in x's dtype."""
+    n_tok, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    w_sorted = weights.reshape(-1)[order]
+    x_sorted = x[order // k]
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the one host sync
+    outs: list[torch.Tensor] = []
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        outs.append(expert(e, x_sorted[start : start + n]) * w_sorted[start : start + n, None])
+        start += n
+    y_sorted = torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
+    # Combine without atomics (index_add_ is nondeterministic on GPU): put the results back in (token, slot)
+    # order and reduce over the k slots with one sum (float32 accumulation for bf16). This is transformers
+    # 5.24's default "grouped_mm" experts path, so the result is bitwise transformers' on CPU.
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    y = y_sorted[inv].view(n_tok, k, -1)
+    return (y.sum(dim=1) if slot_sum is None else slot_sum(y)).to(x.dtype)
 
 
 class SparseMoeBlock(nn.Module):

@@ -66,7 +66,7 @@ class FSDPTrainer(PackedTrainer):
         loss_fn: a function with `policy_loss`'s signature (the default); a plug-in point for custom losses.
         lora: with a rank > 0, LoRA RL: the base weights are frozen and only the adapter (`self.adapter`, replicated
         on every rank, its gradients averaged over them) is trained, checkpointed and, by the lora sync, sent.
-        zero_kl: batch-invariant forward and log-probs (module docstring); dense models only."""
+        zero_kl: batch-invariant forward and log-probs (module docstring); dense, MoE and MLA models."""
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainer needs the trainer process group: call dist.init_trainer_world first")
         if zero_kl and ((lora is not None and lora.enabled) or train_cfg.compile):
@@ -88,7 +88,7 @@ class FSDPTrainer(PackedTrainer):
         self._model_path = Path(model_path)
         model.train()
         if zero_kl:
-            make_batch_invariant(model)  # in place, names unchanged; refuses MoE and MLA models
+            make_batch_invariant(model)  # in place, names unchanged; refuses dynamic RoPE
         self.adapter: LoraAdapter | None = None
         if lora is not None and lora.enabled:
             model.requires_grad_(False)
