@@ -72,6 +72,44 @@ def test_gradients_flow_through_tiles() -> None:
     assert w.grad is not None and w.grad.shape == w.shape
 
 
+def test_gradients_equal_the_plain_ops_gradients() -> None:
+    """The backward recomputes the plain op on all rows (no tiles): its gradients are the plain op's, w.r.t. the
+    input and the parameters, for every primitive (a wrong recompute, a lost parameter gradient fails here)."""
+    g = torch.Generator().manual_seed(3)
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).requires_grad_(True)
+
+    def grads(out: torch.Tensor, *ts: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.autograd.grad((out * torch.randn(out.shape, generator=torch.Generator().manual_seed(5)))
+                                        .sum(), ts))  # fmt: skip
+
+    x, w, b, nw = leaf(70, 48), leaf(24, 48), leaf(24), leaf(48)
+    for a, c in zip(grads(inv.log_softmax(x), x), grads(torch.log_softmax(x, dim=-1), x)):
+        torch.testing.assert_close(a, c)
+    gate, up = leaf(70, 32), leaf(70, 32)
+    for a, c in zip(grads(inv.silu_mul(gate, up), gate, up),
+                    grads(torch.nn.functional.silu(gate) * up, gate, up)):  # fmt: skip
+        torch.testing.assert_close(a, c)
+    for a, c in zip(grads(inv.linear(x, w, b), x, w, b), grads(torch.nn.functional.linear(x, w, b), x, w, b)):
+        torch.testing.assert_close(a, c)
+    ref_norm = RMSNorm(48, 1e-6)
+    with torch.no_grad():
+        ref_norm.weight.copy_(nw)
+    for a, c in zip(grads(inv.rms_norm(x, nw, 1e-6), x, nw), grads(ref_norm(x), x, ref_norm.weight)):
+        torch.testing.assert_close(a, c)
+    # Attention: GQA (4 query heads on 2), queries at positions 10..29 of 30 keys (a chunk after a prefix).
+    q, k, v = leaf(4, 20, 16), leaf(2, 30, 16), leaf(2, 30, 8)
+    pos = torch.arange(10, 30)
+    mask = torch.arange(30)[None, :] <= pos[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=0.25,
+                                                           enable_gqa=True)[0]  # fmt: skip
+    got = inv.attention(q, k, v, pos, 0.25)
+    torch.testing.assert_close(got, ref)
+    for a, c in zip(grads(got, q, k, v), grads(ref, q, k, v)):
+        torch.testing.assert_close(a, c)
+
+
 def test_row_tile_depends_on_width_only() -> None:
     assert inv.row_tile(64) == 64 and inv.row_tile(512) == 64 and inv.row_tile(1024) == 32
     assert inv.row_tile(150_000) == 1  # a vocabulary row: one row per tile

@@ -72,7 +72,7 @@ def make_batch_invariant(model: CausalLM) -> CausalLM:
     cap_cpu_threads(next(model.parameters()).device)
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            _set_forward(module, _linear_forward(module))
+            _set_forward(module, _linear_forward(module, own_storage=module is model.lm_head))
         elif isinstance(module, RMSNorm):
             _set_forward(module, _rms_norm_forward(module))
         elif isinstance(module, SwiGLUMLP):
@@ -90,7 +90,11 @@ def _set_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
     module.forward = forward  # type: ignore[method-assign]
 
 
-def _linear_forward(m: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+def _linear_forward(m: nn.Linear, own_storage: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`own_storage` (the LM head): the logits are the model's output, and a view (the tiles' cat, reshaped) there
+    makes FSDP2 warn that an in-place op on it would skip its backward hook; a copy of its own is not a view."""
+    if own_storage:
+        return lambda x: invariant.linear(x, m.weight, m.bias).clone()
     return lambda x: invariant.linear(x, m.weight, m.bias)
 
 
@@ -98,16 +102,8 @@ def _rms_norm_forward(m: RMSNorm) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: invariant.rms_norm(x, m.weight, m.eps)
 
 
-def _act_mul(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`act(gate) * up` on fixed-shape tiles (gelu variants: silu_mul's tiling with the model's activation)."""
-    if act is F.silu:
-        return invariant.silu_mul(gate, up)
-    w = gate.shape[-1]
-    return invariant.tiled(lambda t: act(t[:, :w]) * t[:, w:], torch.cat([gate, up], dim=-1), width=2 * w)
-
-
 def _mlp_forward(m: SwiGLUMLP) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: m.down_proj(_act_mul(m.act, m.gate_proj(x), m.up_proj(x)))  # already tiled linears
+    return lambda x: m.down_proj(invariant.act_mul(m.act, m.gate_proj(x), m.up_proj(x)))  # already tiled linears
 
 
 RouterForward = Callable[[torch.Tensor, torch.Tensor | None, bool], tuple[torch.Tensor, torch.Tensor]]
@@ -146,7 +142,7 @@ def _experts_forward(m: Experts) -> Callable[[torch.Tensor, torch.Tensor, torch.
 
     def expert(e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = invariant.linear(x, m.gate_up_proj[e]).chunk(2, dim=-1)
-        return invariant.linear(_act_mul(m.act, gate, up), m.down_proj[e])
+        return invariant.linear(invariant.act_mul(m.act, gate, up), m.down_proj[e])
 
     def slot_sum(y: torch.Tensor) -> torch.Tensor:
         total = y[:, 0].float()
@@ -164,9 +160,10 @@ def _rope_forward(rot: nn.Module) -> Callable[[torch.Tensor, torch.dtype], tuple
     def forward(position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         limit = rot.config.max_position_embeddings
         if rot.dynamic and position_ids.numel() and int(position_ids.max()) >= limit:
-            raise ValueError(f"zero-KL mode: position {int(position_ids.max())} is past max_position_embeddings="
-                             f"{limit} with rope_scaling.rope_type 'dynamic', whose frequencies then depend on the "
-                             "longest sequence of each call (not batch-invariant); keep contexts within it")  # fmt: skip
+            raise ValueError(f"zero-KL mode: position {int(position_ids.max())} is past "
+                             f"max_position_embeddings={limit} with rope_scaling.rope_type 'dynamic', whose "
+                             "frequencies then depend on the longest sequence of each call (not batch-invariant); "
+                             "keep contexts within it")  # fmt: skip
         freqs = position_ids[..., None].float() * rot._inv_freq(position_ids)
         emb = torch.cat((freqs, freqs), dim=-1)
         r = emb.shape[-1]

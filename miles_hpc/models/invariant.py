@@ -18,11 +18,12 @@ tile instead of one per batch.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["KEY_CHUNK", "QUERY_TILE", "attention", "linear", "log_softmax", "rms_norm", "row_tile", "silu_mul",
-           "tiled"]  # fmt: skip
+__all__ = ["KEY_CHUNK", "QUERY_TILE", "act_mul", "attention", "linear", "log_softmax", "rms_norm", "row_tile",
+           "silu_mul", "tiled"]  # fmt: skip
 
 MAX_TILE_ELEMENTS = 1 << 15  # one tile stays inside one parallel chunk of torch's CPU elementwise loops
 MAX_TILE_ROWS = 64
@@ -39,41 +40,82 @@ def row_tile(width: int) -> int:
     return rows
 
 
-def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """`fn` over the rows of `x` (any leading dims, last dim = a row) in fixed-shape tiles of `row_tile` rows; `fn`
-    must map a [rows, width] tile to [rows, ...] row by row. Differentiable (the tiles are views and a cat)."""
+def tiled(
+    fn: Callable[..., torch.Tensor], x: torch.Tensor, *params: torch.Tensor, width: int | None = None
+) -> torch.Tensor:
+    """`fn(tile, *params)` over the rows of `x` (any leading dims, last dim = a row) in fixed-shape tiles of
+    `row_tile(width or x's row width)` rows; `fn` must map a [rows, width] tile to [rows, ...] row by row.
+
+    Differentiable w.r.t. `x` and `params` (the tensors `fn` reads besides the tile: weights, biases), the cheap way:
+    the forward runs the tiles without recording a graph, the backward recomputes `fn` on all rows at once (one
+    call, the usual kernels) and differentiates that. Only the forward's bits must not depend on the batch; the
+    gradient is the same function's, up to rounding."""
+    return _RowTiled.apply(fn, width, x, *params)
+
+
+def _tiles(fn: Callable[..., torch.Tensor], x: torch.Tensor, params: tuple[torch.Tensor, ...], width: int | None):
     lead, w = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, w)
     n = rows.shape[0]
+    if n == 0:
+        out = fn(rows, *params)
+        return out.reshape(*lead, *out.shape[1:])
     r = row_tile(width or w)
     pad = (-n) % r
     if pad:
         rows = torch.cat([rows, rows.new_zeros(pad, w)])
-    out = torch.cat([fn(rows[i : i + r]) for i in range(0, rows.shape[0], r)])[:n]
+    out = torch.cat([fn(rows[i : i + r], *params) for i in range(0, rows.shape[0], r)])[:n]
     return out.reshape(*lead, *out.shape[1:])
+
+
+class _RowTiled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[..., torch.Tensor], width: int | None, x: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        ctx.fn = fn
+        ctx.save_for_backward(x, *params)
+        return _tiles(fn, x, params, width)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *params = ctx.saved_tensors
+        needs = ctx.needs_input_grad[2:]
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(need) for t, need in zip((x, *params), needs)]
+            rows = inputs[0].reshape(-1, x.shape[-1])
+            out = ctx.fn(rows, *inputs[1:])
+            wanted = [t for t in inputs if t.requires_grad]
+            got = iter(torch.autograd.grad(out, wanted, grad.reshape(out.shape)) if wanted else ())
+        return (None, None, *(next(got) if need else None for need in needs))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` with every GEMM of shape [row_tile(in), in] x [in, out]."""
-    return tiled(lambda t: torch.nn.functional.linear(t, weight, bias), x)
+    if bias is None:
+        return tiled(torch.nn.functional.linear, x, weight)
+    return tiled(torch.nn.functional.linear, x, weight, bias)
+
+
+def _rms_norm_rows(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    t32 = t.float()
+    return (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype) * weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as `models.layers.RMSNorm` computes it (float32 statistics, cast back), on fixed-shape tiles."""
-
-    def norm(t: torch.Tensor) -> torch.Tensor:
-        t32 = t.float()
-        return (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype) * weight
-
-    return tiled(norm, x)
+    return tiled(lambda t, w: _rms_norm_rows(t, w, eps), x, weight)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's `silu(gate) * up` on fixed-shape tiles (transcendental elementwise kernels may take another vector
     path at a tensor's tail, so a row's position must not depend on the batch either)."""
+    return act_mul(torch.nn.functional.silu, gate, up)
+
+
+def act_mul(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`act(gate) * up` on fixed-shape tiles of [gate | up] rows."""
     w = gate.shape[-1]
-    both = torch.cat([gate, up], dim=-1)
-    return tiled(lambda t: torch.nn.functional.silu(t[:, :w]) * t[:, w:], both, width=2 * w)
+    return tiled(lambda t: act(t[:, :w]) * t[:, w:], torch.cat([gate, up], dim=-1), width=2 * w)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -91,20 +133,50 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     keys, scores [Hq, tile, chunk] by one fixed-shape batched GEMM; the row maximum over all chunks (order-free);
     then, chunk by chunk in key order, exp(scores - max) summed into the denominator and multiplied into the output
     by fixed-shape GEMMs. Chunks past a tile's last position add exact zeros, so they are skipped, and a row's result
-    does not depend on how many keys or queries the call holds. Returns [Hq, Nq, Dv] in q's dtype."""
+    does not depend on how many keys or queries the call holds. Returns [Hq, Nq, Dv] in q's dtype.
+
+    Differentiable the cheap way, as `tiled`: the backward recomputes plain masked softmax attention (one SDPA) and
+    differentiates that."""
+    return _Attention.apply(q, k, v, positions, scale)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                scale: float) -> torch.Tensor:  # fmt: skip
+        ctx.save_for_backward(q, k, v, positions)
+        ctx.scale = scale
+        return _attention(q, k, v, positions, scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, positions = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        with torch.enable_grad():
+            qi, ki, vi = (t.detach().requires_grad_(need) for t, need in zip((q, k, v), needs))
+            mask = torch.arange(k.shape[1], device=k.device)[None, :] <= positions[:, None]  # [Nq, Nk]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qi[None], ki[None], vi[None], attn_mask=mask, scale=ctx.scale, enable_gqa=q.shape[0] != k.shape[0]
+            )[0]
+            wanted = [t for t in (qi, ki, vi) if t.requires_grad]
+            got = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)) if wanted else ())
+        return (*(next(got) if need else None for need in needs), None, None)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_q: torch.Tensor, scale: float) -> torch.Tensor:
     hq, nq, _ = q.shape
     hkv, nk, dv = v.shape
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not split into {hkv} key/value heads")
-    if nq and int(positions.max()) >= nk:
-        raise ValueError(f"a query at position {int(positions.max())} needs keys up to it; {nk} given")
+    if nq and int(pos_q.max()) >= nk:
+        raise ValueError(f"a query at position {int(pos_q.max())} needs keys up to it; {nk} given")
     rep = hq // hkv
     kpad = (-nk) % KEY_CHUNK  # zero keys and values past the end: masked, and 0 * v stays 0 (no garbage)
     k32 = torch.nn.functional.pad(k.float(), (0, 0, 0, kpad)).repeat_interleave(rep, dim=0)
     v32 = torch.nn.functional.pad(v.float(), (0, 0, 0, kpad)).repeat_interleave(rep, dim=0)
     qpad = (-nq) % QUERY_TILE
     q32 = torch.nn.functional.pad(q.float(), (0, 0, 0, qpad))
-    pos = torch.nn.functional.pad(positions, (0, qpad), value=-1)  # padding queries see nothing
+    pos = torch.nn.functional.pad(pos_q, (0, qpad), value=-1)  # padding queries see nothing
     outs = []
     for t in range(0, nq + qpad, QUERY_TILE):
         qt, pt = q32[:, t : t + QUERY_TILE], pos[t : t + QUERY_TILE]
