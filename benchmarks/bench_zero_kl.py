@@ -180,11 +180,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shape", default=None, help="qwen3-0.6b (GPU default), moe-1b, or ARCH:SIZE (CPU default "
                     "qwen3:small)")  # fmt: skip
-    ap.add_argument("--prompts", type=int, default=None, help="default 32 on GPU, 8 on CPU")
+    ap.add_argument("--prompts", type=int, default=None, help="default 16 on GPU, 8 on CPU")
     ap.add_argument("--group", type=int, default=4, help="samples per prompt (prefix-cache hits)")
     ap.add_argument("--min-prompt", type=int, default=16)
-    ap.add_argument("--max-prompt", type=int, default=None, help="default 256 on GPU, 64 on CPU")
-    ap.add_argument("--new-tokens", type=int, default=None, help="at most; default 128 on GPU, 32 on CPU")
+    ap.add_argument("--max-prompt", type=int, default=None, help="default 128 on GPU, 64 on CPU")
+    ap.add_argument("--new-tokens", type=int, default=None, help="at most; default 64 on GPU, 32 on CPU")
     ap.add_argument("--steps", type=int, default=3, help="timed train steps (after one warm-up)")
     ap.add_argument("--microbatch-tokens", type=int, default=8192)
     ap.add_argument("--num-blocks", type=int, default=None)
@@ -192,9 +192,9 @@ def main() -> None:
     args = ap.parse_args()
     on_gpu = args.device.startswith("cuda")
     args.shape = args.shape or ("qwen3-0.6b" if on_gpu else "qwen3:small")
-    args.prompts = args.prompts or (32 if on_gpu else 8)
-    args.max_prompt = args.max_prompt or (256 if on_gpu else 64)
-    args.new_tokens = args.new_tokens or (128 if on_gpu else 32)
+    args.prompts = args.prompts or (16 if on_gpu else 8)
+    args.max_prompt = args.max_prompt or (128 if on_gpu else 64)
+    args.new_tokens = args.new_tokens or (64 if on_gpu else 32)
     args.dtype = "bfloat16" if on_gpu else "float32"  # zero-KL: the trainer's compute dtype (bf16 mixed on GPUs)
     if not on_gpu:
         torch.set_num_threads(args.threads)
