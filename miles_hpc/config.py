@@ -400,7 +400,7 @@ class RunConfig:
     zero_kl: bool = field(
         default=False,
         metadata=_help("batch-invariant kernels in engines and trainer: rollout and trainer log-probs equal bit for "
-                       "bit, train-inference KL exactly 0 (dense models; slower; docs/lora.md, Zero-KL mode)"),
+                       "bit, train-inference KL exactly 0 (every family; much slower; docs/lora.md, Zero-KL mode)"),
     )  # fmt: skip
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
