@@ -12,8 +12,10 @@ the reference is the device-to-device copy bandwidth of the same bytes. Only `co
 refuses two ranks of one communicator on one GPU, so broadcast and p2p need a second GPU (issue 10's runs).
 
 Strategies: `broadcast` (every publish moves the full tensors over gloo), `p2p` (`--trainer-ranks` ranks,
-threads of this process, each sending its dim-0 shards to every engine; verified per piece), `colocated` (full tensors through a
-shared-memory segment per bucket; on GPU, CUDA IPC handles) and `delta` (each publish perturbs 2% of the values
+threads of this process, each sending its dim-0 shards to every engine; verified per piece), `colocated` (full
+tensors through a shared-memory segment per bucket; on GPU, written straight into the engines' parameters through
+CUDA IPC handles opened once), `colocated_buckets` (on GPU: per-bucket CUDA IPC handles, what real SGLang gets)
+and `delta` (each publish perturbs 2% of the values
 by one ulp, about what an RL step at lr 1e-6 does to bf16 weights; the first publish is full and untimed, then
 deltas go through RUN/weights files; `bytes` stays the full size so GB/s compare as "model bytes updated per s").
 """
@@ -43,6 +45,7 @@ from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.router import Router, RouterConfig
 from miles_hpc.rollout.sglang import wait_for_engines
 from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
+from miles_hpc.sync.checksum import tensor_checksums
 from miles_hpc.sync.colocated import ColocatedSpec, ColocatedSync
 from miles_hpc.sync.delta import DeltaSpec, DeltaSync
 from miles_hpc.sync.p2p import P2PSpec, P2PSync, ThreadedRanks
@@ -51,7 +54,7 @@ from miles_hpc.sync.publish import Publisher
 
 
 TRANSPORTS = {"broadcast": "gloo (loopback)", "p2p": "gloo (loopback), trainer ranks as threads",
-              "delta": "files (RUN/weights)", "colocated": "shared memory"}
+              "delta": "files (RUN/weights)", "colocated": "shared memory", "colocated_buckets": "shared memory"}
 
 
 def memcpy_gbps(nbytes: int, device: str = "cpu") -> float:
@@ -65,6 +68,22 @@ def memcpy_gbps(nbytes: int, device: str = "cpu") -> float:
         dst.copy_(src)
     _sync(device)
     return 3 * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def _transport(strategy: str, device: str) -> str:
+    if not device.startswith("cuda"):
+        return TRANSPORTS[strategy]
+    return "CUDA IPC, direct writes" if strategy == "colocated" else "CUDA IPC, buckets"
+
+
+def _checksum_s(named: list[tuple[str, torch.Tensor]], device: str) -> float:
+    """Seconds the trainer's own checksums of these tensors take (part of every push: what `verify` compares)."""
+    tensor_checksums(named)
+    _sync(device)
+    t0 = time.perf_counter()
+    tensor_checksums(named)
+    _sync(device)
+    return time.perf_counter() - t0
 
 
 def _sync(device: str) -> None:
@@ -84,7 +103,7 @@ def bench_transfer(args: argparse.Namespace, sizes: dict[str, dict[str, int]]) -
         model = build_model(ModelConfig.from_hf_dict(hf), device=args.device)  # bf16 on the GPU
         save_pretrained(model, model_dir)
         for strategy in args.strategies.split(","):
-            if gpu and strategy != "colocated":
+            if gpu and not strategy.startswith("colocated"):
                 yield {"bench": "weight_sync", "section": "transfer", "strategy": strategy, "device": args.device,
                        "skipped": "one GPU: NCCL refuses two ranks on one device; needs a second GPU"}  # fmt: skip
                 continue
@@ -108,8 +127,9 @@ def _make_sync(strategy: str, work: Path, bucket_mb: int, ranks: ThreadedRanks) 
                                timeout_s=300), ranks)  # fmt: skip
     if strategy == "delta":
         return DeltaSync(DeltaSpec(run_dir=work, timeout_s=300))
-    if strategy == "colocated":
-        return ColocatedSync(ColocatedSpec(bucket_bytes=bucket_mb << 20, timeout_s=300))
+    if strategy.startswith("colocated"):  # colocated: direct writes on a GPU; colocated_buckets: never
+        return ColocatedSync(ColocatedSpec(bucket_bytes=bucket_mb << 20, timeout_s=300,
+                                           direct=strategy == "colocated"))  # fmt: skip
     return BroadcastSync(BroadcastSpec(master_address="127.0.0.1", next_port=free_port,
                                        bucket_bytes=bucket_mb << 20, timeout_s=300))  # fmt: skip
 
@@ -163,12 +183,13 @@ async def _one(
             moved = json.loads((work / "weights" / f"v{args.reps + 1}" / "manifest.json").read_text())["total_bytes"]
         return {
             "bench": "weight_sync", "section": "transfer", "strategy": strategy,
-            "transport": "CUDA IPC" if args.device.startswith("cuda") else TRANSPORTS[strategy],
+            "transport": _transport(strategy, args.device),
             "device": args.device, "engines": n, "trainer_ranks": args.trainer_ranks if strategy == "p2p" else 1,
             "size": args.transfer_size, "bytes": nbytes, "reps": args.reps,
             "push_s": round(push_s, 4), "push_gbps": round(nbytes / push_s / 1e9, 3),
             "bytes_delivered_gbps": round(n * nbytes / push_s / 1e9, 3), "cycle_s": round(cycle_s, 4),
             "moved_bytes": moved, "memcpy_gbps": round(memcpy_gbps(nbytes, args.device), 2),
+            "trainer_checksums_s": round(_checksum_s(named, args.device), 4),
         }  # fmt: skip
     finally:
         for p in procs:

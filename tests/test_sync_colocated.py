@@ -330,7 +330,9 @@ def test_cuda_ipc_publish_to_an_engine_on_this_gpu(tmp_path: Path) -> None:
 
         async def main() -> None:
             w = [(n, t.to("cuda")) for n, t in weights(7)]
-            sync = ColocatedSync(ColocatedSpec(bucket_bytes=1 << 18, rollout_dtype=torch.bfloat16, timeout_s=60))
+            # Buckets (the path real SGLang gets; our engines take direct writes, test_sync_direct.py).
+            sync = ColocatedSync(ColocatedSpec(bucket_bytes=1 << 18, rollout_dtype=torch.bfloat16, timeout_s=60,
+                                               direct=False))  # fmt: skip
             async with Router.from_urls([rec.url], RouterConfig(health_interval_s=60), connect_retries=0) as router:
                 report = await Publisher(sync, router, pause_mode="in_place").publish(lambda: iter(w), "7")
                 assert report.engines == 1 and report.tensors == len(w) and our_segments() == []

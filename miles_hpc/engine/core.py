@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -106,6 +107,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._version = "0"
         self._half_updated = False  # see `resume`
+        self.instance_id = secrets.token_hex(8)  # names this process's weights for direct writes (handles)
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._counters = Counters()
 
@@ -392,6 +394,34 @@ class Engine:
         with self._between_steps():
             self._version = str(version)
             self._half_updated = False  # the caller declares the current weights complete
+
+    # ---------------------------------------------------------------- direct weight writes (colocated, CUDA)
+    def begin_direct_write(self) -> str:
+        """A colocated trainer is about to write new weights straight into this engine's parameters through the
+        CUDA IPC handles of `/weights_ipc_handles` (engine/direct_weights.py). Refused unless generation is paused
+        and the engine is on a GPU; until `commit_direct_write` the weights count as half-updated (`resume` is
+        refused), so a trainer that dies mid-write leaves no engine serving mixed weights. Returns `instance_id`:
+        handles opened from another instance (a restarted engine) are stale."""
+        with self._between_steps():
+            if self.device.type != "cuda":
+                raise RequestError(f"direct weight writes need an engine on a GPU (this one runs on {self.device})")
+            if not self._paused:
+                raise RequestError("pause generation (POST /pause_generation) before a direct weight write")
+            self._half_updated = True
+        return self.instance_id
+
+    def commit_direct_write(self, *, version: str | None, flush_cache: bool = True) -> None:
+        """The trainer wrote every tensor (and synchronised its stream): flush the prefix cache (KV of the old
+        weights), name the weights `version`, and count them complete again."""
+        with self._between_steps():
+            if not self._paused:
+                raise RequestError("a direct weight write is committed while generation is paused")
+            torch.cuda.synchronize(self.device)
+            if flush_cache:
+                self.blocks.flush()
+            if version is not None:
+                self._version = str(version)
+            self._half_updated = False
 
     # ---------------------------------------------------------------- results
     def _finish(self, r: Req) -> tuple[GenerateResult, DoneCallback]:

@@ -396,6 +396,9 @@ SCHEMAS: dict[str, dict[str, F]] = {
         "names": F(list_of(string), required=True),
         "boxes": F(list_of(list_of(list_of(at_least(0)))), required=True),
     },
+    "weights_ipc_handles": {},  # our extension: direct writes of a colocated trainer (engine/direct_weights.py)
+    "weights_direct_begin": {},  # our extension
+    "weights_direct_commit": {**_WEIGHT_COMMON},  # our extension
     "update_weights_from_delta": {  # our extension (docs/engine.md; engine/delta_receiver.py), not SGLang's
         **_WEIGHT_COMMON,
         "manifest_path": F(string, required=True),

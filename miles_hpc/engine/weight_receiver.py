@@ -40,6 +40,7 @@ from miles_hpc.sync.pg import GroupSpec, open_group
 from . import protocol
 from .core import Engine, RequestError
 from .delta_receiver import apply_version
+from .direct_weights import weight_handles
 from .tensor_handles import load_flattened_bucket, load_named_tensors
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,9 @@ class WeightEndpoints:
             "/update_weights_from_delta": self.update_from_delta,  # our extension (delta_receiver.py)
             "/update_weights_from_p2p": self.update_from_p2p,  # our extension (the p2p strategy)
             "/weights_piece_checksums": self.piece_checksums,  # our extension (p2p verification)
+            "/weights_ipc_handles": self.ipc_handles,  # our extension: direct writes (direct_weights.py)
+            "/weights_direct_begin": self.direct_begin,  # our extension
+            "/weights_direct_commit": self.direct_commit,  # our extension
         }
 
     async def _parse(self, endpoint: str, request: web.Request, limit: int | None = None) -> dict[str, Any]:
@@ -348,6 +352,33 @@ class WeightEndpoints:
             return _answer({"message": f"Failed to compute piece checksums: {e}"}, False)
         return web.json_response({"success": True, "message": f"checksums of {len(sums)} pieces",
                                   "checksums": sums, "weight_version": self.engine.weight_version})  # fmt: skip
+
+    async def ipc_handles(self, request: web.Request) -> web.Response:
+        """CUDA IPC handles of every parameter and where each HF tensor lies in them (direct_weights.py)."""
+        await self._parse("weights_ipc_handles", request)
+        try:
+            body = await asyncio.to_thread(weight_handles, self.engine.model, self.engine.instance_id)
+        except ValueError as e:
+            return _answer({"message": f"Failed to share weight handles: {e}"}, False)
+        return web.json_response({"success": True, **body})
+
+    async def direct_begin(self, request: web.Request) -> web.Response:
+        """A colocated trainer starts writing into the weights (paused engines only; half-updated until commit)."""
+        await self._parse("weights_direct_begin", request)
+        async with self._lock:
+            try:
+                instance = await asyncio.to_thread(self.engine.begin_direct_write)
+            except RequestError as e:
+                return _answer({"message": f"Failed to begin a direct weight write: {e}"}, False)
+        return _answer({"message": "direct weight write begun", "instance": instance})
+
+    async def direct_commit(self, request: web.Request) -> web.Response:
+        p = await self._parse("weights_direct_commit", request)
+
+        def work() -> None:
+            self.engine.commit_direct_write(version=p["weight_version"], flush_cache=p["flush_cache"])
+
+        return await self._apply(p, work, "Succeeded to update model weights.")
 
     async def update_from_delta(self, request: web.Request) -> web.Response:
         """Apply a version written by the delta strategy (``manifest_path``: its directory); delta_receiver.py."""

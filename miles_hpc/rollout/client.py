@@ -432,6 +432,28 @@ class EngineClient:
             raise EngineProtocolError(self.url, "POST /lora_adapter_checksums", f"no checksums in {str(obj)[:200]}")
         return {str(k): str(v) for k, v in sums.items()}
 
+    async def weights_ipc_handles(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """Our engine's extension (engine/direct_weights.py): {instance, payload, entries} of its parameters."""
+        obj = await self._call(rq.EXTENSIONS["weights_ipc_handles"], {}, timeout=timeout)
+        if not isinstance(obj, dict) or not all(k in obj for k in ("instance", "payload", "entries")):
+            raise EngineProtocolError(self.url, "POST /weights_ipc_handles", f"unexpected answer {str(obj)[:200]}")
+        return obj
+
+    async def weights_direct_begin(self) -> str:
+        """Our engine's extension: a direct weight write begins (engine paused); returns the engine's instance id."""
+        obj = await self._call(rq.EXTENSIONS["weights_direct_begin"], {})
+        if not isinstance(obj, dict) or not isinstance(obj.get("instance"), str):
+            raise EngineProtocolError(self.url, "POST /weights_direct_begin", f"no instance in {str(obj)[:200]}")
+        return obj["instance"]
+
+    async def weights_direct_commit(self, *, weight_version: str | None, flush_cache: bool = True,
+                                    timeout: float | None = None) -> str:  # fmt: skip
+        """Our engine's extension: the direct write is complete; name the weights `weight_version`."""
+        body: dict[str, Any] = {"flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return _message(await self._call(rq.EXTENSIONS["weights_direct_commit"], body, timeout=timeout))
+
     def _lora_answer(self, obj: Any, what: str) -> dict[str, str]:
         """SGLang's LoRA answer: {success, error_message, loaded_adapters}."""
         if not isinstance(obj, dict) or not obj.get("success", False):

@@ -94,6 +94,9 @@ EXTENSIONS: dict[str, Endpoint] = {
     "update_weights_from_p2p": Endpoint("POST", "/update_weights_from_p2p", admin=True, idempotent=False),
     "weights_piece_checksums": Endpoint("POST", "/weights_piece_checksums", admin=True, idempotent=True),
     "lora_adapter_checksums": Endpoint("POST", "/lora_adapter_checksums", admin=True, idempotent=True),
+    "weights_ipc_handles": Endpoint("POST", "/weights_ipc_handles", admin=True, idempotent=True),
+    "weights_direct_begin": Endpoint("POST", "/weights_direct_begin", admin=True, idempotent=False),
+    "weights_direct_commit": Endpoint("POST", "/weights_direct_commit", admin=True, idempotent=False),
 }
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name

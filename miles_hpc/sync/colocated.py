@@ -20,6 +20,9 @@ HTTP, never tensor bytes:
   "file_system" variant depends on the torch_shm_manager daemon and on reference counts that an engine which never
   opened the segment would leak. Here the trainer owns each segment and unlinks it once every engine answered.
 
+On a GPU with our embedded engines the strategy skips all of this: it writes straight into the engines' parameters
+(``ColocatedSpec.direct``, colocated_direct.py), the bytes moving once; buckets remain for real SGLang and the CPU.
+
 Invariants: tensors are cast to the rollout dtype before they leave, so the returned checksums are of exactly the
 bytes the engines read; the last bucket carries ``weight_version`` and flushes the prefix cache; a bucket's tensors
 and its segment live until every engine answered (success, error or timeout), then go (CUDA IPC blocks return to the
@@ -35,6 +38,7 @@ import asyncio
 import base64
 import io
 import ipaddress
+import itertools
 import logging
 import os
 import secrets
@@ -52,6 +56,7 @@ import torch
 
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.sync.checksum import tensor_checksums
+from miles_hpc.sync.colocated_direct import DirectWriter
 from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, verify_checksums
 
 __all__ = ["SHM_TAG", "ColocatedSpec", "ColocatedSync", "ShmSlice", "is_local_url", "serialize_named",
@@ -76,6 +81,9 @@ class ColocatedSpec:
     flattened: bool = True
     """CUDA buckets go as SGLang's ``flattened_bucket`` load format (one tensor per bucket plus metadata, so one
     handle to open and one rebuild) instead of a list of per-tensor handles (False: for SGLang versions without it)."""
+    direct: bool = True
+    """CUDA tensors to our embedded engines: write straight into their parameters (colocated_direct.py) instead
+    of sending buckets; engines without the route (real SGLang) or on the CPU get buckets."""
 
     def __post_init__(self) -> None:
         if self.bucket_bytes <= 0 or self.timeout_s <= 0:
@@ -265,6 +273,7 @@ class ColocatedSync:
         self.spec = spec
         self._clients: list[EngineClient] = []
         self._uuids: dict[int, str] = {}
+        self._direct = DirectWriter(hash_bytes=spec.bucket_bytes)
 
     @property
     def clients(self) -> Sequence[EngineClient]:
@@ -286,11 +295,16 @@ class ColocatedSync:
         """Send every tensor of `named` in buckets; return the checksums of what the engines now hold."""
         if not self._clients:
             raise WeightSyncError("push before connect()")
+        it = iter(named)
+        nxt = next(it, None)
+        if nxt is not None and nxt[1].is_cuda and self.spec.direct and self._direct.unsupported(self._clients) is None:
+            targets = await self._direct.begin(self._clients, nxt[1].device)
+            if targets is not None:
+                return await self._direct.push(itertools.chain([nxt], it), targets, self._clients, version,
+                                               self.spec.timeout_s)  # fmt: skip
         sums: dict[str, str] = {}
         pending: list[tuple[str, torch.Tensor]] = []
         size = 0
-        it = iter(named)
-        nxt = next(it, None)
         while nxt is not None:  # stepped on the caller's thread: trainer-side iterators run collectives
             name, t = nxt
             pending.append((name, t))
