@@ -1,4 +1,4 @@
-"""The "colocated" weight sync (sync/colocated.py -> handles over HTTP -> engine/tensor_handles.py): two versions
+"""The "colocated" weight sync (sync/colocated.py -> handles over HTTP -> sync/tensor_handles.py): two versions
 published to two real `miles-hpc serve` processes on this host through shared memory and verified, no segment left
 in /dev/shm, hostile pickles refused with 400 naming the global or opcode (and nothing run), a remote engine refused
 by URL; in-process, the restricted unpickler reads back exactly what the trainer side writes. The CUDA IPC path runs
@@ -27,8 +27,8 @@ from sync_support import ADMIN, bf16_fleet, engine_sums, router_of
 from test_client_engine import HAVE_SERVER, EngineProcess, stop_all, tiny_model
 from torch.multiprocessing import reductions
 
-from miles_hpc.engine import tensor_handles
-from miles_hpc.engine.tensor_handles import TensorHandleError, load_named_tensors
+from miles_hpc.sync import tensor_handles
+from miles_hpc.sync.tensor_handles import TensorHandleError, load_named_tensors
 from miles_hpc.models import iter_hf_tensors, load_pretrained
 from miles_hpc.rollout import requests as rq
 from miles_hpc.rollout.client import EngineClient, EngineHTTPError

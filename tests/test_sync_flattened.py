@@ -1,5 +1,5 @@
 """SGLang's ``flattened_bucket`` load format in the colocated sync: the trainer sends one tensor per bucket plus
-metadata (sync/colocated.py), the engine opens it with a restricted unpickler (engine/tensor_handles.py). On CPU the
+metadata (sync/colocated.py), the engine opens it with a restricted unpickler (sync/tensor_handles.py). On CPU the
 flat tensor is one of our shared-memory slices; on a GPU a CUDA IPC handle (gpu tier)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from test_client_engine import HAVE_SERVER, EngineProcess, stop_all, tiny_model
 from sync_support import bf16_fleet, engine_sums, perturbed_weights, router_of
 from test_sync_colocated import no_gpu, weights
 
-from miles_hpc.engine.tensor_handles import FLAT_FIELDS, TensorHandleError, load_flattened_bucket
+from miles_hpc.sync.tensor_handles import FLAT_FIELDS, TensorHandleError, load_flattened_bucket
 from miles_hpc.rollout import requests as rq
 from miles_hpc.rollout.router import Router, RouterConfig
 from miles_hpc.sync import colocated

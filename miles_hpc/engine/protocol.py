@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from miles_hpc.sync.tensor_handles import DTYPE_NAMES
+
 from .types import GenerateRequest, GenerateResult, SamplingParams
 
 
@@ -327,8 +329,6 @@ _WEIGHT_COMMON: dict[str, F] = {
     "selector": F(one_of("target", "draft", "all"), "all"),  # no draft model here: every value means the model
     "torch_empty_cache": F(boolean, False),  # accepted; the core frees what it allocates
 }
-DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
-               "float8_e4m3fn", "float8_e5m2")
 
 SCHEMAS: dict[str, dict[str, F]] = {
     "abort_request": {"rid": F(string, ""), "abort_all": F(boolean, False), "abort_message": F(string)},

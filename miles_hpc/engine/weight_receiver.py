@@ -36,12 +36,12 @@ import torch
 from aiohttp import web
 
 from miles_hpc.sync.pg import GroupSpec, open_group
+from miles_hpc.sync.tensor_handles import load_flattened_bucket, load_named_tensors
 
 from . import protocol
 from .core import Engine, RequestError
 from .delta_receiver import apply_version
 from .direct_weights import weight_handles
-from .tensor_handles import load_flattened_bucket, load_named_tensors
 
 log = logging.getLogger(__name__)
 

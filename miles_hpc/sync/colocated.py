@@ -15,7 +15,7 @@ HTTP, never tensor bytes:
   bucket (``/dev/shm/miles_hpc_<pid>_<random>``, mode 0600, reserved with ``posix_fallocate`` so a full /dev/shm is
   a clear error, never a SIGBUS), and the pickle names each tensor by the persistent id
   ``("miles-hpc/shm", segment, offset, dtype, shape)``: our one extension of the format, which the embedded engine
-  maps (engine/tensor_handles.py) and copies from. We chose this over torch's CPU reductions: their default passes
+  maps (sync/tensor_handles.py) and copies from. We chose this over torch's CPU reductions: their default passes
   file descriptors through the sending process's resource sharer, which unrelated processes cannot reach, and their
   "file_system" variant depends on the torch_shm_manager daemon and on reference counts that an engine which never
   opened the segment would leak. Here the trainer owns each segment and unlinks it once every engine answered.
@@ -64,7 +64,7 @@ __all__ = ["SHM_TAG", "ColocatedSpec", "ColocatedSync", "ShmSlice", "is_local_ur
 
 log = logging.getLogger(__name__)
 
-SHM_TAG = "miles-hpc/shm"  # the persistent id's tag; engine/tensor_handles.py reads the same
+SHM_TAG = "miles-hpc/shm"  # the persistent id's tag; sync/tensor_handles.py reads the same
 SHM_DIR = "/dev/shm"
 _ALIGN = 64  # every tensor starts at a multiple of this in its segment (any dtype's alignment, a cache line)
 
@@ -290,6 +290,7 @@ class ColocatedSync:
 
     async def close(self) -> None:
         self._clients = []
+        self._direct.close()
 
     async def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, str]:
         """Send every tensor of `named` in buckets; return the checksums of what the engines now hold."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_hpc.engine.tensor_handles import TensorHandleError, load_named_tensors
+from miles_hpc.sync.tensor_handles import TensorHandleError, load_named_tensors
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.errors import EngineHTTPError
 from miles_hpc.sync.checksum import tensor_checksums
@@ -53,6 +53,12 @@ class DirectWriter:
         self._targets: dict[str, DirectTarget] = {}
         self._unsupported: dict[str, str] = {}  # url -> why it has no direct path
         self._hash_bytes = hash_bytes
+
+    def close(self) -> None:
+        """Drop every opened engine's mappings (before the engines go: a producer must outlive its consumers)."""
+        if self._targets:
+            self._targets.clear()
+            torch.cuda.ipc_collect()
 
     def unsupported(self, clients: Sequence[EngineClient]) -> str | None:
         """Why the direct path is known not to apply to some of `clients` (None: try it)."""

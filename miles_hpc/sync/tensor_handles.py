@@ -43,7 +43,6 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
-from .protocol import DTYPE_NAMES
 
 __all__ = ["SEGMENT_PATTERN", "SHM_DIR", "SHM_TAG", "FlatBucketUnpickler", "HandleUnpickler", "TensorHandleError",
            "load_flattened_bucket", "load_named_tensors"]
@@ -62,7 +61,10 @@ ALLOWED_OPCODES = frozenset({
     "APPENDS", "LIST", "BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET", "LONG_BINGET", "GLOBAL", "STACK_GLOBAL", "REDUCE",
     "BINPERSID",
 })  # fmt: skip
-DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in DTYPE_NAMES if hasattr(torch, n)}  # weight dtypes
+# Weight dtypes by name (also the dtypes the engine's weight routes accept: engine/protocol.py).
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+               "float8_e4m3fn", "float8_e5m2")
+DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in DTYPE_NAMES if hasattr(torch, n)}
 
 
 class TensorHandleError(ValueError):
@@ -126,7 +128,7 @@ class _Handles:
         except KeyError:
             raise TensorHandleError(
                 f"refused global {module}.{name}: a tensor-handle payload may name only torch's CUDA tensor "
-                f"rebuild, torch.Size, tensor/storage classes and dtypes (engine/tensor_handles.py)"
+                f"rebuild, torch.Size, tensor/storage classes and dtypes (sync/tensor_handles.py)"
             ) from None
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
