@@ -41,8 +41,12 @@ SHAPES: dict[str, dict[str, object]] = {
 
 
 def make_checkpoint(shape: str, dtype: torch.dtype, out: Path) -> Path:
-    hf = dict(SHAPES[shape]) if shape in SHAPES else preset_config("qwen3", shape)
-    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return write_checkpoint(dict(SHAPES[shape]) if shape in SHAPES else preset_config("qwen3", shape), dtype, out)
+
+
+def write_checkpoint(hf: dict[str, object], dtype: torch.dtype, out: Path) -> Path:
+    """A random-init (seed 0) HF checkpoint of config `hf` in `dtype` at `out`."""
+    hf = {**hf, "torch_dtype": str(dtype).removeprefix("torch.")}
     torch.manual_seed(0)
     save_pretrained(build_model(ModelConfig.from_hf_dict(hf), dtype=dtype), out)
     return out

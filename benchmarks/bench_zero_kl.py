@@ -34,14 +34,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rollout import SHAPES  # noqa: E402
+from bench_rollout import SHAPES, sync, write_checkpoint  # noqa: E402
 
 from miles_hpc.config import AlgoConfig, TrainConfig  # noqa: E402
 from miles_hpc.data.sample import token_hash  # noqa: E402
 from miles_hpc.engine.config import EngineConfig  # noqa: E402
 from miles_hpc.engine.core import Engine  # noqa: E402
 from miles_hpc.engine.types import GenerateRequest, GenerateResult, SamplingParams  # noqa: E402
-from miles_hpc.models import ModelConfig, build_model, save_pretrained  # noqa: E402
 from miles_hpc.models.presets import preset_config  # noqa: E402
 from miles_hpc.train import dist as tdist  # noqa: E402
 from miles_hpc.train.batch import TrainBatch  # noqa: E402
@@ -66,15 +65,7 @@ def make_checkpoint(shape: str, dtype: torch.dtype, out: Path) -> Path:
         arch, _, size = shape.partition(":")
         hf = preset_config(arch, size or "small")
         hf.update(initializer_range=0.2, tie_word_embeddings=False)  # sharp logits: sampled text varies
-    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
-    torch.manual_seed(0)
-    save_pretrained(build_model(ModelConfig.from_hf_dict(hf), dtype=dtype), out)
-    return out
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    return write_checkpoint(hf, dtype, out)
 
 
 def make_prompts(args: argparse.Namespace, vocab: int, seed: int) -> list[list[int]]:
