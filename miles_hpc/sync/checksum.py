@@ -6,22 +6,16 @@ Stage: sync (pure; imports nothing of ours, so the engine may import it too).
 separated), and a 128-bit fingerprint of the tensor's bits, computed where the tensor lives (a GPU tensor is never
 copied to the host: the earlier definition, blake2b over a CPU copy, hashed ~0.7 GB/s and dominated every sync).
 
-The fingerprint (version 2), exact integer arithmetic, so every device gives the same bits:
-- words: the row-major elements' bits as unsigned integers of the element's width (bool and 1-byte types as
-  uint8, complex as its float pairs), 8-byte elements as two 4-byte words (low half first): u_0 .. u_{n-1}, each
-  below 2^32;
-- two lanes l = 0, 1, each over chunks of `CHUNK` consecutive words: s_c = sum_j ((u_{cC+j} * m_l[j]) mod 2^32),
-  summed modulo 2^64, where m_l[j] = T_l[j mod SUB] * U_l[j div SUB] mod 2^32, T_l[i] = (splitmix64(i + l*2^32)
-  mod 2^32) | 1 and U_l[b] = (splitmix64(b + l*2^32 + 2^40) mod 2^32) | 1 (odd, so every m is odd); the lane is
-  the chunks' polynomial f = f * P_l + s_c modulo 2^64 (from 0);
+The fingerprint, exact integer arithmetic with wrap-around modulo 2^64, so every device gives the same bits:
+- words: the row-major elements reinterpreted as signed integers of the element's width (bool and 1-byte types as
+  uint8, complex as its float pairs), widened to int64: w_0 .. w_{n-1};
+- two lanes l = 0, 1, each over chunks of `CHUNK` consecutive words: s_c = sum_j w_{cC+j} * m_l[j], where m_l[j] is
+  the odd number `splitmix64(j + l * 2^32) | 1`; the lane is the chunks' polynomial f = f * P_l + s_c (from 0);
 - the fingerprint is the two lanes as 8-byte little-endian signed integers.
-Version 1 made every multiplier with splitmix64 and multiplied in 64 bits: its GPU kernel was compute-bound at
-~560 GB/s, and a colocated push spent more time hashing than copying. Here a kernel multiplies in 32 bits with
-multipliers from two small tables.
 On CUDA with Triton the lanes come from one kernel pass (`checksum_kernels.py`), same value.
 Two tensors with the same dtype, shape and bits share a checksum (views and strided slices hash as their contiguous
 copies). It detects what a transfer can get wrong (a changed, lost, stale or misplaced value: any single changed
-word changes a lane, as a nonzero difference below 2^32 times an odd multiplier is nonzero modulo 2^32), which is what it is for; it is not a cryptographic hash, and
+word changes a lane, as every multiplier is odd), which is what it is for; it is not a cryptographic hash, and
 need not be: nobody forges weights between our own processes.
 """
 
@@ -35,11 +29,9 @@ import numpy as np
 import torch
 
 CHUNK = 1 << 22  # words per chunk: bounds the temporaries ([2, CHUNK] int64 = 64 MiB) on any device
-SUB = 1 << 10  # the period of the T table; U changes every SUB words
 _P = (0x9E3779B97F4A7C15 - (1 << 64), 0xC2B2AE3D27D4EB4F - (1 << 64))  # odd chunk multipliers, as signed int64
-_WORDS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
-_LOW32 = 0xFFFFFFFF
-_tables: dict[tuple[str, torch.device], torch.Tensor] = {}
+_WORDS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_tables: dict[torch.device, torch.Tensor] = {}
 _lock = threading.Lock()
 
 
@@ -51,47 +43,20 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def _odd32(x: np.ndarray) -> np.ndarray:
-    return (_splitmix64(x) & np.uint64(_LOW32)) | np.uint64(1)
-
-
-def factor_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T [2, SUB], U [2, CHUNK // SUB]) on `device`: the multipliers' two factors as the bit patterns of uint32
-    values in int32 tensors (what the kernel reads)."""
-    return _table("T", device), _table("U", device)
-
-
 def multipliers(device: torch.device) -> torch.Tensor:
-    """The two lanes' odd multipliers m_l[j], int64 [2, CHUNK] on `device`, below 2^32 (built once per device)."""
-    return _table("m", device)
-
-
-def _table(kind: str, device: torch.device) -> torch.Tensor:
+    """The two lanes' odd multipliers, int64 [2, CHUNK] on `device` (built once per device)."""
     with _lock:
-        table = _tables.get((kind, device))
+        table = _tables.get(device)
         if table is None:
-            if kind == "T":
-                i = np.arange(SUB, dtype=np.uint64)
-                lanes = np.stack([_odd32(i), _odd32(i + np.uint64(1 << 32))])
-            elif kind == "U":
-                b = np.arange(CHUNK // SUB, dtype=np.uint64) + np.uint64(1 << 40)
-                lanes = np.stack([_odd32(b), _odd32(b + np.uint64(1 << 32))])
-            else:
-                i = np.arange(CHUNK, dtype=np.uint64)
-                t = np.stack([_odd32(i % np.uint64(SUB)), _odd32(i % np.uint64(SUB) + np.uint64(1 << 32))])
-                b = i // np.uint64(SUB) + np.uint64(1 << 40)
-                u = np.stack([_odd32(b), _odd32(b + np.uint64(1 << 32))])
-                with np.errstate(over="ignore"):
-                    lanes = (t * u) & np.uint64(_LOW32)
-            as_bits = lanes.astype(np.uint32).view(np.int32) if kind in ("T", "U") else lanes.astype(np.int64)
-            table = torch.from_numpy(np.ascontiguousarray(as_bits)).to(device)
-            _tables[(kind, device)] = table
+            j = np.arange(CHUNK, dtype=np.uint64)
+            lanes = np.stack([_splitmix64(j), _splitmix64(j + np.uint64(1 << 32))]) | np.uint64(1)
+            table = torch.from_numpy(lanes.view(np.int64)).to(device)
+            _tables[device] = table
         return table
 
 
 def words(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s elements as a flat tensor of integers of their width (8-byte ones as two 4-byte words); a view where
-    `t` is contiguous. The fingerprint reads them as unsigned."""
+    """`t`'s elements as a flat tensor of same-width integers (a view where `t` is contiguous)."""
     t = t.detach()
     if t.dtype.is_complex:
         t = torch.view_as_real(t)
@@ -117,17 +82,18 @@ def _lanes(t: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return torch.zeros(2, dtype=torch.int64, device=w.device)
     if w.is_cuda and _kernels() is not None:
-        sums = _kernels().chunk_sums(w, CHUNK, *factor_tables(w.device))  # type: ignore[union-attr]
+        sums = _kernels().chunk_sums(w, CHUNK)  # type: ignore[union-attr]
         # sum_c s_c * P^(C-1-c): the same as folding chunk by chunk.
         return (sums * _fold_powers(sums.shape[0], w.device)).sum(dim=0)
     table = multipliers(w.device)
     p = torch.tensor(_P, dtype=torch.int64, device=w.device)
     f = torch.zeros(2, dtype=torch.int64, device=w.device)
-    mask = (1 << (8 * w.element_size())) - 1
     for a in range(0, n, CHUNK):
-        u = w[a : a + CHUNK].to(torch.int64) & mask  # unsigned, below 2^32
-        m = table[:, : u.numel()]
-        s = ((u[None, :] * m) & _LOW32).sum(dim=1)  # products below 2^64 wrap in int64; their low 32 bits are right
+        x = w[a : a + CHUNK].to(torch.int64)
+        m = table[:, : x.numel()]
+        # Same sums either way (integer sums wrap the same in any order): torch's CPU integer mv is one pass;
+        # CUDA has no integer mv.
+        s = torch.mv(m, x) if x.device.type == "cpu" else (x[None, :] * m).sum(dim=1)
         f = f * p + s
     return f
 
