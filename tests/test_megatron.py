@@ -76,7 +76,11 @@ def loss_of(logits: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:
                                             ("glm4_moe", {})])  # fmt: skip
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mapping_round_trips(arch: str, overrides: dict, tp: int) -> None:
-    cfg = tiny_config(arch, **overrides)
+    assert_round_trip(tiny_config(arch, **overrides), tp)
+
+
+def assert_round_trip(cfg: ModelConfig, tp: int) -> None:
+    """HF tensors -> megatron shards of `tp` ranks -> HF tensors gives the same names, order and bits."""
     torch.manual_seed(0)
     hf = {k: v.clone() for k, v in iter_hf_tensors(build_model(cfg))}
     rules = mcore_rules(cfg)

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_megatron import _compare_step_with_fsdp, _compare_with_ours, tiny_config  # noqa: E402
+from test_megatron import _compare_step_with_fsdp, _compare_with_ours, assert_round_trip, tiny_config  # noqa: E402
 from test_megatron import test_shard_boxes_hold_what_each_rank_holds as check_boxes  # noqa: E402
 from test_train_fsdp import world  # noqa: E402,F401
 
 from miles_hpc.models import build_model, iter_hf_tensors, save_pretrained  # noqa: E402
-from miles_hpc.train.mcore_weights import from_mcore, iter_full_hf, mcore_rules, to_mcore  # noqa: E402
+from miles_hpc.train.mcore_weights import from_mcore, mcore_rules, to_mcore  # noqa: E402
 
 ARCH = "deepseek_v3"
 DENSE = {"first_k_dense_replace": 2}  # both tiny layers dense: MLA alone (MoE with TP > 1 is refused)
@@ -40,16 +40,7 @@ YARN_PLAIN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max
 @pytest.mark.parametrize("overrides", [{}, NO_Q_LORA, HALVES, {**NO_Q_LORA, **HALVES}])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mla_mapping_round_trips(overrides: dict, tp: int) -> None:
-    cfg = tiny_config(ARCH, **overrides)
-    torch.manual_seed(0)
-    hf = {k: v.clone() for k, v in iter_hf_tensors(build_model(cfg))}
-    rules = mcore_rules(cfg)
-    assert {n for r in rules for n in r.hf} == set(hf)  # every HF tensor has exactly one home
-    shards = {r.mcore: [to_mcore(r, hf, cfg, rank, tp) for rank in range(tp)] for r in rules}
-    back = dict(iter_full_hf(cfg, lambda rule: shards[rule.mcore]))
-    assert list(back) == list(hf)
-    for name, t in hf.items():
-        assert torch.equal(back[name], t), name
+    assert_round_trip(tiny_config(ARCH, **overrides), tp)
 
 
 def test_mla_layout_follows_megatron() -> None:
