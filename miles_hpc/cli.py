@@ -7,7 +7,6 @@ or 1 (data); tracebacks are for bugs.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,12 +61,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     summary = workers.run_scheduled_train_worker(cfg, args.het_group)
     if summary is not None:
         _print_summary(summary)
-    # Everything is saved, closed and torn down. Leave without running interpreter-exit destructors: after a
-    # resumed run, torch's C++ side can abort in them ("terminate called without an active exception", seen on
-    # a trainer rank after the controller had already exited), and srun --kill-on-bad-exit then fails the job.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from miles_hpc.train.dist import leave
+
+    leave(0)  # everything is saved and torn down: skip the exit destructors that can abort (see leave)
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:

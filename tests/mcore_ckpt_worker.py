@@ -110,3 +110,4 @@ def main(mode: str, model_dir: str, tp: str, ep: str, ckpt: str, out: str, devic
 
 if __name__ == "__main__":  # a guard megatron's checkpoint writer needs: it starts a (spawned) helper process
     main(*sys.argv[1:])
+    tdist.leave(0)

@@ -86,3 +86,4 @@ def main(mode: str, model_dir: str, tp: str, ep: str, out: str, *extra: str) -> 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    tdist.leave(0)

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_hpc.train import dist as tdist
 from miles_hpc.train.fsdp import FSDPTrainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_train_fsdp import STEP_ALGO, STEP_CFG, free_port, make_batch, params_of, tiny_model, world  # noqa: E402,F401
+from test_train_fsdp import STEP_ALGO, STEP_CFG, free_port, make_batch, params_of, tiny_model, worker_main, world  # noqa: E402,F401
 
 # Rank 1 gets fewer micro-batches than rank 0 with these lengths and the 20-token budget (dummy path runs).
 LENGTHS = (7, 12, 25, 5, 18, 9, 3)
@@ -67,9 +66,4 @@ def test_world_size_2_equals_world_size_1(world: None, tiny_model: Path, tmp_pat
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    tdist.init_trainer_world(tdist.world_from_env(device="cpu"))
-    try:
-        torch.save(run_once(sys.argv[1]), sys.argv[2])
-    finally:
-        tdist.teardown()
+    worker_main(run_once)

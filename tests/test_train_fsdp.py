@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def worker_main(fn: Callable[[str], object]) -> None:
+    """The body of a 2-rank test worker script: ``python FILE MODEL_DIR OUT_FILE`` under RANK/WORLD_SIZE saves
+    ``fn(MODEL_DIR)`` to OUT_FILE, then leaves as the CLI's workers do (no exit destructors, see `tdist.leave`)."""
+    torch.set_num_threads(1)
+    tdist.init_trainer_world(tdist.world_from_env(device="cpu"))
+    try:
+        torch.save(fn(sys.argv[1]), sys.argv[2])
+    finally:
+        tdist.teardown()
+    tdist.leave(0)
 
 
 def make_batch(lengths: tuple[int, ...] = (7, 12, 25, 5, 18), seed: int = 0) -> TrainBatch:

@@ -17,11 +17,10 @@ from torch.distributed.tensor import DTensor
 
 from miles_hpc.config import LoraConfig
 from miles_hpc.models import iter_hf_tensors, load_pretrained
-from miles_hpc.train import dist as tdist
 from miles_hpc.train.fsdp import FSDPTrainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_train_fsdp import STEP_ALGO, STEP_CFG, free_port, make_batch, tiny_model, world  # noqa: E402,F401
+from test_train_fsdp import STEP_ALGO, STEP_CFG, free_port, make_batch, tiny_model, worker_main, world  # noqa: E402,F401
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "gate_proj", "down_proj"))
 LENGTHS = (7, 12, 25, 5, 18, 9, 3)
@@ -117,9 +116,4 @@ def test_two_ranks_equal_one(world: None, tiny_model: Path, tmp_path: Path) -> N
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    tdist.init_trainer_world(tdist.world_from_env(device="cpu"))
-    try:
-        torch.save(run_once(sys.argv[1]), sys.argv[2])
-    finally:
-        tdist.teardown()
+    worker_main(run_once)

@@ -15,11 +15,10 @@ import torch
 
 from miles_hpc.models.presets import init_model
 from miles_hpc.sync.plan import EngineRank, engine_layout, plan_transfers
-from miles_hpc.train import dist as tdist
 from miles_hpc.train.fsdp import FSDPTrainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_train_fsdp import STEP_ALGO, STEP_CFG, free_port  # noqa: E402
+from test_train_fsdp import STEP_ALGO, STEP_CFG, free_port, worker_main  # noqa: E402
 
 WORLD = 3
 
@@ -73,9 +72,4 @@ def test_shard_map_matches_gathered_weights(arch: str, tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    tdist.init_trainer_world(tdist.world_from_env(device="cpu"))
-    try:
-        torch.save(check_rank(sys.argv[1]), sys.argv[2])
-    finally:
-        tdist.teardown()
+    worker_main(check_rank)

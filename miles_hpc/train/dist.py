@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["WorldInfo", "world_from_env", "init_trainer_world", "broadcast_object", "all_reduce_floats", "group_size",
-           "teardown"]
+           "teardown", "leave"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -132,3 +133,15 @@ def teardown() -> None:
             except RuntimeError:
                 pass  # a peer is already gone (a failure elsewhere): tear down anyway
         dist.destroy_process_group()
+
+
+def leave(code: int = 0) -> NoReturn:
+    """End a worker process whose work is saved, closed and torn down, without interpreter-exit destructors.
+
+    After gloo/NCCL groups were used, torch's C++ side can abort in them ("terminate called without an active
+    exception": seen on a trainer rank after a resumed run, and on a 2-rank test worker in CI), and srun
+    --kill-on-bad-exit then fails a job whose results are complete."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
