@@ -65,5 +65,26 @@ def test_world_size_2_equals_world_size_1(world: None, tiny_model: Path, tmp_pat
         assert torch.equal(r0["params"][name], r1["params"][name]), name
 
 
+LEAVER = """
+import multiprocessing, sys
+from miles_hpc.train import dist as tdist
+if __name__ == "__main__":
+    manager = multiprocessing.get_context("spawn").Manager()  # a live child, as megatron's checkpoint writer keeps
+    print(manager._process.pid, flush=True)
+    tdist.leave(3)
+"""
+
+
+def test_leave_ends_children_and_keeps_the_exit_code(tmp_path: Path) -> None:
+    script = tmp_path / "leaver.py"
+    script.write_text(LEAVER)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})  # fmt: skip
+    assert done.returncode == 3, done.stderr[-2000:]
+    child = int(done.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # ended (and reaped by init, or gone): no orphan keeps the Slurm step alive
+
+
 if __name__ == "__main__":
     worker_main(run_once)

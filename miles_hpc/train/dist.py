@@ -12,6 +12,7 @@ for any of this, but one is still created so FSDP2 code paths are identical.
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import sys
 from collections.abc import Mapping
@@ -140,7 +141,14 @@ def leave(code: int = 0) -> NoReturn:
 
     After gloo/NCCL groups were used, torch's C++ side can abort in them ("terminate called without an active
     exception": seen on a trainer rank after a resumed run, and on a 2-rank test worker in CI), and srun
-    --kill-on-bad-exit then fails a job whose results are complete."""
+    --kill-on-bad-exit then fails a job whose results are complete. Child processes still alive are ended first
+    (what multiprocessing's own exit hook would do; megatron's checkpoint writer keeps a spawned queue manager):
+    by now nothing of the run is left in them."""
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(5.0)
+        if child.is_alive():
+            child.kill()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
