@@ -47,6 +47,7 @@ from miles_hpc.rollout.sglang import wait_for_engines
 from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
 from miles_hpc.sync.checksum import tensor_checksums
 from miles_hpc.sync.colocated import ColocatedSpec, ColocatedSync
+from miles_hpc.sync.colocated_direct import write_and_hash
 from miles_hpc.sync.delta import DeltaSpec, DeltaSync
 from miles_hpc.sync.p2p import P2PSpec, P2PSync, ThreadedRanks
 from miles_hpc.sync.protocol import WeightSync
@@ -86,9 +87,11 @@ def _checksum_s(named: list[tuple[str, torch.Tensor]], device: str) -> float:
     return time.perf_counter() - t0
 
 
-def _direct_copy_s(sync: Any, named: list[tuple[str, torch.Tensor]]) -> float | None:
-    """Seconds the copies of a direct write take alone: every tensor into the engine's own view of it, through the
-    handles the strategy opened (the values are the ones just published, so the engine's weights do not change)."""
+def _direct_copy_s(sync: Any, named: list[tuple[str, torch.Tensor]]) -> tuple[float, float] | None:
+    """Seconds the copies of a direct write take alone (every tensor into the engine's own view of it, through the
+    handles the strategy opened, one torch copy each), and the same copies as the push makes them, hashing what
+    they write (`colocated_direct.write_and_hash`, 512 MB batches, one host read). The values are the
+    ones just published, so the engine's weights do not change."""
     targets = list(sync._direct._targets.values())
     if not targets:
         return None
@@ -98,12 +101,18 @@ def _direct_copy_s(sync: Any, named: list[tuple[str, torch.Tensor]]) -> float | 
         for name, t in named:
             views[name].copy_(t)
 
-    copy_all()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    copy_all()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    def copy_hash() -> None:
+        write_and_hash(((t, [views[name]]) for name, t in named), 512 << 20).cpu()
+
+    out = []
+    for fn in (copy_all, copy_hash):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out[0], out[1]
 
 
 def _sync(device: str) -> None:
@@ -212,8 +221,10 @@ async def _one(
             "bytes_delivered_gbps": round(n * nbytes / push_s / 1e9, 3), "cycle_s": round(cycle_s, 4),
             "moved_bytes": moved, "memcpy_gbps": round(memcpy_gbps(nbytes, args.device), 2),
             "trainer_checksums_s": round(_checksum_s(named, args.device), 4),
-            **({} if copy_s is None else {"direct_copy_s": round(copy_s, 4),
-                                          "direct_copy_gbps": round(nbytes / copy_s / 1e9, 1)}),
+            **({} if copy_s is None else {"direct_copy_s": round(copy_s[0], 4),
+                                          "direct_copy_gbps": round(nbytes / copy_s[0] / 1e9, 1),
+                                          "direct_copy_hash_s": round(copy_s[1], 4),
+                                          "direct_copy_hash_gbps": round(nbytes / copy_s[1] / 1e9, 1)}),
         }  # fmt: skip
     finally:
         for p in procs:

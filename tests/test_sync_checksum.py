@@ -29,15 +29,34 @@ def test_covers_dtype_shape_and_bits() -> None:
 
 def test_pinned_values() -> None:
     # Changing these changes the contract between trainer and engine: bump both sides together (docs/engine.md).
-    assert tensor_checksum(torch.ones(2, 3, dtype=torch.bfloat16)) == "4451e94388ad41c4074e344b6f9ae24d"
+    assert tensor_checksum(torch.ones(2, 3, dtype=torch.bfloat16)) == "837ad54a737adadebdec0b81055f9a5f"
     assert tensor_checksum(torch.zeros(0)) == "814fa3bda1c18b944ea287229174bcc7"
     # The word 1 alone: lane 0 is splitmix64(0) | 1 = 0xe220a8397b1dcdaf, little-endian.
     assert checksum.fingerprint(torch.tensor([1], dtype=torch.int64)).hex() == "afcd1d7b39a820e2390182a31a5a2cc4"
 
 
+def test_words_are_little_endian_bytes_padded() -> None:
+    # Five bf16 values: bytes 80 3f 00 40 00 00 00 00 | 80 bf + 6 zero bytes -> two words (by hand, not by the code).
+    t = torch.tensor([1.0, 2.0, 0.0, 0.0, -1.0], dtype=torch.bfloat16)
+    assert checksum.words(t).tolist() == [0x4000_3F80, 0xBF80]
+    mask = (1 << 64) - 1
+
+    def mix(x: int) -> int:  # splitmix64, as the module docstring states it
+        z = (x + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    lanes = [(0x4000_3F80 * (mix(l << 32) | 1) + 0xBF80 * (mix(1 + (l << 32)) | 1)) & mask for l in (0, 1)]
+    assert checksum.fingerprint(t) == b"".join(v.to_bytes(8, "little") for v in lanes)
+    assert checksum.words(t[1:]).tolist() == [0xBF80_0000_0000_4000 - (1 << 64)]  # 2 bytes off alignment: a copy
+    assert not checksum.is_view(checksum.words(t[1:]), t[1:]) and not checksum.is_view(checksum.words(t), t)
+    assert checksum.is_view(checksum.words(t[:4]), t[:4])
+
+
 def test_every_chunk_counts_and_in_order() -> None:
-    n = 2 * CHUNK + 7  # two whole chunks and a partial one
-    t = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, generator=torch.Generator().manual_seed(0))
+    n = 2 * CHUNK + 7  # two whole chunks of words and a partial one (int64: one word per element)
+    t = torch.randint(-(2**62), 2**62, (n,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
     base = tensor_checksum(t)
     for i in (0, CHUNK - 1, CHUNK, 2 * CHUNK + 6):
         u = t.clone()
@@ -45,6 +64,11 @@ def test_every_chunk_counts_and_in_order() -> None:
         assert tensor_checksum(u) != base, i
     rolled = torch.cat([t[CHUNK : 2 * CHUNK], t[:CHUNK], t[2 * CHUNK :]])  # two chunks swapped
     assert tensor_checksum(rolled) != base
+    b = torch.zeros(11, dtype=torch.bfloat16)
+    for i in range(11):  # every byte position of a word, and the padded last word
+        u = b.clone()
+        u.view(torch.int16)[i] = -(2**15)  # the top bit alone: the weakest change a lane can see
+        assert tensor_checksum(u) != tensor_checksum(b), i
 
 
 def test_many_at_once_equal_one_by_one() -> None:

@@ -26,7 +26,8 @@ from miles_hpc.models import hf_target, iter_hf_tensors, load_pretrained
 from miles_hpc.models.presets import init_model
 from miles_hpc.rollout.client import EngineClient, EngineHTTPError
 from miles_hpc.rollout.router import Router, RouterConfig
-from miles_hpc.sync.checksum import tensor_checksum
+from miles_hpc.sync.checksum import digests, head, lanes_of, tensor_checksum, tensor_checksums
+from miles_hpc.sync.colocated_direct import write_and_hash
 from miles_hpc.sync.colocated import ColocatedSpec, ColocatedSync
 from miles_hpc.sync.protocol import EngineSyncError
 from miles_hpc.sync.publish import Publisher
@@ -48,6 +49,19 @@ def test_entries_rebuild_the_views_updates_write_into(tmp_path: Path, arch: str)
     if arch == "qwen3_moe":  # per-expert names are views into the fused tensors, not copies
         assert sum(".experts.0.gate_proj" in e[0] for e in entries) == model.num_moe_layers
         assert len(named) < len(entries)
+
+
+def test_write_and_hash_writes_every_destination_and_hashes_what_it_wrote() -> None:
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(n, generator=g).to(dt) for n, dt in ((300, torch.bfloat16), (7, torch.float32),
+                                                               (0, torch.bfloat16), (1000, torch.float16))]  # fmt: skip
+    dsts = [[torch.zeros_like(s), torch.ones_like(s)] for s in srcs]  # two engines each
+    lanes = write_and_hash(zip(srcs, dsts), batch_bytes=600)  # several batches, one tensor larger than a batch
+    assert all(torch.equal(d, s) for s, ds in zip(srcs, dsts) for d in ds)
+    assert torch.equal(lanes, lanes_of(srcs))
+    named = {f"t{i}": s for i, s in enumerate(srcs)}
+    assert dict(zip(named, digests([head(s) for s in srcs], lanes))) == tensor_checksums(named.items())
+    assert write_and_hash(iter(()), 1).shape == (0, 2)
 
 
 def test_cpu_engine_refuses_a_direct_write(tmp_path: Path) -> None:

@@ -7,30 +7,33 @@ separated), and a 128-bit fingerprint of the tensor's bits, computed where the t
 copied to the host: the earlier definition, blake2b over a CPU copy, hashed ~0.7 GB/s and dominated every sync).
 
 The fingerprint, exact integer arithmetic with wrap-around modulo 2^64, so every device gives the same bits:
-- words: the row-major elements reinterpreted as signed integers of the element's width (bool and 1-byte types as
-  uint8, complex as its float pairs), widened to int64: w_0 .. w_{n-1};
+- words: the tensor's bytes in row-major order (complex as its float pairs, bool as bytes), zero-padded to a
+  multiple of 8, read as little-endian 64-bit signed integers: w_0 .. w_{n-1} (an int64 tensor is its own words);
 - two lanes l = 0, 1, each over chunks of `CHUNK` consecutive words: s_c = sum_j w_{cC+j} * m_l[j], where m_l[j] is
   the odd number `splitmix64(j + l * 2^32) | 1`; the lane is the chunks' polynomial f = f * P_l + s_c (from 0);
 - the fingerprint is the two lanes as 8-byte little-endian signed integers.
-On CUDA with Triton the lanes come from one kernel pass (`checksum_kernels.py`), same value.
+Words of 8 bytes, not one per element, make the GPU pass cheap: the arithmetic per word (two multipliers, two
+64-bit products) is shared by 4 bf16 values (per element it made the kernel compute-bound, ~560 GB/s on an H200).
+On CUDA with Triton the lanes come from one kernel launch over many tensors (`checksum_kernels.py`), same value.
 Two tensors with the same dtype, shape and bits share a checksum (views and strided slices hash as their contiguous
-copies). It detects what a transfer can get wrong (a changed, lost, stale or misplaced value: any single changed
-word changes a lane, as every multiplier is odd), which is what it is for; it is not a cryptographic hash, and
-need not be: nobody forges weights between our own processes.
+copies; the padding is fixed by the shape in the head). It detects what a transfer can get wrong (a changed, lost,
+stale or misplaced value): one changed element of b <= 8 bytes at byte o of its word changes the word by
+d * 2^(8o) with 0 < |d| < 2^(8b), which is not 0 modulo 2^64 (o + b <= 8), and every multiplier is odd, so the lane
+changes. It is not a cryptographic hash, and need not be: nobody forges weights between our own processes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 CHUNK = 1 << 22  # words per chunk: bounds the temporaries ([2, CHUNK] int64 = 64 MiB) on any device
 _P = (0x9E3779B97F4A7C15 - (1 << 64), 0xC2B2AE3D27D4EB4F - (1 << 64))  # odd chunk multipliers, as signed int64
-_WORDS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _tables: dict[torch.device, torch.Tensor] = {}
 _lock = threading.Lock()
 
@@ -56,35 +59,91 @@ def multipliers(device: torch.device) -> torch.Tensor:
 
 
 def words(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s elements as a flat tensor of same-width integers (a view where `t` is contiguous)."""
+    """`t`'s words (module docstring), a flat int64 tensor: a view of `t` where it is contiguous, 8-byte aligned
+    and a whole number of words (what the GPU kernels read and write in place), else a padded copy."""
     t = t.detach()
+    if t.numel() == 0:  # (an empty tensor may carry any strides, which a byte view refuses)
+        return torch.zeros(0, dtype=torch.int64, device=t.device)
     if t.dtype.is_complex:
         t = torch.view_as_real(t)
-    if t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    return t.contiguous().view(-1).view(_WORDS[t.element_size()])
+    b = t.contiguous().view(-1).view(torch.uint8)
+    if b.numel() % 8 or b.storage_offset() % 8:
+        b = torch.cat([b, b.new_zeros(-b.numel() % 8)])
+    return b.view(torch.int64)
+
+
+def is_view(w: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether the words `w` of `t` are `t`'s own memory (writing them writes `t`)."""
+    return w.data_ptr() == t.data_ptr() and w.numel() * 8 == t.numel() * t.element_size()
 
 
 @torch.no_grad()
 def fingerprint(t: torch.Tensor) -> bytes:
     """The 16-byte fingerprint of `t`'s bits (module docstring), computed on `t`'s device; one host read."""
-    return _to_bytes(_lanes(t).cpu())
+    return _to_bytes(lanes_of([t])[0].cpu())
 
 
 def _to_bytes(lanes: torch.Tensor) -> bytes:
     return np.asarray(lanes.tolist(), dtype="<i8").tobytes()
 
 
-def _lanes(t: torch.Tensor) -> torch.Tensor:
-    """The two lanes, int64 [2] on `t`'s device (no host sync)."""
-    w = words(t)
+@torch.no_grad()
+def lanes_of(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The two lanes of each of `ts` (all on one device), int64 [len(ts), 2] on that device, without a host read.
+    On CUDA with Triton: one kernel launch (`checksum_kernels.lanes_many`)."""
+    ws = [words(t) for t in ts]
+    if not ws:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    kernels = _kernels() if ws[0].is_cuda else None
+    if kernels is not None:
+        lanes = kernels.lanes_many(ws, CHUNK, power_table(_max_chunks(ws), ws[0].device))
+        if lanes is not None:
+            return lanes
+    return torch.stack([_torch_lanes(w) for w in ws])
+
+
+@torch.no_grad()
+def copy_with_lanes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``dst.copy_(src)`` for each (src, dst) pair (same dtype and shape; sources on one device) and the lanes of
+    what was written, int64 [len(pairs), 2] on the sources' device. On CUDA with Triton the pairs whose sources and
+    destinations are their own words (contiguous, 8-byte aligned, whole words) are copied and hashed in one pass
+    over the bytes; the others are copied by torch and their sources hashed."""
+    for s, d in pairs:
+        if s.dtype != d.dtype or s.shape != d.shape:
+            raise ValueError(f"copy_with_lanes: {s.dtype}{tuple(s.shape)} into {d.dtype}{tuple(d.shape)}")
+    if not pairs:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    device = pairs[0][0].device
+    fused: list[int] = []
+    if device.type == "cuda" and _kernels() is not None:
+        for i, (s, d) in enumerate(pairs):
+            if s.device == d.device == device and s.is_contiguous() and d.is_contiguous():
+                ws, wd = words(s), words(d)
+                if is_view(ws, s) and is_view(wd, d):
+                    fused.append(i)
+    lanes = None
+    if fused:
+        srcs = [words(pairs[i][0]) for i in fused]
+        lanes = _kernels().copy_lanes_many(srcs, [words(pairs[i][1]) for i in fused], CHUNK,
+                                           power_table(_max_chunks(srcs), device))  # fmt: skip
+    if lanes is None:
+        fused = []
+    done = set(fused)
+    rest = [i for i in range(len(pairs)) if i not in done]
+    for i in rest:
+        pairs[i][1].copy_(pairs[i][0])
+    if not rest:
+        return lanes  # type: ignore[return-value]
+    out = torch.empty(len(pairs), 2, dtype=torch.int64, device=device)
+    out[torch.tensor(rest, device=device)] = lanes_of([pairs[i][0] for i in rest])
+    if fused:
+        out[torch.tensor(fused, device=device)] = lanes
+    return out
+
+
+def _torch_lanes(w: torch.Tensor) -> torch.Tensor:
+    """The two lanes of the flat integer tensor `w`, int64 [2] on its device (torch ops, the definition)."""
     n = w.numel()
-    if n == 0:
-        return torch.zeros(2, dtype=torch.int64, device=w.device)
-    if w.is_cuda and _kernels() is not None:
-        sums = _kernels().chunk_sums(w, CHUNK)  # type: ignore[union-attr]
-        # sum_c s_c * P^(C-1-c): the same as folding chunk by chunk.
-        return (sums * _fold_powers(sums.shape[0], w.device)).sum(dim=0)
     table = multipliers(w.device)
     p = torch.tensor(_P, dtype=torch.int64, device=w.device)
     f = torch.zeros(2, dtype=torch.int64, device=w.device)
@@ -98,26 +157,32 @@ def _lanes(t: torch.Tensor) -> torch.Tensor:
     return f
 
 
-_powers: dict[tuple[int, torch.device], torch.Tensor] = {}
+def _max_chunks(ws: Sequence[torch.Tensor]) -> int:
+    return max(1, *(-(-w.numel() // CHUNK) for w in ws))
 
 
-def _fold_powers(chunks: int, device: torch.device) -> torch.Tensor:
-    """int64 [C, 2] on `device`: P_l^(C-1-c) modulo 2^64 as signed values (cached: no copy per call)."""
-    key = (chunks, device)
-    if key not in _powers:
-        rows = [[1, 1]]
-        for _ in range(chunks - 1):
-            rows.append([(v * (p % (1 << 64))) % (1 << 64) for v, p in zip(rows[-1], _P)])
-        signed = [[v - (1 << 64) if v >= 1 << 63 else v for v in row] for row in reversed(rows)]
-        with _lock:
-            _powers[key] = torch.tensor(signed, dtype=torch.int64, device=device)
-    return _powers[key]
+_powers: dict[torch.device, torch.Tensor] = {}
+
+
+def power_table(count: int, device: torch.device) -> torch.Tensor:
+    """int64 [>= count, 2] on `device`, row k = (P_0^k, P_1^k) modulo 2^64 as signed values: the fold of a chunk
+    k places from the end (cached per device, grown by doubling: no copy per call)."""
+    with _lock:
+        table = _powers.get(device)
+        if table is None or table.shape[0] < count:
+            size = 1 << max(6, (count - 1).bit_length())
+            rows = [[1, 1]]
+            for _ in range(size - 1):
+                rows.append([(v * (p % (1 << 64))) % (1 << 64) for v, p in zip(rows[-1], _P)])
+            signed = [[v - (1 << 64) if v >= 1 << 63 else v for v in row] for row in rows]
+            table = _powers[device] = torch.tensor(signed, dtype=torch.int64, device=device)
+        return table
 
 
 _kernel_module: object | None = None
 
 
-def _kernels() -> object | None:
+def _kernels() -> Any:
     """`sync.checksum_kernels` where Triton imports (CUDA machines), else None (the torch path)."""
     global _kernel_module
     if _kernel_module is None:
@@ -132,39 +197,41 @@ def _kernels() -> object | None:
 
 def tensor_checksum(t: torch.Tensor) -> str:
     """Hex blake2b-128 of (dtype name, shape, fingerprint of the bits) of `t`."""
-    h = hashlib.blake2b(_head(t), digest_size=16)
-    h.update(fingerprint(t))
-    return h.hexdigest()
+    return digests([head(t)], lanes_of([t]))[0]
 
 
 @torch.no_grad()
 def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
     """`tensor_checksum` of many tensors with one host read per device instead of one per tensor (GPU weights:
     the per-tensor synchronisation, not the hashing, dominates otherwise)."""
-    heads: list[tuple[str, bytes]] = []
-    lanes: list[torch.Tensor] = []
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
     for name, t in named:
-        heads.append((name, _head(t)))
-        lanes.append(_lanes(t))
-    if not lanes:
-        return {}
+        names.append(name)
+        tensors.append(t)
     by_device: dict[torch.device, list[int]] = {}
-    for i, f in enumerate(lanes):
-        by_device.setdefault(f.device, []).append(i)
-    values: list[bytes] = [b""] * len(lanes)
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out: dict[int, str] = {}
     for idx in by_device.values():
-        host = torch.stack([lanes[i] for i in idx]).cpu()
-        for i, row in zip(idx, host):
-            values[i] = _to_bytes(row)
-    out = {}
-    for (name, head), fp in zip(heads, values):
+        group = [tensors[i] for i in idx]
+        out.update(zip(idx, digests([head(t) for t in group], lanes_of(group))))
+    return {names[i]: out[i] for i in range(len(names))}
+
+
+def digests(heads: Sequence[bytes], lanes: torch.Tensor) -> list[str]:
+    """The checksums of tensors from their heads (`head`) and lanes (`lanes_of`): one host read."""
+    host = lanes.cpu().tolist()
+    out = []
+    for head, row in zip(heads, host):
         h = hashlib.blake2b(head, digest_size=16)
-        h.update(fp)
-        out[name] = h.hexdigest()
+        h.update(np.asarray(row, dtype="<i8").tobytes())
+        out.append(h.hexdigest())
     return out
 
 
-def _head(t: torch.Tensor) -> bytes:
+def head(t: torch.Tensor) -> bytes:
+    """What a checksum covers besides the bits: the dtype name and the shape."""
     return str(t.dtype).removeprefix("torch.").encode() + b"|" + ",".join(str(s) for s in t.shape).encode() + b"|"
 
 

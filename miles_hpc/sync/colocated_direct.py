@@ -3,9 +3,10 @@
 When every engine is our embedded engine on this host's GPU, the trainer writes the new weights straight into the
 engines' parameters: each engine shares CUDA IPC handles of its parameters once (`/weights_ipc_handles`,
 engine/direct_weights.py), the trainer opens them once per engine process and keeps them, and a push is then
-`/weights_direct_begin` (the engine must be paused; it counts as half-updated from here), one cast-copy per tensor
-into the engine's own view of it, a stream synchronisation, and `/weights_direct_commit` (prefix cache flushed,
-version set). No staging buffer, no per-bucket call, no handle opened per push: the bytes move once.
+`/weights_direct_begin` (the engine must be paused; it counts as half-updated from here), the tensors cast to the
+engine's dtype and written into the engine's own views of them in batches, each batch by one kernel that also
+hashes what it writes (`checksum.copy_with_lanes`), a stream synchronisation, and `/weights_direct_commit` (prefix
+cache flushed, version set). No staging buffer, no per-bucket call, no handle opened per push: the bytes move once.
 
 Invariants: the checksums returned are of the trainer's tensors cast to each engine's dtype (what the copy wrote),
 computed from the trainer's side, so `verify` still compares two independent computations; an engine whose
@@ -20,18 +21,18 @@ import asyncio
 import base64
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from miles_hpc.sync.tensor_handles import TensorHandleError, load_named_tensors
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.errors import EngineHTTPError
-from miles_hpc.sync.checksum import tensor_checksums
+from miles_hpc.sync.checksum import copy_with_lanes, digests, head
 from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError
+from miles_hpc.sync.tensor_handles import TensorHandleError, load_named_tensors
 
-__all__ = ["DirectTarget", "DirectWriter"]
+__all__ = ["DirectTarget", "DirectWriter", "write_and_hash"]
 
 log = logging.getLogger(__name__)
 
@@ -108,38 +109,35 @@ class DirectWriter:
         version: str,
         timeout_s: float,
     ) -> dict[str, str]:
-        """Copy every tensor of `named` into every target, commit; the checksums of what was written."""
-        sums: dict[str, str] = {}
-        to_hash: list[tuple[str, torch.Tensor]] = []
-        held = 0
+        """Copy every tensor of `named` into every target (`write_and_hash`), commit; the checksums of what was
+        written, from one host read."""
+        heads: list[tuple[str, bytes]] = []
         t0 = time.perf_counter()
-        hash_s = 0.0
-        for name, t in named:  # stepped on the caller's thread: trainer-side iterators run collectives
-            src = t.detach()
-            dtypes = set()
-            for tgt in targets:
-                dst = tgt.views.get(name)
-                if dst is None:
-                    raise EngineSyncError([tgt.url], f"engine {tgt.url} has no tensor {name!r} (a direct write "
-                                                     "needs the engine's model to match the trainer's)")  # fmt: skip
-                if dst.shape != src.shape:
-                    raise EngineSyncError([tgt.url], f"tensor {name!r}: trainer shape {tuple(src.shape)}, engine "
-                                                     f"{tgt.url} holds {tuple(dst.shape)}")  # fmt: skip
-                dst.copy_(src)
-                dtypes.add(dst.dtype)
-            if len(dtypes) > 1:
-                raise WeightSyncError(f"tensor {name!r}: the engines hold it in dtypes {sorted(map(str, dtypes))}")
-            want = dtypes.pop() if dtypes else src.dtype
-            to_hash.append((name, src if src.dtype == want else src.to(want)))
-            held += src.numel() * want.itemsize
-            if held >= self._hash_bytes:
-                h0 = time.perf_counter()
-                sums.update(tensor_checksums(to_hash))
-                hash_s += time.perf_counter() - h0
-                to_hash, held = [], 0
-        h0 = time.perf_counter()
-        sums.update(tensor_checksums(to_hash))
-        hash_s += time.perf_counter() - h0
+
+        def items() -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+            for name, t in named:  # stepped on the caller's thread: trainer-side iterators run collectives
+                src = t.detach()
+                dsts = []
+                for tgt in targets:
+                    dst = tgt.views.get(name)
+                    if dst is None:
+                        raise EngineSyncError([tgt.url], f"engine {tgt.url} has no tensor {name!r} (a direct "
+                                              "write needs the engine's model to match the trainer's)")  # fmt: skip
+                    if dst.shape != src.shape:
+                        raise EngineSyncError([tgt.url], f"tensor {name!r}: trainer shape {tuple(src.shape)}, "
+                                              f"engine {tgt.url} holds {tuple(dst.shape)}")  # fmt: skip
+                    dsts.append(dst)
+                dtypes = {d.dtype for d in dsts}
+                if len(dtypes) != 1:
+                    raise WeightSyncError(f"tensor {name!r}: the engines hold it in dtypes "
+                                          f"{sorted(map(str, dtypes))}")  # fmt: skip
+                want = dtypes.pop()
+                src = src if src.dtype == want else src.to(want)  # torch's cast: what the engines' checksums expect
+                heads.append((name, head(src)))
+                yield src, dsts
+
+        lanes = write_and_hash(items(), self._hash_bytes)
+        sums = dict(zip([n for n, _ in heads], digests([h for _, h in heads], lanes)))
         torch.cuda.synchronize()
         copied = time.perf_counter()
         results = await asyncio.gather(
@@ -150,6 +148,34 @@ class DirectWriter:
         if failed:
             raise EngineSyncError([u for u, _ in failed], f"direct weight write commit failed on {failed[0][0]}: "
                                                           f"{failed[0][1]}")  # fmt: skip
-        log.debug("colocated direct write of %d tensors: copies and hashes %.1f ms (hashes %.1f ms), commit %.1f ms",
-                  len(sums), (copied - t0) * 1e3, hash_s * 1e3, (time.perf_counter() - copied) * 1e3)  # fmt: skip
+        log.debug("colocated direct write of %d tensors: copies and hashes %.1f ms, commit %.1f ms", len(sums),
+                  (copied - t0) * 1e3, (time.perf_counter() - copied) * 1e3)  # fmt: skip
         return sums
+
+
+def write_and_hash(items: Iterable[tuple[torch.Tensor, list[torch.Tensor]]], batch_bytes: int) -> torch.Tensor:
+    """Write each source into each of its destinations (same dtype and shape) and return the lanes of what was
+    written, int64 [n, 2] on the sources' device (no host read). Sources go in batches of about `batch_bytes`:
+    one pass copies a batch into the first destinations and hashes what it wrote (`checksum.copy_with_lanes`,
+    one Triton launch on a GPU); further destinations get plain copies. A batch's sources stay referenced until
+    it is written."""
+    lanes: list[torch.Tensor] = []
+    batch: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+    held = 0
+
+    def flush() -> None:
+        lanes.append(copy_with_lanes([(src, dsts[0]) for src, dsts in batch]))
+        for src, dsts in batch:
+            for dst in dsts[1:]:
+                dst.copy_(src)
+        batch.clear()
+
+    for src, dsts in items:
+        batch.append((src, dsts))
+        held += src.numel() * src.element_size()
+        if held >= batch_bytes:
+            flush()
+            held = 0
+    if batch:
+        flush()
+    return torch.cat(lanes) if lanes else torch.zeros(0, 2, dtype=torch.int64)

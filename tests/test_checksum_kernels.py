@@ -1,0 +1,103 @@
+"""`sync.checksum_kernels` (the fingerprint's Triton kernels) against the torch definition, run in Triton's
+interpreter on the CPU (CI) and compiled on a GPU (`-m gpu`): many tensors in one launch from one base pointer
+(separate allocations, views at odd offsets, empty tensors, several chunks, every word width), and the copy that
+hashes what it writes. Run as a script (``python test_checksum_kernels.py``) this file is the interpreter check:
+TRITON_INTERPRET must be set before Triton decorates the kernels, so it runs in its own process."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_hpc.sync import checksum
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import require  # noqa: E402
+
+SMALL_CHUNK = 1 << 14  # several chunks at interpreter speed (the kernels take the chunk as a parameter)
+
+
+def groups(device: str, g: torch.Generator) -> list[list[torch.Tensor]]:
+    """Word tensors for one launch each: views of one buffer at 16-byte and 8-byte aligned offsets, separate
+    allocations (lower and higher addresses than the first), empties, one word, several chunks and a partial one;
+    37 tensors (the block search's depth); words padded from tensors of every element width."""
+    buf = torch.randn(6 * SMALL_CHUNK, generator=g).to(torch.bfloat16).to(device)
+    buf_words = checksum.words(buf)
+    aligned = [buf_words[2:5002], buf_words[6002 : 6002 + 3 * SMALL_CHUNK + 18], buf_words[:0],
+               checksum.words(torch.randn(2 * SMALL_CHUNK, generator=g).to(device)), buf_words[-SMALL_CHUNK:]]  # fmt: skip
+    odd = [buf_words[1:4000], buf_words[5001 : 5001 + SMALL_CHUNK], buf_words[-1:]]  # 8 bytes off 16
+    many = [buf_words[i * 997 : i * 997 + 13 * i] for i in range(37)]
+    padded = [checksum.words(t) for t in (torch.randint(0, 2, (13,), generator=g).bool().to(device),
+              torch.randn(SMALL_CHUNK * 4 + 3, generator=g).half().to(device), torch.randn(5, generator=g).to(device),
+              torch.randn(3, dtype=torch.complex64, generator=g).to(device), buf[1:4001])]  # fmt: skip
+    return [aligned, odd, many, padded]
+
+
+def reference(ws: list[torch.Tensor]) -> torch.Tensor:
+    """The definition (checksum's torch path) with the small chunk, computed on the CPU."""
+    saved = checksum.CHUNK
+    checksum.CHUNK = SMALL_CHUNK
+    try:
+        return torch.stack([checksum._torch_lanes(w.cpu()) for w in ws])
+    finally:
+        checksum.CHUNK = saved
+
+
+def check(device: str) -> None:
+    from miles_hpc.sync import checksum_kernels as ck
+
+    g = torch.Generator().manual_seed(0)
+    powers = checksum.power_table(8, torch.device(device))
+    for ws in groups(device, g):
+        got = ck.lanes_many(ws, SMALL_CHUNK, powers)
+        assert got is not None and torch.equal(got.cpu(), reference(ws)), [w.numel() for w in ws]
+        dsts = [torch.full_like(w, 7) for w in ws]
+        lanes = ck.copy_lanes_many(ws, dsts, SMALL_CHUNK, powers)
+        assert lanes is not None and torch.equal(lanes.cpu(), reference(ws))
+        assert all(torch.equal(d, w) for d, w in zip(dsts, ws))
+    # Views whose offsets are not whole elements of each other share no base pointer: refused, nothing written.
+    if device == "cpu":  # (torch keeps its own views element-aligned; a foreign buffer need not be)
+        raw = bytearray(64)
+        odd = [torch.frombuffer(raw, dtype=torch.int64, count=2), torch.frombuffer(raw, dtype=torch.int64, count=2,
+                                                                                   offset=4)]  # fmt: skip
+        assert ck.lanes_many(odd, SMALL_CHUNK, powers) is None
+    print("ok")
+
+
+def test_kernels_in_the_interpreter() -> None:
+    require(importlib.util.find_spec("triton") is not None, "triton (the dev extra; its interpreter runs on CPU)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-4000:]
+
+
+@pytest.mark.gpu
+def test_kernels_on_the_gpu() -> None:
+    require(torch.cuda.is_available(), "a CUDA device")
+    check("cuda")
+    # The checksum API on top: many tensors of mixed widths in one call, and the copy that hashes.
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randn(n, generator=g).to(dt).cuda() for n, dt in ((5000, torch.bfloat16), (33, torch.float32),
+          (checksum.CHUNK + 9, torch.bfloat16), (0, torch.float16), (7, torch.float16))]  # fmt: skip
+    assert torch.equal(checksum.lanes_of(ts).cpu(), torch.stack([checksum._torch_lanes(checksum.words(t.cpu()))
+                                                               for t in ts]))  # fmt: skip
+    dsts = [torch.empty_like(t) for t in ts]
+    lanes = checksum.copy_with_lanes(list(zip(ts, dsts)))  # fused, except the padded tensors (7 and 33 values)
+    assert all(torch.equal(d, t) for d, t in zip(dsts, ts))
+    assert torch.equal(lanes, checksum.lanes_of(ts))
+    strided = torch.zeros(2 * ts[0].numel(), dtype=ts[0].dtype, device="cuda")[::2]  # not fused: torch copies
+    lanes = checksum.copy_with_lanes([(ts[0], strided), (ts[2], dsts[2].zero_())])
+    assert torch.equal(strided, ts[0]) and torch.equal(dsts[2], ts[2])
+    assert torch.equal(lanes, checksum.lanes_of([ts[0], ts[2]]))
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.set_num_threads(1)
+    check("cpu")
