@@ -19,14 +19,8 @@ import subprocess
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from miles_hpc.sync import checksum, checksum_kernels
-
-SIGNATURE = {"src_ptr": "*i64", "dst_ptr": "*i64", "meta_ptr": "*i64", "first_ptr": "*i64", "pow_ptr": "*i64",
-             "out_ptr": "*i64", "T": "i32", "CHUNK": "constexpr", "BLOCK": "constexpr", "STEPS": "constexpr",
-             "ALIGN": "constexpr", "COPY": "constexpr"}  # fmt: skip
+from miles_hpc.sync import checksum_kernels
 
 
 def sass_ops(cubin: bytes) -> collections.Counter[str]:
@@ -49,16 +43,12 @@ def main() -> None:
     args = ap.parse_args()
     words_per_thread = checksum_kernels.BLOCK / (4 * 32)  # Triton's default 4 warps
     for copy in (False, True):
-        for align in (1, 2):
-            consts = {"CHUNK": checksum.CHUNK, "BLOCK": checksum_kernels.BLOCK, "STEPS": 9, "ALIGN": align,
-                      "COPY": copy}  # fmt: skip
-            src = ASTSource(fn=checksum_kernels._many_lane_sums, signature=SIGNATURE, constexprs=consts,
-                            attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})  # fmt: skip
-            kernel = triton.compile(src, target=GPUTarget("cuda", args.arch, 32))
+        for aligned in (False, True):
+            kernel = checksum_kernels.compile_for(args.arch, copy, aligned)
             ops = sass_ops(kernel.asm["cubin"])
             ptx = collections.Counter(re.findall(r"((?:ld|st)\.global(?:\.v\d)?)\.b64", kernel.asm["ptx"]))
             print(json.dumps({"bench": "sass_count", "kernel": "checksum_kernels._many_lane_sums", "copy": copy,
-                              "aligned_16": align == 2, "arch": args.arch, "block_words": checksum_kernels.BLOCK,
+                              "aligned_16": aligned, "arch": args.arch, "block_words": checksum_kernels.BLOCK,
                               # static counts cover both the whole-block and the masked path
                               "instructions_per_word": round(sum(ops.values()) / words_per_thread, 1),
                               "imad_per_word": round(ops["IMAD"] / words_per_thread, 1),

@@ -29,8 +29,9 @@ def groups(device: str, g: torch.Generator) -> list[list[torch.Tensor]]:
     37 tensors (the block search's depth); words padded from tensors of every element width."""
     buf = torch.randn(6 * SMALL_CHUNK, generator=g).to(torch.bfloat16).to(device)
     buf_words = checksum.words(buf)
-    aligned = [buf_words[2:5002], buf_words[6002 : 6002 + 3 * SMALL_CHUNK + 18], buf_words[:0],
-               checksum.words(torch.randn(2 * SMALL_CHUNK, generator=g).to(device)), buf_words[-SMALL_CHUNK:]]  # fmt: skip
+    other = checksum.words(torch.randn(2 * SMALL_CHUNK, generator=g).to(device))  # a separate allocation
+    aligned = [buf_words[2:5002], buf_words[6002 : 6002 + 3 * SMALL_CHUNK + 18], buf_words[:0], other,
+               buf_words[-SMALL_CHUNK:]]  # fmt: skip
     odd = [buf_words[1:4000], buf_words[5001 : 5001 + SMALL_CHUNK], buf_words[-1:]]  # 8 bytes off 16
     many = [buf_words[i * 997 : i * 997 + 13 * i] for i in range(37)]
     padded = [checksum.words(t) for t in (torch.randint(0, 2, (13,), generator=g).bool().to(device),
@@ -75,6 +76,19 @@ def test_kernels_in_the_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-4000:]
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_kernels_compile_for_hopper_with_vector_access(copy: bool) -> None:
+    """The interpreter does not catch what only the compiler refuses (a non-constexpr global, say): compile for
+    sm_90 here, without a GPU, and check that aligned whole blocks move 16 bytes per access."""
+    require(importlib.util.find_spec("triton") is not None, "triton (the dev extra)")
+    from miles_hpc.sync import checksum_kernels as ck
+
+    ptx = ck.compile_for(90, copy, aligned=True).asm["ptx"]
+    assert "ld.global.v2.b64" in ptx and ("st.global.v2.b64" in ptx) == copy
+    assert "atom.global.gpu.acq_rel.add.u64" in ptx or "red.global" in ptx
+    assert "ld.global.v2.b64" not in ck.compile_for(90, copy, aligned=False).asm["ptx"]
 
 
 @pytest.mark.gpu

@@ -115,17 +115,18 @@ def copy_with_lanes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch
         return torch.zeros(0, 2, dtype=torch.int64)
     device = pairs[0][0].device
     fused: list[int] = []
+    srcs, dsts = [], []
     if device.type == "cuda" and _kernels() is not None:
         for i, (s, d) in enumerate(pairs):
             if s.device == d.device == device and s.is_contiguous() and d.is_contiguous():
                 ws, wd = words(s), words(d)
                 if is_view(ws, s) and is_view(wd, d):
                     fused.append(i)
+                    srcs.append(ws)
+                    dsts.append(wd)
     lanes = None
     if fused:
-        srcs = [words(pairs[i][0]) for i in fused]
-        lanes = _kernels().copy_lanes_many(srcs, [words(pairs[i][1]) for i in fused], CHUNK,
-                                           power_table(_max_chunks(srcs), device))  # fmt: skip
+        lanes = _kernels().copy_lanes_many(srcs, dsts, CHUNK, power_table(_max_chunks(srcs), device))
     if lanes is None:
         fused = []
     done = set(fused)
@@ -223,8 +224,8 @@ def digests(heads: Sequence[bytes], lanes: torch.Tensor) -> list[str]:
     """The checksums of tensors from their heads (`head`) and lanes (`lanes_of`): one host read."""
     host = lanes.cpu().tolist()
     out = []
-    for head, row in zip(heads, host):
-        h = hashlib.blake2b(head, digest_size=16)
+    for covered, row in zip(heads, host):
+        h = hashlib.blake2b(covered, digest_size=16)
         h.update(np.asarray(row, dtype="<i8").tobytes())
         out.append(h.hexdigest())
     return out

@@ -17,7 +17,9 @@ a time where every tensor is 16-byte aligned (`ALIGN`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -88,10 +90,9 @@ def _base(ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int], bool] | 
 def _launch(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor] | None, chunk: int,
             powers: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
     device = srcs[0].device
-    out = torch.zeros(len(srcs), 2, dtype=torch.int64, device=device)
     live = [i for i, t in enumerate(srcs) if t.numel()]
     if not live:
-        return out
+        return torch.zeros(len(srcs), 2, dtype=torch.int64, device=device)
     src = _base([srcs[i] for i in live])
     dst = _base([dsts[i] for i in live]) if dsts is not None else src
     if src is None or dst is None:
@@ -104,12 +105,14 @@ def _launch(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor] | None, c
         blocks += triton.cdiv(n, BLOCK)
     table = torch.tensor(meta + first + [blocks], dtype=torch.int64).to(device, non_blocking=True)
     sums = torch.zeros(len(live), 2, dtype=torch.int64, device=device)
-    _many_lane_sums[(blocks,)](src[0], dst[0], table, table[len(meta):], powers, sums, len(live), CHUNK=chunk,
-                               BLOCK=BLOCK, STEPS=max(1, len(live).bit_length()),
-                               ALIGN=2 if src[2] and dst[2] else 1,
-                               COPY=dsts is not None)  # fmt: skip
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # launch where they live
+        _many_lane_sums[(blocks,)](src[0], dst[0], table, table[len(meta):], powers, sums, len(live), CHUNK=chunk,
+                                   BLOCK=BLOCK, STEPS=max(1, len(live).bit_length()),
+                                   ALIGN=2 if src[2] and dst[2] else 1,
+                                   COPY=dsts is not None)  # fmt: skip
     if len(live) == len(srcs):
         return sums
+    out = torch.zeros(len(srcs), 2, dtype=torch.int64, device=device)
     out[torch.tensor(live, device=device)] = sums
     return out
 
@@ -126,3 +129,19 @@ def copy_lanes_many(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], 
     tensors being written) and return the lanes of what was written; None (nothing written) when the tensors
     share no base pointer."""
     return _launch(srcs, dsts, chunk, powers)
+
+
+def compile_for(arch: int, copy: bool, aligned: bool) -> Any:
+    """`_many_lane_sums` compiled ahead of time for CUDA compute capability `arch` (x10, e.g. 90), no GPU needed
+    (Triton's bundled ptxas): its `asm` holds the PTX and the cubin (tests check it compiles; sass_count.py counts
+    its instructions)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointers = ("src_ptr", "dst_ptr", "meta_ptr", "first_ptr", "pow_ptr", "out_ptr")
+    signature = {**dict.fromkeys(pointers, "*i64"), "T": "i32", **dict.fromkeys(
+        ("CHUNK", "BLOCK", "STEPS", "ALIGN", "COPY"), "constexpr")}  # fmt: skip
+    constants = {"CHUNK": 1 << 22, "BLOCK": BLOCK, "STEPS": 9, "ALIGN": 2 if aligned else 1, "COPY": copy}
+    source = ASTSource(fn=_many_lane_sums, signature=signature, constexprs=constants,
+                       attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))})  # fmt: skip
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
