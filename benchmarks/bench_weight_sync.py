@@ -24,6 +24,13 @@ Sections (`--sections a,b` or `--only a`; all by default):
     python benchmarks/bench_weight_sync.py --only codec --device cuda --codec-mb 1024
 
 - transfer: one publish per strategy to real `miles-hpc serve` engines on this host (sync_transfer.py).
+
+- checksum: the verification's own cost on `--checksum-mb` of weights (`--checksum-tensors` tensors, bf16 and
+  fp32): `tensor_checksums` (one launch for all on a GPU) against one copy of the same bytes on the device in the
+  same run, and on a GPU the copy that hashes what it writes (`copy_with_lanes`, the direct write's pass).
+
+    python benchmarks/bench_weight_sync.py --only checksum --threads 1
+    python benchmarks/bench_weight_sync.py --only checksum --device cuda --checksum-mb 13000 --checksum-tensors 310
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import torch
 
 from miles_hpc.models import ModelConfig, build_model, iter_hf_tensors
 from miles_hpc.models.presets import preset_config
-from miles_hpc.sync.checksum import tensor_checksum
+from miles_hpc.sync.checksum import copy_with_lanes, tensor_checksum, tensor_checksums
 from miles_hpc.sync.delta_codec import decode, encode, to_bytes, warm_kernels
 
 # Few-layer Qwen3 shapes on top of the "small" preset (its byte-level vocabulary): big enough matrices for
@@ -223,6 +230,35 @@ def bench_codec(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                "reps": args.reps}  # fmt: skip
 
 
+def bench_checksum(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """Checksums of many tensors vs one device copy of the same bytes (module docstring)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        yield _checksum_row(args, torch.device(args.device), dtype)  # buffers freed between dtypes
+
+
+def _checksum_row(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    per = (args.checksum_mb << 20) // args.checksum_tensors // dtype.itemsize
+    named = [(f"t{i}", torch.randn(per, device=device, dtype=dtype)) for i in range(args.checksum_tensors)]
+    nbytes = per * dtype.itemsize * len(named)
+    src, dst = (torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2))
+    dsts = [torch.empty_like(t) for _, t in named]
+    runs: dict[str, Callable[[], Any]] = {
+        "copy": lambda: dst.copy_(src),  # the reference: one copy of the same bytes
+        "copy_per_tensor": lambda: [d.copy_(t) for d, (_, t) in zip(dsts, named)],
+        "checksums": lambda: tensor_checksums(named),
+    }
+    if device.type == "cuda":
+        runs["copy_and_checksums"] = lambda: copy_with_lanes([(t, d) for d, (_, t) in zip(dsts, named)]).cpu()
+    times = {}
+    for key, fn in runs.items():
+        fn()  # untimed first call (compiles kernels, builds tables)
+        times[key] = min(timed(device, fn)[1] for _ in range(args.reps))
+    return {"bench": "weight_sync", "section": "checksum", "device": _device_name(device), "dtype": str(dtype),
+            "tensors": len(named), "bytes": nbytes, "reps": args.reps,
+            **{f"{k}_s": round(v, 5) for k, v in times.items()},
+            **{f"{k}_gbps": round(nbytes / v / 1e9, 2) for k, v in times.items()}}  # fmt: skip
+
+
 def groups(named: list[tuple[str, torch.Tensor]], group_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive tensors in groups of at most `group_bytes` (a bigger tensor alone; 0: one tensor per group)."""
     cur: list[tuple[str, torch.Tensor]] = []
@@ -258,6 +294,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], Iterator[dict[str, Any]]]] = 
     "delta": bench_delta,
     "codec": bench_codec,
     "transfer": bench_transfer,
+    "checksum": bench_checksum,
 }
 
 
@@ -282,6 +319,9 @@ def main() -> None:
     d.add_argument("--codec-mb", type=int, default=64, help="codec section: MB of the synthetic bf16 tensor")
     d.add_argument("--classes", default="8,16", help="codec section: comma-separated max_classes to compare")
     d.add_argument("--link-gbps", type=float, default=25.0, help="link speed (GB/s) the delta send competes with")
+    c = ap.add_argument_group("checksum")
+    c.add_argument("--checksum-mb", type=int, default=256, help="MB of weights per dtype")
+    c.add_argument("--checksum-tensors", type=int, default=16, help="how many tensors they are split into")
     t = ap.add_argument_group("transfer")
     t.add_argument("--transfer-size", choices=sorted(SIZES), default="100m", help="model shape published")
     t.add_argument("--engines", default="1,2", help="comma-separated engine counts")
