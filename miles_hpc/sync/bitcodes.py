@@ -24,12 +24,15 @@ __all__ = [
     "BitWriter",
     "Cursor",
     "DeltaError",
-    "best_k",
     "complement",
     "get_rice",
     "get_set",
     "put_rice",
+    "put_rice_planned",
     "put_set",
+    "rice_plans",
+    "set_gaps",
+    "set_width",
     "varints",
 ]
 
@@ -42,20 +45,31 @@ class DeltaError(ValueError):
 
 
 # ---------------------------------------------------------------- sets and Rice codes
-def put_set(w: BitWriter, ranks: torch.Tensor, n: int) -> list[int]:
-    """Code sorted distinct `ranks` in [0, n): [inverted, size, k, unary bits]."""
+def set_gaps(ranks: torch.Tensor, n: int) -> tuple[bool, torch.Tensor]:
+    """A set of sorted distinct `ranks` in [0, n) as (inverted, gaps): the complement when it holds more than
+    half of [0, n), then r_i - r_{i-1} - 1 with r_{-1} = -1 (what `put_set` writes, in Rice codes)."""
     inverted = 2 * ranks.numel() > n
     if inverted:
         ranks = complement(ranks, n)
-    gaps = torch.diff(ranks.long(), prepend=ranks.new_full((1,), -1).long()) - 1
-    return [int(inverted), ranks.numel(), *put_rice(w, gaps, max(1, n.bit_length()))]
+    return inverted, torch.diff(ranks.long(), prepend=ranks.new_full((1,), -1).long()) - 1
+
+
+def put_set(w: BitWriter, ranks: torch.Tensor, n: int) -> list[int]:
+    """Code sorted distinct `ranks` in [0, n): [inverted, size, k, unary bits]."""
+    inverted, gaps = set_gaps(ranks, n)
+    return [int(inverted), gaps.numel(), *put_rice(w, gaps, set_width(n))]
+
+
+def set_width(n: int) -> int:
+    """Raw width of an escaped gap in a set out of n."""
+    return max(1, n.bit_length())
 
 
 def get_set(r: BitReader, c: Cursor, n: int) -> torch.Tensor:
     inverted, size = c.next(), c.next()
     if inverted > 1 or size > n:
         raise DeltaError(f"corrupt delta counts: set of {size} out of {n} (inverted={inverted})")
-    ranks = torch.cumsum(get_rice(r, c, size, max(1, n.bit_length())) + 1, 0) - 1
+    ranks = torch.cumsum(get_rice(r, c, size, set_width(n)) + 1, 0) - 1
     if size and int(ranks[-1]) >= n:
         raise DeltaError(f"corrupt delta: rank {int(ranks[-1])} out of {n}")
     return complement(ranks, n) if inverted else ranks
@@ -69,18 +83,50 @@ def complement(ranks: torch.Tensor, n: int) -> torch.Tensor:
 
 def put_rice(w: BitWriter, v: torch.Tensor, width: int) -> list[int]:
     """Rice-code non-negative `v` (escapes raw in `width` bits) with the cheapest k: [k, unary bits]."""
+    return put_rice_planned(w, v, width, rice_plans([v], [width])[0])
+
+
+def rice_plans(vs: list[torch.Tensor], widths: list[int]) -> list[tuple[int, int, int]]:
+    """(k, unary bits, escapes) of the cheapest Rice code of each of `vs` (non-negative), k searched around log2 of
+    the mean (the exact coded length is unimodal in k): two device waits for all of them, not two per vector."""
+    plans = [(0, 0, 0)] * len(vs)
+    live = [i for i, v in enumerate(vs) if v.numel()]
+    if not live:
+        return plans
+    means = torch.stack([vs[i].double().mean() for i in live]).tolist()
+    candidates, rows = [], []
+    for i, mean in zip(live, means):
+        guess = max(0, int(math.log2(max(mean * math.log(2), 1.0))))
+        ks = list(range(max(0, guess - 2), min(guess + 3, MAX_CODED_BITS)))
+        candidates.append(ks)
+        for k in ks:
+            q = vs[i] >> k
+            esc = q >= Q_CAP
+            rows.append(torch.stack([torch.where(esc, Q_CAP + 1 + widths[i], q + 1 + k).sum(),
+                                     torch.where(esc, Q_CAP, q).sum(), esc.sum()]))  # fmt: skip
+    values = torch.stack(rows).tolist()
+    at = 0
+    for i, ks in zip(live, candidates):
+        block = values[at : at + len(ks)]
+        at += len(ks)
+        j = min(range(len(ks)), key=lambda j: (block[j][0], j))  # least bits; the smaller k on a tie
+        plans[i] = (ks[j], int(block[j][1]) + vs[i].numel(), int(block[j][2]))
+    return plans
+
+
+def put_rice_planned(w: BitWriter, v: torch.Tensor, width: int, plan: tuple[int, int, int]) -> list[int]:
+    """Rice-code `v` with its plan from `rice_plans` (no device wait): [k, unary bits]."""
+    k, qbits, n_esc = plan
     if v.numel() == 0:
         return [0, 0]
-    k = best_k(v, width)
     q = v >> k
     esc = q >= Q_CAP
-    q = torch.where(esc, Q_CAP, q)
-    qbits, n_esc = (int(x) for x in torch.stack([q.sum() + v.numel(), esc.sum()]).tolist())
-    w.unary(q, qbits)
-    if n_esc:
-        w.fixed(v[~esc] & ((1 << k) - 1), k)
-        w.fixed(v[esc], width)
-    else:  # the usual case: no boolean indexing (each one waits for the device)
+    w.unary(torch.where(esc, Q_CAP, q), qbits)
+    if n_esc:  # the kept values, then the escaped ones, each in order: a stable sort, not a boolean index's wait
+        order = torch.argsort(esc.to(torch.uint8), stable=True)
+        w.fixed(v[order[: v.numel() - n_esc]] & ((1 << k) - 1), k)
+        w.fixed(v[order[v.numel() - n_esc :]], width)
+    else:
         w.fixed(v & ((1 << k) - 1), k)
     return [k, qbits]
 
@@ -107,18 +153,6 @@ def get_rice(r: BitReader, c: Cursor, n: int, width: int) -> torch.Tensor:
     v[~esc] = (q[~esc] << k) | r.fixed(n - n_esc, k)
     v[esc] = r.fixed(n_esc, width)
     return v
-
-
-def best_k(v: torch.Tensor, width: int) -> int:
-    """The k of least exact coded length, searched around log2 of the mean (Rice cost is unimodal in k)."""
-    guess = max(0, int(math.log2(max(float(v.double().mean()) * math.log(2), 1.0))))
-    ks = list(range(max(0, guess - 2), min(guess + 3, MAX_CODED_BITS)))
-    costs = []
-    for k in ks:
-        q = v >> k
-        costs.append(torch.where(q >= Q_CAP, Q_CAP + 1 + width, q + 1 + k).sum())
-    exact = torch.stack(costs).tolist()  # one wait for the device, not one per k
-    return min(zip(exact, ks))[1]
 
 
 # ---------------------------------------------------------------- bits

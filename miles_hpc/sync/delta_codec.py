@@ -285,17 +285,63 @@ def _encode_changes(
         starts = np.concatenate([[0], np.cumsum(n_c)])
         all_ranks = torch.cat([torch.nonzero(changed_sorted[starts[c] : starts[c + 1]]).flatten()
                                for c in range(n_classes)])  # fmt: skip
-    k_starts = np.concatenate([[0], np.cumsum(k_c)]).astype(np.int64)
-    for c in range(n_classes):
-        ranks = all_ranks[k_starts[c] : k_starts[c + 1]]
-        d_c = d[k_starts[c] : k_starts[c + 1]]
-        counts += bc.put_set(w, ranks, int(n_c[c]))
-        w.fixed((d_c < 0).to(torch.int64), 1)
-        m_c = d_c.abs()
-        big = m_c > 1
-        counts += bc.put_set(w, torch.nonzero(big).flatten(), m_c.numel())
-        counts += bc.put_rice(w, m_c[big] - 2, spec.width)
+    counts += _emit_classes(w, all_ranks, d, [int(x) for x in n_c], [int(x) for x in k_c], spec)
     return w.getvalue(), tuple(counts)
+
+
+def _emit_classes(w: bc.BitWriter, ranks: torch.Tensor, d: torch.Tensor, n_c: list[int], k_c: list[int],
+                  spec: _Spec) -> list[int]:  # fmt: skip
+    """Write every class's four sections (module docstring) and return their counts. `ranks` and `d` are
+    class-major (class c's changes are rows k_0 + .. + k_{c-1} onward, in flat index order). The sections of all
+    classes are prepared together, so the whole emission waits for the device three times (escape counts, Rice
+    means, Rice costs), not a few times per class and section."""
+    device = d.device
+    starts = np.concatenate([[0], np.cumsum(k_c)]).astype(np.int64)
+    cls = torch.repeat_interleave(torch.arange(len(k_c), device=device), torch.tensor(k_c, device=device),
+                                  output_size=int(starts[-1]))  # fmt: skip
+    mag = d.abs()
+    big = mag > 1
+    x_c = [int(x) for x in torch.bincount(cls, weights=big.double(), minlength=len(k_c)).tolist()]
+    x_starts = np.concatenate([[0], np.cumsum(x_c)]).astype(np.int64)
+    big_at = torch.nonzero_static(big, size=int(x_starts[-1])).flatten()  # positions among all changes, in order
+    in_class = big_at - torch.tensor(starts[:-1], device=device)[cls[big_at]]  # ... among their class's changes
+    rank_gaps, esc_gaps = _segment_gaps(ranks, starts), _segment_gaps(in_class, x_starts)
+    mags = mag[big_at] - 2
+    sections: list[torch.Tensor] = []
+    widths: list[int] = []
+    heads: list[list[int]] = []
+    for c in range(len(k_c)):
+        a, b, xa, xb = starts[c], starts[c + 1], x_starts[c], x_starts[c + 1]
+        for members, gaps, n in ((ranks[a:b], rank_gaps[a:b], n_c[c]), (in_class[xa:xb], esc_gaps[xa:xb], k_c[c])):
+            if 2 * members.numel() > n:  # coded as its complement (rare: most of a class changed)
+                _, gaps = bc.set_gaps(members, n)
+                heads.append([1, gaps.numel()])
+            else:
+                heads.append([0, gaps.numel()])
+            sections.append(gaps)
+            widths.append(bc.set_width(n))
+        sections.append(mags[xa:xb])
+        widths.append(spec.width)
+        heads.append([])
+    plans = bc.rice_plans(sections, widths)
+    counts: list[int] = []
+    for c in range(len(k_c)):
+        for j in range(3):
+            i = 3 * c + j
+            counts += heads[i] + bc.put_rice_planned(w, sections[i], widths[i], plans[i])
+            if j == 0:  # signs, after the positions
+                w.fixed((d[starts[c] : starts[c + 1]] < 0).to(torch.int64), 1)
+    return counts
+
+
+def _segment_gaps(ranks: torch.Tensor, starts: np.ndarray) -> torch.Tensor:
+    """r_i - r_{i-1} - 1 within each segment [starts[s], starts[s+1]) of `ranks`, r_{-1} = -1 at a segment's start."""
+    if ranks.numel() == 0:
+        return ranks.long()
+    prev = torch.roll(ranks.long(), 1)
+    firsts = [int(a) for a, b in itertools.pairwise(starts) if b > a]
+    prev[torch.tensor(firsts, device=ranks.device)] = -1
+    return ranks.long() - prev - 1
 
 
 def _decode_changes(ob: torch.Tensor, data: bytes, counts: tuple[int, ...], spec: _Spec) -> torch.Tensor:
