@@ -283,3 +283,29 @@ def test_cuda_special_values_and_corruption() -> None:
         data[int(rng.integers(len(data)))] ^= 1 << int(rng.integers(8))
         with pytest.raises(DeltaError):
             decode(old.cuda(), dataclasses.replace(p, data=bytes(data)))
+
+
+PINNED = [  # (values, lr, dtype, share of values stepped, sha256[:16] of body + counts) from the per-class encoder
+    (200_000, 1e-6, torch.bfloat16, 1.0, "73e86e304f549ecc"),  # that predates `_emit_classes`: same payloads
+    (300_000, 1e-5, torch.bfloat16, 1.0, "3ca5c30a99503507"),
+    (50_000, 1e-3, torch.float16, 1.0, "ff209c3ed94e010c"),
+    (100_000, 1e-6, torch.float32, 1.0, "9e1e780c5220dee7"),
+    (5000, 1e-2, torch.bfloat16, 1.0, "4371b4509b4a04dc"),  # most of some classes changed: inverted sets, escapes
+    (100_000, 3e-4, torch.bfloat16, 0.5, "15caa34d79ce6584"),
+]
+
+
+def test_payloads_are_pinned() -> None:
+    """The encoder's choices (classes, Rice parameters, set inversions, escapes) are deterministic integer
+    arithmetic, so its payloads are pinned: a change that alters them is a format decision, not a refactor."""
+    import hashlib
+
+    g = torch.Generator().manual_seed(0)
+    for n, lr, dtype, share, digest in PINNED:
+        w = torch.randn(n, generator=g) * torch.exp(0.7 * torch.randn(n, generator=g)) * 0.02
+        step = lr * torch.randn(n, generator=g).sign() * (torch.rand(n, generator=g) < share)
+        step = step * torch.exp(torch.randn(n, generator=g))
+        old, new = w.to(dtype), (w + step).to(dtype)
+        p = encode(old, new)
+        assert p.kind == "delta" and torch.equal(bits(decode(old, p)), bits(new))
+        assert hashlib.sha256(p.data + repr(p.counts).encode()).hexdigest()[:16] == digest, (n, lr, dtype)
