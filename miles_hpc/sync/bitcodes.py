@@ -5,9 +5,11 @@ vectorised sections (`BitWriter`, `BitReader`), Rice codes with an escape for ou
 sets of ranks coded as Rice-coded gaps (`put_set`, `get_set`), and LEB128 varints (`varints`, `Cursor`).
 
 Invariants: every writer returns the counts its reader needs (they travel in the payload's `counts`, not in the bit
-stream), so each section decodes with vectorised ops, never a sequential scan; every reader raises `DeltaError`
-(never IndexError or a silent wrong value) on a stream or counts that do not fit, and keeps every shift below
-64 bits (`MAX_CODED_BITS`).
+stream: with the escape counts they give every section's length), so each section decodes with vectorised ops,
+never a sequential scan, and without waiting for the device; every reader raises `DeltaError` at once on counts
+that do not fit, adds what only the bits can show to a `Checks` (read once by the caller) and clamps every index
+it derives from the bits until then, so a corrupt stream raises `DeltaError`, never IndexError, a device fault or a
+silent wrong value; every shift stays below 64 bits (`MAX_CODED_BITS`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "Q_CAP",
     "BitReader",
     "BitWriter",
+    "Checks",
     "Cursor",
     "DeltaError",
     "complement",
@@ -65,14 +68,21 @@ def set_width(n: int) -> int:
     return max(1, n.bit_length())
 
 
-def get_set(r: BitReader, c: Cursor, n: int) -> torch.Tensor:
+def get_set(r: BitReader, c: Cursor, n: int, checks: Checks) -> torch.Tensor:
+    """The ranks `put_set` wrote (their number is known from the counts alone: no device wait)."""
     inverted, size = c.next(), c.next()
     if inverted > 1 or size > n:
         raise DeltaError(f"corrupt delta counts: set of {size} out of {n} (inverted={inverted})")
-    ranks = torch.cumsum(get_rice(r, c, size, set_width(n)) + 1, 0) - 1
-    if size and int(ranks[-1]) >= n:
-        raise DeltaError(f"corrupt delta: rank {int(ranks[-1])} out of {n}")
-    return complement(ranks, n) if inverted else ranks
+    ranks = torch.cumsum(get_rice(r, c, size, set_width(n), checks) + 1, 0) - 1
+    if size:
+        checks.add(ranks[-1] >= n, f"corrupt delta: a rank beyond {n}")
+        ranks = ranks.clamp(max=n - 1)  # (memory-safe until the checks are read)
+    if not inverted:
+        return ranks
+    keep = torch.ones(n, dtype=torch.bool, device=ranks.device)
+    keep[ranks] = False
+    checks.add(keep.sum() != n - size, f"corrupt delta: an inverted set of {size} out of {n} repeats a rank")
+    return torch.nonzero_static(keep, size=n - size, fill_value=0).flatten()
 
 
 def complement(ranks: torch.Tensor, n: int) -> torch.Tensor:
@@ -82,7 +92,7 @@ def complement(ranks: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def put_rice(w: BitWriter, v: torch.Tensor, width: int) -> list[int]:
-    """Rice-code non-negative `v` (escapes raw in `width` bits) with the cheapest k: [k, unary bits]."""
+    """Rice-code non-negative `v` (escapes raw in `width` bits) with the cheapest k: [k, unary bits, escapes]."""
     return put_rice_planned(w, v, width, rice_plans([v], [width])[0])
 
 
@@ -115,10 +125,10 @@ def rice_plans(vs: list[torch.Tensor], widths: list[int]) -> list[tuple[int, int
 
 
 def put_rice_planned(w: BitWriter, v: torch.Tensor, width: int, plan: tuple[int, int, int]) -> list[int]:
-    """Rice-code `v` with its plan from `rice_plans` (no device wait): [k, unary bits]."""
+    """Rice-code `v` with its plan from `rice_plans` (no device wait): [k, unary bits, escapes]."""
     k, qbits, n_esc = plan
     if v.numel() == 0:
-        return [0, 0]
+        return [0, 0, 0]
     q = v >> k
     esc = q >= Q_CAP
     w.unary(torch.where(esc, Q_CAP, q), qbits)
@@ -128,31 +138,50 @@ def put_rice_planned(w: BitWriter, v: torch.Tensor, width: int, plan: tuple[int,
         w.fixed(v[order[v.numel() - n_esc :]], width)
     else:
         w.fixed(v & ((1 << k) - 1), k)
-    return [k, qbits]
+    return [k, qbits, n_esc]
 
 
-def get_rice(r: BitReader, c: Cursor, n: int, width: int) -> torch.Tensor:
-    k, qbits = c.next(), c.next()
-    if k > MAX_CODED_BITS or qbits < n or (n == 0 and qbits):
-        raise DeltaError(f"corrupt delta counts: Rice k={k}, {qbits} unary bits for {n} values")
-    ends = torch.nonzero(r.take(qbits)).flatten()
-    if ends.numel() != n:
-        raise DeltaError(f"corrupt delta: unary section has {ends.numel()} codes, expected {n}")
+def get_rice(r: BitReader, c: Cursor, n: int, width: int, checks: Checks) -> torch.Tensor:
+    """The n values `put_rice` wrote. The counts give every section's length ([k, unary bits, escapes]), so this
+    reads without a device wait; what only the bits can show is added to `checks`, read once by the caller."""
+    k, qbits, n_esc = c.next(), c.next(), c.next()
+    if k > MAX_CODED_BITS or qbits < n or (n == 0 and qbits) or n_esc > n or width > MAX_CODED_BITS:
+        raise DeltaError(f"corrupt delta counts: Rice k={k}, {qbits} unary bits, {n_esc} escapes for {n} values")
+    unary, rem, raw = r.take(qbits), r.fixed(n - n_esc, k), r.fixed(n_esc, width)
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=r.device)
-    q = torch.diff(ends, prepend=ends.new_full((1,), -1)) - 1
-    esc = q == Q_CAP
-    last, q_max, n_esc = (int(x) for x in torch.stack([ends[-1], q.max(), esc.sum()]).tolist())
-    if last != qbits - 1:
-        raise DeltaError(f"corrupt delta: unary section has {n} codes and {qbits - 1 - last} bits after them")
-    if q_max > Q_CAP:
-        raise DeltaError("corrupt delta: Rice quotient above the escape cap")
-    if not n_esc:
-        return (q << k) | r.fixed(n, k)
-    v = torch.empty(n, dtype=torch.int64, device=r.device)
-    v[~esc] = (q[~esc] << k) | r.fixed(n - n_esc, k)
-    v[esc] = r.fixed(n_esc, width)
+    ends = torch.nonzero_static(unary, size=n, fill_value=qbits - 1).flatten()  # the ones end the codes
+    checks.add(unary.sum() != n, f"corrupt delta: a unary section of {qbits} bits does not hold {n} codes")
+    checks.add(ends[-1] != qbits - 1, f"corrupt delta: bits after the last of {n} unary codes")
+    q = (torch.diff(ends, prepend=ends.new_full((1,), -1)) - 1).clamp(min=0)
+    esc = q >= Q_CAP
+    checks.add(q.max() > Q_CAP, "corrupt delta: Rice quotient above the escape cap")
+    checks.add(esc.sum() != n_esc, f"corrupt delta: {n_esc} escapes announced, the unary codes differ")
+    v = q.clamp(max=Q_CAP) << k
+    if n > n_esc:  # the kept values take the remainders in order, the escaped ones the raw values
+        v = v | rem[(torch.cumsum(~esc, 0) - 1).clamp(0, n - n_esc - 1)]
+    if n_esc:
+        v = torch.where(esc, raw[(torch.cumsum(esc, 0) - 1).clamp(0, n_esc - 1)], v)
     return v
+
+
+class Checks:
+    """Validity conditions of a stream computed on the device and read in one wait (`raise_first`); until then
+    every index derived from the stream is clamped, so a corrupt payload raises `DeltaError`, never faults."""
+
+    def __init__(self) -> None:
+        self.flags: list[torch.Tensor] = []
+        self.messages: list[str] = []
+
+    def add(self, bad: torch.Tensor, message: str) -> None:
+        self.flags.append(bad.reshape(()).bool())
+        self.messages.append(message)
+
+    def raise_first(self) -> None:
+        if self.flags:
+            for bad, message in zip(torch.stack(self.flags).tolist(), self.messages):
+                if bad:
+                    raise DeltaError(message)
 
 
 # ---------------------------------------------------------------- bits
@@ -207,10 +236,11 @@ class BitReader:
         b = self.take(n * width).view(n, width).long()
         return (b << torch.arange(width - 1, -1, -1, device=self.device)).sum(1)
 
-    def finish(self) -> None:
+    def finish(self, checks: Checks) -> None:
         rest = self.bits[self.pos :]
-        if rest.numel() >= 8 or bool(rest.any()):
+        if rest.numel() >= 8:
             raise DeltaError(f"corrupt delta: {rest.numel()} bits left after the last section")
+        checks.add(rest.any(), "corrupt delta: nonzero padding after the last section")
 
 
 class Cursor:

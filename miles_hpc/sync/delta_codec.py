@@ -33,8 +33,10 @@ raw values of the escaped ones (q >= 32 is written as 32 zeros and a one, no rem
 the dtype width for magnitudes). k minimises the exact coded length.
 
 Counts (`DeltaPayload.counts`): [C, low_1 .. low_{C-1}] (class c covers exponent fields [low_c, low_{c+1}), low_0 =
-0), then per class: positions (inverted, s, k, unary bits), escapes (inverted, s, k, unary bits), magnitudes (k,
-unary bits). The body is the bit stream, zero-padded to whole bytes.
+0), then per class: positions (inverted, s, k, unary bits, escaped), escapes (inverted, s, k, unary bits, escaped),
+magnitudes (k, unary bits, escaped). With the escaped counts every section's length is known before any bit is
+read, so the decoder reads the whole stream without waiting for the device (one wait at the end for its checks).
+The body is the bit stream, zero-padded to whole bytes.
 
 Framing (`to_bytes`; integers are unsigned LEB128 varints unless sized):
     b"MHWD" | u8 version=2 | u8 kind (0 same, 1 delta, 2 full) | u8 dtype (1 bfloat16, 2 float16, 3 float32)
@@ -64,7 +66,7 @@ __all__ = ["DeltaError", "DeltaPayload", "decode", "encode", "encode_full", "fro
 Kind = Literal["same", "delta", "full"]
 _KINDS: tuple[Kind, ...] = ("same", "delta", "full")
 MAGIC = b"MHWD"
-VERSION = 2  # 2: ranks within a class in flat index order (1 ordered them by exponent first)
+VERSION = 3  # 3: escape counts in the counts; 2: ranks within a class in flat index order (1: by exponent first)
 _CLASS_HEADER_BITS = 96.0  # the DP's price of one more class: ~10 varints of counts
 _PARTITION_SAMPLE = 1 << 22  # elements whose exponents estimate the class sizes for the partition
 
@@ -364,14 +366,15 @@ def _decode_changes(ob: torch.Tensor, data: bytes, counts: tuple[int, ...], spec
         order = torch.argsort(cls, stable=True)
         sizes = torch.bincount(cls, minlength=n_classes).cpu().numpy()
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    checks = bc.Checks()
     idx_parts, d_parts = [], []
     for k in range(n_classes):
         n_k = ob.numel() if n_classes == 1 else int(starts[k + 1] - starts[k])
-        ranks = bc.get_set(r, c, n_k)
+        ranks = bc.get_set(r, c, n_k, checks)
         neg = r.fixed(ranks.numel(), 1).bool()
         mag = torch.ones(ranks.numel(), dtype=torch.int64, device=ob.device)
-        big = bc.get_set(r, c, ranks.numel())
-        mag[big] = bc.get_rice(r, c, big.numel(), spec.width) + 2
+        big = bc.get_set(r, c, ranks.numel(), checks)
+        mag[big] = bc.get_rice(r, c, big.numel(), spec.width, checks) + 2
         if n_classes == 1:
             idx_parts.append(ranks)
         elif kern is not None:  # index into the class-major order
@@ -381,21 +384,24 @@ def _decode_changes(ob: torch.Tensor, data: bytes, counts: tuple[int, ...], spec
         d_parts.append(torch.where(neg, -mag, mag))
     if c.pos != len(counts):
         raise DeltaError(f"corrupt delta counts: {len(counts) - c.pos} unused")
-    r.finish()
+    r.finish(checks)
     idx, d = torch.cat(idx_parts), torch.cat(d_parts)
     if kern is not None:
         dense = torch.zeros(ob.numel(), dtype=torch.int32 if spec.width == 16 else torch.int64, device=ob.device)
         dense[idx] = d.to(dense.dtype)
         out, bad = kern.apply_dense(ob, lows_t, block_cnt, dense, spec.width, spec.exp_shift, spec.n_exp)
-        if bad:
-            raise DeltaError("corrupt delta: a difference moves a value outside its dtype's bit patterns")
-        return out
-    key = _keys(ob[idx], spec) + d
-    if key.numel() and (int(key.min()) < 0 or int(key.max()) >= 1 << spec.width):
-        raise DeltaError("corrupt delta: a difference moves a value outside its dtype's bit patterns")
-    out = ob.clone()
-    out[idx] = _unkeys(key, spec)
+        checks.add(bad > 0, _OUTSIDE)
+    else:
+        key = _keys(ob[idx], spec) + d
+        if key.numel():
+            checks.add((key.min() < 0) | (key.max() >= 1 << spec.width), _OUTSIDE)
+        out = ob.clone()
+        out[idx] = _unkeys(key, spec)
+    checks.raise_first()  # the one wait: nothing computed above is returned unless the whole stream was valid
     return out
+
+
+_OUTSIDE = "corrupt delta: a difference moves a value outside its dtype's bit patterns"
 
 
 def _partition(

@@ -186,9 +186,10 @@ def class_sizes(ob: torch.Tensor, lows: torch.Tensor, exp_shift: int, n_exp: int
 def apply_dense(
     ob: torch.Tensor, lows: torch.Tensor, cnt_all: torch.Tensor, dense: torch.Tensor, width: int, exp_shift: int,
     n_exp: int,
-) -> tuple[torch.Tensor, int]:
-    """(new bit patterns, number of differences that left the dtype's patterns) given `dense`: the class-major
-    differences (0 where unchanged) and the per-block class counts of `class_sizes`."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new bit patterns, number of differences that left the dtype's patterns: a device scalar, read by the
+    caller with its other checks) given `dense`: the class-major differences (0 where unchanged) and the per-block
+    class counts of `class_sizes`."""
     n_c = cnt_all.sum(0)
     base = (torch.cumsum(n_c, 0) - n_c)[None, :] + _excl_cumsum_blocks(cnt_all)
     out = torch.empty_like(ob)
@@ -196,4 +197,4 @@ def apply_dense(
     _apply_dense[(cnt_all.shape[0],)](ob, out, lows, base.contiguous(), dense, bad, ob.numel(), W=width,
                                       C=lows.numel() + 1, BLOCK=BLOCK, num_warps=NUM_WARPS,
                                       **_consts(width, exp_shift, n_exp))  # fmt: skip
-    return out, int(bad.sum())
+    return out, bad.sum()
