@@ -1,8 +1,9 @@
 """Bit-level codes of the weight-delta codec (stage: sync; pure torch/numpy, imports nothing of ours).
 
 `delta_codec.py` states the format; this module holds its building blocks: an MSB-first bit stream built from
-vectorised sections (`BitWriter`, `BitReader`), Rice codes with an escape for outliers (`put_rice`, `get_rice`),
-sets of ranks coded as Rice-coded gaps (`put_set`, `get_set`), and LEB128 varints (`varints`, `Cursor`).
+vectorised sections (`BitWriter`, `BitReader`), Rice codes with an escape for outliers (`rice_plans` then
+`put_rice_planned`, `get_rice`), sets of ranks coded as Rice-coded gaps (`set_gaps`, `get_set`), and LEB128 varints
+(`varints`, `Cursor`).
 
 Invariants: every writer returns the counts its reader needs (they travel in the payload's `counts`, not in the bit
 stream: with the escape counts they give every section's length), so each section decodes with vectorised ops,
@@ -30,9 +31,7 @@ __all__ = [
     "complement",
     "get_rice",
     "get_set",
-    "put_rice",
     "put_rice_planned",
-    "put_set",
     "rice_plans",
     "set_gaps",
     "set_width",
@@ -50,17 +49,12 @@ class DeltaError(ValueError):
 # ---------------------------------------------------------------- sets and Rice codes
 def set_gaps(ranks: torch.Tensor, n: int) -> tuple[bool, torch.Tensor]:
     """A set of sorted distinct `ranks` in [0, n) as (inverted, gaps): the complement when it holds more than
-    half of [0, n), then r_i - r_{i-1} - 1 with r_{-1} = -1 (what `put_set` writes, in Rice codes)."""
+    half of [0, n), then r_i - r_{i-1} - 1 with r_{-1} = -1. Written as [inverted, size] in the counts and the
+    gaps' Rice code (`put_rice_planned`, width `set_width(n)`)."""
     inverted = 2 * ranks.numel() > n
     if inverted:
         ranks = complement(ranks, n)
     return inverted, torch.diff(ranks.long(), prepend=ranks.new_full((1,), -1).long()) - 1
-
-
-def put_set(w: BitWriter, ranks: torch.Tensor, n: int) -> list[int]:
-    """Code sorted distinct `ranks` in [0, n): [inverted, size, k, unary bits]."""
-    inverted, gaps = set_gaps(ranks, n)
-    return [int(inverted), gaps.numel(), *put_rice(w, gaps, set_width(n))]
 
 
 def set_width(n: int) -> int:
@@ -69,7 +63,8 @@ def set_width(n: int) -> int:
 
 
 def get_set(r: BitReader, c: Cursor, n: int, checks: Checks) -> torch.Tensor:
-    """The ranks `put_set` wrote (their number is known from the counts alone: no device wait)."""
+    """The ranks of a set coded as `set_gaps` describes (their number is known from the counts alone: no device
+    wait)."""
     inverted, size = c.next(), c.next()
     if inverted > 1 or size > n:
         raise DeltaError(f"corrupt delta counts: set of {size} out of {n} (inverted={inverted})")
@@ -89,11 +84,6 @@ def complement(ranks: torch.Tensor, n: int) -> torch.Tensor:
     keep = torch.ones(n, dtype=torch.bool, device=ranks.device)
     keep[ranks] = False
     return torch.nonzero(keep).flatten()
-
-
-def put_rice(w: BitWriter, v: torch.Tensor, width: int) -> list[int]:
-    """Rice-code non-negative `v` (escapes raw in `width` bits) with the cheapest k: [k, unary bits, escapes]."""
-    return put_rice_planned(w, v, width, rice_plans([v], [width])[0])
 
 
 def rice_plans(vs: list[torch.Tensor], widths: list[int]) -> list[tuple[int, int, int]]:
@@ -142,7 +132,7 @@ def put_rice_planned(w: BitWriter, v: torch.Tensor, width: int, plan: tuple[int,
 
 
 def get_rice(r: BitReader, c: Cursor, n: int, width: int, checks: Checks) -> torch.Tensor:
-    """The n values `put_rice` wrote. The counts give every section's length ([k, unary bits, escapes]), so this
+    """The n values `put_rice_planned` wrote. The counts give every section's length ([k, unary bits, escapes]), so this
     reads without a device wait; what only the bits can show is added to `checks`, read once by the caller."""
     k, qbits, n_esc = c.next(), c.next(), c.next()
     if k > MAX_CODED_BITS or qbits < n or (n == 0 and qbits) or n_esc > n or width > MAX_CODED_BITS:
