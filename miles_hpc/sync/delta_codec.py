@@ -39,7 +39,7 @@ read, so the decoder reads the whole stream without waiting for the device (one 
 The body is the bit stream, zero-padded to whole bytes.
 
 Framing (`to_bytes`; integers are unsigned LEB128 varints unless sized):
-    b"MHWD" | u8 version=2 | u8 kind (0 same, 1 delta, 2 full) | u8 dtype (1 bfloat16, 2 float16, 3 float32)
+    b"MHWD" | u8 version=3 | u8 kind (0 same, 1 delta, 2 full) | u8 dtype (1 bfloat16, 2 float16, 3 float32)
     | varint ndim | varint dim * ndim | u8 checksum length | checksum digest bytes
     | varint len(counts) | varint count * len(counts) | varint len(body) | body | u32 LE CRC-32 of all before it
 "full" bodies are the little-endian bytes of `new`; "same" bodies are empty.
