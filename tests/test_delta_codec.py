@@ -252,6 +252,50 @@ def check_cuda_matches_cpu(old: torch.Tensor, new: torch.Tensor) -> DeltaPayload
     return p
 
 
+INTERPRETED = """
+import dataclasses, os, sys, numpy as np, pytest, torch
+sys.path.insert(0, os.path.join(os.environ["MILES_ROOT"], "tests"))
+from miles_hpc.sync import delta_codec as dc, delta_kernels as dk
+from test_delta_codec import adam_like, bits
+torch.set_num_threads(1)
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for n in (1, 2047, 2049, 100_003):
+        old, new = adam_like(n, dtype, seed=n)
+        ref = dc.encode(old, new)  # the CPU's sort-based layout
+        dc._kernels = lambda t: dk  # the Triton kernels, interpreted, on the same CPU tensors
+        got = dc.encode(old, new)
+        assert got == ref, (dtype, n)
+        assert torch.equal(bits(dc.decode(old, got)), bits(new)), (dtype, n)
+        rng = np.random.default_rng(n)
+        for _ in range(5 if got.kind == "delta" else 0):
+            data = bytearray(got.data)
+            data[int(rng.integers(len(data)))] ^= 1 << int(rng.integers(8))
+            with pytest.raises(dc.DeltaError):
+                dc.decode(old, dataclasses.replace(got, data=bytes(data)))
+        dc._kernels = lambda t: None
+print("ok")
+"""
+
+
+def test_kernel_layout_in_the_interpreter_matches_cpu() -> None:
+    """CI has no GPU: the class-layout kernels (delta_kernels.py) run in Triton's interpreter on CPU tensors and
+    must make the CPU path's payloads, decode them, and refuse corrupted ones (own process: TRITON_INTERPRET must be
+    set before the kernels are decorated)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import require
+
+    require(importlib.util.find_spec("triton") is not None, "triton (the dev extra; its interpreter runs on CPU)")
+    root = str(Path(__file__).parents[1])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "MILES_ROOT": root, "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-4000:]
+
+
 @pytest.mark.gpu
 def test_cuda_roundtrip_matches_cpu() -> None:
     old = weights((4096, 64), torch.bfloat16, 17)
