@@ -26,6 +26,23 @@ def require(available: bool, what: str) -> None:
     pytest.skip(f"{what} is not available (MILES_REQUIRE_ALL=1 turns this skip into a failure)")
 
 
+def run_interpreted(code: str, timeout: int = 600) -> None:
+    """Run `code` (a script that prints "ok" last) in its own Python with Triton's interpreter on: GPU kernels
+    executed on CPU tensors, so CI, which has no GPU, checks them against their torch references. Its own process
+    because TRITON_INTERPRET must be set before the kernels are decorated. The repository root is MILES_ROOT and
+    on the path."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    require(importlib.util.find_spec("triton") is not None, "triton (the dev extra; its interpreter runs on CPU)")
+    root = str(Path(__file__).parents[1])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "MILES_ROOT": root, "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-4000:]
+
+
 def has_gpu() -> bool:
     import torch
 
@@ -63,12 +80,12 @@ def megatron_cpu_shims() -> None:
     import types
 
     import torch
-    from megatron.core.tensor_parallel import random as mrandom
 
     # megatron-core 0.16's MLA sets its HAVE_TE when `megatron.core.extensions.transformer_engine` imports, which
     # it does without Transformer Engine (a mock in its place), then tests `isinstance(linear_proj, TELinear)`
     # against that mock (a TypeError); the extension's own HAVE_TE says whether TE is there (0.19 reads that one).
     from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer import multi_latent_attention
 
     if not te_extension.HAVE_TE:

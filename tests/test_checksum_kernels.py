@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 from miles_hpc.sync import checksum
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import require  # noqa: E402
+from conftest import require, run_interpreted  # noqa: E402
 
 SMALL_CHUNK = 1 << 14  # several chunks at interpreter speed (the kernels take the chunk as a parameter)
 
@@ -72,10 +71,7 @@ def check(device: str) -> None:
 
 
 def test_kernels_in_the_interpreter() -> None:
-    require(importlib.util.find_spec("triton") is not None, "triton (the dev extra; its interpreter runs on CPU)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-4000:]
+    run_interpreted(f"import runpy; runpy.run_path({__file__!r}, run_name='__main__')")
 
 
 @pytest.mark.parametrize("copy", [False, True])

@@ -279,21 +279,10 @@ print("ok")
 
 def test_kernel_layout_in_the_interpreter_matches_cpu() -> None:
     """CI has no GPU: the class-layout kernels (delta_kernels.py) run in Triton's interpreter on CPU tensors and
-    must make the CPU path's payloads, decode them, and refuse corrupted ones (own process: TRITON_INTERPRET must be
-    set before the kernels are decorated)."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    must make the CPU path's payloads, decode them, and refuse corrupted ones."""
+    from conftest import run_interpreted
 
-    from conftest import require
-
-    require(importlib.util.find_spec("triton") is not None, "triton (the dev extra; its interpreter runs on CPU)")
-    root = str(Path(__file__).parents[1])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "MILES_ROOT": root, "PYTHONPATH": root}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-4000:]
+    run_interpreted(INTERPRETED)
 
 
 @pytest.mark.gpu

@@ -73,6 +73,38 @@ def test_entropy_as_metric_only_has_no_grad() -> None:
     assert ent is None
 
 
+INTERPRETED = """
+import torch
+from miles_hpc.train import logprob_kernels, logprobs as lpmod
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(3)
+n, vocab = 40, 10_007  # a vocabulary that is no multiple of the kernel's block
+logits = 4 * torch.randn(n, vocab, generator=g)  # float32: the interpreter's bf16 rounding is not the GPU's
+target = torch.randint(0, vocab, (n,), generator=g)
+g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+for with_entropy in (False, True):
+    got = logprob_kernels.forward(logits, target, with_entropy)
+    want = lpmod._forward_torch(logits, target, with_entropy)
+    for a, b in zip(got, want):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+    lse, _, ent = want
+    g_e = g_ent if with_entropy else None
+    grad = logprob_kernels.backward(logits, target, lse, ent, g_lp, g_e)
+    torch.testing.assert_close(grad, lpmod._backward_torch(logits, target, lse, ent, g_lp, g_e), rtol=1e-4,
+                               atol=1e-6)
+print("ok")
+"""
+
+
+def test_triton_kernels_in_the_interpreter() -> None:
+    """The kernels' logic on CPU tensors in Triton's interpreter (CI has no GPU); the GPU test below checks them
+    compiled, in bf16."""
+    from conftest import run_interpreted
+
+    run_interpreted(INTERPRETED)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_triton_kernels_match_torch_path(with_entropy: bool) -> None:
