@@ -1,5 +1,5 @@
 """Shared helpers of the weight-sync tests over real engines: a fleet of bf16 `miles-hpc serve` processes behind
-an admin key, a router over them, an engine's checksums, and seeded "trainer versions" of the tiny model."""
+an admin key, one engine on the GPU, a router over them, an engine's checksums, and seeded "trainer versions" of the tiny model."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from test_client_engine import EngineProcess, engine_fleet, tiny_model
+from conftest import require
+from test_client_engine import HAVE_SERVER, EngineProcess, engine_fleet, stop_all, tiny_model
 
 from miles_hpc.models import iter_hf_tensors, load_pretrained
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.router import Router, RouterConfig
+from miles_hpc.rollout.sglang import EngineRecord
 
 ADMIN = "admin-key-sync-tests"
 
@@ -25,6 +27,17 @@ def bf16_fleet(d: Path, n: int = 2) -> Iterator[list[EngineProcess]]:
     args = ("--dtype", "bfloat16", "--admin-api-key-file", str(d / "admin_key"))
     with engine_fleet(d, n, args, wait=True) as procs:
         yield procs
+
+
+@contextmanager
+def gpu_engine(d: Path) -> Iterator[EngineRecord]:
+    """One engine serving the tiny model in bf16 on this machine's GPU (the colocated tests' peer), ready."""
+    require(HAVE_SERVER, "the embedded engine server (miles-hpc serve)")
+    proc = EngineProcess(tiny_model(), d / "engine-0.json", args=("--device", "cuda", "--dtype", "bfloat16"))
+    try:
+        yield proc.start().wait_ready(180)
+    finally:
+        stop_all([proc])
 
 
 def router_of(procs: list[EngineProcess]) -> Router:

@@ -23,8 +23,8 @@ import pytest
 import torch
 from conftest import require
 from safetensors.torch import save
-from sync_support import ADMIN, bf16_fleet, engine_sums, router_of
-from test_client_engine import HAVE_SERVER, EngineProcess, stop_all, tiny_model
+from sync_support import ADMIN, bf16_fleet, engine_sums, gpu_engine, router_of
+from test_client_engine import HAVE_SERVER, EngineProcess, tiny_model
 from torch.multiprocessing import reductions
 
 from miles_hpc.sync import tensor_handles
@@ -323,10 +323,7 @@ def test_cuda_format_body_passes_sglang_request_type_and_unpickler() -> None:
 # ---------------------------------------------------------------- CUDA IPC (gpu tier)
 @pytest.mark.gpu
 def test_cuda_ipc_publish_to_an_engine_on_this_gpu(tmp_path: Path) -> None:
-    require(HAVE_SERVER, "the embedded engine server (miles-hpc serve)")
-    proc = EngineProcess(tiny_model(), tmp_path / "engine-0.json", args=("--device", "cuda", "--dtype", "bfloat16"))
-    try:
-        rec = proc.start().wait_ready(180)
+    with gpu_engine(tmp_path) as rec:
 
         async def main() -> None:
             w = [(n, t.to("cuda")) for n, t in weights(7)]
@@ -345,8 +342,6 @@ def test_cuda_ipc_publish_to_an_engine_on_this_gpu(tmp_path: Path) -> None:
                 assert {n: got[n] for n, _ in w16} == {n: tensor_checksum(t) for n, t in w16}
 
         asyncio.run(asyncio.wait_for(main(), 120))
-    finally:
-        stop_all([proc])
 
 
 @pytest.mark.gpu

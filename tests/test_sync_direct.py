@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import require
-from sync_support import bf16_fleet, engine_sums, router_of
+from sync_support import bf16_fleet, engine_sums, gpu_engine, router_of
 from test_client_engine import HAVE_SERVER, EngineProcess, stop_all, tiny_model
 
 from miles_hpc.engine.config import EngineConfig
@@ -128,10 +128,7 @@ def test_direct_publish_to_an_engine_on_this_gpu(tmp_path: Path, arch: str) -> N
 
 @pytest.mark.gpu
 def test_a_write_stopped_part_way_leaves_the_engine_half_updated(tmp_path: Path) -> None:
-    require(HAVE_SERVER, "the embedded engine server (miles-hpc serve)")
-    proc = EngineProcess(tiny_model(), tmp_path / "engine-0.json", args=("--device", "cuda", "--dtype", "bfloat16"))
-    try:
-        rec = proc.start().wait_ready(180)
+    with gpu_engine(tmp_path) as rec:
 
         async def main() -> None:
             sync = ColocatedSync(ColocatedSpec(rollout_dtype=torch.bfloat16, timeout_s=60))
@@ -152,5 +149,3 @@ def test_a_write_stopped_part_way_leaves_the_engine_half_updated(tmp_path: Path)
                 assert (await c.model_info())["weight_version"] == "4"
 
         asyncio.run(asyncio.wait_for(main(), 120))
-    finally:
-        stop_all([proc])

@@ -18,8 +18,8 @@ import pytest
 import torch
 from conftest import require
 from torch.multiprocessing import reductions
-from test_client_engine import HAVE_SERVER, EngineProcess, stop_all, tiny_model
-from sync_support import bf16_fleet, engine_sums, perturbed_weights, router_of
+from test_client_engine import HAVE_SERVER
+from sync_support import bf16_fleet, engine_sums, gpu_engine, perturbed_weights, router_of
 from test_sync_colocated import no_gpu, weights
 
 from miles_hpc.sync.tensor_handles import FLAT_FIELDS, TensorHandleError, load_flattened_bucket
@@ -189,10 +189,7 @@ def test_our_flattened_payload_passes_sglangs_unpickler_and_bucket_code() -> Non
 # ---------------------------------------------------------------- CUDA (gpu tier)
 @pytest.mark.gpu
 def test_flattened_cuda_publish_to_an_engine_on_this_gpu(tmp_path: Path) -> None:
-    require(HAVE_SERVER, "the embedded engine server (miles-hpc serve)")
-    proc = EngineProcess(tiny_model(), tmp_path / "engine-0.json", args=("--device", "cuda", "--dtype", "bfloat16"))
-    try:
-        rec = proc.start().wait_ready(180)
+    with gpu_engine(tmp_path) as rec:
 
         async def main() -> None:
             w = [(n, t.to("cuda")) for n, t in weights(9)]
@@ -210,5 +207,3 @@ def test_flattened_cuda_publish_to_an_engine_on_this_gpu(tmp_path: Path) -> None
                 assert {n: got[n] for n, _ in w} == {n: tensor_checksum(t.to(torch.bfloat16)) for n, t in w}
 
         asyncio.run(asyncio.wait_for(main(), 120))
-    finally:
-        stop_all([proc])
