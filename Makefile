@@ -1,5 +1,5 @@
 # Thin wrappers; the scripts are the source of truth (they also work where make is not installed).
-.PHONY: demo test test-gpu test-sglang bench-gpu
+.PHONY: demo test test-gpu test-sglang bench-gpu bench-multi-gpu
 demo:
 	./scripts/demo.sh
 test:
@@ -18,3 +18,14 @@ bench-gpu:
 	PYTHONPATH=. python3 benchmarks/bench_weight_sync.py --only codec --device cuda --codec-mb 1024
 	PYTHONPATH=. python3 benchmarks/bench_weight_sync.py --only transfer --device cuda --strategies colocated \
 		--engines 1 --transfer-size 7b --reps 3
+# Issue 10's runs on a machine with 2 GPUs (4 for the last test and the last loop line); docs/benchmarks.md,
+# "Across GPUs". Each line also prints its reference: NCCL all-reduce bus bandwidth, one-GPU tokens/s.
+bench-multi-gpu:
+	PYTHONPATH=. python3 -m pytest -q -m gpu tests/test_multi_gpu.py
+	PYTHONPATH=. python3 benchmarks/collective_bw.py --ranks 2 --device cuda --mb 1024
+	for size in 1.5b 7b; do PYTHONPATH=. python3 benchmarks/bench_weight_sync.py --only transfer --device cuda \
+		--strategies broadcast,p2p,delta --engines 1 --transfer-size $$size --reps 3; done
+	PYTHONPATH=. python3 benchmarks/bench_train.py --ranks 1 --sides eager,compiled --skip-hf
+	PYTHONPATH=. python3 benchmarks/bench_train.py --ranks 2 --sides eager,compiled
+	PYTHONPATH=. python3 benchmarks/bench_loop_sync.py --device cuda --trainer-ranks 1 --engines 1 --size 1.5b
+	PYTHONPATH=. python3 benchmarks/bench_loop_sync.py --device cuda --trainer-ranks 2 --engines 2 --size 1.5b

@@ -11,6 +11,14 @@ no Transformer Engine, so attention is megatron's unfused softmax over a block-d
 micro-batch).
 
     python benchmarks/bench_train.py                 # ~1.1B Qwen3 shapes, seq 4096, batch 2, bf16, one GPU
+    python benchmarks/bench_train.py --ranks 2 --sides eager,compiled    # FSDP2 over GPUs 0 and 1 (NCCL)
+    python benchmarks/bench_train.py --device cpu --ranks 2 --shape small --seq 512 --sides eager   # gloo, CPU
+
+`--ranks N` runs our sides as N data-parallel FSDP2 (or megatron DP) ranks, one process per GPU, each with its own
+`--batch` sequences packed into one micro-batch, so every rank does the work of the one-rank run: tokens/s count
+all ranks' tokens, MFU is per GPU (model FLOPs / time / (N x peak)). Compare a `--ranks 2` line with a
+`--ranks 1` line of the same shape. On the CPU (`--device cpu`, fp32, no MFU: no peak is assumed) the ranks talk
+gloo; run it with one torch thread per rank (`OMP_NUM_THREADS=1`) to compare like with like.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,37 +57,43 @@ def model_flops_per_token(cfg: ModelConfig, seq: int) -> tuple[float, int]:
 
 def timed(fn, steps: int, warmup: int) -> list[float]:
     """Seconds of each of `steps` steps after `warmup` untimed ones (compilation happens in those)."""
+    wait = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    wait()
     out = []
     for _ in range(steps):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        wait()
         out.append(time.perf_counter() - t0)
     return out
 
 
 def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int, compile: bool = False,
-               backend: str = "fsdp") -> list[float]:  # fmt: skip
+               backend: str = "fsdp", device: str = "cuda") -> list[float]:  # fmt: skip
+    """Step times of our trainer. Under `--ranks N` every rank runs this with the global batch (N x `--batch`
+    sequences); the trainer gives each rank its share."""
     from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
 
-    os.environ["MASTER_PORT"] = str(29533 + int(compile) + 2 * (backend == "megatron"))  # a fresh store per run
-    init_trainer_world(world_from_env(device="cuda"))
-    # One packed micro-batch; megatron: one sequence per micro-batch, since its local-spec attention materialises
-    # [heads, T, T] scores (T = 8192 packed does not fit an H200 at the default shape).
-    tokens = len(seqs[0]) if backend == "megatron" else sum(len(s) for s in seqs)
-    cfg = TrainConfig(lr=1e-5, max_tokens_per_microbatch=tokens, mixed_precision=True, compile=compile)
+    if "WORLD_SIZE" not in os.environ:  # one rank in this process: a fresh store per side
+        os.environ["MASTER_PORT"] = str(29533 + int(compile) + 2 * (backend == "megatron"))
+    info = world_from_env(device=device)
+    init_trainer_world(info)
+    # One packed micro-batch per rank; megatron: one sequence per micro-batch, since its local-spec attention
+    # materialises [heads, T, T] scores (T = 8192 packed does not fit an H200 at the default shape).
+    per_rank = len(seqs) // info.world_size
+    tokens = len(seqs[0]) if backend == "megatron" else sum(len(s) for s in seqs[:per_rank])
+    cfg = TrainConfig(lr=1e-5, max_tokens_per_microbatch=tokens, mixed_precision=device == "cuda", compile=compile)
     if backend == "megatron":
         from miles_hpc.config import MegatronConfig
         from miles_hpc.train.megatron import MegatronTrainer
 
-        trainer = MegatronTrainer(str(model_dir), cfg, AlgoConfig(), MegatronConfig(), device="cuda", seed=0)
+        trainer = MegatronTrainer(str(model_dir), cfg, AlgoConfig(), MegatronConfig(), device=device, seed=0)
     else:
         from miles_hpc.train.fsdp import FSDPTrainer
 
-        trainer = FSDPTrainer(str(model_dir), cfg, AlgoConfig(), device="cuda", seed=0)
+        trainer = FSDPTrainer(str(model_dir), cfg, AlgoConfig(), device=device, seed=0)
     g = torch.Generator().manual_seed(0)
     batch = TrainBatch(
         tokens=seqs, loss_mask=[[0] + [1] * (len(s) - 1) for s in seqs],
@@ -89,7 +105,28 @@ def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int, 
         return timed(lambda: trainer.train_step(batch), steps, warmup)
     finally:
         teardown()
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _rank_main(rank: int, n: int, port: int, out: str, fn: Callable[..., list[float]], fn_args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    times = fn(*fn_args)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+
+
+def across_ranks(n: int, fn: Callable[..., list[float]], *fn_args: Any) -> list[float]:
+    """`fn(*fn_args)` in `n` processes, one trainer rank each (GPU i for rank i); rank 0's step times."""
+    import torch.multiprocessing as mp
+
+    from miles_hpc.cluster.local import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "times.json")
+        mp.spawn(_rank_main, args=(n, free_port(), out, fn, fn_args), nprocs=n, join=True)
+        return json.loads(Path(out).read_text())
 
 
 def bench_hf(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int) -> list[float]:
@@ -108,46 +145,76 @@ def bench_hf(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int) ->
     return timed(step, steps, warmup)
 
 
+SHAPES = {"1b": SHAPE_1B}  # and bench_weight_sync.py's sizes on the "small" preset (byte vocabulary)
+
+
+def shape_config(name: str) -> dict[str, Any]:
+    if name in SHAPES:
+        return SHAPES[name]
+    import sys
+
+    from miles_hpc.models.presets import preset_config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_weight_sync import SIZES
+
+    return preset_config("qwen3", "small") | SIZES[name]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, allocator warm-up)")
-    ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--sides", default="eager,compiled,megatron,hf",
                     help="comma-separated subset of eager,compiled,megatron,hf")
+    ap.add_argument("--ranks", type=int, default=1, help="data-parallel trainer ranks (our sides; one per GPU)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--shape", choices=["1b", "small", "25m", "100m", "1.5b", "7b"], default="1b",
+                    help="1b: ~1.1B Qwen3 with its 151,936 vocabulary; others: bench_weight_sync.py's sizes")
     args = ap.parse_args()
-    cfg = ModelConfig.from_hf_dict(SHAPE_1B)
+    gpu = args.device == "cuda"
+    if gpu and torch.cuda.device_count() < args.ranks:
+        ap.error(f"--ranks {args.ranks} needs {args.ranks} GPUs; this machine has {torch.cuda.device_count()}")
+    hf = shape_config(args.shape) | {"torch_dtype": "bfloat16" if gpu else "float32"}
+    cfg = ModelConfig.from_hf_dict(hf)
     g = torch.Generator().manual_seed(1)
-    seqs = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).tolist()
-    tokens = args.batch * args.seq
+    seqs = torch.randint(0, cfg.vocab_size, (args.ranks * args.batch, args.seq), generator=g).tolist()
+    tokens = args.ranks * args.batch * args.seq  # all ranks' tokens per step
     flops_tok, matmul_params = model_flops_per_token(cfg, args.seq)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         torch.manual_seed(0)
-        save_pretrained(build_model(cfg, dtype=torch.bfloat16), model_dir)
-        compiled = lambda *a: bench_ours(*a, compile=True)  # noqa: E731
-        megatron = lambda *a: bench_ours(*a, backend="megatron")  # noqa: E731
-        runs = {"eager": ("miles_hpc_fsdp2", bench_ours), "compiled": ("miles_hpc_fsdp2_compiled", compiled),
-                "megatron": ("miles_hpc_megatron_core", megatron), "hf": ("transformers_adamw_fused", bench_hf)}
-        sides = [runs[k] for k in args.sides.split(",") if not (k == "hf" and args.skip_hf)]
-        for name, fn in sides:
-            if name.endswith("megatron_core") and importlib.util.find_spec("megatron.core") is None:
+        save_pretrained(build_model(cfg, dtype=torch.bfloat16 if gpu else torch.float32), model_dir)
+        runs = {"eager": ("miles_hpc_fsdp2", False, "fsdp"), "compiled": ("miles_hpc_fsdp2_compiled", True, "fsdp"),
+                "megatron": ("miles_hpc_megatron_core", False, "megatron"), "hf": ("transformers_adamw_fused",)}
+        for key in args.sides.split(","):
+            name = runs[key][0]
+            if key == "hf" and (args.skip_hf or args.ranks > 1 or not gpu):
+                continue  # the peer is one plain GPU step
+            if key == "megatron" and importlib.util.find_spec("megatron.core") is None:
                 print(json.dumps({"bench": "train", "side": name, "skipped": "megatron-core is not installed"}))
                 continue
-            times = fn(model_dir, seqs, args.steps, args.warmup)
+            if key == "hf":
+                times = bench_hf(model_dir, seqs, args.steps, args.warmup)
+            else:
+                side = (model_dir, seqs, args.steps, args.warmup, runs[key][1], runs[key][2], args.device)
+                times = across_ranks(args.ranks, bench_ours, *side) if args.ranks > 1 else bench_ours(*side)
             t = sum(times) / len(times)  # the mean step: MFU and tokens/s from it
             line = {
-                "bench": "train", "side": name, "device": torch.cuda.get_device_name(), "params_matmul": matmul_params,
-                "seq": args.seq, "batch": args.batch, "warmup": args.warmup, "step_s": round(t, 4),
+                "bench": "train", "side": name, "device": torch.cuda.get_device_name() if gpu else "cpu",
+                "ranks": 1 if key == "hf" else args.ranks, "shape": args.shape, "params_matmul": matmul_params,
+                "seq": args.seq, "batch_per_rank": args.batch, "warmup": args.warmup, "step_s": round(t, 4),
                 "step_min_median_max_s": [round(min(times), 4), round(sorted(times)[len(times) // 2], 4),
                                           round(max(times), 4)],
-                "tokens_per_s": round(tokens / t, 1),
-                "model_tflops": round(flops_tok * tokens / t / 1e12, 1),
-                "mfu": round(flops_tok * tokens / t / 1e12 / args.peak_tflops, 4),
+                "tokens_per_s": round(tokens / t, 1),  # hf runs only at --ranks 1: the same tokens
+                "model_tflops": round(flops_tok * tokens / t / 1e12, 1 if gpu else 4),
             }  # fmt: skip
+            if gpu:
+                line["mfu"] = round(line["model_tflops"] / (line["ranks"] * args.peak_tflops), 4)
             print(json.dumps(line), flush=True)
 
 

@@ -59,6 +59,8 @@ SIZES: dict[str, dict[str, int]] = {
              "num_key_value_heads": 8, "head_dim": 64},
     "1b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 16, "num_attention_heads": 16,
            "num_key_value_heads": 8, "head_dim": 128},  # bench_train.py's ~1.1B shapes, byte vocabulary
+    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+             "num_key_value_heads": 2, "head_dim": 128},  # Qwen2.5-1.5B's layer shapes, byte vocabulary (1.3B)
     "7b": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
            "num_key_value_heads": 4, "head_dim": 128},  # Qwen2.5-7B's layer shapes, byte vocabulary (6.5B params)
 }  # fmt: skip

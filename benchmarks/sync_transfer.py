@@ -7,9 +7,13 @@ push -> verify checksums -> continue), exactly what the RL loop runs. Per strate
 physical reference measured in the same run, this host's memcpy bandwidth for the same bytes (a broadcast to E
 engines on one host cannot beat E copies of the bytes through memory).
 
-`--device cuda`: the model is bf16 on the GPU, engines serve it on the same GPU (`--kv-cache-fraction` small), and
-the reference is the device-to-device copy bandwidth of the same bytes. Only `colocated` applies there: NCCL
-refuses two ranks of one communicator on one GPU, so broadcast and p2p need a second GPU (issue 10's runs).
+`--device cuda`: the model is bf16 on GPU 0 and the reference is the device-to-device copy bandwidth of the same
+bytes. `colocated` engines serve on GPU 0 too (`--kv-cache-fraction` small). Broadcast, p2p and delta need a
+second GPU (NCCL refuses two ranks of one communicator on one GPU): with G >= 2 GPUs their engines go to GPUs
+1..G-1 in turn, broadcast and p2p run over NCCL (p2p with one trainer rank: its threads would share GPU 0), delta
+codes on the GPUs (`sync.delta_device: trainer`), and an all-reduce between GPUs 0 and 1 of the same bytes
+(`collective_bw.py`, NCCL) is measured in the same run as the link's reference; on the CPU the same all-reduce
+runs over gloo.
 
 Strategies: `broadcast` (every publish moves the full tensors over gloo), `p2p` (`--trainer-ranks` ranks,
 threads of this process, each sending its dim-0 shards to every engine; verified per piece), `colocated` (full
@@ -37,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from collective_bw import allreduce_bandwidth  # benchmarks/ is on sys.path when bench_weight_sync.py runs
 
 from miles_hpc.cluster.local import free_port
 from miles_hpc.models import ModelConfig, build_model, iter_hf_tensors, save_pretrained
@@ -74,7 +80,9 @@ def memcpy_gbps(nbytes: int, device: str = "cpu") -> float:
 def _transport(strategy: str, device: str) -> str:
     if not device.startswith("cuda"):
         return TRANSPORTS[strategy]
-    return "CUDA IPC, direct writes" if strategy == "colocated" else "CUDA IPC, buckets"
+    gpu = {"colocated": "CUDA IPC, direct writes", "colocated_buckets": "CUDA IPC, buckets",
+           "broadcast": "NCCL, GPU 0 -> engine GPUs", "p2p": "NCCL, GPU 0 -> engine GPUs", "delta": "files, GPU codec"}
+    return gpu[strategy]
 
 
 def _checksum_s(named: list[tuple[str, torch.Tensor]], device: str) -> float:
@@ -125,6 +133,7 @@ def bench_transfer(args: argparse.Namespace, sizes: dict[str, dict[str, int]]) -
         logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
         logging.getLogger("miles_hpc.sync").setLevel(logging.DEBUG)
     gpu = args.device.startswith("cuda")
+    gpus = torch.cuda.device_count() if gpu else 0
     hf = preset_config("qwen3", "small") | sizes[args.transfer_size] | {"torch_dtype": "bfloat16" if gpu else "float32"}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
@@ -132,13 +141,17 @@ def bench_transfer(args: argparse.Namespace, sizes: dict[str, dict[str, int]]) -
         model = build_model(ModelConfig.from_hf_dict(hf), device=args.device)  # bf16 on the GPU
         save_pretrained(model, model_dir)
         for strategy in args.strategies.split(","):
-            if gpu and not strategy.startswith("colocated"):
+            if gpus == 1 and not strategy.startswith("colocated"):
                 yield {"bench": "weight_sync", "section": "transfer", "strategy": strategy, "device": args.device,
                        "skipped": "one GPU: NCCL refuses two ranks on one device; needs a second GPU"}  # fmt: skip
                 continue
             for engines in [int(e) for e in args.engines.split(",")]:
                 work = Path(tmp) / f"{strategy}{engines}"
-                yield asyncio.run(_one(args, model, model_dir, work, engines, strategy))
+                yield asyncio.run(_one(args, model, model_dir, work, engines, strategy, gpus))
+        if gpus != 1:  # the link's reference: an all-reduce of the same bytes between two ranks (GPUs 0 and 1)
+            nbytes = sum(t.numel() * t.element_size() for _, t in iter_hf_tensors(model))
+            yield {**allreduce_bandwidth(2, "cuda" if gpu else "cpu", max(1, min(nbytes, 1 << 30) >> 20)),
+                   "reference_for": "weight_sync transfer"}  # fmt: skip
 
 
 def _perturb_ulps(t: torch.Tensor, frac: float, g: torch.Generator) -> None:
@@ -150,29 +163,39 @@ def _perturb_ulps(t: torch.Tensor, frac: float, g: torch.Generator) -> None:
     bits += step * move
 
 
-def _make_sync(strategy: str, work: Path, bucket_mb: int, ranks: ThreadedRanks) -> WeightSync:
+def _make_sync(strategy: str, work: Path, bucket_mb: int, ranks: ThreadedRanks, gpu: bool) -> WeightSync:
+    backend = "nccl" if gpu else "gloo"
     if strategy == "p2p":
         return P2PSync(P2PSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=bucket_mb << 20,
-                               timeout_s=300), ranks)  # fmt: skip
-    if strategy == "delta":
-        return DeltaSync(DeltaSpec(run_dir=work, timeout_s=300))
+                               backend=backend, timeout_s=300), ranks)  # fmt: skip
+    if strategy == "delta":  # on GPUs the codec runs where the tensors are (sync.delta_device: trainer)
+        return DeltaSync(DeltaSpec(run_dir=work, timeout_s=300, device=None if gpu else "cpu"))
     if strategy.startswith("colocated"):  # colocated: direct writes on a GPU; colocated_buckets: never
         return ColocatedSync(ColocatedSpec(bucket_bytes=bucket_mb << 20, timeout_s=300,
                                            direct=strategy == "colocated"))  # fmt: skip
-    return BroadcastSync(BroadcastSpec(master_address="127.0.0.1", next_port=free_port,
+    return BroadcastSync(BroadcastSpec(master_address="127.0.0.1", next_port=free_port, backend=backend,
                                        bucket_bytes=bucket_mb << 20, timeout_s=300))  # fmt: skip
 
 
+def _engine_device(args: argparse.Namespace, strategy: str, i: int, gpus: int) -> list[str]:
+    """`serve` flags placing engine `i`: the trainer's GPU for colocated, else GPUs 1..G-1 in turn."""
+    if not args.device.startswith("cuda"):
+        return []
+    if strategy.startswith("colocated"):
+        return ["--device", args.device, "--kv-cache-fraction", "0.02"]
+    return ["--device", f"cuda:{1 + i % (gpus - 1)}", "--kv-cache-fraction", "0.05"]
+
+
 async def _one(
-    args: argparse.Namespace, model: torch.nn.Module, model_dir: Path, work: Path, n: int, strategy: str
+    args: argparse.Namespace, model: torch.nn.Module, model_dir: Path, work: Path, n: int, strategy: str, gpus: int
 ) -> dict[str, Any]:
     rdv = work / "rendezvous"
     rdv.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    where = ["--device", args.device, "--kv-cache-fraction", "0.02"] if args.device.startswith("cuda") else []
     procs = [
         subprocess.Popen([sys.executable, "-m", "miles_hpc.cli", "serve", str(model_dir), "--port", "0",
-                          "--rendezvous", str(rdv / f"engine-{i}.json"), "--max-total-tokens", "4096", *where],
+                          "--rendezvous", str(rdv / f"engine-{i}.json"), "--max-total-tokens", "4096",
+                          *_engine_device(args, strategy, i, gpus)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)  # fmt: skip
         for i in range(n)
     ]
@@ -180,8 +203,9 @@ async def _one(
         urls = [r.url for r in wait_for_engines(rdv, n, timeout=300, poll_s=0.1)]
         named = [(k, v.detach().clone()) for k, v in iter_hf_tensors(model)]
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        ranks = ThreadedRanks(named, args.trainer_ranks)  # p2p's trainer side: views of `named`, kept current
-        sync = _make_sync(strategy, work, args.bucket_mb, ranks)
+        trainer_ranks = 1 if gpus else args.trainer_ranks  # NCCL: one rank per GPU, and the trainer has GPU 0
+        ranks = ThreadedRanks(named, trainer_ranks)  # p2p's trainer side: views of `named`, kept current
+        sync = _make_sync(strategy, work, args.bucket_mb, ranks, gpus > 0)
         g = torch.Generator(args.device).manual_seed(args.seed)
         pushes: list[float] = []
         cycles: list[float] = []
@@ -215,7 +239,7 @@ async def _one(
         return {
             "bench": "weight_sync", "section": "transfer", "strategy": strategy,
             "transport": _transport(strategy, args.device),
-            "device": args.device, "engines": n, "trainer_ranks": args.trainer_ranks if strategy == "p2p" else 1,
+            "device": args.device, "engines": n, "trainer_ranks": trainer_ranks if strategy == "p2p" else 1,
             "size": args.transfer_size, "bytes": nbytes, "reps": args.reps,
             "push_s": round(push_s, 4), "push_gbps": round(nbytes / push_s / 1e9, 3),
             "bytes_delivered_gbps": round(n * nbytes / push_s / 1e9, 3), "cycle_s": round(cycle_s, 4),

@@ -106,8 +106,11 @@ def preset_config(arch: str, size: str) -> dict[str, Any]:
     return cfg
 
 
-def init_model(arch: str, size: str, out_dir: str | Path, *, seed: int = 0) -> Path:
-    """Write a random-init checkpoint (config.json, model.safetensors, generation_config.json, tokenizer files)."""
+def init_model(
+    arch: str, size: str, out_dir: str | Path, *, seed: int = 0, overrides: dict[str, Any] | None = None
+) -> Path:
+    """Write a random-init checkpoint (config.json, model.safetensors, generation_config.json, tokenizer files);
+    `overrides`: config.json fields replacing the preset's (larger shapes for benchmarks, same tokenizer)."""
     import torch
 
     from miles_hpc.models import build_model, save_pretrained
@@ -115,7 +118,7 @@ def init_model(arch: str, size: str, out_dir: str | Path, *, seed: int = 0) -> P
     from miles_hpc.models.tokenizer import write_tokenizer
 
     out = Path(out_dir)
-    hf = preset_config(arch, size)
+    hf = preset_config(arch, size) | (overrides or {})
     torch.manual_seed(seed)
     model = build_model(ModelConfig.from_hf_dict(hf))
     save_pretrained(model, out)
