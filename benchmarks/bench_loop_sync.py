@@ -68,7 +68,7 @@ def one_run(args: argparse.Namespace, model_dir: Path, work: Path, strategy: str
         "engines": args.engines, "size": args.size, "bytes": nbytes, "steps": len(rows),
         "sync_s": round(sync_s, 4), "sync_min_max_s": [round(min(timed), 4), round(max(timed), 4)],
         "gbps_per_engine": round(nbytes / sync_s / 1e9, 3),
-        "first_sync_s": round(rows[0]["time/sync_s"], 4), "weight_version": rows[-1]["weight_version"],
+        "first_sync_s": round(rows[0]["time/sync_s"], 4), "weight_version": int(rows[-1]["weight_version"]),
         "max_abs_logprob_diff": max(r["mismatch/max_abs_logprob_diff"] for r in rows),
         "train_s": round(statistics.median(r["time/train_s"] for r in rows[1:]), 4), "wall_s": round(wall, 1),
     }  # fmt: skip

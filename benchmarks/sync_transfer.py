@@ -146,6 +146,11 @@ def bench_transfer(args: argparse.Namespace, sizes: dict[str, dict[str, int]]) -
                        "skipped": "one GPU: NCCL refuses two ranks on one device; needs a second GPU"}  # fmt: skip
                 continue
             for engines in [int(e) for e in args.engines.split(",")]:
+                if gpus and strategy in ("broadcast", "p2p") and 1 + engines > gpus:
+                    why = f"NCCL: {1 + engines} ranks need as many GPUs, this machine has {gpus}"
+                    yield {"bench": "weight_sync", "section": "transfer", "strategy": strategy, "engines": engines,
+                           "device": args.device, "skipped": why}  # fmt: skip
+                    continue
                 work = Path(tmp) / f"{strategy}{engines}"
                 yield asyncio.run(_one(args, model, model_dir, work, engines, strategy, gpus))
         if gpus != 1:  # the link's reference: an all-reduce of the same bytes between two ranks (GPUs 0 and 1)
