@@ -61,6 +61,13 @@ def check(device: str) -> None:
         lanes = ck.copy_lanes_many(ws, dsts, SMALL_CHUNK, powers)
         assert lanes is not None and torch.equal(lanes.cpu(), reference(ws))
         assert all(torch.equal(d, w) for d, w in zip(dsts, ws))
+    # The check every process makes once per GPU before it trusts the kernels (checksum.self_check), here on
+    # this device with the small chunk (the definition reads checksum.CHUNK).
+    saved, checksum.CHUNK = checksum.CHUNK, SMALL_CHUNK
+    try:
+        assert checksum.self_check(ck, torch.device(device))
+    finally:
+        checksum.CHUNK = saved
     # Views whose offsets are not whole elements of each other share no base pointer: refused, nothing written.
     if device == "cpu":  # (torch keeps its own views element-aligned; a foreign buffer need not be)
         raw = bytearray(64)

@@ -47,7 +47,7 @@ def test_words_are_little_endian_bytes_padded() -> None:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
         return z ^ (z >> 31)
 
-    lanes = [(0x4000_3F80 * (mix(l << 32) | 1) + 0xBF80 * (mix(1 + (l << 32)) | 1)) & mask for l in (0, 1)]
+    lanes = [(0x4000_3F80 * (mix(lane << 32) | 1) + 0xBF80 * (mix(1 + (lane << 32)) | 1)) & mask for lane in (0, 1)]
     assert checksum.fingerprint(t) == b"".join(v.to_bytes(8, "little") for v in lanes)
     assert checksum.words(t[1:]).tolist() == [0xBF80_0000_0000_4000 - (1 << 64)]  # 2 bytes off alignment: a copy
     assert not checksum.is_view(checksum.words(t[1:]), t[1:]) and not checksum.is_view(checksum.words(t), t)
@@ -76,6 +76,64 @@ def test_many_at_once_equal_one_by_one() -> None:
     named = [("a", torch.randn(3, 5, generator=g)), ("b", torch.zeros(0)), ("c", torch.randn(9, generator=g).half())]
     assert tensor_checksums(named) == {n: tensor_checksum(t) for n, t in named}
     assert tensor_checksums([]) == {}
+
+
+class DefinitionKernels:
+    """Stands in for `checksum_kernels` with the definition itself; subclasses break one thing each."""
+
+    def lanes_many(self, ws, chunk, powers):  # type: ignore[no-untyped-def]
+        return torch.stack([checksum._torch_lanes(w) for w in ws])
+
+    def copy_lanes_many(self, srcs, dsts, chunk, powers):  # type: ignore[no-untyped-def]
+        for s, d in zip(srcs, dsts):
+            d.copy_(s)
+        return self.lanes_many(srcs, chunk, powers)
+
+
+class OffByOne(DefinitionKernels):
+    def lanes_many(self, ws, chunk, powers):  # type: ignore[no-untyped-def]
+        return super().lanes_many(ws, chunk, powers) + torch.tensor([0, 1])
+
+
+class CopiesWrong(DefinitionKernels):
+    def copy_lanes_many(self, srcs, dsts, chunk, powers):  # type: ignore[no-untyped-def]
+        lanes = super().copy_lanes_many(srcs, dsts, chunk, powers)
+        dsts[0][-1] += 1
+        return lanes
+
+
+class Raises(DefinitionKernels):
+    def copy_lanes_many(self, srcs, dsts, chunk, powers):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+
+class Declines(DefinitionKernels):  # the kernels' own refusal (no common base pointer): nothing to compare
+    def lanes_many(self, ws, chunk, powers):  # type: ignore[no-untyped-def]
+        return None
+
+    def copy_lanes_many(self, srcs, dsts, chunk, powers):  # type: ignore[no-untyped-def]
+        return None
+
+
+@pytest.mark.parametrize("kernels, ok", [(DefinitionKernels(), True), (OffByOne(), False), (CopiesWrong(), False),
+                                         (Raises(), False), (Declines(), True)])  # fmt: skip
+def test_self_check_refuses_kernels_that_compute_other_bits(monkeypatch, caplog, kernels, ok: bool) -> None:
+    monkeypatch.setattr(checksum, "CHUNK", 64)  # more than two chunks at test speed
+    with caplog.at_level("WARNING", logger="miles_hpc.sync.checksum"):
+        assert checksum.self_check(kernels, torch.device("cpu")) is ok
+    assert ("disagree with the definition on cpu" in caplog.text) is not ok
+
+
+def test_kernels_are_checked_once_per_device(monkeypatch) -> None:
+    calls: list[torch.device] = []
+    monkeypatch.setattr(checksum, "_kernels", lambda: DefinitionKernels())
+    monkeypatch.setattr(checksum, "_checked", {})
+    monkeypatch.setattr(checksum, "self_check", lambda k, d: calls.append(d) or d.index == 0)
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert isinstance(checksum._kernels_on(gpu0), DefinitionKernels) and checksum._kernels_on(gpu0) is not None
+    assert checksum._kernels_on(gpu1) is None and checksum._kernels_on(gpu1) is None  # failed there: torch path
+    assert checksum._kernels_on(torch.device("cpu")) is None
+    assert calls == [gpu0, gpu1]
 
 
 @pytest.mark.gpu

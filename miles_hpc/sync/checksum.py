@@ -14,7 +14,8 @@ The fingerprint, exact integer arithmetic with wrap-around modulo 2^64, so every
 - the fingerprint is the two lanes as 8-byte little-endian signed integers.
 Words of 8 bytes, not one per element, make the GPU pass cheap: the arithmetic per word (two multipliers, two
 64-bit products) is shared by 4 bf16 values (per element it made the kernel compute-bound, ~560 GB/s on an H200).
-On CUDA with Triton the lanes come from one kernel launch over many tensors (`checksum_kernels.py`), same value.
+On CUDA with Triton the lanes come from one kernel launch over many tensors (`checksum_kernels.py`), same value,
+once `self_check` found the kernels computing the definition on that device (else the torch path, with a warning).
 Two tensors with the same dtype, shape and bits share a checksum (views and strided slices hash as their contiguous
 copies; the padding is fixed by the shape in the head). It detects what a transfer can get wrong (a changed, lost,
 stale or misplaced value): one changed element of b <= 8 bytes at byte o of its word changes the word by
@@ -25,6 +26,7 @@ changes. It is not a cryptographic hash, and need not be: nobody forges weights 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -36,6 +38,7 @@ CHUNK = 1 << 22  # words per chunk: bounds the temporaries ([2, CHUNK] int64 = 6
 _P = (0x9E3779B97F4A7C15 - (1 << 64), 0xC2B2AE3D27D4EB4F - (1 << 64))  # odd chunk multipliers, as signed int64
 _tables: dict[torch.device, torch.Tensor] = {}
 _lock = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -94,7 +97,7 @@ def lanes_of(ts: Sequence[torch.Tensor]) -> torch.Tensor:
     ws = [words(t) for t in ts]
     if not ws:
         return torch.zeros(0, 2, dtype=torch.int64)
-    kernels = _kernels() if ws[0].is_cuda else None
+    kernels = _kernels_on(ws[0].device)
     if kernels is not None:
         lanes = kernels.lanes_many(ws, CHUNK, power_table(_max_chunks(ws), ws[0].device))
         if lanes is not None:
@@ -116,7 +119,8 @@ def copy_with_lanes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch
     device = pairs[0][0].device
     fused: list[int] = []
     srcs, dsts = [], []
-    if device.type == "cuda" and _kernels() is not None:
+    kernels = _kernels_on(device)
+    if kernels is not None:
         for i, (s, d) in enumerate(pairs):
             if s.device == d.device == device and s.is_contiguous() and d.is_contiguous():
                 ws, wd = words(s), words(d)
@@ -126,7 +130,7 @@ def copy_with_lanes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch
                     dsts.append(wd)
     lanes = None
     if fused:
-        lanes = _kernels().copy_lanes_many(srcs, dsts, CHUNK, power_table(_max_chunks(srcs), device))
+        lanes = kernels.copy_lanes_many(srcs, dsts, CHUNK, power_table(_max_chunks(srcs), device))
     if lanes is None:
         fused = []
     done = set(fused)
@@ -194,6 +198,59 @@ def _kernels() -> Any:
         except ImportError:
             _kernel_module = False
     return _kernel_module or None
+
+
+_checked: dict[torch.device, bool] = {}
+_check_lock = threading.Lock()
+
+
+def _kernels_on(device: torch.device) -> Any:
+    """The kernels for tensors on `device`: a CUDA (or ROCm) device with Triton whose `self_check` passed (run
+    once per device), else None (the torch path)."""
+    if device.type != "cuda":
+        return None
+    kernels = _kernels()
+    if kernels is None:
+        return None
+    with _check_lock:
+        ok = _checked.get(device)
+        if ok is None:
+            ok = _checked[device] = self_check(kernels, device)
+    return kernels if ok else None
+
+
+@torch.no_grad()
+def self_check(kernels: Any, device: torch.device) -> bool:
+    """Whether `kernels` (`checksum_kernels`) give the definition's lanes on `device`: both launches (hash, and
+    copy + hash) on probe words (more than two chunks, views 16 and 8 bytes off, a padded copy, an empty tensor)
+    against `_torch_lanes`. A Triton, compiler or driver that computes other bits (a GPU or ROCm version these
+    kernels were not tested on) must not verify transfers: on a difference or an error this logs a warning naming
+    the device and returns False, and the torch path is used there (same values, slower)."""
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        n = 2 * CHUNK + 5
+        raw = torch.randint(0, 256, (8 * n + 24,), dtype=torch.uint8, generator=g, device=device)
+        base = raw[: 8 * n].view(torch.int64)
+        probes = [base, base[1 : 1 + CHUNK // 2 + 3], raw[3:24], base[:0], base[-7:]]
+        ws = [words(t) for t in probes]
+        powers = power_table(_max_chunks(ws), device)
+        want = torch.stack([_torch_lanes(w) for w in ws])
+        got = kernels.lanes_many(ws, CHUNK, powers)
+        if got is not None and not torch.equal(got, want):
+            raise AssertionError(f"lanes {got.tolist()} != {want.tolist()}")
+        own = [(w, i) for i, (w, t) in enumerate(zip(ws, probes)) if is_view(w, t) and w.numel()]
+        dsts = [torch.zeros_like(w) for w, _ in own]
+        lanes = kernels.copy_lanes_many([w for w, _ in own], dsts, CHUNK, powers)
+        if lanes is not None:
+            if not torch.equal(lanes, want[[i for _, i in own]]):
+                raise AssertionError(f"copy lanes {lanes.tolist()} != {want[[i for _, i in own]].tolist()}")
+            if not all(torch.equal(d, w) for d, (w, _) in zip(dsts, own)):
+                raise AssertionError("the copy wrote other bytes than its sources")
+        return True
+    except Exception as e:  # noqa: BLE001  (whatever failed, the torch path is correct)
+        log.warning("sync.checksum: the Triton checksum kernels disagree with the definition on %s (%s: %s); "
+                    "using the torch path there", device, type(e).__name__, e)  # fmt: skip
+        return False
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
