@@ -112,9 +112,12 @@ def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int, 
 def _rank_main(rank: int, n: int, port: int, out: str, fn: Callable[..., list[float]], fn_args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
-    times = fn(*fn_args)
+    from miles_hpc.train.dist import leave
+
+    times = fn(*fn_args)  # an exception goes back to mp.spawn, which re-raises it in the parent
     if rank == 0:
         Path(out).write_text(json.dumps(times))
+    leave(0)  # not through exit destructors: gloo can abort in them ("terminate called without an active exception")
 
 
 def across_ranks(n: int, fn: Callable[..., list[float]], *fn_args: Any) -> list[float]:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from miles_hpc.cluster.local import free_port
+from miles_hpc.train.dist import leave
 
 
 def _rank_main(rank: int, n: int, port: int, device: str, mb: int, warmup: int, iters: int, out: str) -> None:
@@ -54,6 +55,7 @@ def _rank_main(rank: int, n: int, port: int, device: str, mb: int, warmup: int, 
             Path(out).write_text(json.dumps({"seconds": seconds}))
     finally:
         dist.destroy_process_group()
+    leave(0)  # not through exit destructors, where gloo/NCCL can abort a finished process
 
 
 def allreduce_bandwidth(
