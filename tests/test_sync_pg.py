@@ -27,9 +27,19 @@ if hasattr(torch, "float8_e4m3fn"):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports free now (all held open together while the OS picks them, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def payload(i: int, dtype: torch.dtype) -> torch.Tensor:
@@ -48,8 +58,9 @@ def _worker(role: str, default_port: int, group_port: int, out: str) -> None:
         if role.startswith("T"):
             rank = int(role[1])
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{default_port}", rank=rank, world_size=2)
-        else:  # each engine has a world of its own (a different store), as a real engine server would
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        else:  # each engine has a world of its own (a different store), as a real engine server would; a
+            # store without a port: a port picked here could race the parent's (it did once in CI, EADDRINUSE)
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         lines = []
         if role != "T1":
             rank = {"T0": 0, "E0": 1, "E1": 2}[role]
@@ -89,7 +100,7 @@ def _worker(role: str, default_port: int, group_port: int, out: str) -> None:
 
 def test_custom_group_across_separate_default_worlds(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
-    default_port, group_port = free_port(), free_port()
+    default_port, group_port = free_ports(2)
     roles = ["T0", "T1", "E0", "E1"]
     outs = {r: tmp_path / f"{r}.txt" for r in roles}
     procs = [ctx.Process(target=_worker, args=(r, default_port, group_port, str(outs[r]))) for r in roles]
