@@ -29,11 +29,12 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from collective_bw import spawn_ranks  # benchmarks/ (this script's directory) is on sys.path
 
 from miles_hpc.config import AlgoConfig, TrainConfig
 from miles_hpc.data.sample import token_hash
@@ -109,29 +110,6 @@ def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int, 
             torch.cuda.empty_cache()
 
 
-def _rank_main(rank: int, n: int, port: int, out: str, fn: Callable[..., list[float]], fn_args: tuple) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
-    from miles_hpc.train.dist import leave
-
-    times = fn(*fn_args)  # an exception goes back to mp.spawn, which re-raises it in the parent
-    if rank == 0:
-        Path(out).write_text(json.dumps(times))
-    leave(0)  # not through exit destructors: gloo can abort in them ("terminate called without an active exception")
-
-
-def across_ranks(n: int, fn: Callable[..., list[float]], *fn_args: Any) -> list[float]:
-    """`fn(*fn_args)` in `n` processes, one trainer rank each (GPU i for rank i); rank 0's step times."""
-    import torch.multiprocessing as mp
-
-    from miles_hpc.cluster.local import free_port
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "times.json")
-        mp.spawn(_rank_main, args=(n, free_port(), out, fn, fn_args), nprocs=n, join=True)
-        return json.loads(Path(out).read_text())
-
-
 def bench_hf(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int) -> list[float]:
     from transformers import AutoModelForCausalLM
 
@@ -205,7 +183,7 @@ def main() -> None:
                 times = bench_hf(model_dir, seqs, args.steps, args.warmup)
             else:
                 side = (model_dir, seqs, args.steps, args.warmup, runs[key][1], runs[key][2], args.device)
-                times = across_ranks(args.ranks, bench_ours, *side) if args.ranks > 1 else bench_ours(*side)
+                times = spawn_ranks(args.ranks, bench_ours, *side) if args.ranks > 1 else bench_ours(*side)
             t = sum(times) / len(times)  # the mean step: MFU and tokens/s from it
             line = {
                 "bench": "train", "side": name, "device": torch.cuda.get_device_name() if gpu else "cpu",

@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,26 @@ from miles_hpc.cluster.local import free_port
 from miles_hpc.train.dist import leave
 
 
-def _rank_main(rank: int, n: int, port: int, device: str, mb: int, warmup: int, iters: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank: int, n: int, port: int, out: str, fn: Callable[..., Any], fn_args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    result = fn(*fn_args)  # an exception goes back to mp.spawn, which re-raises it in the parent
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    leave(0)  # not through exit destructors: gloo/NCCL can abort a finished process there
+
+
+def spawn_ranks(n: int, fn: Callable[..., Any], *fn_args: Any) -> Any:
+    """`fn(*fn_args)` in `n` processes with torchrun's variables set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT: rank i uses GPU i); returns rank 0's (JSON-able) result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rank0.json")
+        mp.spawn(_rank_main, args=(n, free_port(), out, fn, fn_args), nprocs=n, join=True)
+        return json.loads(Path(out).read_text())
+
+
+def _allreduce_seconds(device: str, mb: int, warmup: int, iters: int) -> float:
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     gpu = device == "cuda"
     if gpu:
         torch.cuda.set_device(rank)
@@ -50,12 +69,9 @@ def _rank_main(rank: int, n: int, port: int, device: str, mb: int, warmup: int, 
         for _ in range(iters):
             dist.all_reduce(buf)
         wait()
-        seconds = (time.perf_counter() - t0) / iters
-        if rank == 0:
-            Path(out).write_text(json.dumps({"seconds": seconds}))
+        return (time.perf_counter() - t0) / iters
     finally:
         dist.destroy_process_group()
-    leave(0)  # not through exit destructors, where gloo/NCCL can abort a finished process
 
 
 def allreduce_bandwidth(
@@ -66,10 +82,7 @@ def allreduce_bandwidth(
         raise ValueError(f"an all-reduce bandwidth needs at least 2 ranks, got {ranks}")
     if device == "cuda" and torch.cuda.device_count() < ranks:
         raise ValueError(f"--ranks {ranks} needs {ranks} GPUs; this machine has {torch.cuda.device_count()}")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "rank0.json")
-        mp.spawn(_rank_main, args=(ranks, free_port(), device, mb, warmup, iters, out), nprocs=ranks, join=True)
-        seconds = json.loads(Path(out).read_text())["seconds"]
+    seconds = spawn_ranks(ranks, _allreduce_seconds, device, mb, warmup, iters)
     nbytes = mb << 20
     return {
         "bench": "collective", "op": "all_reduce", "backend": "nccl" if device == "cuda" else "gloo",

@@ -8,14 +8,13 @@ and two engines, gloo). The timings of the same runs: `benchmarks/bench_loop_syn
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from test_loop_e2e import metrics, run  # noqa: E402  (`miles-hpc run` and its metrics.jsonl, as the CPU loop tests)
 
 
 def gpus() -> int:
@@ -25,13 +24,10 @@ def gpus() -> int:
 
 
 def run_loop(run_dir: Path, *overrides: str) -> list[dict]:
-    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"), f"run_dir={run_dir}",
-            "steps=3", "train.device=cuda", "rollout.device=cuda", "train.mixed_precision=false",
-            "train.sft_warmup_steps=5",
-            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", *overrides]  # fmt: skip
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run(run_dir, "steps=3", "train.device=cuda", "rollout.device=cuda", "train.mixed_precision=false",
+        "train.sft_warmup_steps=5", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", *overrides,
+        small=False)  # fmt: skip
+    return metrics(run_dir)
 
 
 @pytest.mark.gpu
