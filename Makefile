@@ -1,9 +1,13 @@
 # Thin wrappers; the scripts are the source of truth (they also work where make is not installed).
-.PHONY: demo test test-gpu test-sglang bench-gpu bench-multi-gpu
+.PHONY: demo test test-fast lint test-gpu test-sglang bench-gpu bench-multi-gpu
 demo:
 	./scripts/demo.sh
 test:
 	./scripts/test.sh
+test-fast:
+	./scripts/test.sh --fast
+lint:
+	./scripts/lint.sh
 # GPU targets use the python3 on PATH, which must have a CUDA/ROCm torch (the .venv holds the CPU build).
 test-gpu:
 	PYTHONPATH=. python3 -m pytest -q -m gpu

@@ -9,6 +9,7 @@ Prints one JSON line per result (``kernel`` per config, then ``step``) and a pro
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 import uuid
@@ -20,10 +21,24 @@ from miles_hpc.engine.core import Engine
 from miles_hpc.engine.types import GenerateRequest, SamplingParams
 from miles_hpc.models import ModelConfig, build_model
 
-SHAPE = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024,
-             intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-             head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-             tie_word_embeddings=True, hidden_act="silu", attention_bias=False, eos_token_id=151645)  # fmt: skip
+SHAPE = dict(
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    attention_bias=False,
+    eos_token_id=151645,
+)
 
 
 def cuda_time(fn, reps: int = 20) -> float:  # noqa: ANN001
@@ -60,23 +75,66 @@ def bench_kernel(batch: int, ctx: int, bw: float) -> None:
     kv_bytes = 2 * batch * ctx * hkv * d * k.element_size()
     kw = dict(block_size=page, scale=d**-0.5)
     t = cuda_time(lambda: paged_decode_reference(q, k, v, tables, lens, **kw), reps=5)
-    print(json.dumps({"bench": "decode_kernels", "result": "kernel", "impl": "torch_gather", "ms": round(t * 1e3, 4),
-                      "GBps": round(kv_bytes / t / 1e9, 1)}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "decode_kernels",
+                "result": "kernel",
+                "impl": "torch_gather",
+                "ms": round(t * 1e3, 4),
+                "GBps": round(kv_bytes / t / 1e9, 1),
+            }
+        ),
+        flush=True,
+    )
     configs = [(64, 4, 2), (64, 4, 3), (32, 4, 3), (64, 2, 3), (32, 2, 2)]
     for splits in (1, 2):
         for block_n, warps, stages in configs:
-            fn = lambda: paged_decode(q, k, v, tables, lens, num_splits=splits, block_n=block_n,  # noqa: E731
-                                      num_warps=warps, num_stages=stages, **kw)  # fmt: skip
+            fn = functools.partial(
+                paged_decode,
+                q,
+                k,
+                v,
+                tables,
+                lens,
+                num_splits=splits,
+                block_n=block_n,
+                num_warps=warps,
+                num_stages=stages,
+                **kw,
+            )
             try:
                 t = cuda_time(fn)
             except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
-                print(json.dumps({"result": "kernel", "error": f"{type(e).__name__}: {str(e)[:200]}",
-                                  "cfg": [splits, block_n, warps, stages]}), flush=True)  # fmt: skip
+                print(
+                    json.dumps(
+                        {
+                            "result": "kernel",
+                            "error": f"{type(e).__name__}: {str(e)[:200]}",
+                            "cfg": [splits, block_n, warps, stages],
+                        }
+                    ),
+                    flush=True,
+                )
                 continue
-            print(json.dumps({"bench": "decode_kernels", "result": "kernel", "batch": batch, "ctx": ctx,
-                              "splits": splits, "block_n": block_n, "warps": warps, "stages": stages,
-                              "us": round(t * 1e6, 1), "GBps": round(kv_bytes / t / 1e9, 1),
-                              "frac_copy_bw": round(kv_bytes / t / bw, 3)}), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "bench": "decode_kernels",
+                        "result": "kernel",
+                        "batch": batch,
+                        "ctx": ctx,
+                        "splits": splits,
+                        "block_n": block_n,
+                        "warps": warps,
+                        "stages": stages,
+                        "us": round(t * 1e6, 1),
+                        "GBps": round(kv_bytes / t / 1e9, 1),
+                        "frac_copy_bw": round(kv_bytes / t / bw, 3),
+                    }
+                ),
+                flush=True,
+            )
 
 
 @torch.inference_mode()
@@ -118,10 +176,16 @@ def bench_step(batch: int, prompt_len: int, bw: float, cuda_graphs: bool) -> Non
         engine.step()
     sched.schedule, runner.run, sched.postprocess = originals["schedule"], originals["run"], originals["postprocess"]
     ctx = prompt_len + 4 + 2 * n
-    line: dict[str, object] = {"bench": "decode_kernels", "result": "step", "batch": batch, "ctx": ctx,
-                               "cuda_graphs": cuda_graphs, "step_ms": round(step_s * 1e3, 3),
-                               "tok_s": round(batch / step_s, 1),
-                               **{f"{k}_ms": round(v / n * 1e3, 3) for k, v in phases.items()}}  # fmt: skip
+    line: dict[str, object] = {
+        "bench": "decode_kernels",
+        "result": "step",
+        "batch": batch,
+        "ctx": ctx,
+        "cuda_graphs": cuda_graphs,
+        "step_ms": round(step_s * 1e3, 3),
+        "tok_s": round(batch / step_s, 1),
+        **{f"{k}_ms": round(v / n * 1e3, 3) for k, v in phases.items()},
+    }
     dec = engine.runner.decode
     assert dec is not None
     bs = dec.padded(batch)

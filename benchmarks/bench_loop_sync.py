@@ -15,7 +15,7 @@ memcpy bandwidth of the same bytes.
     python benchmarks/bench_loop_sync.py --device cuda --trainer-ranks 1 --engines 1 --size 1b   # 2 GPUs, NCCL
     python benchmarks/bench_loop_sync.py --device cuda --trainer-ranks 2 --engines 2 --size 1b   # 4 GPUs
 
-With `--device cuda` the trainer ranks take GPUs 0..W-1 and the engines the next ones (`cluster/local.py`
+With `--device cuda` the trainer ranks take GPUs 0..W-1 and the engines the next ones (`launch/local.py`
 gpu_plan); broadcast and p2p then run over NCCL, which needs W + E GPUs.
 """
 
@@ -44,12 +44,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 def loop_argv(args: argparse.Namespace, model_dir: Path, run_dir: Path, strategy: str) -> list[str]:
     gpu = ["train.device=cuda", "rollout.device=cuda", "model.dtype=bfloat16"] if args.device == "cuda" else []
-    return [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / args.config), f"run_dir={run_dir}",
-            f"model.path={model_dir}", f"steps={args.steps}", "train.sft_warmup_steps=0",
-            f"train.world_size={args.trainer_ranks}", f"rollout.num_engines={args.engines}",
-            f"sync.strategy={strategy}", f"rollout.prompts_per_step={args.prompts}",
-            f"rollout.samples_per_prompt={args.samples}", f"rollout.max_new_tokens={args.new_tokens}",
-            "train.checkpoint_interval=0", *gpu]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(REPO / args.config),
+        f"run_dir={run_dir}",
+        f"model.path={model_dir}",
+        f"steps={args.steps}",
+        "train.sft_warmup_steps=0",
+        f"train.world_size={args.trainer_ranks}",
+        f"rollout.num_engines={args.engines}",
+        f"sync.strategy={strategy}",
+        f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.samples_per_prompt={args.samples}",
+        f"rollout.max_new_tokens={args.new_tokens}",
+        "train.checkpoint_interval=0",
+        *gpu,
+    ]
 
 
 def one_run(args: argparse.Namespace, model_dir: Path, work: Path, strategy: str, nbytes: int) -> dict[str, Any]:
@@ -58,20 +71,31 @@ def one_run(args: argparse.Namespace, model_dir: Path, work: Path, strategy: str
     proc = subprocess.run(loop_argv(args, model_dir, run_dir, strategy), capture_output=True, text=True, cwd=REPO)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"miles-hpc run with sync.strategy={strategy} failed ({proc.returncode}):\n"
-                         f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")  # fmt: skip
+        raise SystemExit(
+            f"miles-hpc run with sync.strategy={strategy} failed ({proc.returncode}):\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r["time/sync_s"] for r in rows[1:]]  # step 0's publish also opens the groups
     sync_s = statistics.median(timed)
     return {
-        "bench": "loop_sync", "strategy": strategy, "device": args.device, "trainer_ranks": args.trainer_ranks,
-        "engines": args.engines, "size": args.size, "bytes": nbytes, "steps": len(rows),
-        "sync_s": round(sync_s, 4), "sync_min_max_s": [round(min(timed), 4), round(max(timed), 4)],
+        "bench": "loop_sync",
+        "strategy": strategy,
+        "device": args.device,
+        "trainer_ranks": args.trainer_ranks,
+        "engines": args.engines,
+        "size": args.size,
+        "bytes": nbytes,
+        "steps": len(rows),
+        "sync_s": round(sync_s, 4),
+        "sync_min_max_s": [round(min(timed), 4), round(max(timed), 4)],
         "gbps_per_engine": round(nbytes / sync_s / 1e9, 3),
-        "first_sync_s": round(rows[0]["time/sync_s"], 4), "weight_version": int(rows[-1]["weight_version"]),
+        "first_sync_s": round(rows[0]["time/sync_s"], 4),
+        "weight_version": int(rows[-1]["weight_version"]),
         "max_abs_logprob_diff": max(r["mismatch/max_abs_logprob_diff"] for r in rows),
-        "train_s": round(statistics.median(r["time/train_s"] for r in rows[1:]), 4), "wall_s": round(wall, 1),
-    }  # fmt: skip
+        "train_s": round(statistics.median(r["time/train_s"] for r in rows[1:]), 4),
+        "wall_s": round(wall, 1),
+    }
 
 
 def main() -> None:
@@ -80,8 +104,12 @@ def main() -> None:
     ap.add_argument("--strategies", default="broadcast,p2p")
     ap.add_argument("--trainer-ranks", type=int, default=2)
     ap.add_argument("--engines", type=int, default=2)
-    ap.add_argument("--size", choices=["small", *sorted(set(SIZES) - {"small"})], default="25m",
-                    help="Qwen3 shape (bench_weight_sync.py's sizes; byte-level tokenizer)")  # fmt: skip
+    ap.add_argument(
+        "--size",
+        choices=["small", *sorted(set(SIZES) - {"small"})],
+        default="25m",
+        help="Qwen3 shape (bench_weight_sync.py's sizes; byte-level tokenizer)",
+    )
     ap.add_argument("--steps", type=int, default=4, help="RL steps per run (the first one's sync is not timed)")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--samples", type=int, default=2)
@@ -99,8 +127,18 @@ def main() -> None:
         mb = max(1, min(nbytes, 1 << 30) >> 20)
         print(json.dumps({**allreduce_bandwidth(2, args.device, mb), "reference_for": "loop_sync"}), flush=True)
         if args.device == "cpu":
-            print(json.dumps({"bench": "memcpy", "device": "cpu", "bytes": nbytes,
-                              "gbps": round(memcpy_gbps(nbytes), 2), "reference_for": "loop_sync"}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "bench": "memcpy",
+                        "device": "cpu",
+                        "bytes": nbytes,
+                        "gbps": round(memcpy_gbps(nbytes), 2),
+                        "reference_for": "loop_sync",
+                    }
+                ),
+                flush=True,
+            )
 
 
 def model_numel(model_dir: Path) -> int:

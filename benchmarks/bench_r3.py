@@ -62,8 +62,14 @@ def bench(arch: str, args: argparse.Namespace) -> None:
         for step in range(args.steps):
             prompts = [torch.randint(0, 256, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
             samples = generate(engine, prompts, args.group, args.new_tokens, seed=1000 * step)
-            line: dict[str, object] = {"bench": "r3", "model": f"{arch}-small", "moe_layers": trainer.num_moe_layers,
-                                       "top_k": trainer.top_k, "experts": cfg.num_experts, "step": step}  # fmt: skip
+            line: dict[str, object] = {
+                "bench": "r3",
+                "model": f"{arch}-small",
+                "moe_layers": trainer.num_moe_layers,
+                "top_k": trainer.top_k,
+                "experts": cfg.num_experts,
+                "step": step,
+            }
             for replay in (False, True):
                 diffs, kls, stats = [], [], torch.zeros(3, dtype=torch.long)
                 with torch.no_grad():
@@ -75,9 +81,12 @@ def bench(arch: str, args: argparse.Namespace) -> None:
                         stats += st
                 d, k = torch.cat(diffs), torch.cat(kls)
                 tag = "r3_on" if replay else "r3_off"
-                line[tag] = {"mean_abs_logprob_diff": round(d.mean().item(), 6), "max_abs_logprob_diff":
-                             round(d.max().item(), 5), "kl_k3": round(k.mean().item(), 7),
-                             "topk_agreement": round(stats[1].item() / max(stats[0].item(), 1), 4)}  # fmt: skip
+                line[tag] = {
+                    "mean_abs_logprob_diff": round(d.mean().item(), 6),
+                    "max_abs_logprob_diff": round(d.max().item(), 5),
+                    "kl_k3": round(k.mean().item(), 7),
+                    "topk_agreement": round(stats[1].item() / max(stats[0].item(), 1), 4),
+                }
             rows = sum(res.routed_experts.shape[0] for _, res in samples)
             tokens = sum(len(p) + len(res.output_ids) for p, res in samples)
             width = trainer.num_moe_layers * trainer.top_k * np.dtype(expert_dtype(cfg.num_experts)).itemsize
@@ -90,8 +99,9 @@ def bench(arch: str, args: argparse.Namespace) -> None:
             loss = sum(-a * score(trainer, p, res, True)[0].sum() for a, (p, res) in zip(adv.tolist(), samples))
             (loss / len(samples)).backward()
             opt.step()
-            engine.update_weights([(n, t.detach().to(torch.bfloat16)) for n, t in iter_hf_tensors(trainer)],
-                                  version=str(step + 1))  # fmt: skip
+            engine.update_weights(
+                [(n, t.detach().to(torch.bfloat16)) for n, t in iter_hf_tensors(trainer)], version=str(step + 1)
+            )
 
 
 def main() -> None:

@@ -33,11 +33,25 @@ from miles_hpc.models.presets import preset_config
 
 # Real shapes of public models (random weights): what matters for throughput is the shape, not the values.
 SHAPES: dict[str, dict[str, object]] = {
-    "qwen3-0.6b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024,
-                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                       tie_word_embeddings=True, hidden_act="silu", attention_bias=False, eos_token_id=151645),
-}  # fmt: skip
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        attention_bias=False,
+        eos_token_id=151645,
+    ),
+}
 
 
 def make_checkpoint(shape: str, dtype: torch.dtype, out: Path) -> Path:
@@ -115,10 +129,15 @@ def step_summary(times: list[float]) -> dict[str, object]:
     times, run_s = times[:-1], times[-1]
     rest = sorted(times[3:]) or [0.0]
     slow = sorted(range(len(times)), key=lambda i: -times[i])[:5]
-    return {"steps": len(times), "first3_steps_s": round(sum(times[:3]), 4), "rest_s": round(sum(rest), 4),
-            "runner_s": round(run_s, 4), "step_median_ms": round(rest[len(rest) // 2] * 1e3, 3),
-            "step_p90_ms": round(rest[9 * len(rest) // 10] * 1e3, 3),
-            "slowest_steps_ms": {i: round(times[i] * 1e3, 2) for i in slow}}  # fmt: skip
+    return {
+        "steps": len(times),
+        "first3_steps_s": round(sum(times[:3]), 4),
+        "rest_s": round(sum(rest), 4),
+        "runner_s": round(run_s, 4),
+        "step_median_ms": round(rest[len(rest) // 2] * 1e3, 3),
+        "step_p90_ms": round(rest[9 * len(rest) // 10] * 1e3, 3),
+        "slowest_steps_ms": {i: round(times[i] * 1e3, 2) for i in slow},
+    }
 
 
 def run_hf(
@@ -143,7 +162,9 @@ def decode_bytes_per_step(engine: Engine, batch: int, mean_context: float) -> fl
     """Bytes one decode step must read: every weight once + the K and V of each sequence's context."""
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     c = engine.model.config
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * engine.model.lm_head.weight.element_size()
+    kv_per_token = (
+        2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * engine.model.lm_head.weight.element_size()
+    )
     return weights + batch * mean_context * kv_per_token
 
 
@@ -169,12 +190,20 @@ def bench_prefix(engine: Engine, vocab: int, prefix_len: int, device: str, reps:
         misses.append(miss.cached_tokens)
     t_cached, t_fresh = statistics.median(cached_s), statistics.median(fresh_s)
     return {
-        "bench": "rollout", "result": "prefix_cache", "device": device, "prefix_tokens": prefix_len, "new_tokens": 16,
-        "reps": reps, "cached_tokens": min(hits), "fresh_cached_tokens": max(misses),
-        "prefill_cached_s": round(t_cached, 5), "prefill_fresh_s": round(t_fresh, 5),
-        "prefill_cached_all_s": [round(t, 5) for t in cached_s], "prefill_fresh_all_s": [round(t, 5) for t in fresh_s],
+        "bench": "rollout",
+        "result": "prefix_cache",
+        "device": device,
+        "prefix_tokens": prefix_len,
+        "new_tokens": 16,
+        "reps": reps,
+        "cached_tokens": min(hits),
+        "fresh_cached_tokens": max(misses),
+        "prefill_cached_s": round(t_cached, 5),
+        "prefill_fresh_s": round(t_fresh, 5),
+        "prefill_cached_all_s": [round(t, 5) for t in cached_s],
+        "prefill_fresh_all_s": [round(t, 5) for t in fresh_s],
         "speedup": round(t_fresh / t_cached, 2),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -199,8 +228,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_checkpoint(shape, dtype, Path(tmp) / "model")
-        cfg = EngineConfig(device=args.device, dtype=str(dtype)[6:], triton_kernels=args.triton_kernels,
-                           cuda_graphs=args.cuda_graphs)  # fmt: skip
+        cfg = EngineConfig(
+            device=args.device, dtype=str(dtype)[6:], triton_kernels=args.triton_kernels, cuda_graphs=args.cuda_graphs
+        )
         engine = Engine.from_pretrained(str(model_dir), cfg)
         vocab = engine.model.config.vocab_size
         g = torch.Generator().manual_seed(0)
@@ -214,18 +244,29 @@ def main() -> None:
         assert all(r.completion_tokens == new_tokens for r in results)
         tokens = batch * new_tokens
         line: dict[str, object] = {
-            "bench": "rollout", "result": "decode", "device": args.device, "shape": shape, "dtype": str(dtype)[6:],
-            "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "triton_kernels": args.triton_kernels, "cuda_graphs": args.cuda_graphs,
-            "engine_tok_s": round(tokens / t_ours, 1), "engine_s": round(t_ours, 3),
-        }  # fmt: skip
+            "bench": "rollout",
+            "result": "decode",
+            "device": args.device,
+            "shape": shape,
+            "dtype": str(dtype)[6:],
+            "batch": batch,
+            "prompt_len": prompt_len,
+            "new_tokens": new_tokens,
+            "triton_kernels": args.triton_kernels,
+            "cuda_graphs": args.cuda_graphs,
+            "engine_tok_s": round(tokens / t_ours, 1),
+            "engine_s": round(t_ours, 3),
+        }
         line["step_summary"] = step_summary(step_times)
         bw = copy_bandwidth(args.device)
         if bw is not None:
             step_bytes = decode_bytes_per_step(engine, batch, prompt_len + new_tokens / 2)
             roofline = batch / (step_bytes / bw)
-            line.update(copy_GBps=round(bw / 1e9, 1), roofline_tok_s=round(roofline, 1),
-                        roofline_frac=round(tokens / t_ours / roofline, 4))  # fmt: skip
+            line.update(
+                copy_GBps=round(bw / 1e9, 1),
+                roofline_tok_s=round(roofline, 1),
+                roofline_frac=round(tokens / t_ours / roofline, 4),
+            )
         prefix = bench_prefix(engine, vocab, args.prefix_len, args.device)
         engine.shutdown()
         del engine

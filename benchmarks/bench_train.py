@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from collective_bw import spawn_ranks  # benchmarks/ (this script's directory) is on sys.path
 
 from miles_hpc.config import AlgoConfig, TrainConfig
@@ -41,10 +40,24 @@ from miles_hpc.data.sample import token_hash
 from miles_hpc.models import ModelConfig, build_model, save_pretrained
 from miles_hpc.train.batch import TrainBatch
 
-SHAPE_1B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=2048,
-                intermediate_size=6144, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
-                head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                tie_word_embeddings=True, hidden_act="silu", attention_bias=False, torch_dtype="bfloat16")  # fmt: skip
+SHAPE_1B = dict(
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    attention_bias=False,
+    torch_dtype="bfloat16",
+)
 
 
 def model_flops_per_token(cfg: ModelConfig, seq: int) -> tuple[float, int]:
@@ -71,8 +84,15 @@ def timed(fn, steps: int, warmup: int) -> list[float]:
     return out
 
 
-def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int, compile: bool = False,
-               backend: str = "fsdp", device: str = "cuda") -> list[float]:  # fmt: skip
+def bench_ours(
+    model_dir: Path,
+    seqs: list[list[int]],
+    steps: int,
+    warmup: int,
+    compile: bool = False,
+    backend: str = "fsdp",
+    device: str = "cuda",
+) -> list[float]:
     """Step times of our trainer. Under `--ranks N` every rank runs this with the global batch (N x `--batch`
     sequences); the trainer gives each rank its share."""
     from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
@@ -97,11 +117,12 @@ def bench_ours(model_dir: Path, seqs: list[list[int]], steps: int, warmup: int, 
         trainer = FSDPTrainer(str(model_dir), cfg, AlgoConfig(), device=device, seed=0)
     g = torch.Generator().manual_seed(0)
     batch = TrainBatch(
-        tokens=seqs, loss_mask=[[0] + [1] * (len(s) - 1) for s in seqs],
+        tokens=seqs,
+        loss_mask=[[0] + [1] * (len(s) - 1) for s in seqs],
         rollout_logprobs=[[0.0] * len(s) for s in seqs],
         advantages=[[float(a)] * len(s) for a, s in zip(torch.randn(len(seqs), generator=g).tolist(), seqs)],
         token_hash=[token_hash(s) for s in seqs],
-    )  # fmt: skip
+    )
     try:
         return timed(lambda: trainer.train_step(batch), steps, warmup)
     finally:
@@ -150,12 +171,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, allocator warm-up)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--sides", default="eager,compiled,megatron,hf",
-                    help="comma-separated subset of eager,compiled,megatron,hf")
+    ap.add_argument(
+        "--sides", default="eager,compiled,megatron,hf", help="comma-separated subset of eager,compiled,megatron,hf"
+    )
     ap.add_argument("--ranks", type=int, default=1, help="data-parallel trainer ranks (our sides; one per GPU)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--shape", choices=["1b", "small", "25m", "100m", "1.5b", "7b"], default="1b",
-                    help="1b: ~1.1B Qwen3 with its 151,936 vocabulary; others: bench_weight_sync.py's sizes")
+    ap.add_argument(
+        "--shape",
+        choices=["1b", "small", "25m", "100m", "1.5b", "7b"],
+        default="1b",
+        help="1b: ~1.1B Qwen3 with its 151,936 vocabulary; others: bench_weight_sync.py's sizes",
+    )
     args = ap.parse_args()
     gpu = args.device == "cuda"
     if gpu and torch.cuda.device_count() < args.ranks:
@@ -170,8 +196,12 @@ def main() -> None:
         model_dir = Path(tmp) / "model"
         torch.manual_seed(0)
         save_pretrained(build_model(cfg, dtype=torch.bfloat16 if gpu else torch.float32), model_dir)
-        runs = {"eager": ("miles_hpc_fsdp2", False, "fsdp"), "compiled": ("miles_hpc_fsdp2_compiled", True, "fsdp"),
-                "megatron": ("miles_hpc_megatron_core", False, "megatron"), "hf": ("transformers_adamw_fused",)}
+        runs = {
+            "eager": ("miles_hpc_fsdp2", False, "fsdp"),
+            "compiled": ("miles_hpc_fsdp2_compiled", True, "fsdp"),
+            "megatron": ("miles_hpc_megatron_core", False, "megatron"),
+            "hf": ("transformers_adamw_fused",),
+        }
         for key in args.sides.split(","):
             name = runs[key][0]
             if key == "hf" and (args.skip_hf or args.ranks > 1 or not gpu):
@@ -186,14 +216,24 @@ def main() -> None:
                 times = spawn_ranks(args.ranks, bench_ours, *side) if args.ranks > 1 else bench_ours(*side)
             t = sum(times) / len(times)  # the mean step: MFU and tokens/s from it
             line = {
-                "bench": "train", "side": name, "device": torch.cuda.get_device_name() if gpu else "cpu",
-                "ranks": 1 if key == "hf" else args.ranks, "shape": args.shape, "params_matmul": matmul_params,
-                "seq": args.seq, "batch_per_rank": args.batch, "warmup": args.warmup, "step_s": round(t, 4),
-                "step_min_median_max_s": [round(min(times), 4), round(sorted(times)[len(times) // 2], 4),
-                                          round(max(times), 4)],
+                "bench": "train",
+                "side": name,
+                "device": torch.cuda.get_device_name() if gpu else "cpu",
+                "ranks": 1 if key == "hf" else args.ranks,
+                "shape": args.shape,
+                "params_matmul": matmul_params,
+                "seq": args.seq,
+                "batch_per_rank": args.batch,
+                "warmup": args.warmup,
+                "step_s": round(t, 4),
+                "step_min_median_max_s": [
+                    round(min(times), 4),
+                    round(sorted(times)[len(times) // 2], 4),
+                    round(max(times), 4),
+                ],
                 "tokens_per_s": round(tokens / t, 1),  # hf runs only at --ranks 1: the same tokens
                 "model_tflops": round(flops_tok * tokens / t / 1e12, 1 if gpu else 4),
-            }  # fmt: skip
+            }
             if gpu:
                 line["mfu"] = round(line["model_tflops"] / (line["ranks"] * args.peak_tflops), 4)
             print(json.dumps(line), flush=True)

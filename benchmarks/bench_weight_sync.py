@@ -1,7 +1,7 @@
-"""Weight-sync benchmarks: one JSON line per result, one section per concern (DESIGN section 6).
+"""Weight-sync benchmarks: one JSON line per result, one section per concern (docs/design.md section 6).
 
 Sections (`--sections a,b` or `--only a`; all by default):
-- delta: the BF16 delta codec (`miles_hpc.sync.delta_codec`) on real AdamW RL steps. Per learning rate: a fresh
+- delta: the BF16 delta codec (`miles_hpc.sync.codec.delta_codec`) on real AdamW RL steps. Per learning rate: a fresh
   random-init Qwen3-shaped model with fp32 master weights takes `--steps` GRPO-style steps (loss = -advantage x
   log-prob of random token sequences, advantages normalised per group); after each step every HF tensor is cast to
   bf16 and coded against the previous bf16 copy, as the trainer does when it publishes. Reported per lr, summed
@@ -46,24 +46,54 @@ import torch
 
 from miles_hpc.models import ModelConfig, build_model, iter_hf_tensors
 from miles_hpc.models.presets import preset_config
-from miles_hpc.sync.checksum import copy_with_lanes, tensor_checksum, tensor_checksums
-from miles_hpc.sync.delta_codec import decode, encode, to_bytes, warm_kernels
+from miles_hpc.sync.codec.delta_codec import decode, encode, to_bytes, warm_kernels
+from miles_hpc.sync.wire.checksum import copy_with_lanes, tensor_checksum, tensor_checksums
 
 # Few-layer Qwen3 shapes on top of the "small" preset (its byte-level vocabulary): big enough matrices for
 # realistic per-tensor statistics, small enough for CPU.
 SIZES: dict[str, dict[str, int]] = {
     "small": {},
-    "25m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 12,
-            "num_key_value_heads": 4, "head_dim": 64},
-    "100m": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8, "num_attention_heads": 16,
-             "num_key_value_heads": 8, "head_dim": 64},
-    "1b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 16, "num_attention_heads": 16,
-           "num_key_value_heads": 8, "head_dim": 128},  # bench_train.py's ~1.1B shapes, byte vocabulary
-    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-             "num_key_value_heads": 2, "head_dim": 128},  # Qwen2.5-1.5B's layer shapes, byte vocabulary (1.3B)
-    "7b": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-           "num_key_value_heads": 4, "head_dim": 128},  # Qwen2.5-7B's layer shapes, byte vocabulary (6.5B params)
-}  # fmt: skip
+    "25m": {
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+    },
+    "100m": {
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+    },
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },  # bench_train.py's ~1.1B shapes, byte vocabulary
+    "1.5b": {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+    },  # Qwen2.5-1.5B's layer shapes, byte vocabulary (1.3B)
+    "7b": {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+    },  # Qwen2.5-7B's layer shapes, byte vocabulary (6.5B params)
+}
 
 
 def sync(device: torch.device) -> None:
@@ -167,12 +197,22 @@ def bench_delta(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 if not torch.equal(out.view(torch.int16), new.view(torch.int16)):
                     raise AssertionError(f"{[n for n, _ in group]}: decode is not bit-exact")
                 kinds[payload.kind] += 1
-                step.update(full_bytes=new.numel() * 2, delta_bytes=len(to_bytes(payload)), t_enc=t_enc + t_cat,
-                            t_dec=t_dec, t_ck=t_ck, groups=1)  # fmt: skip
+                step.update(
+                    full_bytes=new.numel() * 2,
+                    delta_bytes=len(to_bytes(payload)),
+                    t_enc=t_enc + t_cat,
+                    t_dec=t_dec,
+                    t_ck=t_ck,
+                    groups=1,
+                )
                 for (name, t), o in zip(group, old_parts):
                     iid, ctx = entropy_bits(o, t)
-                    step.update(numel=t.numel(), iid_bits=iid, ctx_bits=ctx,
-                                changed=int((o.view(torch.int16) != t.view(torch.int16)).sum()))  # fmt: skip
+                    step.update(
+                        numel=t.numel(),
+                        iid_bits=iid,
+                        ctx_bits=ctx,
+                        changed=int((o.view(torch.int16) != t.view(torch.int16)).sum()),
+                    )
                     if zstandard is not None:
                         xor = (o.view(torch.int16) ^ t.view(torch.int16)).cpu().numpy().tobytes()
                         step["zstd_bytes"] += len(zstandard.ZstdCompressor(level=args.zstd_level).compress(xor))
@@ -183,9 +223,16 @@ def bench_delta(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         t_codec = (tot["t_enc"] - tot["t_ck"]) + (tot["t_dec"] - tot["t_ck"])  # each side computes one checksum
         link = args.link_gbps * 1e9
         line = {
-            "bench": "weight_sync", "section": "delta", "device": _device_name(device), "model": f"qwen3-{args.size}",
-            "params": sum(p.numel() for p in model.parameters()), "lr": lr, "steps": args.steps,
-            "tensors_per_step": len(prev), "group_mb": args.group_mb, "groups_per_step": tot["groups"] // args.steps,
+            "bench": "weight_sync",
+            "section": "delta",
+            "device": _device_name(device),
+            "model": f"qwen3-{args.size}",
+            "params": sum(p.numel() for p in model.parameters()),
+            "lr": lr,
+            "steps": args.steps,
+            "tensors_per_step": len(prev),
+            "group_mb": args.group_mb,
+            "groups_per_step": tot["groups"] // args.steps,
             "kinds": dict(kinds),
             "changed_frac": round(tot["changed"] / tot["numel"], 5),
             "delta_ratio": round(tot["delta_bytes"] / full, 5),
@@ -199,10 +246,11 @@ def bench_delta(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             "checksum_gbps": round(full / tot["t_ck"] / 1e9, 4),
             "encode_gbps_excl_checksum": round(full / max(tot["t_enc"] - tot["t_ck"], 1e-9) / 1e9, 4),
             "decode_gbps_excl_checksum": round(full / max(tot["t_dec"] - tot["t_ck"], 1e-9) / 1e9, 4),
-            "link_gbps": args.link_gbps, "full_send_s": round(full / link, 6),
+            "link_gbps": args.link_gbps,
+            "full_send_s": round(full / link, 6),
             "delta_send_s": round(t_codec + tot["delta_bytes"] / link, 6),
             "delta_faster_than_link": t_codec + tot["delta_bytes"] / link < full / link,
-        }  # fmt: skip
+        }
         yield line
 
 
@@ -222,14 +270,24 @@ def bench_codec(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         enc = min(timed(device, lambda: encode(old, new, max_classes=mc))[1] for _ in range(args.reps))
         dec = min(timed(device, decode, old, payload)[1] for _ in range(args.reps))
         gb = n * 2 / 1e9
-        yield {"bench": "weight_sync", "section": "codec", "device": _device_name(device), "values": n,
-               "max_classes": mc, "classes": payload.counts[0] if payload.kind == "delta" else None,
-               "changed_frac": round(float((old.view(torch.int16) != new.view(torch.int16)).float().mean()), 5),
-               "delta_ratio": round(len(to_bytes(payload)) / (n * 2), 5), "encode_s": round(enc, 5),
-               "decode_s": round(dec, 5), "encode_gbps": round(gb / enc, 3), "decode_gbps": round(gb / dec, 3),
-               "both_gbps": round(gb / (enc + dec), 3), "link_gbps": args.link_gbps,
-               "faster_than_link": enc + dec + len(to_bytes(payload)) / (args.link_gbps * 1e9) < gb / args.link_gbps,
-               "reps": args.reps}  # fmt: skip
+        yield {
+            "bench": "weight_sync",
+            "section": "codec",
+            "device": _device_name(device),
+            "values": n,
+            "max_classes": mc,
+            "classes": payload.counts[0] if payload.kind == "delta" else None,
+            "changed_frac": round(float((old.view(torch.int16) != new.view(torch.int16)).float().mean()), 5),
+            "delta_ratio": round(len(to_bytes(payload)) / (n * 2), 5),
+            "encode_s": round(enc, 5),
+            "decode_s": round(dec, 5),
+            "encode_gbps": round(gb / enc, 3),
+            "decode_gbps": round(gb / dec, 3),
+            "both_gbps": round(gb / (enc + dec), 3),
+            "link_gbps": args.link_gbps,
+            "faster_than_link": enc + dec + len(to_bytes(payload)) / (args.link_gbps * 1e9) < gb / args.link_gbps,
+            "reps": args.reps,
+        }
 
 
 def bench_checksum(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -255,10 +313,17 @@ def _checksum_row(args: argparse.Namespace, device: torch.device, dtype: torch.d
     for key, fn in runs.items():
         fn()  # untimed first call (compiles kernels, builds tables)
         times[key] = min(timed(device, fn)[1] for _ in range(args.reps))
-    return {"bench": "weight_sync", "section": "checksum", "device": _device_name(device), "dtype": str(dtype),
-            "tensors": len(named), "bytes": nbytes, "reps": args.reps,
-            **{f"{k}_s": round(v, 5) for k, v in times.items()},
-            **{f"{k}_gbps": round(nbytes / v / 1e9, 2) for k, v in times.items()}}  # fmt: skip
+    return {
+        "bench": "weight_sync",
+        "section": "checksum",
+        "device": _device_name(device),
+        "dtype": str(dtype),
+        "tensors": len(named),
+        "bytes": nbytes,
+        "reps": args.reps,
+        **{f"{k}_s": round(v, 5) for k, v in times.items()},
+        **{f"{k}_gbps": round(nbytes / v / 1e9, 2) for k, v in times.items()},
+    }
 
 
 def groups(named: list[tuple[str, torch.Tensor]], group_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -316,8 +381,12 @@ def main() -> None:
     d.add_argument("--seq", type=int, default=128, help="tokens per sequence, prompt included")
     d.add_argument("--prompt-len", type=int, default=32)
     d.add_argument("--zstd-level", type=int, default=3)
-    d.add_argument("--group-mb", type=int, default=256,
-                   help="code consecutive tensors together, up to this many MB per payload (0: each tensor alone)")
+    d.add_argument(
+        "--group-mb",
+        type=int,
+        default=256,
+        help="code consecutive tensors together, up to this many MB per payload (0: each tensor alone)",
+    )
     d.add_argument("--codec-mb", type=int, default=64, help="codec section: MB of the synthetic bf16 tensor")
     d.add_argument("--classes", default="8,16", help="codec section: comma-separated max_classes to compare")
     d.add_argument("--link-gbps", type=float, default=25.0, help="link speed (GB/s) the delta send competes with")
@@ -327,8 +396,7 @@ def main() -> None:
     t = ap.add_argument_group("transfer")
     t.add_argument("--transfer-size", choices=sorted(SIZES), default="100m", help="model shape published")
     t.add_argument("--engines", default="1,2", help="comma-separated engine counts")
-    t.add_argument("--strategies", default="broadcast,p2p,colocated,delta",
-                   help="comma-separated strategies to time")  # fmt: skip
+    t.add_argument("--strategies", default="broadcast,p2p,colocated,delta", help="comma-separated strategies to time")
     t.add_argument("--trainer-ranks", type=int, default=2, help="p2p: trainer ranks (threads of this process)")
     t.add_argument("--reps", type=int, default=3, help="timed publishes per setting (median reported)")
     t.add_argument("--bucket-mb", type=int, default=512, help="broadcast bucket size")

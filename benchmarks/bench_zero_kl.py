@@ -47,12 +47,30 @@ from miles_hpc.train.batch import TrainBatch  # noqa: E402
 from miles_hpc.train.fsdp import FSDPTrainer  # noqa: E402
 
 # A reduced Qwen3-MoE (Qwen3-30B-A3B's head and expert widths, fewer layers and experts): random weights.
-MOE_1B = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
-              intermediate_size=6144, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
-              head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-              tie_word_embeddings=False, hidden_act="silu", attention_bias=False, num_experts=16,
-              num_experts_per_tok=4, moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
-              mlp_only_layers=[], eos_token_id=151645)  # fmt: skip
+MOE_1B = dict(
+    model_type="qwen3_moe",
+    architectures=["Qwen3MoeForCausalLM"],
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    attention_bias=False,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    eos_token_id=151645,
+)
 
 
 def make_checkpoint(shape: str, dtype: torch.dtype, out: Path) -> Path:
@@ -107,8 +125,9 @@ def train_batch(prompts: list[list[int]], results: list[GenerateResult], group: 
         masks.append([0] * len(p) + [1] * len(r.output_ids))
         lps.append([0.0] * len(p) + list(r.output_logprobs))
         adv.append([1.0 if k % 2 else -1.0] * (len(p) + len(r.output_ids)))
-    return TrainBatch(tokens=toks, loss_mask=masks, rollout_logprobs=lps, advantages=adv,
-                      token_hash=[token_hash(t) for t in toks])  # fmt: skip
+    return TrainBatch(
+        tokens=toks, loss_mask=masks, rollout_logprobs=lps, advantages=adv, token_hash=[token_hash(t) for t in toks]
+    )
 
 
 def max_mismatch(trainer: FSDPTrainer, batch: TrainBatch) -> float:
@@ -123,8 +142,14 @@ def max_mismatch(trainer: FSDPTrainer, batch: TrainBatch) -> float:
 def run_mode(ckpt: Path, zero_kl: bool, args: argparse.Namespace, vocab: int) -> dict[str, dict[str, object]]:
     mode = "zero_kl" if zero_kl else "normal"
     on_gpu = args.device.startswith("cuda")
-    ecfg = EngineConfig(device=args.device, dtype=args.dtype, batch_invariant=zero_kl, seed=0,
-                        num_blocks=args.num_blocks, max_running_requests=args.prompts * args.group)  # fmt: skip
+    ecfg = EngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        batch_invariant=zero_kl,
+        seed=0,
+        num_blocks=args.num_blocks,
+        max_running_requests=args.prompts * args.group,
+    )
     engine = Engine.from_pretrained(str(ckpt), ecfg)
     generate(engine, make_prompts(args, vocab, seed=99)[:2], args)  # warm-up: kernels, graphs, allocator
     prompts = make_prompts(args, vocab, seed=0)
@@ -132,20 +157,32 @@ def run_mode(ckpt: Path, zero_kl: bool, args: argparse.Namespace, vocab: int) ->
     new = sum(len(r.output_ids) for r in results)
     cached = sum(r.cached_tokens for r in results)
     out: dict[str, dict[str, object]] = {}
-    out["engine"] = {"bench": "zero_kl", "side": "engine", "mode": mode, "tokens_per_s": round(new / wall, 1),
-                     "wall_s": round(wall, 3), "generated_tokens": new, "requests": len(results),
-                     "prompt_tokens_cached": cached}  # fmt: skip
+    out["engine"] = {
+        "bench": "zero_kl",
+        "side": "engine",
+        "mode": mode,
+        "tokens_per_s": round(new / wall, 1),
+        "wall_s": round(wall, 3),
+        "generated_tokens": new,
+        "requests": len(results),
+        "prompt_tokens_cached": cached,
+    }
     del engine
     gc.collect()
     if on_gpu:
         torch.cuda.empty_cache()
 
-    tcfg = TrainConfig(device="cuda" if on_gpu else "cpu", mixed_precision=on_gpu,
-                       max_tokens_per_microbatch=args.microbatch_tokens)  # fmt: skip
+    tcfg = TrainConfig(
+        device="cuda" if on_gpu else "cpu", mixed_precision=on_gpu, max_tokens_per_microbatch=args.microbatch_tokens
+    )
     trainer = FSDPTrainer(str(ckpt), tcfg, AlgoConfig(), device=tcfg.device, seed=0, zero_kl=zero_kl)
     batch = train_batch(prompts, results, args.group)
-    out["mismatch"] = {"bench": "zero_kl", "side": "mismatch", "mode": mode,
-                       "max_abs_logprob_diff": max_mismatch(trainer, batch)}  # fmt: skip
+    out["mismatch"] = {
+        "bench": "zero_kl",
+        "side": "mismatch",
+        "mode": mode,
+        "max_abs_logprob_diff": max_mismatch(trainer, batch),
+    }
     trainer.train_step(batch)  # warm-up
     times = []
     for _ in range(args.steps):
@@ -156,9 +193,15 @@ def run_mode(ckpt: Path, zero_kl: bool, args: argparse.Namespace, vocab: int) ->
         times.append(time.perf_counter() - t0)
     tokens = sum(len(t) for t in batch.tokens)
     step = statistics.median(times)
-    out["trainer"] = {"bench": "zero_kl", "side": "trainer", "mode": mode, "step_s": round(step, 4),
-                      "tokens_per_s": round(tokens / step, 1), "tokens": tokens,
-                      "step_times_s": [round(t, 4) for t in times]}  # fmt: skip
+    out["trainer"] = {
+        "bench": "zero_kl",
+        "side": "trainer",
+        "mode": mode,
+        "step_s": round(step, 4),
+        "tokens_per_s": round(tokens / step, 1),
+        "tokens": tokens,
+        "step_times_s": [round(t, 4) for t in times],
+    }
     del trainer
     gc.collect()
     if on_gpu:
@@ -169,8 +212,9 @@ def run_mode(ckpt: Path, zero_kl: bool, args: argparse.Namespace, vocab: int) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shape", default=None, help="qwen3-0.6b (GPU default), moe-1b, or ARCH:SIZE (CPU default "
-                    "qwen3:small)")  # fmt: skip
+    ap.add_argument(
+        "--shape", default=None, help="qwen3-0.6b (GPU default), moe-1b, or ARCH:SIZE (CPU default qwen3:small)"
+    )
     ap.add_argument("--prompts", type=int, default=None, help="default 16 on GPU, 8 on CPU")
     ap.add_argument("--group", type=int, default=4, help="samples per prompt (prefix-cache hits)")
     ap.add_argument("--min-prompt", type=int, default=16)
@@ -194,17 +238,33 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(args.shape, getattr(torch, args.dtype), Path(tmp) / "model")
         vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
-        env_info = {"device": torch.cuda.get_device_name() if on_gpu else f"cpu x{torch.get_num_threads()}",
-                    "shape": args.shape, "torch": torch.__version__, "prompts": args.prompts, "group": args.group,
-                    "max_new_tokens": args.new_tokens, "dtype": args.dtype}  # fmt: skip
+        env_info = {
+            "device": torch.cuda.get_device_name() if on_gpu else f"cpu x{torch.get_num_threads()}",
+            "shape": args.shape,
+            "torch": torch.__version__,
+            "prompts": args.prompts,
+            "group": args.group,
+            "max_new_tokens": args.new_tokens,
+            "dtype": args.dtype,
+        }
         res = {mode: run_mode(ckpt, mode == "zero_kl", args, vocab) for mode in ("normal", "zero_kl")}
     for mode in ("normal", "zero_kl"):
         for side in ("engine", "trainer", "mismatch"):
             print(json.dumps({**res[mode][side], **env_info}), flush=True)
     eng = res["normal"]["engine"]["tokens_per_s"] / res["zero_kl"]["engine"]["tokens_per_s"]
     trn = res["zero_kl"]["trainer"]["step_s"] / res["normal"]["trainer"]["step_s"]
-    print(json.dumps({"bench": "zero_kl", "side": "cost", "engine_slowdown_x": round(eng, 2),
-                      "trainer_slowdown_x": round(trn, 2), **env_info}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "zero_kl",
+                "side": "cost",
+                "engine_slowdown_x": round(eng, 2),
+                "trainer_slowdown_x": round(trn, 2),
+                **env_info,
+            }
+        ),
+        flush=True,
+    )
     tdist.teardown()
 
 

@@ -25,13 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from miles_hpc.cluster.local import free_port
+from miles_hpc.launch.local import free_port
 from miles_hpc.train.dist import leave
 
 
 def _rank_main(rank: int, n: int, port: int, out: str, fn: Callable[..., Any], fn_args: tuple) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     result = fn(*fn_args)  # an exception goes back to mp.spawn, which re-raises it in the parent
     if rank == 0:
         Path(out).write_text(json.dumps(result))
@@ -52,8 +53,9 @@ def _allreduce_seconds(device: str, mb: int, warmup: int, iters: int) -> float:
     gpu = device == "cuda"
     if gpu:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=n,
-                            device_id=torch.device("cuda", rank) if gpu else None)  # fmt: skip
+    dist.init_process_group(
+        "nccl" if gpu else "gloo", rank=rank, world_size=n, device_id=torch.device("cuda", rank) if gpu else None
+    )
     try:
         buf = torch.ones(mb << 18, dtype=torch.float32, device=f"cuda:{rank}" if gpu else "cpu")  # mb MB
 
@@ -85,11 +87,16 @@ def allreduce_bandwidth(
     seconds = spawn_ranks(ranks, _allreduce_seconds, device, mb, warmup, iters)
     nbytes = mb << 20
     return {
-        "bench": "collective", "op": "all_reduce", "backend": "nccl" if device == "cuda" else "gloo",
-        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "ranks": ranks, "bytes": nbytes,
-        "seconds": round(seconds, 6), "algbw_gbps": round(nbytes / seconds / 1e9, 3),
+        "bench": "collective",
+        "op": "all_reduce",
+        "backend": "nccl" if device == "cuda" else "gloo",
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "ranks": ranks,
+        "bytes": nbytes,
+        "seconds": round(seconds, 6),
+        "algbw_gbps": round(nbytes / seconds / 1e9, 3),
         "busbw_gbps": round(nbytes * 2 * (ranks - 1) / ranks / seconds / 1e9, 3),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:

@@ -36,13 +36,17 @@ def svg(curves: dict[str, list[tuple[float, float]]], title: str) -> str:
     def xy(t: float, r: float) -> str:
         return f"{PAD + (W - 2 * PAD) * t / t_max:.1f},{H - PAD - (H - 2 * PAD) * r / r_max:.1f}"
 
-    parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
-              f'font-size="12"><rect width="{W}" height="{H}" fill="white"/>'),
-             f'<text x="{W / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>',
-             f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="black"/>',
-             f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{H - PAD}" stroke="black"/>',
-             f'<text x="{W / 2}" y="{H - 16}" text-anchor="middle">wall-clock seconds</text>',
-             f'<text x="16" y="{H / 2}" transform="rotate(-90 16 {H / 2})" text-anchor="middle">mean reward</text>']  # fmt: skip
+    parts = [
+        (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
+            f'font-size="12"><rect width="{W}" height="{H}" fill="white"/>'
+        ),
+        f'<text x="{W / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>',
+        f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="black"/>',
+        f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{H - PAD}" stroke="black"/>',
+        f'<text x="{W / 2}" y="{H - 16}" text-anchor="middle">wall-clock seconds</text>',
+        f'<text x="16" y="{H / 2}" transform="rotate(-90 16 {H / 2})" text-anchor="middle">mean reward</text>',
+    ]
     for k in range(6):
         t, r = t_max * k / 5, r_max * k / 5
         x, y = xy(t, 0).split(",")[0], xy(0, r).split(",")[1]
@@ -50,7 +54,9 @@ def svg(curves: dict[str, list[tuple[float, float]]], title: str) -> str:
         parts.append(f'<text x="{PAD - 6}" y="{float(y) + 4}" text-anchor="end">{r:.2f}</text>')
     for i, (label, c) in enumerate(curves.items()):
         color = COLORS[i % len(COLORS)]
-        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{" ".join(xy(t, r) for t, r in c)}"/>')
+        parts.append(
+            f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{" ".join(xy(t, r) for t, r in c)}"/>'
+        )
         parts.append(f'<text x="{PAD + 10}" y="{PAD + 16 * i}" fill="{color}">{label}</text>')
     return "\n".join(parts + ["</svg>"]) + "\n"
 
@@ -68,9 +74,19 @@ def main() -> None:
     target = next(iter(curves.values()))[-1][1]  # the reference run's final reward
     for label, c in curves.items():
         reached = next((t for t, r in c if r >= target), None)
-        print(json.dumps({"bench": "reward_vs_time", "run": label, "steps": len(c), "wall_s": round(c[-1][0], 1),
-                          "final_reward": round(c[-1][1], 3), "target_reward": round(target, 3),
-                          "reached_target_s": None if reached is None else round(reached, 1)}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "bench": "reward_vs_time",
+                    "run": label,
+                    "steps": len(c),
+                    "wall_s": round(c[-1][0], 1),
+                    "final_reward": round(c[-1][1], 3),
+                    "target_reward": round(target, 3),
+                    "reached_target_s": None if reached is None else round(reached, 1),
+                }
+            )
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(svg(curves, args.title))
 

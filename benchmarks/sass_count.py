@@ -20,7 +20,7 @@ import tempfile
 
 import triton
 
-from miles_hpc.sync import checksum_kernels
+from miles_hpc.sync.wire import checksum_kernels
 
 
 def sass_ops(cubin: bytes) -> collections.Counter[str]:
@@ -47,12 +47,24 @@ def main() -> None:
             kernel = checksum_kernels.compile_for(args.arch, copy, aligned)
             ops = sass_ops(kernel.asm["cubin"])
             ptx = collections.Counter(re.findall(r"((?:ld|st)\.global(?:\.v\d)?)\.b64", kernel.asm["ptx"]))
-            print(json.dumps({"bench": "sass_count", "kernel": "checksum_kernels._many_lane_sums", "copy": copy,
-                              "aligned_16": aligned, "arch": args.arch, "block_words": checksum_kernels.BLOCK,
-                              # static counts cover both the whole-block and the masked path
-                              "instructions_per_word": round(sum(ops.values()) / words_per_thread, 1),
-                              "imad_per_word": round(ops["IMAD"] / words_per_thread, 1),
-                              "global_memory_ops": dict(ptx), "triton": triton.__version__}), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "bench": "sass_count",
+                        "kernel": "checksum_kernels._many_lane_sums",
+                        "copy": copy,
+                        "aligned_16": aligned,
+                        "arch": args.arch,
+                        "block_words": checksum_kernels.BLOCK,
+                        # static counts cover both the whole-block and the masked path
+                        "instructions_per_word": round(sum(ops.values()) / words_per_thread, 1),
+                        "imad_per_word": round(ops["IMAD"] / words_per_thread, 1),
+                        "global_memory_ops": dict(ptx),
+                        "triton": triton.__version__,
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from aiohttp import web
 from miles_hpc.engine import protocol
 from miles_hpc.engine.types import FinishReason, GenerateResult
 from miles_hpc.engine.weight_receiver import JoinRequest, WeightReceiver, checksum_response
-from miles_hpc.sync.checksum import tensor_checksum
+from miles_hpc.sync.wire.checksum import tensor_checksum
 
 
 class SimEngine:
@@ -44,8 +44,11 @@ class SimEngine:
         self.sums: dict[str, str] = {}
 
     async def generate(self, request: web.Request) -> web.Response:
-        parsed = protocol.parse_generate(await request.json(), protocol.ModelLimits(vocab_size=self.vocab, max_context_len=1 << 20),
-                                         lambda: uuid.uuid4().hex)  # fmt: skip
+        parsed = protocol.parse_generate(
+            await request.json(),
+            protocol.ModelLimits(vocab_size=self.vocab, max_context_len=1 << 20),
+            lambda: uuid.uuid4().hex,
+        )
         req = parsed.requests[0]
         rng = random.Random(req.sampling.sampling_seed if req.sampling.sampling_seed is not None else req.rid)
         out: list[int] = []
@@ -71,9 +74,17 @@ class SimEngine:
             if n:
                 spans.append({"version": version, "start": len(out), "end": len(out) + n})
                 out += [rng.randrange(self.vocab) for _ in range(n)]
-        res = GenerateResult(rid=req.rid, output_ids=out, finish_reason=finish, prompt_tokens=len(req.input_ids),
-                             cached_tokens=0, output_logprobs=[-1.0] * len(out), weight_versions=spans,
-                             weight_version=self.version, e2e_latency=time.monotonic() - t0)  # fmt: skip
+        res = GenerateResult(
+            rid=req.rid,
+            output_ids=out,
+            finish_reason=finish,
+            prompt_tokens=len(req.input_ids),
+            cached_tokens=0,
+            output_logprobs=[-1.0] * len(out),
+            weight_versions=spans,
+            weight_version=self.version,
+            e2e_latency=time.monotonic() - t0,
+        )
         return web.json_response(protocol.generate_response(req, res, None))
 
     async def pause(self, request: web.Request) -> web.Response:
@@ -113,22 +124,31 @@ class SimEngine:
         return web.json_response(checksum_response(self.sums, self.version))
 
     async def info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": "sim", "weight_version": self.version, "is_generation": True,
-                                  "weights_half_updated": False})  # fmt: skip
+        return web.json_response(
+            {"model_path": "sim", "weight_version": self.version, "is_generation": True, "weights_half_updated": False}
+        )
 
     async def ok(self, request: web.Request) -> web.Response:
         return web.json_response({"success": True, "message": "ok"})
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
-        app.add_routes([
-            web.post("/generate", self.generate), web.post("/pause_generation", self.pause),
-            web.post("/continue_generation", self.resume), web.post("/init_weights_update_group", self.join),
-            web.post("/update_weights_from_distributed", self.update),
-            web.post("/destroy_weights_update_group", self.destroy), web.post("/weights_checker", self.checksums),
-            web.get("/get_model_info", self.info), web.get("/health", self.ok), web.get("/health_generate", self.ok),
-            web.post("/flush_cache", self.ok), web.post("/abort_request", self.ok),
-        ])  # fmt: skip
+        app.add_routes(
+            [
+                web.post("/generate", self.generate),
+                web.post("/pause_generation", self.pause),
+                web.post("/continue_generation", self.resume),
+                web.post("/init_weights_update_group", self.join),
+                web.post("/update_weights_from_distributed", self.update),
+                web.post("/destroy_weights_update_group", self.destroy),
+                web.post("/weights_checker", self.checksums),
+                web.get("/get_model_info", self.info),
+                web.get("/health", self.ok),
+                web.get("/health_generate", self.ok),
+                web.post("/flush_cache", self.ok),
+                web.post("/abort_request", self.ok),
+            ]
+        )
         return app
 
 
@@ -143,8 +163,19 @@ async def serve(args: argparse.Namespace) -> None:
     path = Path(args.rendezvous)
     tmp = path.with_suffix(".tmp")
     index = int(path.stem.rsplit("-", 1)[1])  # engine-<i>.json
-    tmp.write_text(json.dumps({"index": index, "host": "127.0.0.1", "port": port, "url": f"http://127.0.0.1:{port}",
-                               "pid": os.getpid(), "tp_size": 1, "backend": "embedded"}))  # fmt: skip
+    tmp.write_text(
+        json.dumps(
+            {
+                "index": index,
+                "host": "127.0.0.1",
+                "port": port,
+                "url": f"http://127.0.0.1:{port}",
+                "pid": os.getpid(),
+                "tp_size": 1,
+                "backend": "embedded",
+            }
+        )
+    )
     os.replace(tmp, path)
     await asyncio.Event().wait()
 

@@ -41,27 +41,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from collective_bw import allreduce_bandwidth  # benchmarks/ is on sys.path when bench_weight_sync.py runs
 
-from miles_hpc.cluster.local import free_port
+from miles_hpc.launch.local import free_port
 from miles_hpc.models import ModelConfig, build_model, iter_hf_tensors, save_pretrained
 from miles_hpc.models.presets import preset_config
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.router import Router, RouterConfig
 from miles_hpc.rollout.sglang import wait_for_engines
-from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
-from miles_hpc.sync.checksum import tensor_checksums
-from miles_hpc.sync.colocated import ColocatedSpec, ColocatedSync
-from miles_hpc.sync.colocated_direct import write_and_hash
-from miles_hpc.sync.delta import DeltaSpec, DeltaSync
-from miles_hpc.sync.p2p import P2PSpec, P2PSync, ThreadedRanks
 from miles_hpc.sync.protocol import WeightSync
 from miles_hpc.sync.publish import Publisher
+from miles_hpc.sync.strategies.base import GroupSyncSpec
+from miles_hpc.sync.strategies.broadcast import BroadcastSync
+from miles_hpc.sync.strategies.colocated import ColocatedSpec, ColocatedSync
+from miles_hpc.sync.strategies.colocated_direct import write_and_hash
+from miles_hpc.sync.strategies.delta import DeltaSpec, DeltaSync
+from miles_hpc.sync.strategies.p2p import P2PSync, ThreadedRanks
+from miles_hpc.sync.wire.checksum import tensor_checksums
 
-
-TRANSPORTS = {"broadcast": "gloo (loopback)", "p2p": "gloo (loopback), trainer ranks as threads",
-              "delta": "files (RUN/weights)", "colocated": "shared memory", "colocated_buckets": "shared memory"}
+TRANSPORTS = {
+    "broadcast": "gloo (loopback)",
+    "p2p": "gloo (loopback), trainer ranks as threads",
+    "delta": "files (RUN/weights)",
+    "colocated": "shared memory",
+    "colocated_buckets": "shared memory",
+}
 
 
 def memcpy_gbps(nbytes: int, device: str = "cpu") -> float:
@@ -80,8 +84,13 @@ def memcpy_gbps(nbytes: int, device: str = "cpu") -> float:
 def _transport(strategy: str, device: str) -> str:
     if not device.startswith("cuda"):
         return TRANSPORTS[strategy]
-    gpu = {"colocated": "CUDA IPC, direct writes", "colocated_buckets": "CUDA IPC, buckets",
-           "broadcast": "NCCL, GPU 0 -> engine GPUs", "p2p": "NCCL, GPU 0 -> engine GPUs", "delta": "files, GPU codec"}
+    gpu = {
+        "colocated": "CUDA IPC, direct writes",
+        "colocated_buckets": "CUDA IPC, buckets",
+        "broadcast": "NCCL, GPU 0 -> engine GPUs",
+        "p2p": "NCCL, GPU 0 -> engine GPUs",
+        "delta": "files, GPU codec",
+    }
     return gpu[strategy]
 
 
@@ -142,21 +151,34 @@ def bench_transfer(args: argparse.Namespace, sizes: dict[str, dict[str, int]]) -
         save_pretrained(model, model_dir)
         for strategy in args.strategies.split(","):
             if gpus == 1 and not strategy.startswith("colocated"):
-                yield {"bench": "weight_sync", "section": "transfer", "strategy": strategy, "device": args.device,
-                       "skipped": "one GPU: NCCL refuses two ranks on one device; needs a second GPU"}  # fmt: skip
+                yield {
+                    "bench": "weight_sync",
+                    "section": "transfer",
+                    "strategy": strategy,
+                    "device": args.device,
+                    "skipped": "one GPU: NCCL refuses two ranks on one device; needs a second GPU",
+                }
                 continue
             for engines in [int(e) for e in args.engines.split(",")]:
                 if gpus and strategy in ("broadcast", "p2p") and 1 + engines > gpus:
                     why = f"NCCL: {1 + engines} ranks need as many GPUs, this machine has {gpus}"
-                    yield {"bench": "weight_sync", "section": "transfer", "strategy": strategy, "engines": engines,
-                           "device": args.device, "skipped": why}  # fmt: skip
+                    yield {
+                        "bench": "weight_sync",
+                        "section": "transfer",
+                        "strategy": strategy,
+                        "engines": engines,
+                        "device": args.device,
+                        "skipped": why,
+                    }
                     continue
                 work = Path(tmp) / f"{strategy}{engines}"
                 yield asyncio.run(_one(args, model, model_dir, work, engines, strategy, gpus))
         if gpus != 1:  # the link's reference: an all-reduce of the same bytes between two ranks (GPUs 0 and 1)
             nbytes = sum(t.numel() * t.element_size() for _, t in iter_hf_tensors(model))
-            yield {**allreduce_bandwidth(2, "cuda" if gpu else "cpu", max(1, min(nbytes, 1 << 30) >> 20)),
-                   "reference_for": "weight_sync transfer"}  # fmt: skip
+            yield {
+                **allreduce_bandwidth(2, "cuda" if gpu else "cpu", max(1, min(nbytes, 1 << 30) >> 20)),
+                "reference_for": "weight_sync transfer",
+            }
 
 
 def _perturb_ulps(t: torch.Tensor, frac: float, g: torch.Generator) -> None:
@@ -171,15 +193,29 @@ def _perturb_ulps(t: torch.Tensor, frac: float, g: torch.Generator) -> None:
 def _make_sync(strategy: str, work: Path, bucket_mb: int, ranks: ThreadedRanks, gpu: bool) -> WeightSync:
     backend = "nccl" if gpu else "gloo"
     if strategy == "p2p":
-        return P2PSync(P2PSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=bucket_mb << 20,
-                               backend=backend, timeout_s=300), ranks)  # fmt: skip
+        return P2PSync(
+            GroupSyncSpec(
+                master_address="127.0.0.1",
+                next_port=free_port,
+                bucket_bytes=bucket_mb << 20,
+                backend=backend,
+                timeout_s=300,
+            ),
+            ranks,
+        )
     if strategy == "delta":  # on GPUs the codec runs where the tensors are (sync.delta_device: trainer)
         return DeltaSync(DeltaSpec(run_dir=work, timeout_s=300, device=None if gpu else "cpu"))
     if strategy.startswith("colocated"):  # colocated: direct writes on a GPU; colocated_buckets: never
-        return ColocatedSync(ColocatedSpec(bucket_bytes=bucket_mb << 20, timeout_s=300,
-                                           direct=strategy == "colocated"))  # fmt: skip
-    return BroadcastSync(BroadcastSpec(master_address="127.0.0.1", next_port=free_port, backend=backend,
-                                       bucket_bytes=bucket_mb << 20, timeout_s=300))  # fmt: skip
+        return ColocatedSync(ColocatedSpec(bucket_bytes=bucket_mb << 20, timeout_s=300, direct=strategy == "colocated"))
+    return BroadcastSync(
+        GroupSyncSpec(
+            master_address="127.0.0.1",
+            next_port=free_port,
+            backend=backend,
+            bucket_bytes=bucket_mb << 20,
+            timeout_s=300,
+        )
+    )
 
 
 def _engine_device(args: argparse.Namespace, strategy: str, i: int, gpus: int) -> list[str]:
@@ -198,10 +234,25 @@ async def _one(
     rdv.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen([sys.executable, "-m", "miles_hpc.cli", "serve", str(model_dir), "--port", "0",
-                          "--rendezvous", str(rdv / f"engine-{i}.json"), "--max-total-tokens", "4096",
-                          *_engine_device(args, strategy, i, gpus)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)  # fmt: skip
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "miles_hpc.cli",
+                "serve",
+                str(model_dir),
+                "--port",
+                "0",
+                "--rendezvous",
+                str(rdv / f"engine-{i}.json"),
+                "--max-total-tokens",
+                "4096",
+                *_engine_device(args, strategy, i, gpus),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
         for i in range(n)
     ]
     try:
@@ -242,19 +293,34 @@ async def _one(
         if strategy == "delta":  # what the last publish actually wrote
             moved = json.loads((work / "weights" / f"v{args.reps + 1}" / "manifest.json").read_text())["total_bytes"]
         return {
-            "bench": "weight_sync", "section": "transfer", "strategy": strategy,
+            "bench": "weight_sync",
+            "section": "transfer",
+            "strategy": strategy,
             "transport": _transport(strategy, args.device),
-            "device": args.device, "engines": n, "trainer_ranks": trainer_ranks if strategy == "p2p" else 1,
-            "size": args.transfer_size, "bytes": nbytes, "reps": args.reps,
-            "push_s": round(push_s, 4), "push_gbps": round(nbytes / push_s / 1e9, 3),
-            "bytes_delivered_gbps": round(n * nbytes / push_s / 1e9, 3), "cycle_s": round(cycle_s, 4),
-            "moved_bytes": moved, "memcpy_gbps": round(memcpy_gbps(nbytes, args.device), 2),
+            "device": args.device,
+            "engines": n,
+            "trainer_ranks": trainer_ranks if strategy == "p2p" else 1,
+            "size": args.transfer_size,
+            "bytes": nbytes,
+            "reps": args.reps,
+            "push_s": round(push_s, 4),
+            "push_gbps": round(nbytes / push_s / 1e9, 3),
+            "bytes_delivered_gbps": round(n * nbytes / push_s / 1e9, 3),
+            "cycle_s": round(cycle_s, 4),
+            "moved_bytes": moved,
+            "memcpy_gbps": round(memcpy_gbps(nbytes, args.device), 2),
             "trainer_checksums_s": round(_checksum_s(named, args.device), 4),
-            **({} if copy_s is None else {"direct_copy_s": round(copy_s[0], 4),
-                                          "direct_copy_gbps": round(nbytes / copy_s[0] / 1e9, 1),
-                                          "direct_copy_hash_s": round(copy_s[1], 4),
-                                          "direct_copy_hash_gbps": round(nbytes / copy_s[1] / 1e9, 1)}),
-        }  # fmt: skip
+            **(
+                {}
+                if copy_s is None
+                else {
+                    "direct_copy_s": round(copy_s[0], 4),
+                    "direct_copy_gbps": round(nbytes / copy_s[0] / 1e9, 1),
+                    "direct_copy_hash_s": round(copy_s[1], 4),
+                    "direct_copy_hash_gbps": round(nbytes / copy_s[1] / 1e9, 1),
+                }
+            ),
+        }
     finally:
         for p in procs:
             p.terminate()

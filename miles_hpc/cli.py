@@ -1,4 +1,4 @@
-"""``miles-hpc`` entry point (DESIGN section 8, a contract). Thin: parse, build the config, call into packages.
+"""``miles-hpc`` entry point (docs/design.md section 8, a contract). Thin: parse, build the config, call into packages.
 
 User errors (bad config, bad file, missing model) print one line naming the file/key and exit 2 (usage/config)
 or 1 (data); tracebacks are for bugs.
@@ -18,9 +18,9 @@ from miles_hpc.config import ConfigError
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from miles_hpc.config import load_config
-    from miles_hpc.loop.controller import preflight, run_local
-    from miles_hpc.loop.run_dir import prepare_run_dir, resolve_model
-    from miles_hpc.loop.smoke import model_smoke_check
+    from miles_hpc.launch.controller import preflight, run_local
+    from miles_hpc.launch.run_dir import prepare_run_dir, resolve_model
+    from miles_hpc.launch.smoke import model_smoke_check
 
     cfg = load_config(args.config, args.overrides)
     gpus = preflight(cfg)  # nothing written or started for a run that cannot run here
@@ -36,8 +36,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _print_summary(summary: dict[str, Any], steps: int | None = None) -> None:
     first, last = summary["reward_first"], summary["reward_last"]
     if first is not None:
-        print(f"[miles-hpc] done: {summary['steps']} steps, mean reward {first:.3f} (first steps) -> {last:.3f} "
-              "(last steps)")  # fmt: skip
+        print(
+            f"[miles-hpc] done: {summary['steps']} steps, mean reward {first:.3f} (first steps) -> {last:.3f} "
+            "(last steps)"
+        )
     else:
         print(f"[miles-hpc] nothing to do: the run is already at steps={steps} (raise steps= to continue)")
     for key in ("trajectories", "tensorboard", "metrics", "checkpoints"):
@@ -46,8 +48,8 @@ def _print_summary(summary: dict[str, Any], steps: int | None = None) -> None:
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     from miles_hpc.config import load_config
-    from miles_hpc.loop import workers
-    from miles_hpc.loop.run_dir import RunPaths
+    from miles_hpc.launch import workers
+    from miles_hpc.launch.run_dir import RunPaths
 
     cfg = load_config(args.config, args.overrides)
     if args.role == "rollout":
@@ -75,7 +77,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.launcher == "submitit":  # one allocation runs the whole `miles-hpc run` (no hetjob)
-        from miles_hpc.loop.submitit_jobs import submit_runs
+        from miles_hpc.launch.submitit_jobs import submit_runs
 
         job = submit_runs(cfg, args.config, [list(args.overrides)], Path(cfg.run_dir) / "submitit")[0]
         print(f"submitted job {job.job_id} (submitit); run dir {cfg.run_dir}; logs {cfg.run_dir}/submitit")
@@ -111,25 +113,30 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     shared = [o for o in args.overrides if not o.startswith("run_dir=")]  # each point gets its own run_dir
     plan = write_plan(root, str(Path(args.config).resolve()), shared, points)
     if args.launcher == "submitit":
-        from miles_hpc.loop.submitit_jobs import submit_runs
+        from miles_hpc.launch.submitit_jobs import submit_runs
 
         tasks = json.loads(plan.read_text())["tasks"]
         jobs = submit_runs(cfg, args.config, [t["overrides"] for t in tasks], root / "submitit")
-        print(f"submitted {len(jobs)} array tasks (submitit, job {jobs[0].job_id.split('_')[0]}); plan {plan}; "
-              f"report: miles-hpc sweep-report {root}")  # fmt: skip
+        print(
+            f"submitted {len(jobs)} array tasks (submitit, job {jobs[0].job_id.split('_')[0]}); plan {plan}; "
+            f"report: miles-hpc sweep-report {root}"
+        )
         return 0
     script = render_array(cfg, plan.resolve(), len(points), max_parallel=args.max_parallel)
     (root / "sweep.sbatch").write_text(script)
     if args.dry_run:
         print(script, end="")
         return 0
-    proc = subprocess.run(["sbatch", "--parsable", str(root / "sweep.sbatch")], capture_output=True, text=True,
-                          check=False)  # fmt: skip
+    proc = subprocess.run(
+        ["sbatch", "--parsable", str(root / "sweep.sbatch")], capture_output=True, text=True, check=False
+    )
     if proc.returncode != 0:
         print(f"error: sbatch {root / 'sweep.sbatch'} failed: {proc.stderr.strip()}", file=sys.stderr)
         return 1
-    print(f"submitted array job {proc.stdout.strip().split(';')[0]} with {len(points)} tasks; plan {plan}; "
-          f"report: miles-hpc sweep-report {root}")  # fmt: skip
+    print(
+        f"submitted array job {proc.stdout.strip().split(';')[0]} with {len(points)} tasks; plan {plan}; "
+        f"report: miles-hpc sweep-report {root}"
+    )
     return 0
 
 
@@ -137,7 +144,7 @@ def _cmd_sweep_task(args: argparse.Namespace) -> int:
     import json
 
     from miles_hpc.config import load_config
-    from miles_hpc.loop.controller import run_local
+    from miles_hpc.launch.controller import run_local
 
     plan = json.loads(Path(args.plan).read_text())
     task = plan["tasks"][args.index]
@@ -165,7 +172,7 @@ def _cmd_sweep_report(args: argparse.Namespace) -> int:
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from miles_hpc.config import load_config
-    from miles_hpc.loop.workers import prepare
+    from miles_hpc.launch.workers import prepare
 
     paths = prepare(load_config(args.config, args.overrides))
     print(paths.config)
@@ -193,7 +200,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from miles_hpc.loop.export import export_checkpoint
+    from miles_hpc.launch.export import export_checkpoint
 
     try:
         out = export_checkpoint(args.run_dir, args.out or Path(args.run_dir) / "export", step=args.step)
@@ -208,7 +215,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], str, str, di
     """(model config, its source, a name, cluster numbers from a run config) for ``plan``."""
     from miles_hpc.config import load_config
     from miles_hpc.models.presets import preset_config
-    from miles_hpc.sync.estimate import load_model_config
+    from miles_hpc.planner.estimate import load_model_config
 
     if not str(args.config).endswith((".yaml", ".yml")):  # a model: name in configs/models, config.json or dir
         if args.model:
@@ -217,8 +224,8 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], str, str, di
         return cfg, source, Path(source).stem if Path(source).stem != "config" else Path(source).parent.name, {}
     run = load_config(args.config)
     cluster = {"train_gpus": run.train.world_size, "engines": run.rollout.num_engines, "engine_tp": 1, "engine_ep": 1}
-    if args.model or run.model.path:
-        cfg, source = load_model_config(args.model or run.model.path)
+    if model := args.model or run.model.path:
+        cfg, source = load_model_config(model)
     else:
         cfg = preset_config(run.model.init_arch, run.model.init_size)
         source = f"{args.config}: model.init_arch={run.model.init_arch}, model.init_size={run.model.init_size}"
@@ -228,8 +235,8 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], str, str, di
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from miles_hpc.sync.estimate import Cluster, ModelSpecError, check_spec, estimate, format_table
-    from miles_hpc.sync.plan import PlanError
+    from miles_hpc.planner.estimate import Cluster, ModelSpecError, check_spec, estimate, format_table
+    from miles_hpc.planner.transfer import PlanError
 
     flags = {
         "train_gpus": args.train_gpus,
@@ -250,8 +257,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except PlanError as e:  # the model does not split over the engine layout asked for
-        print(f"error: {source}: {e} (engine_tp={cluster['engine_tp']}, engine_ep={cluster['engine_ep']})",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: {source}: {e} (engine_tp={cluster['engine_tp']}, engine_ep={cluster['engine_ep']})",
+            file=sys.stderr,
+        )
         return 2
     print(json.dumps(report) if args.json else format_table(report))
     return 0
@@ -259,13 +268,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _add_plan_parser(sub: Any) -> None:
     pl = sub.add_parser("plan", help="memory and weight-sync time estimates for a cluster and model (docs/planning.md)")
-    pl.add_argument("config", help="run config YAML, a model config JSON / checkpoint dir, or a name in configs/models "
-                                   "(kimi_k2, glm52)")  # fmt: skip
+    pl.add_argument(
+        "config",
+        help="run config YAML, a model config JSON / checkpoint dir, or a name in configs/models (kimi_k2, glm52)",
+    )
     pl.add_argument("--model", help="with a run config: plan this model (path or name) instead of model.path")
     pl.add_argument("--train-gpus", type=int, help="trainer ranks (default: train.world_size, or 32)")
     pl.add_argument("--engines", type=int, help="rollout engines (default: rollout.num_engines, or 4)")
-    pl.add_argument("--engine-tp", type=int, help="GPUs (tensor-parallel ranks) per engine (default: 1 for a run "
-                                                  "config, 8 for a model)")  # fmt: skip
+    pl.add_argument(
+        "--engine-tp",
+        type=int,
+        help="GPUs (tensor-parallel ranks) per engine (default: 1 for a run config, 8 for a model)",
+    )
     pl.add_argument("--engine-ep", type=int, help="expert-parallel size inside an engine; divides --engine-tp")
     pl.add_argument("--link-gbps", type=float, help="NIC line rate per GPU in Gb/s (default 200 = 25 GB/s)")
     pl.add_argument("--rollout-dtype", choices=["bf16", "fp8"], help="engine weight dtype (default bf16)")
@@ -276,61 +290,34 @@ def _add_plan_parser(sub: Any) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    if not (Path(args.model_dir) / "config.json").is_file():
-        print(f"error: {args.model_dir} is not an HF checkpoint directory (no config.json)", file=sys.stderr)
+    from miles_hpc.engine.launch import EngineLaunch
+
+    launch = EngineLaunch.from_namespace(args)
+    if not (Path(launch.model_dir) / "config.json").is_file():
+        print(f"error: {launch.model_dir} is not an HF checkpoint directory (no config.json)", file=sys.stderr)
         return 2
-    from miles_hpc.engine.auth import ApiKeys, read_key
-    from miles_hpc.engine.config import EngineConfig
-    from miles_hpc.engine.server import ServerConfig, serve
+    from miles_hpc.engine.server import configs_of, serve
 
     try:
-        keys = ApiKeys(
-            api_key=read_key(args.api_key, args.api_key_file, "api-key"),
-            admin_api_key=read_key(args.admin_api_key, args.admin_api_key_file, "admin-api-key"),
-        )
-        engine_cfg = EngineConfig(
-            device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-            kv_cache_fraction=args.kv_cache_fraction,
-            max_context_len=args.max_context_len, max_running_requests=args.max_running_requests, seed=args.seed,
-            batch_invariant=args.batch_invariant,
-        )  # fmt: skip
-        server_cfg = ServerConfig(host=args.host, port=args.port, keys=keys, rendezvous=args.rendezvous,
-                                  max_request_bytes=int(args.max_request_mb * (1 << 20)),
-                                  weight_sync_timeout_s=args.weight_update_timeout)  # fmt: skip
-    except ValueError as e:
+        engine_cfg, server_cfg = configs_of(launch)
+    except ValueError as e:  # a flag's value the engine refuses (EngineConfig / ServerConfig name the field)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return serve(args.model_dir, engine_cfg, server_cfg)
+    return serve(launch.model_dir, engine_cfg, server_cfg)
 
 
 def _add_serve_parser(sub: Any) -> None:
-    # No engine import here: `miles-hpc --help` must not pay for torch. EngineConfig validates the values.
+    # No engine import here beyond the flags (engine/launch.py imports no torch): `miles-hpc --help` stays fast.
+    from miles_hpc.engine.launch import EngineLaunch
+
     srv = sub.add_parser("serve", help="the embedded engine as an SGLang-compatible HTTP server")
-    srv.add_argument("model_dir", help="HF-format checkpoint directory")
-    srv.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: all interfaces)")
-    srv.add_argument("--port", type=int, default=30000, help="TCP port; 0 picks a free one")
-    srv.add_argument("--api-key", help="key for every endpoint but /health*, /ready, /metrics (visible in ps!)")
-    srv.add_argument("--api-key-file", help="file holding --api-key (first line), so it stays out of ps")
-    srv.add_argument("--admin-api-key", help="key for weight-update and control endpoints")
-    srv.add_argument("--admin-api-key-file", help="file holding --admin-api-key")
-    srv.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
-    srv.add_argument("--dtype", help="weights/KV dtype: float32, bfloat16, float16 (default: the checkpoint's)")
-    srv.add_argument("--max-total-tokens", type=int, default=65536, help="KV-cache capacity in tokens (CPU)")
-    srv.add_argument("--kv-cache-fraction", type=float, default=0.85,
-                     help="share of the free GPU memory the KV cache takes (GPU; lower it to share a GPU)")  # fmt: skip
-    srv.add_argument("--max-context-len", type=int, help="prompt + output tokens per request (default: model's)")
-    srv.add_argument("--max-running-requests", type=int, default=256, help="requests decoding at once")
-    srv.add_argument("--seed", type=int, default=0, help="seeds requests that bring no sampling_seed")
-    srv.add_argument("--batch-invariant", action="store_true",
-                     help="zero-KL mode: batch-invariant kernels (log-probs = a zero_kl trainer's, bitwise)")  # fmt: skip
-    srv.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body (413 beyond)")
-    srv.add_argument("--rendezvous", help="write {host, port, pid, url, ...} JSON here once listening")
-    srv.add_argument("--weight-update-timeout", type=float, default=600.0,
-                     help="seconds a weight-update group waits for a peer (joining, each receive) before failing")  # fmt: skip
+    EngineLaunch.add_arguments(srv)
     srv.set_defaults(func=_cmd_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and its flags. Long: one block per subcommand, read top to bottom as the CLI's table of
+    contents (each block's handler is the ``_cmd_*`` function it names)."""
     from miles_hpc.models.presets import ARCHS, SIZES
 
     p = argparse.ArgumentParser(prog="miles-hpc", description="RL post-training on HPC batch schedulers.")
@@ -346,13 +333,22 @@ def build_parser() -> argparse.ArgumentParser:
     sbm.add_argument("config", help="YAML config file (its slurm: section sizes the job)")
     sbm.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     sbm.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
-    sbm.add_argument("--launcher", choices=["sbatch", "submitit"], default="sbatch",
-                     help="sbatch: the rendered hetjob/split script; submitit: one allocation runs `miles-hpc run`")  # fmt: skip
+    sbm.add_argument(
+        "--launcher",
+        choices=["sbatch", "submitit"],
+        default="sbatch",
+        help="sbatch: the rendered hetjob/split script; submitit: one allocation runs `miles-hpc run`",
+    )
     sbm.set_defaults(func=_cmd_submit)
 
     swp = sub.add_parser("sweep", help="submit a grid of runs as one Slurm array job (one task per point)")
-    swp.add_argument("--grid", action="append", required=True, metavar="key=v1,v2",
-                     help="a swept key and its values; repeat for more keys (their product is the grid)")  # fmt: skip
+    swp.add_argument(
+        "--grid",
+        action="append",
+        required=True,
+        metavar="key=v1,v2",
+        help="a swept key and its values; repeat for more keys (their product is the grid)",
+    )
     swp.add_argument("--max-parallel", type=int, help="tasks running at once (--array=...%%N)")
     swp.add_argument("--dry-run", action="store_true", help="write ROOT/sweep.json and print the script only")
     swp.add_argument("--launcher", choices=["sbatch", "submitit"], default="sbatch", help="how the array is submitted")
@@ -375,10 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
     prep.set_defaults(func=_cmd_prepare)
 
     worker = sub.add_parser("worker", help="one worker process of a run (what srun, mpirun or `run` starts)")
-    worker.add_argument("--role", required=True, choices=["train", "rollout", "shutdown", "preempt"],
-                        help="train: a trainer rank (rank 0 is the controller); rollout: one engine per task; "
-                             "shutdown: tell the run's rollout workers to stop; preempt: tell the controller to "
-                             "checkpoint after its current step and exit")  # fmt: skip
+    worker.add_argument(
+        "--role",
+        required=True,
+        choices=["train", "rollout", "shutdown", "preempt"],
+        help="train: a trainer rank (rank 0 is the controller); rollout: one engine per task; "
+        "shutdown: tell the run's rollout workers to stop; preempt: tell the controller to "
+        "checkpoint after its current step and exit",
+    )
     worker.add_argument("--het-group", type=int, help="the Slurm het-job component this step runs in")
     worker.add_argument("config", help="the run's config (RUN/config.yaml)")
     worker.add_argument("overrides", nargs="*", metavar="key.sub=value")

@@ -54,9 +54,13 @@ class MetricsLogger:
         elapsed = time.monotonic() - self._t0
         eta = elapsed / done * max(0, self.total_steps - step - 1)
         parts = [f"step {step + 1}/{self.total_steps}"]
-        for key, fmt in (("reward_mean", "reward {:.3f}"), ("response_len_mean", "len {:.1f}"),
-                         ("loss", "loss {:.4f}"), ("mismatch/max_abs_logprob_diff", "mismatch {:.2e}"),
-                         ("perf/tokens_per_s", "{:.0f} tok/s")):  # fmt: skip
+        for key, fmt in (
+            ("reward_mean", "reward {:.3f}"),
+            ("response_len_mean", "len {:.1f}"),
+            ("loss", "loss {:.4f}"),
+            ("mismatch/max_abs_logprob_diff", "mismatch {:.2e}"),
+            ("perf/tokens_per_s", "{:.0f} tok/s"),
+        ):
             if r.get(key) is not None:
                 parts.append(fmt.format(r[key]))
         parts.append(f"eta {eta:.0f}s")

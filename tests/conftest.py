@@ -1,13 +1,23 @@
 """Test tiers and the CI rule: under MILES_REQUIRE_ALL=1 a missing component fails the test instead of skipping it.
 
-Tiers (markers): default CPU tests, ``slurm`` (a running local Slurm), ``mpi`` (Open MPI + mpi4py), ``gpu`` (a CUDA or
-ROCm device; the only tier allowed to skip in CI). Tests ask for a component with :func:`require`.
+Tiers (markers): default CPU tests, ``process`` (starts a process, a server or a cluster), ``slurm`` (a running
+local Slurm), ``mpi`` (Open MPI + mpi4py), ``sglang`` (its own venv), ``slow``, ``gpu`` (a CUDA or ROCm device; the
+only tier allowed to skip in CI). Tests ask for a component with :func:`require`.
+
+The fast tier (``./scripts/test.sh --fast``) leaves out every tier that starts processes. So that it stays honest, a
+test without one of ``PROCESS_MARKERS`` that starts a subprocess, a multiprocessing child or a listening socket
+(its fixtures included) fails, naming the marker to add: in every run, CI's too.
 """
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import shutil
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -41,6 +51,45 @@ def run_interpreted(code: str, timeout: int = 600) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "MILES_ROOT": root, "PYTHONPATH": root}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-4000:]
+
+
+PROCESS_MARKERS = ("process", "slurm", "mpi", "sglang")
+_current: list[pytest.Item] = []  # the test being set up, run or torn down
+
+
+class ProcessGuardError(RuntimeError):
+    """A test outside the process tiers started a process or a server."""
+
+
+def _guarded(what: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        item = _current[-1] if _current else None
+        if item is not None and not any(item.get_closest_marker(m) for m in PROCESS_MARKERS):
+            raise ProcessGuardError(
+                f"{item.nodeid} starts {what} but carries none of the markers "
+                f"{', '.join(PROCESS_MARKERS)}: mark it @pytest.mark.process (the fast tier "
+                "leaves such tests out)"
+            )
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    subprocess.Popen.__init__ = _guarded("a subprocess", subprocess.Popen.__init__)  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = _guarded(  # type: ignore[method-assign]
+        "a multiprocessing child", multiprocessing.process.BaseProcess.start
+    )
+    socket.socket.listen = _guarded("a listening socket (a server)", socket.socket.listen)  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _current.append(item)
+    try:
+        yield
+    finally:
+        _current.pop()
 
 
 def has_gpu() -> bool:
@@ -97,8 +146,9 @@ def megatron_cpu_shims() -> None:
     # The MoE all-to-all dispatcher moves its split sizes to the host on a side CUDA stream: one stand-in stream
     # that is also the current one makes that a plain copy (the tensors are on the CPU already).
     done = types.SimpleNamespace(synchronize=lambda: None)
-    stream = types.SimpleNamespace(wait_stream=lambda other: None, synchronize=lambda: None,
-                                   record_event=lambda *args: done)  # fmt: skip
+    stream = types.SimpleNamespace(
+        wait_stream=lambda other: None, synchronize=lambda: None, record_event=lambda *args: done
+    )
     torch.cuda.Stream = lambda *args, **kwargs: stream  # type: ignore[assignment,misc]
     torch.cuda.current_stream = lambda *args, **kwargs: stream  # type: ignore[assignment]
     torch.cuda.stream = lambda s: contextlib.nullcontext()  # type: ignore[assignment]

@@ -70,8 +70,10 @@ def snapshot(trainer: mg.MegatronTrainer) -> dict[str, Any]:
     moments = None
     if isinstance(trainer.optimizer, torch.optim.Optimizer):
         params = dict(trainer.model.module.named_parameters())
-        moments = {key: hf_named(trainer, {n: trainer.optimizer.state[p][key] for n, p in params.items()})
-                   for key in ("exp_avg", "exp_avg_sq")}  # fmt: skip
+        moments = {
+            key: hf_named(trainer, {n: trainer.optimizer.state[p][key] for n, p in params.items()})
+            for key in ("exp_avg", "exp_avg_sq")
+        }
     steps = {float(s["step"]) for opt in trainer._inner_optimizers() for s in opt.state.values() if "step" in s}
     weights = {k: v.clone() for k, v in trainer.state_for_sync()}  # (at TP 1 some are views of the parameters)
     return {"weights": weights, "moments": moments, "step": trainer.step, "lr": trainer.lr, "adam_steps": steps}
@@ -82,13 +84,22 @@ def next_step(trainer: mg.MegatronTrainer) -> dict[str, Any]:
     return {"metrics": metrics, "weights": {k: v.clone() for k, v in trainer.state_for_sync()}}
 
 
-def main(mode: str, model_dir: str, tp: str, ep: str, ckpt: str, out: str, device: str = "cpu",
-         distributed_optimizer: str = "0") -> None:  # fmt: skip
+def main(
+    mode: str,
+    model_dir: str,
+    tp: str,
+    ep: str,
+    ckpt: str,
+    out: str,
+    device: str = "cpu",
+    distributed_optimizer: str = "0",
+) -> None:
     torch.set_num_threads(1)
     world = tdist.world_from_env(device=device)
     tdist.init_trainer_world(world)
-    mcfg = MegatronConfig(tensor_parallel=int(tp), expert_parallel=int(ep),
-                          distributed_optimizer=distributed_optimizer == "1")  # fmt: skip
+    mcfg = MegatronConfig(
+        tensor_parallel=int(tp), expert_parallel=int(ep), distributed_optimizer=distributed_optimizer == "1"
+    )
     trainer = mg.MegatronTrainer(model_dir, CKPT_CFG, STEP_ALGO, mcfg, device=world.device, seed=0)
     if mode == "save":
         trainer.train_step(make_batch(TRAIN_LENGTHS))

@@ -56,8 +56,12 @@ def model_run(model_dir: str, tp: int, ep: int, device: str = "cpu") -> dict:
 def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, device: str, r3: bool = False) -> dict:
     world = tdist.world_from_env(device=device)
     tdist.init_trainer_world(world)
-    mcfg = MegatronConfig(tensor_parallel=tp, expert_parallel=ep, distributed_optimizer=distributed_optimizer,
-                          pipeline_parallel=int(os.environ.get("MCORE_PP", "1")))  # fmt: skip
+    mcfg = MegatronConfig(
+        tensor_parallel=tp,
+        expert_parallel=ep,
+        distributed_optimizer=distributed_optimizer,
+        pipeline_parallel=int(os.environ.get("MCORE_PP", "1")),
+    )
     cfg = dataclasses.replace(STEP_CFG, mixed_precision=False)
     algo = dataclasses.replace(STEP_ALGO, routing_replay=r3)
     trainer = mg.MegatronTrainer(model_dir, cfg, algo, mcfg, device=world.device, seed=0)
@@ -66,10 +70,18 @@ def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, dev
     metrics = trainer.train_step(batch)
     weights = {k: v.cpu().clone() for k, v in trainer.state_for_sync()}
     sm, rank = trainer.shard_map(), trainer.rank
-    mismatch = [n for n in sm.shapes if not sm.layout[n][rank].empty
-                and not torch.equal(weights[n][sm.layout[n][rank].slices()], sm.local[n].cpu())]  # fmt: skip
-    return {"logprobs": logprobs, "metrics": metrics, "weights": weights, "step": trainer.step,
-            "shard_map_mismatch": mismatch}  # fmt: skip
+    mismatch = [
+        n
+        for n in sm.shapes
+        if not sm.layout[n][rank].empty and not torch.equal(weights[n][sm.layout[n][rank].slices()], sm.local[n].cpu())
+    ]
+    return {
+        "logprobs": logprobs,
+        "metrics": metrics,
+        "weights": weights,
+        "step": trainer.step,
+        "shard_map_mismatch": mismatch,
+    }
 
 
 def main(mode: str, model_dir: str, tp: str, ep: str, out: str, *extra: str) -> None:

@@ -65,8 +65,18 @@ def start_server(model_dir: Path, workdir: Path, *args: str, timeout: float = 90
     workdir.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
     rdv, log = workdir / f"engine-{tag}.json", workdir / f"server-{tag}.log"
-    cmd = [sys.executable, "-m", "miles_hpc.cli", "serve", str(model_dir), "--port", "0", "--rendezvous", str(rdv),
-           *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "serve",
+        str(model_dir),
+        "--port",
+        "0",
+        "--rendezvous",
+        str(rdv),
+        *args,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
@@ -101,17 +111,26 @@ class Reply:
     text: str
 
 
-async def acall(session: aiohttp.ClientSession, method: str, url: str, body: Any = None, *,
-                data: bytes | None = None, key: str | None = None, headers: dict[str, str] | None = None,
-                timeout: float = 60.0) -> Reply:  # fmt: skip
+async def acall(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    body: Any = None,
+    *,
+    data: bytes | None = None,
+    key: str | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> Reply:
     """One request; ``key`` becomes ``Authorization: Bearer <key>``; the answer's JSON (or text) in Reply.body."""
     headers = {**({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     if body is not None:
         data = json.dumps(body).encode()
     if data is not None:
         headers["Content-Type"] = "application/json"
-    async with session.request(method, url, data=data, headers=headers,
-                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:  # fmt: skip
+    async with session.request(
+        method, url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+    ) as resp:
         text = await resp.text()
         try:
             parsed = json.loads(text) if text else None

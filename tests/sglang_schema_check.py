@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 warnings.filterwarnings("ignore")
 
-from miles_hpc.rollout import requests as rq
-from miles_hpc.rollout.sglang import SGLangLaunchSpec
+from miles_hpc.rollout import requests as rq  # noqa: E402  (after the path insert above)
+from miles_hpc.rollout.sglang import SGLangLaunchSpec  # noqa: E402
 
 FAILURES: list[str] = []
 VERBOSE = "-v" in sys.argv
@@ -224,13 +224,29 @@ def main() -> int:
             (Path(tmp) / "api_key").write_text("plain-secret\n")
             (Path(tmp) / "admin_api_key").write_text("admin-secret\n")
             spec = SGLangLaunchSpec(
-                model_path="/models/qwen3-moe", tp_size=4, dp_size=2, ep_size=4, host="0.0.0.0", port=31000,
-                api_key_file=f"{tmp}/api_key", admin_api_key_file=f"{tmp}/admin_api_key", mem_fraction_static=0.8,
-                enable_return_routed_experts=True, enable_lora=True, max_lora_rank=16,
-                lora_target_modules=("q_proj", "v_proj"), base_gpu_id=4, nnodes=2, node_rank=1,
-                dist_init_addr="node0:5000", enable_metrics=True, random_seed=7, weight_version="0",
-                python="/venv/bin/python", extra_args=("--log-level", "warning"),
-            )  # fmt: skip
+                model_path="/models/qwen3-moe",
+                tp_size=4,
+                dp_size=2,
+                ep_size=4,
+                host="0.0.0.0",
+                port=31000,
+                api_key_file=f"{tmp}/api_key",
+                admin_api_key_file=f"{tmp}/admin_api_key",
+                mem_fraction_static=0.8,
+                enable_return_routed_experts=True,
+                enable_lora=True,
+                max_lora_rank=16,
+                lora_target_modules=("q_proj", "v_proj"),
+                base_gpu_id=4,
+                nnodes=2,
+                node_rank=1,
+                dist_init_addr="node0:5000",
+                enable_metrics=True,
+                random_seed=7,
+                weight_version="0",
+                python="/venv/bin/python",
+                extra_args=("--log-level", "warning"),
+            )
             spec.write_secrets_config()
             cmd = spec.command()
             assert cmd[:3] == ["/venv/bin/python", "-m", "sglang.launch_server"], cmd[:3]
@@ -240,12 +256,28 @@ def main() -> int:
             argv = ConfigArgumentMerger(parser).merge_config_with_args(cmd[3:])
             args = parser.parse_args(argv)
         expected = {
-            "model_path": spec.model_path, "tp_size": 4, "dp_size": 2, "ep_size": 4, "host": "0.0.0.0",
-            "port": 31000, "mem_fraction_static": 0.8, "enable_return_routed_experts": True, "enable_lora": True,
-            "max_lora_rank": 16, "lora_target_modules": ["q_proj", "v_proj"], "base_gpu_id": 4, "nnodes": 2,
-            "node_rank": 1, "dist_init_addr": "node0:5000", "enable_metrics": True, "random_seed": 7,
-            "weight_version": "0", "log_level": "warning", "api_key": "plain-secret", "admin_api_key": "admin-secret",
-        }  # fmt: skip
+            "model_path": spec.model_path,
+            "tp_size": 4,
+            "dp_size": 2,
+            "ep_size": 4,
+            "host": "0.0.0.0",
+            "port": 31000,
+            "mem_fraction_static": 0.8,
+            "enable_return_routed_experts": True,
+            "enable_lora": True,
+            "max_lora_rank": 16,
+            "lora_target_modules": ["q_proj", "v_proj"],
+            "base_gpu_id": 4,
+            "nnodes": 2,
+            "node_rank": 1,
+            "dist_init_addr": "node0:5000",
+            "enable_metrics": True,
+            "random_seed": 7,
+            "weight_version": "0",
+            "log_level": "warning",
+            "api_key": "plain-secret",
+            "admin_api_key": "admin-secret",
+        }
         wrong = {k: (getattr(args, k, "<absent>"), v) for k, v in expected.items() if getattr(args, k, None) != v}
         if wrong:
             raise ValueError(f"parsed (got, want): {wrong}")

@@ -1,4 +1,4 @@
-"""A stand-in for `python -m sglang.launch_server` in tests of OUR launcher (loop/workers.py, backend sglang): it
+"""A stand-in for `python -m sglang.launch_server` in tests of OUR launcher (launch/workers.py, backend sglang): it
 takes the command line SGLangLaunchSpec renders (SGLang's own argparse checks that line in the sglang tier) and
 serves the model with our embedded engine, which speaks the same HTTP API. It tests process management (keys via
 --config, waiting for /health, the rendezvous record, shutdown), not SGLang.

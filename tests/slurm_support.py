@@ -26,8 +26,21 @@ from conftest import require
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "slurm_cluster.sh"
 CLUSTER_DIR = Path(os.environ.get("MILES_SLURM_DIR", "/tmp/miles-slurm"))
 # Job states after which a job never runs again (squeue(1), JOB STATE CODES).
-FINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
-                   "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"})  # fmt: skip
+FINAL = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "OUT_OF_MEMORY",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "SPECIAL_EXIT",
+        "REVOKED",
+    }
+)
 _KEY = re.compile(r"(?:^| )([A-Za-z:/_]+)=")
 
 
@@ -51,8 +64,9 @@ class SlurmCluster:
     """Where job scripts are written and jobs run (their default ``slurm-%j.out`` lands here)."""
 
     def run(self, *cmd: str, timeout: float = 30.0) -> str:
-        proc = subprocess.run(cmd, env=self.env, cwd=self.workdir, capture_output=True, text=True, timeout=timeout,
-                              check=False)  # fmt: skip
+        proc = subprocess.run(
+            cmd, env=self.env, cwd=self.workdir, capture_output=True, text=True, timeout=timeout, check=False
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()}")
         return proc.stdout
@@ -95,8 +109,9 @@ def _answers(env: dict[str, str]) -> bool:
 
 
 def _script(command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(SCRIPT), command, str(CLUSTER_DIR)], capture_output=True, text=True,
-                          timeout=600, check=False)  # fmt: skip
+    return subprocess.run(
+        ["bash", str(SCRIPT), command, str(CLUSTER_DIR)], capture_output=True, text=True, timeout=600, check=False
+    )
 
 
 @pytest.fixture(scope="session", name="slurm_cluster")

@@ -48,8 +48,9 @@ def test_group_order_does_not_matter() -> None:
     perm = [6, 0, 4, 1, 5, 2, 3]
     cfg = AlgoConfig(advantage="grpo")
     base = compute_advantages(REWARDS, GROUPS, LENS, cfg)
-    shuffled = compute_advantages([REWARDS[i] for i in perm], [GROUPS[i] * 7 + 3 for i in perm],
-                                  [LENS[i] for i in perm], cfg)
+    shuffled = compute_advantages(
+        [REWARDS[i] for i in perm], [GROUPS[i] * 7 + 3 for i in perm], [LENS[i] for i in perm], cfg
+    )
     assert shuffled == pytest.approx([base[i] for i in perm])
 
 

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -26,8 +30,19 @@ def test_collective_bandwidth_follows_the_bus_definition() -> None:
 
 
 def test_loop_sync_bench_reports_each_strategy_and_its_references() -> None:
-    lines = bench("benchmarks/bench_loop_sync.py", "--size", "small", "--steps", "2", "--trainer-ranks", "2",
-                  "--engines", "1", "--strategies", "broadcast,p2p")  # fmt: skip
+    lines = bench(
+        "benchmarks/bench_loop_sync.py",
+        "--size",
+        "small",
+        "--steps",
+        "2",
+        "--trainer-ranks",
+        "2",
+        "--engines",
+        "1",
+        "--strategies",
+        "broadcast,p2p",
+    )
     runs = [x for x in lines if x["bench"] == "loop_sync"]
     assert [x["strategy"] for x in runs] == ["broadcast", "p2p"]
     for x in runs:  # every version verified by the engines before the next step
@@ -36,7 +51,24 @@ def test_loop_sync_bench_reports_each_strategy_and_its_references() -> None:
 
 
 def test_train_bench_runs_two_ranks_on_the_cpu() -> None:
-    (line,) = bench("benchmarks/bench_train.py", "--device", "cpu", "--shape", "small", "--seq", "64", "--batch", "1",
-                    "--steps", "1", "--warmup", "0", "--sides", "eager,hf", "--ranks", "2")  # fmt: skip
+    (line,) = bench(
+        "benchmarks/bench_train.py",
+        "--device",
+        "cpu",
+        "--shape",
+        "small",
+        "--seq",
+        "64",
+        "--batch",
+        "1",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--sides",
+        "eager,hf",
+        "--ranks",
+        "2",
+    )
     assert line["side"] == "miles_hpc_fsdp2" and line["ranks"] == 2 and "mfu" not in line
     assert abs(line["tokens_per_s"] * line["step_s"] - 2 * 64) < 0.1  # both ranks' tokens (step_s is rounded)

@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_hpc.sync import checksum
+from miles_hpc.sync.wire import checksum
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import require, run_interpreted  # noqa: E402
+
+pytestmark = pytest.mark.process
 
 SMALL_CHUNK = 1 << 14  # several chunks at interpreter speed (the kernels take the chunk as a parameter)
 
@@ -29,13 +31,25 @@ def groups(device: str, g: torch.Generator) -> list[list[torch.Tensor]]:
     buf = torch.randn(6 * SMALL_CHUNK, generator=g).to(torch.bfloat16).to(device)
     buf_words = checksum.words(buf)
     other = checksum.words(torch.randn(2 * SMALL_CHUNK, generator=g).to(device))  # a separate allocation
-    aligned = [buf_words[2:5002], buf_words[6002 : 6002 + 3 * SMALL_CHUNK + 18], buf_words[:0], other,
-               buf_words[-SMALL_CHUNK:]]  # fmt: skip
+    aligned = [
+        buf_words[2:5002],
+        buf_words[6002 : 6002 + 3 * SMALL_CHUNK + 18],
+        buf_words[:0],
+        other,
+        buf_words[-SMALL_CHUNK:],
+    ]
     odd = [buf_words[1:4000], buf_words[5001 : 5001 + SMALL_CHUNK], buf_words[-1:]]  # 8 bytes off 16
     many = [buf_words[i * 997 : i * 997 + 13 * i] for i in range(37)]
-    padded = [checksum.words(t) for t in (torch.randint(0, 2, (13,), generator=g).bool().to(device),
-              torch.randn(SMALL_CHUNK * 4 + 3, generator=g).half().to(device), torch.randn(5, generator=g).to(device),
-              torch.randn(3, dtype=torch.complex64, generator=g).to(device), buf[1:4001])]  # fmt: skip
+    padded = [
+        checksum.words(t)
+        for t in (
+            torch.randint(0, 2, (13,), generator=g).bool().to(device),
+            torch.randn(SMALL_CHUNK * 4 + 3, generator=g).half().to(device),
+            torch.randn(5, generator=g).to(device),
+            torch.randn(3, dtype=torch.complex64, generator=g).to(device),
+            buf[1:4001],
+        )
+    ]
     return [aligned, odd, many, padded]
 
 
@@ -50,7 +64,7 @@ def reference(ws: list[torch.Tensor]) -> torch.Tensor:
 
 
 def check(device: str) -> None:
-    from miles_hpc.sync import checksum_kernels as ck
+    from miles_hpc.sync.wire import checksum_kernels as ck
 
     g = torch.Generator().manual_seed(0)
     powers = checksum.power_table(8, torch.device(device))
@@ -71,8 +85,10 @@ def check(device: str) -> None:
     # Views whose offsets are not whole elements of each other share no base pointer: refused, nothing written.
     if device == "cpu":  # (torch keeps its own views element-aligned; a foreign buffer need not be)
         raw = bytearray(64)
-        odd = [torch.frombuffer(raw, dtype=torch.int64, count=2), torch.frombuffer(raw, dtype=torch.int64, count=2,
-                                                                                   offset=4)]  # fmt: skip
+        odd = [
+            torch.frombuffer(raw, dtype=torch.int64, count=2),
+            torch.frombuffer(raw, dtype=torch.int64, count=2, offset=4),
+        ]
         assert ck.lanes_many(odd, SMALL_CHUNK, powers) is None
     print("ok")
 
@@ -86,7 +102,7 @@ def test_kernels_compile_for_hopper_with_vector_access(copy: bool) -> None:
     """The interpreter does not catch what only the compiler refuses (a non-constexpr global, say): compile for
     sm_90 here, without a GPU, and check that aligned whole blocks move 16 bytes per access."""
     require(importlib.util.find_spec("triton") is not None, "triton (the dev extra)")
-    from miles_hpc.sync import checksum_kernels as ck
+    from miles_hpc.sync.wire import checksum_kernels as ck
 
     ptx = ck.compile_for(90, copy, aligned=True).asm["ptx"]
     assert "ld.global.v2.b64" in ptx and ("st.global.v2.b64" in ptx) == copy
@@ -100,10 +116,19 @@ def test_kernels_on_the_gpu() -> None:
     check("cuda")
     # The checksum API on top: many tensors of mixed widths in one call, and the copy that hashes.
     g = torch.Generator().manual_seed(3)
-    ts = [torch.randn(n, generator=g).to(dt).cuda() for n, dt in ((5000, torch.bfloat16), (33, torch.float32),
-          (checksum.CHUNK + 9, torch.bfloat16), (0, torch.float16), (7, torch.float16))]  # fmt: skip
-    assert torch.equal(checksum.lanes_of(ts).cpu(), torch.stack([checksum._torch_lanes(checksum.words(t.cpu()))
-                                                               for t in ts]))  # fmt: skip
+    ts = [
+        torch.randn(n, generator=g).to(dt).cuda()
+        for n, dt in (
+            (5000, torch.bfloat16),
+            (33, torch.float32),
+            (checksum.CHUNK + 9, torch.bfloat16),
+            (0, torch.float16),
+            (7, torch.float16),
+        )
+    ]
+    assert torch.equal(
+        checksum.lanes_of(ts).cpu(), torch.stack([checksum._torch_lanes(checksum.words(t.cpu())) for t in ts])
+    )
     dsts = [torch.empty_like(t) for t in ts]
     lanes = checksum.copy_with_lanes(list(zip(ts, dsts)))  # fused, except the padded tensors (7 and 33 values)
     assert all(torch.equal(d, t) for d, t in zip(dsts, ts))

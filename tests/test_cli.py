@@ -37,11 +37,19 @@ def test_init_model_loads_in_transformers(tmp_path: Path, arch: str) -> None:
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
+@pytest.mark.process
 def test_run_writes_resolved_config_and_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     # One short step: the full loop runs (its own tests are in test_loop_e2e.py); here the CLI's part matters.
-    overrides = [f"run_dir={run_dir}", "rollout.temperature=0.5", "steps=1", "rollout.prompts_per_step=2",
-                 "rollout.samples_per_prompt=2", "train.sft_warmup_steps=0", "train.world_size=1"]  # fmt: skip
+    overrides = [
+        f"run_dir={run_dir}",
+        "rollout.temperature=0.5",
+        "steps=1",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2",
+        "train.sft_warmup_steps=0",
+        "train.world_size=1",
+    ]
     rc = main(["run", str(REPO / "configs/tiny_cpu.yaml"), *overrides])
     assert rc == 0
     resolved = load_config(run_dir / "config.yaml")
@@ -62,11 +70,23 @@ def test_run_config_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     with TrajectoryWriter(run / "trajectories", prefix="t", model="m", run_id="r", max_shard_bytes=1 << 20) as w:
-        w.append([
-            Sample(prompt_id=0, group_id=0, tokens=[1, 2, 3, 4], prompt_len=2, loss_mask=[0, 0, 1, 1],
-                   rollout_logprobs=[0.0, 0.0, -0.5, -0.25], policy_version=[-1, -1, 0, 0], reward=1.0,
-                   status=0, routed_experts=None, metadata={}),
-        ])
+        w.append(
+            [
+                Sample(
+                    prompt_id=0,
+                    group_id=0,
+                    tokens=[1, 2, 3, 4],
+                    prompt_len=2,
+                    loss_mask=[0, 0, 1, 1],
+                    rollout_logprobs=[0.0, 0.0, -0.5, -0.25],
+                    policy_version=[-1, -1, 0, 0],
+                    reward=1.0,
+                    status=0,
+                    routed_experts=None,
+                    metadata={},
+                ),
+            ]
+        )
     assert main(["inspect", str(run)]) == 0
     out = capsys.readouterr().out
     assert re.search(r"samples\s+1\n", out) and re.search(r"response tokens\s+2\s", out)
@@ -78,6 +98,7 @@ def test_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert str(foreign) in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_console_script_entry_point() -> None:
     out = subprocess.run([sys.executable, "-m", "miles_hpc.cli", "--help"], capture_output=True, text=True, check=True)
     for command in ("run", "init-model", "inspect"):

@@ -255,6 +255,7 @@ def test_closed_port_names_url_and_endpoint_after_retries() -> None:
     assert elapsed >= 0.05  # it backed off and retried: nothing can have run on a refused connection
 
 
+@pytest.mark.process
 def test_http_errors_carry_the_server_message_and_no_key() -> None:
     seen: list[tuple[str, str, str | None, Any]] = []
 
@@ -303,6 +304,7 @@ def test_http_errors_carry_the_server_message_and_no_key() -> None:
     assert ("POST", "/flush_cache") in auth
 
 
+@pytest.mark.process
 def test_generate_is_not_resent_after_the_connection_broke_but_health_is() -> None:
     hits: dict[str, int] = {}
 
@@ -329,6 +331,7 @@ def test_generate_is_not_resent_after_the_connection_broke_but_health_is() -> No
     assert hits == {"/generate": 1, "/health": 2}
 
 
+@pytest.mark.process
 def test_timeout_names_the_endpoint() -> None:
     async def run() -> None:
         release = asyncio.Event()

@@ -28,6 +28,8 @@ from miles_hpc.rollout.client import EngineClient, EngineHTTPError
 from miles_hpc.rollout.responses import metric_sum
 from miles_hpc.rollout.sglang import EngineRecord, read_engine_record
 
+pytestmark = pytest.mark.process
+
 REPO = Path(__file__).resolve().parents[1]
 HAVE_SERVER = (REPO / "miles_hpc" / "engine" / "server.py").exists() and "serve" in (
     REPO / "miles_hpc" / "cli.py"
@@ -119,9 +121,7 @@ def stop_all(procs: list[EngineProcess]) -> None:
 
 
 @contextmanager
-def engine_fleet(
-    d: Path, n: int, args: tuple[str, ...] = (), *, wait: bool = False
-) -> Iterator[list[EngineProcess]]:
+def engine_fleet(d: Path, n: int, args: tuple[str, ...] = (), *, wait: bool = False) -> Iterator[list[EngineProcess]]:
     """`n` engines serving the tiny model, rendezvous files `d/engine-<i>.json`; all stopped on exit. `wait`: until
     every one listens (else the caller waits, e.g. with `wait_for_engines`)."""
     procs = [EngineProcess(tiny_model(), d / f"engine-{i}.json", args=args) for i in range(n)]
@@ -265,7 +265,7 @@ def test_abort_pause_continue_flush(engine: tuple[str, dict[str, str]]) -> None:
 def test_weight_version_checksums_and_updates(engine: tuple[str, dict[str, str]]) -> None:
     import torch
 
-    from miles_hpc.sync.pg import CustomGroup, GroupSpec
+    from miles_hpc.sync.wire.pg import CustomGroup, GroupSpec
 
     url, keys = engine
     model = tiny_model()

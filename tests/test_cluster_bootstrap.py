@@ -14,17 +14,20 @@ from miles_hpc.cluster.bootstrap import (
     expand_nodelist,
     from_slurm,
     master_port,
-    port_candidates,  # fmt: skip
+    port_candidates,
 )
 
 
-@pytest.mark.parametrize(("text", "want"), [
-    ("n1", ["n1"]),
-    ("n[001-004,010]", ["n001", "n002", "n003", "n004", "n010"]),
-    ("gpu[08-10],login1", ["gpu08", "gpu09", "gpu10", "login1"]),
-    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
-    ("a[7],b-ib[1-2]", ["a7", "b-ib1", "b-ib2"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("n1", ["n1"]),
+        ("n[001-004,010]", ["n001", "n002", "n003", "n004", "n010"]),
+        ("gpu[08-10],login1", ["gpu08", "gpu09", "gpu10", "login1"]),
+        ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+        ("a[7],b-ib[1-2]", ["a7", "b-ib1", "b-ib2"]),
+    ],
+)
 def test_expand_nodelist(text: str, want: list[str]) -> None:
     assert expand_nodelist(text) == want
 
@@ -36,10 +39,20 @@ def test_expand_nodelist_rejects_malformed(bad: str) -> None:
 
 
 # What srun sets in a heterogeneous job's step for component 0 (the trainer), second of two tasks.
-HET = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
-       "SLURM_TASKS_PER_NODE": "2", "SLURMD_NODENAME": "n1", "SLURM_HET_SIZE": "2",
-       "SLURM_JOB_NODELIST_HET_GROUP_0": "n[1]", "SLURM_JOB_NODELIST_HET_GROUP_1": "n2",
-       "SLURM_JOB_ID_HET_GROUP_0": "4242", "SLURM_JOB_ID_HET_GROUP_1": "4243", "SLURM_RESTART_COUNT": "1"}  # fmt: skip
+HET = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_PROCID": "1",
+    "SLURM_NTASKS": "2",
+    "SLURM_LOCALID": "1",
+    "SLURM_TASKS_PER_NODE": "2",
+    "SLURMD_NODENAME": "n1",
+    "SLURM_HET_SIZE": "2",
+    "SLURM_JOB_NODELIST_HET_GROUP_0": "n[1]",
+    "SLURM_JOB_NODELIST_HET_GROUP_1": "n2",
+    "SLURM_JOB_ID_HET_GROUP_0": "4242",
+    "SLURM_JOB_ID_HET_GROUP_1": "4243",
+    "SLURM_RESTART_COUNT": "1",
+}
 
 
 def test_slurm_het_group_placement() -> None:
@@ -62,8 +75,16 @@ def test_bootstrap_picks_the_launcher() -> None:
     p = bootstrap(torchrun | HET)  # torchrun wins: it already decided everything
     assert (p.source, p.rank, p.world_size, p.master_port) == ("torchrun", 3, 4, 29999)
     assert bootstrap(HET, het_group=0).source == "slurm"
-    mpi = Placement(rank=2, world_size=3, local_rank=0, local_world_size=1, node="x", master_addr="h", master_port=None,
-                    source="mpi")  # fmt: skip
+    mpi = Placement(
+        rank=2,
+        world_size=3,
+        local_rank=0,
+        local_world_size=1,
+        node="x",
+        master_addr="h",
+        master_port=None,
+        source="mpi",
+    )
     assert bootstrap({"OMPI_COMM_WORLD_RANK": "2"}, mpi=lambda: mpi) is mpi
     single = bootstrap({})
     assert (single.source, single.rank, single.world_size) == ("single", 0, 1)

@@ -35,7 +35,10 @@ def test_defaults_and_shipped_configs_load() -> None:
 
 def test_yaml_and_overrides(tmp_path: Path) -> None:
     p = write(tmp_path, "name: a\nrollout:\n  temperature: 0.7\n  top_k: 5\n")
-    cfg = load_config(p, ["rollout.temperature=1", "train.lr=3e-4", "train.weight_decay=1E2", "model.path=/x/y", "store.enabled=false"])
+    cfg = load_config(
+        p,
+        ["rollout.temperature=1", "train.lr=3e-4", "train.weight_decay=1E2", "model.path=/x/y", "store.enabled=false"],
+    )
     assert cfg.name == "a"
     assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
     assert cfg.rollout.top_k == 5

@@ -45,16 +45,23 @@ def test_random_conversations_keep_every_id_sent_and_returned(tokenizer, templat
     tokenizer.chat_template = template
     rng = random.Random(0)
     for _ in range(60):
-        conv = Conversation.start(tokenizer, [{"role": "system", "content": "be brief"},
-                                              {"role": "user", "content": "task " + str(rng.random())}])  # fmt: skip
+        conv = Conversation.start(
+            tokenizer,
+            [{"role": "system", "content": "be brief"}, {"role": "user", "content": "task " + str(rng.random())}],
+        )
         pieces, mask = [list(conv.ids)], [0] * len(conv.ids)
         for turn in range(rng.randint(1, 5)):
             out = text_ids(tokenizer, rng, rng.randint(0, 12))
             if rng.random() < 0.8:
                 out.append(EOS)  # stopped on the end-of-turn token; else cut by max_new_tokens
             versions = [turn] * len(out)
-            conv.add_generated(out, [-0.5] * len(out), versions, prompt_tokens=len(conv.ids),
-                               finish="stop" if out and out[-1] == EOS else "length")  # fmt: skip
+            conv.add_generated(
+                out,
+                [-0.5] * len(out),
+                versions,
+                prompt_tokens=len(conv.ids),
+                finish="stop" if out and out[-1] == EOS else "length",
+            )
             pieces.append(out)
             mask += [1] * len(out)
             role = rng.choice(["tool", "user"])

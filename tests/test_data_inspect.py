@@ -12,8 +12,9 @@ import pytest
 from miles_hpc.data import Sample, SampleStatus, TrajectoryFileError, TrajectoryWriter, format_summary, summarize
 
 
-def make(i: int, prompt: int, mask: list[int], versions: list[int], reward: float, status: SampleStatus,
-         rows: int = 0) -> Sample:
+def make(
+    i: int, prompt: int, mask: list[int], versions: list[int], reward: float, status: SampleStatus, rows: int = 0
+) -> Sample:
     n = prompt + len(mask)
     return Sample(
         prompt_id=i,

@@ -1,4 +1,4 @@
-"""The Sample record (DESIGN section 7): construction, normalisation, invariants with errors naming the field."""
+"""The Sample record (docs/design.md section 7): construction, normalisation, invariants with errors naming the field."""
 
 from __future__ import annotations
 
@@ -69,18 +69,38 @@ def test_numpy_inputs_are_normalised_to_lists() -> None:
 
 
 def test_prompt_only_and_empty_samples_are_allowed() -> None:
-    s = make(tokens=[1, 2], prompt_len=2, loss_mask=[0, 0], rollout_logprobs=[0, 0], policy_version=[-1, -1],
-             routed_experts=np.zeros((1, 2, 2), dtype=np.int64), status=SampleStatus.ABORTED)
+    s = make(
+        tokens=[1, 2],
+        prompt_len=2,
+        loss_mask=[0, 0],
+        rollout_logprobs=[0, 0],
+        policy_version=[-1, -1],
+        routed_experts=np.zeros((1, 2, 2), dtype=np.int64),
+        status=SampleStatus.ABORTED,
+    )
     assert s.response_len == 0 and s.response_tokens == []
-    empty = make(tokens=[], prompt_len=0, loss_mask=[], rollout_logprobs=[], policy_version=[], routed_experts=None,
-                 status=SampleStatus.FAILED)
+    empty = make(
+        tokens=[],
+        prompt_len=0,
+        loss_mask=[],
+        rollout_logprobs=[],
+        policy_version=[],
+        routed_experts=None,
+        status=SampleStatus.FAILED,
+    )
     assert empty.response_len == 0 and empty.token_hash == token_hash([])
 
 
 def test_zero_row_routing_is_normalised_to_none() -> None:
     # SGLang returns len(tokens) - 1 rows: zero for a one-token sample; that carries no information.
-    s = make(tokens=[5], prompt_len=1, loss_mask=[0], rollout_logprobs=[0.0], policy_version=[-1],
-             routed_experts=np.zeros((0, 3, 2), dtype=np.int32))
+    s = make(
+        tokens=[5],
+        prompt_len=1,
+        loss_mask=[0],
+        rollout_logprobs=[0.0],
+        policy_version=[-1],
+        routed_experts=np.zeros((0, 3, 2), dtype=np.int32),
+    )
     assert s.routed_experts is None and not s.has_routing
 
 

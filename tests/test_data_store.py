@@ -1,4 +1,4 @@
-"""HDF5 trajectory shards (DESIGN section 7): exact round trip, on-disk layout, crash safety, routing dtypes."""
+"""HDF5 trajectory shards (docs/design.md section 7): exact round trip, on-disk layout, crash safety, routing dtypes."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ def stored(s: Sample) -> Sample:
     )
 
 
-def sample(i: int, prompt: int = 3, response: int = 2, routing: tuple[int, int] | None = (2, 2), experts: int = 8,
-           **over: Any) -> Sample:
+def sample(
+    i: int, prompt: int = 3, response: int = 2, routing: tuple[int, int] | None = (2, 2), experts: int = 8, **over: Any
+) -> Sample:
     n = prompt + response
     fields: dict[str, Any] = dict(
         prompt_id=i,
@@ -46,8 +47,9 @@ def sample(i: int, prompt: int = 3, response: int = 2, routing: tuple[int, int] 
         rollout_logprobs=[0.0] * prompt + [-0.25 * (k + 1) for k in range(response)],
         policy_version=[-1] * prompt + [i] * response,
         reward=float(i),
-        routed_experts=None if routing is None else (np.arange((n - 1) * routing[0] * routing[1]) % experts)
-        .reshape(n - 1, *routing),
+        routed_experts=None
+        if routing is None
+        else (np.arange((n - 1) * routing[0] * routing[1]) % experts).reshape(n - 1, *routing),
         metadata={"i": i},
     )
     fields.update(over)
@@ -61,7 +63,10 @@ def writer(d: Path, **kw: Any) -> TrajectoryWriter:
 # -- property: anything valid round-trips exactly, across batches and rolled shards -----------------------------
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**53), 2**53)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=6),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
     max_leaves=6,
@@ -85,8 +90,7 @@ def random_sample(draw: st.DrawFn, routing: tuple[int, int, int] | None) -> Samp
         tokens=draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n)),
         prompt_len=prompt,
         loss_mask=[0] * prompt + [int(g) for g in generated],
-        rollout_logprobs=[0.0] * prompt
-        + draw(st.lists(st.floats(-1e4, 0.0), min_size=response, max_size=response)),
+        rollout_logprobs=[0.0] * prompt + draw(st.lists(st.floats(-1e4, 0.0), min_size=response, max_size=response)),
         policy_version=[-1] * prompt + draw(st.lists(st.integers(-1, 2**31 - 1), min_size=response, max_size=response)),
         reward=draw(st.floats(-1e30, 1e30)),
         status=draw(st.sampled_from(SampleStatus)),
@@ -105,8 +109,11 @@ def scenario(draw: st.DrawFn) -> tuple[list[list[Sample]], dict[str, Any]]:
         max_id = (num_experts or draw(st.sampled_from([8, 32767]))) - 1
         routing = (draw(st.integers(1, 3)), draw(st.integers(1, 2)), max_id)
     batches = draw(st.lists(st.lists(random_sample(routing), max_size=4), min_size=1, max_size=4))
-    kw = dict(max_shard_bytes=draw(st.integers(1, 600)), num_experts=num_experts,
-              compression=draw(st.sampled_from([None, "none", "gzip", "lzf"])))
+    kw = dict(
+        max_shard_bytes=draw(st.integers(1, 600)),
+        num_experts=num_experts,
+        compression=draw(st.sampled_from([None, "none", "gzip", "lzf"])),
+    )
     return batches, kw
 
 
@@ -147,10 +154,18 @@ def test_layout_matches_design(tmp_path: Path) -> None:
         s, r = f["samples"], f["routing"]
         T, N = 5 + 5 + 2, 3
         want = {
-            "tokens": ("<i4", (T,)), "token_offsets": ("<i8", (N + 1,)), "loss_mask": ("|u1", (T,)),
-            "rollout_logprobs": ("<f4", (T,)), "policy_version": ("<i4", (T,)), "reward": ("<f4", (N,)),
-            "prompt_len": ("<i4", (N,)), "group_id": ("<i8", (N,)), "status": ("|u1", (N,)),
-            "train_step": ("<i4", (N,)), "prompt_id": ("<i8", (N,)), "token_hash": ("|S32", (N,)),
+            "tokens": ("<i4", (T,)),
+            "token_offsets": ("<i8", (N + 1,)),
+            "loss_mask": ("|u1", (T,)),
+            "rollout_logprobs": ("<f4", (T,)),
+            "policy_version": ("<i4", (T,)),
+            "reward": ("<f4", (N,)),
+            "prompt_len": ("<i4", (N,)),
+            "group_id": ("<i8", (N,)),
+            "status": ("|u1", (N,)),
+            "train_step": ("<i4", (N,)),
+            "prompt_id": ("<i8", (N,)),
+            "token_hash": ("|S32", (N,)),
             "metadata": ("|O", (N,)),
         }
         assert {k: (s[k].dtype.str, s[k].shape) for k in s} == want
@@ -199,8 +214,13 @@ def test_writer_api_edges(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [] and w.paths == []
     with pytest.raises(ValueError, match="closed"):
         w.append([sample(0)])
-    for bad in (dict(prefix=""), dict(prefix="a/b"), dict(max_shard_bytes=0), dict(compression="zstd"),
-                dict(num_experts=0)):
+    for bad in (
+        dict(prefix=""),
+        dict(prefix="a/b"),
+        dict(max_shard_bytes=0),
+        dict(compression="zstd"),
+        dict(num_experts=0),
+    ):
         with pytest.raises(ValueError):
             writer(tmp_path, **bad)
 
@@ -245,11 +265,19 @@ def test_a_bad_batch_leaves_the_shard_untouched(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("num_experts", "max_id", "dtype"),
-    [(8, 7, np.uint8), (256, 255, np.uint8), (257, 256, np.int16), (32768, 32767, np.int16),
-     (40000, 39999, np.int32), (None, 7, np.int16), (None, 40000, np.int32)],
+    [
+        (8, 7, np.uint8),
+        (256, 255, np.uint8),
+        (257, 256, np.int16),
+        (32768, 32767, np.int16),
+        (40000, 39999, np.int32),
+        (None, 7, np.int16),
+        (None, 40000, np.int32),
+    ],
 )
-def test_routing_dtype_selection_and_round_trip(tmp_path: Path, num_experts: int | None, max_id: int,
-                                                dtype: type) -> None:
+def test_routing_dtype_selection_and_round_trip(
+    tmp_path: Path, num_experts: int | None, max_id: int, dtype: type
+) -> None:
     routed = np.array([[[0, max_id]], [[max_id, 1]]], dtype=np.int64)  # 2 rows, 1 layer, top-2
     s = sample(0, prompt=2, response=1, routed_experts=routed)
     with writer(tmp_path, num_experts=num_experts) as w:
@@ -302,24 +330,38 @@ BAD_FILES: dict[str, tuple[Any, str]] = {
     "random_bytes": (lambda d: _write(d / "noise.h5", os.urandom(4096)), "not an HDF5 file"),
     "empty_file": (lambda d: _write(d / "empty.h5", b""), "not an HDF5 file"),
     "foreign_hdf5": (lambda d: _foreign(d / "other.h5"), "no /samples group"),
-    "schema_version": (lambda d: edit(good_shard(d), lambda f: f.attrs.modify("schema_version", 2)),
-                       "schema_version is 2"),
+    "schema_version": (
+        lambda d: edit(good_shard(d), lambda f: f.attrs.modify("schema_version", 2)),
+        "schema_version is 2",
+    ),
     "missing_attr": (lambda d: edit(good_shard(d), lambda f: f.attrs.__delitem__("run_id")), "run_id"),
-    "missing_dataset": (lambda d: edit(good_shard(d), lambda f: f["samples"].__delitem__("reward")),
-                        "missing dataset samples/reward"),
+    "missing_dataset": (
+        lambda d: edit(good_shard(d), lambda f: f["samples"].__delitem__("reward")),
+        "missing dataset samples/reward",
+    ),
     "missing_routing": (lambda d: edit(good_shard(d), lambda f: f.__delitem__("routing")), "/routing"),
     "wrong_dtype": (lambda d: edit(good_shard(d), retype_tokens), "samples/tokens has dtype int64"),
-    "offsets_decrease": (lambda d: edit(good_shard(d), lambda f: f["samples/token_offsets"].__setitem__(1, 11)),
-                         "token_offsets decreases"),
-    "offsets_overrun": (lambda d: edit(good_shard(d), lambda f: f["samples/token_offsets"].__setitem__(2, 11)),
-                        "token_offsets ends at 11"),
-    "routing_offsets": (lambda d: edit(good_shard(d), lambda f: f["routing/offsets"].__setitem__(0, 1)),
-                        "routing/offsets must start at 0"),
-    "per_sample_rows": (lambda d: edit(good_shard(d), lambda f: f["samples/status"].resize((1,))),
-                        "samples/status has 1 rows, expected 2"),
+    "offsets_decrease": (
+        lambda d: edit(good_shard(d), lambda f: f["samples/token_offsets"].__setitem__(1, 11)),
+        "token_offsets decreases",
+    ),
+    "offsets_overrun": (
+        lambda d: edit(good_shard(d), lambda f: f["samples/token_offsets"].__setitem__(2, 11)),
+        "token_offsets ends at 11",
+    ),
+    "routing_offsets": (
+        lambda d: edit(good_shard(d), lambda f: f["routing/offsets"].__setitem__(0, 1)),
+        "routing/offsets must start at 0",
+    ),
+    "per_sample_rows": (
+        lambda d: edit(good_shard(d), lambda f: f["samples/status"].resize((1,))),
+        "samples/status has 1 rows, expected 2",
+    ),
     "tampered_token": (lambda d: edit(good_shard(d), flip_token), "sample 0 is invalid: Sample.token_hash"),
-    "bad_status": (lambda d: edit(good_shard(d), lambda f: f["samples/status"].__setitem__(1, 9)),
-                   "sample 1 is invalid: Sample.status"),
+    "bad_status": (
+        lambda d: edit(good_shard(d), lambda f: f["samples/status"].__setitem__(1, 9)),
+        "sample 1 is invalid: Sample.status",
+    ),
 }
 
 

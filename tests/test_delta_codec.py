@@ -1,4 +1,4 @@
-"""The BF16 weight-delta codec (sync/delta_codec.py): bit-exact round trips, framing, corruption, and coded size.
+"""The BF16 weight-delta codec (sync/codec/delta_codec.py): bit-exact round trips, framing, corruption, and coded size.
 
 Updates are made here in the order-preserving key space with numpy, independently of the codec's own key code.
 """
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.delta_codec import DeltaError, DeltaPayload, decode, encode, from_bytes, to_bytes
+from miles_hpc.sync.codec.delta_codec import DeltaError, DeltaPayload, decode, encode, from_bytes, to_bytes
+from miles_hpc.sync.wire.checksum import tensor_checksum
 
 WIDTH = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 INT = {16: (np.uint16, torch.int16, np.int16), 32: (np.uint32, torch.int32, np.int32)}
@@ -255,7 +255,8 @@ def check_cuda_matches_cpu(old: torch.Tensor, new: torch.Tensor) -> DeltaPayload
 INTERPRETED = """
 import dataclasses, os, sys, numpy as np, pytest, torch
 sys.path.insert(0, os.path.join(os.environ["MILES_ROOT"], "tests"))
-from miles_hpc.sync import delta_codec as dc, delta_kernels as dk
+from miles_hpc.sync.codec import delta_kernels as dk
+from miles_hpc.sync.codec import delta_codec as dc
 from test_delta_codec import adam_like, bits
 torch.set_num_threads(1)
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -277,6 +278,7 @@ print("ok")
 """
 
 
+@pytest.mark.process
 def test_kernel_layout_in_the_interpreter_matches_cpu() -> None:
     """CI has no GPU: the class-layout kernels (delta_kernels.py) run in Triton's interpreter on CPU tensors and
     must make the CPU path's payloads, decode them, and refuse corrupted ones."""

@@ -20,9 +20,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 def sample(mask: list[int], lps: list[float]) -> Sample:
     n = len(mask)
-    return Sample(prompt_id=0, group_id=0, tokens=list(range(n)), prompt_len=mask.index(1), loss_mask=mask,
-                  rollout_logprobs=lps, policy_version=[-1 if m == 0 else 0 for m in mask], reward=0.0,
-                  status=SampleStatus.COMPLETED)  # fmt: skip
+    return Sample(
+        prompt_id=0,
+        group_id=0,
+        tokens=list(range(n)),
+        prompt_len=mask.index(1),
+        loss_mask=mask,
+        rollout_logprobs=lps,
+        policy_version=[-1 if m == 0 else 0 for m in mask],
+        reward=0.0,
+        status=SampleStatus.COMPLETED,
+    )
 
 
 def test_reverse_kl_term_on_loss_tokens() -> None:
@@ -34,9 +42,17 @@ def test_reverse_kl_term_on_loss_tokens() -> None:
     assert only == [[0.0, 0.0, 0.5, -0.5]]
 
 
+@pytest.mark.process
 def test_config_checks(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"),
-            f"run_dir={tmp_path / 'run'}", f"algo.opd_teacher={tmp_path / 'nothing'}"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(REPO / "configs/tiny_cpu.yaml"),
+        f"run_dir={tmp_path / 'run'}",
+        f"algo.opd_teacher={tmp_path / 'nothing'}",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode != 0 and "algo.opd_teacher" in proc.stderr and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="opd_only"):
@@ -45,15 +61,29 @@ def test_config_checks(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("mode", ["sync", "fully_async"])
 @pytest.mark.parametrize("teacher_seed", [0, 5])
+@pytest.mark.process
 def test_loop_with_a_teacher_engine(teacher_seed: int, mode: str, tmp_path: Path) -> None:
     # Seed 0 is the run's own initial model (`model.init_*` with seed 0): before any update the teacher agrees
     # with the student exactly; another seed is another model, which disagrees. (Fully async: step 0 trains on
     # groups generated before the first update, so the same holds.)
     teacher = init_model("qwen3", "tiny", tmp_path / "teacher", seed=teacher_seed)
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"), f"run_dir={run_dir}",
-            "steps=2", "train.world_size=1", "train.sft_warmup_steps=0", "rollout.prompts_per_step=2",
-            "rollout.samples_per_prompt=2", f"algo.opd_teacher={teacher}", "algo.opd_coef=0.5", f"mode={mode}"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(REPO / "configs/tiny_cpu.yaml"),
+        f"run_dir={run_dir}",
+        "steps=2",
+        "train.world_size=1",
+        "train.sft_warmup_steps=0",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2",
+        f"algo.opd_teacher={teacher}",
+        "algo.opd_coef=0.5",
+        f"mode={mode}",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_support import make_ckpt
 
 from miles_hpc.engine.config import EngineConfig
 from miles_hpc.engine.core import Engine, RequestError
 from miles_hpc.engine.types import GenerateRequest, GenerateResult, SamplingParams
 from miles_hpc.models import CausalLM, iter_hf_tensors, load_pretrained, save_pretrained
-from miles_hpc.sync.checksum import tensor_checksum
-
-from engine_support import make_ckpt
+from miles_hpc.sync.wire.checksum import tensor_checksum
 
 LP_TOL = 1e-5
 
@@ -351,9 +350,14 @@ def plain_eos(ckpt: Path) -> int:
 
 
 def test_engine_config_validation_names_the_field() -> None:
-    for kwargs, field in [(dict(block_size=0), "block_size"), (dict(dtype="int8"), "dtype"),
-                          (dict(num_blocks=-3), "num_blocks"), (dict(kv_cache_fraction=1.5), "kv_cache_fraction"),
-                          (dict(max_prefill_tokens=True), "max_prefill_tokens"), (dict(device="tpu9"), "device")]:  # fmt: skip
+    for kwargs, field in [
+        (dict(block_size=0), "block_size"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(num_blocks=-3), "num_blocks"),
+        (dict(kv_cache_fraction=1.5), "kv_cache_fraction"),
+        (dict(max_prefill_tokens=True), "max_prefill_tokens"),
+        (dict(device="tpu9"), "device"),
+    ]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**kwargs)  # type: ignore[arg-type]
 

@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_support import make_ckpt, run
 
 from miles_hpc.engine.config import EngineConfig
 from miles_hpc.engine.core import Engine
 from miles_hpc.engine.types import GenerateRequest, SamplingParams
 from miles_hpc.models import CausalLM, load_pretrained
-
-from engine_support import make_ckpt, run
 
 
 # Routers: softmax (Qwen3-MoE); sigmoid group-limited with MLA attention (DeepSeek-V3) and with GQA (GLM-4.5).

@@ -26,9 +26,14 @@ def with_torch_decode(engine: Engine) -> Engine:
     bm = engine.blocks
     engine.runner.decode = DecodeRunner(
         DecodeForward(engine.model, engine.cache, TorchDecodeOps()),
-        max_batch=bm.tables.shape[0], table_width=bm.tables.shape[1], vocab_size=engine.vocab_size,
-        scratch_block=bm.num_blocks, device=engine.device, dtype=engine.dtype, use_graphs=False,
-    )  # fmt: skip
+        max_batch=bm.tables.shape[0],
+        table_width=bm.tables.shape[1],
+        vocab_size=engine.vocab_size,
+        scratch_block=bm.num_blocks,
+        device=engine.device,
+        dtype=engine.dtype,
+        use_graphs=False,
+    )
     return engine
 
 
@@ -126,8 +131,9 @@ def test_paged_decode_reference_is_dense_attention(hq: int, hkv: int, d: int) ->
         tables[i, :nb] = perm[o : o + nb].to(torch.int32)
         o += nb
     q = torch.randn(len(lens), hq, d, generator=g, dtype=torch.float64)
-    got = paged_decode_reference(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
-                                 block_size=bs, scale=d**-0.5)  # fmt: skip
+    got = paged_decode_reference(
+        q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), block_size=bs, scale=d**-0.5
+    )
     for i, n in enumerate(lens):
         slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs for p in range(n)])
         k = k_cache[slots].transpose(0, 1).repeat_interleave(hq // hkv, 0)  # [hq, n, d]
@@ -153,8 +159,9 @@ def test_equal_length_prompts_prefill_as_one_batch(ckpt: Path) -> None:
 def test_adjacent_equal_fresh_prefills_are_grouped() -> None:
     from miles_hpc.engine.paged_attention import AttentionMetadata
 
-    meta = AttentionMetadata.build([0, 0, 0, 7, 0, 0, 3], [4, 4, 4, 1, 4, 2, 5], torch.zeros(7, 4, dtype=torch.int32),
-                                   4, torch.device("cpu"))  # fmt: skip
+    meta = AttentionMetadata.build(
+        [0, 0, 0, 7, 0, 0, 3], [4, 4, 4, 1, 4, 2, 5], torch.zeros(7, 4, dtype=torch.int32), 4, torch.device("cpu")
+    )
     got = [(p.q_start, p.q_end, p.count, p.key_slots is None) for p in meta.prefills]
     assert got == [(0, 12, 3, True), (13, 17, 1, True), (17, 19, 1, True), (19, 24, 1, False)]
 
@@ -171,8 +178,10 @@ def test_short_prefills_run_as_rows_of_the_fused_step(ckpt: Path, extend: int) -
     engine = with_torch_decode(Engine.from_pretrained(str(ckpt), cfg))
     rows_per_call: list[int] = []
     inner = engine.runner.decode.forward  # type: ignore[union-attr]
-    engine.runner.decode.forward = lambda *a: (rows_per_call.append(int((a[2][:, 0] != engine.blocks.num_blocks).sum())),  # type: ignore[union-attr]
-                                               inner(*a))[1]  # fmt: skip
+    engine.runner.decode.forward = lambda *a: (
+        rows_per_call.append(int((a[2][:, 0] != engine.blocks.num_blocks).sum())),  # type: ignore[union-attr]
+        inner(*a),
+    )[1]
     for e in (ref_engine, engine):
         run_all(e, [base], 2, stagger=False)  # caches the first 16 tokens (4 full blocks)
     want = run_all(ref_engine, ps, 5, stagger=True)

@@ -142,8 +142,9 @@ def run(engine: Engine, ps: list[list[int]], n: int) -> dict[str, GenerateResult
 
 
 def engine_on(ckpt: Path, dtype: str, **kw: object) -> Engine:
-    cfg = EngineConfig(device=DEVICE, dtype=dtype, block_size=16, num_blocks=256, max_prefill_tokens=64,
-                       max_running_requests=32, **kw)  # type: ignore[arg-type]  # fmt: skip
+    cfg = EngineConfig(
+        device=DEVICE, dtype=dtype, block_size=16, num_blocks=256, max_prefill_tokens=64, max_running_requests=32, **kw
+    )  # type: ignore[arg-type]
     return Engine.from_pretrained(str(ckpt), cfg)
 
 

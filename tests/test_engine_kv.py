@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_support import make_ckpt, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,8 +17,6 @@ from miles_hpc.engine.kv_cache import BlockManager, KVCache, block_key
 from miles_hpc.engine.paged_attention import AttentionMetadata, PagedAttention
 from miles_hpc.engine.types import GenerateRequest, SamplingParams
 from miles_hpc.models import iter_hf_tensors, load_pretrained, sdpa_attention
-
-from engine_support import make_ckpt, run
 
 
 def manager(num_blocks: int = 8, block_size: int = 4) -> BlockManager:
@@ -91,8 +90,15 @@ def test_paged_attention_equals_causal_sdpa(hq: int) -> None:
     like causal SDPA over each full sequence."""
     torch.manual_seed(0)
     hkv, d, bs = 2, 8, 4
-    cache = KVCache(num_layers=1, num_blocks=16, block_size=bs, kv_heads=hkv, head_dim=d,
-                    dtype=torch.float64, device=torch.device("cpu"))  # fmt: skip
+    cache = KVCache(
+        num_layers=1,
+        num_blocks=16,
+        block_size=bs,
+        kv_heads=hkv,
+        head_dim=d,
+        dtype=torch.float64,
+        device=torch.device("cpu"),
+    )
     lens = [9, 5, 12]
     qs = [torch.randn(1, hq, n, d, dtype=torch.float64) for n in lens]
     ks = [torch.randn(1, hkv, n, d, dtype=torch.float64) for n in lens]
@@ -132,8 +138,9 @@ def test_shared_prefix_is_reused_with_identical_outputs(ckpt: Path) -> None:
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(0, 256, (45,), generator=g).tolist()
     a, b = shared + [1, 2, 3], shared + [9, 8]
-    cold = run(Engine.from_pretrained(str(ckpt), EngineConfig(block_size=8, enable_prefix_cache=False)),
-               greedy("b", b))["b"]  # fmt: skip
+    cold = run(
+        Engine.from_pretrained(str(ckpt), EngineConfig(block_size=8, enable_prefix_cache=False)), greedy("b", b)
+    )["b"]
     engine = Engine.from_pretrained(str(ckpt), EngineConfig(block_size=8))
     first = run(engine, greedy("a", a))["a"]
     assert first.cached_tokens == 0
@@ -196,8 +203,9 @@ def test_scheduler_under_pressure_matches_roomy_engine(
     lengths = [m for _, _, m in reqs]
     capacity = num_blocks * block_size
     fits = [i for i, (p, m) in enumerate(zip(prompts, lengths)) if len(p) + m <= capacity]
-    cfg = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_prefill_tokens=budget,
-                       enable_prefix_cache=prefix)  # fmt: skip
+    cfg = EngineConfig(
+        block_size=block_size, num_blocks=num_blocks, max_prefill_tokens=budget, enable_prefix_cache=prefix
+    )
     tight = Engine.from_pretrained(str(ckpt), cfg)
     got = run(tight, *(greedy(str(i), prompts[i], lengths[i]) for i in fits))
     want = run(_roomy(ckpt), *(greedy(str(i), prompts[i], lengths[i]) for i in fits))

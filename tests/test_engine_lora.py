@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_support import make_ckpt
+from server_fixtures import running_server
+from test_engine_core import LP_TOL, drain, greedy_req, plain_greedy, submit
 
 from miles_hpc.engine.config import EngineConfig
 from miles_hpc.engine.core import Engine, RequestError
@@ -18,11 +21,7 @@ from miles_hpc.models import CausalLM, load_pretrained
 from miles_hpc.models.lora import LoraAdapter, LoraSpec, load_adapter, merge_into, save_adapter
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.errors import EngineHTTPError
-from miles_hpc.sync.checksum import tensor_checksums
-
-from engine_support import make_ckpt
-from server_fixtures import running_server
-from test_engine_core import LP_TOL, drain, greedy_req, plain_greedy, submit
+from miles_hpc.sync.wire.checksum import tensor_checksums
 
 SPEC = LoraSpec(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
 
@@ -128,6 +127,7 @@ def test_unknown_replaced_and_unloaded_adapters(ckpt: Path, tmp_path: Path) -> N
     assert results["r3"].finish_reason.type == "abort" and "unloaded" in (results["r3"].finish_reason.message or "")
 
 
+@pytest.mark.process
 def test_http_endpoints(ckpt: Path, tmp_path: Path) -> None:
     path_a, merged_a = make_adapter(ckpt, tmp_path / "a", seed=1)
     p = prompts(1)[0]

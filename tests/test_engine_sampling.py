@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_support import make_ckpt, run
 
 from miles_hpc.engine.config import EngineConfig
 from miles_hpc.engine.core import Engine
@@ -13,13 +14,16 @@ from miles_hpc.engine.sampling import SamplingBatch, sample, uniform_noise
 from miles_hpc.engine.types import GenerateRequest, SamplingParams
 from miles_hpc.models import load_pretrained
 
-from engine_support import make_ckpt, run
-
 CPU = torch.device("cpu")
 
 
-def batch(params: list[SamplingParams], seeds: list[int], positions: list[int] | None = None, vocab: int = 8,
-          bans: list[tuple[int, ...]] | None = None) -> SamplingBatch:  # fmt: skip
+def batch(
+    params: list[SamplingParams],
+    seeds: list[int],
+    positions: list[int] | None = None,
+    vocab: int = 8,
+    bans: list[tuple[int, ...]] | None = None,
+) -> SamplingBatch:
     n = len(params)
     return SamplingBatch.build(params, seeds, positions or [0] * n, bans or [()] * n, vocab, CPU)
 
@@ -83,8 +87,10 @@ def test_empirical_distribution_follows_filtered_softmax() -> None:
 def test_mixed_batch_rows_are_independent_of_neighbours() -> None:
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 50, generator=g)
-    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in
-              [(1.0, -1, 1.0), (0.0, -1, 1.0), (0.7, 5, 1.0), (1.2, -1, 0.9), (1.0, 3, 0.5), (2.0, -1, 1.0)]]  # fmt: skip
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p)
+        for t, k, p in [(1.0, -1, 1.0), (0.0, -1, 1.0), (0.7, 5, 1.0), (1.2, -1, 0.9), (1.0, 3, 0.5), (2.0, -1, 1.0)]
+    ]
     seeds, pos = [11, 12, 13, 14, 15, 16], [0, 4, 2, 9, 1, 3]
     together, _ = sample(logits, batch(params, seeds, pos, vocab=50))
     for i in range(6):
@@ -138,8 +144,12 @@ def test_stop_rules(ckpt: Path) -> None:
     model.config = model.config.replace(eos_token_id=stop)
     engine = Engine(model, EngineConfig())
     assert engine.eos_token_ids == frozenset({stop})
-    res = run(engine, req("eos", p, **{**base, "ignore_eos": False}), req("ign", p, **base),
-              req("min", p, **{**base, "ignore_eos": False, "min_new_tokens": k + 2}))  # fmt: skip
+    res = run(
+        engine,
+        req("eos", p, **{**base, "ignore_eos": False}),
+        req("ign", p, **base),
+        req("min", p, **{**base, "ignore_eos": False, "min_new_tokens": k + 2}),
+    )
     assert res["eos"].output_ids == ref[: k + 1] and res["eos"].finish_reason.matched == stop
     assert res["ign"].output_ids == ref and res["ign"].finish_reason.type == "length"
     got = res["min"].output_ids

@@ -64,4 +64,3 @@ def test_sampler_validates() -> None:
         DynamicSampler(target_groups=0)
     with pytest.raises(ValueError, match="max_rounds"):
         DynamicSampler(target_groups=1, max_rounds=0)
-

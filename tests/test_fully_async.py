@@ -32,10 +32,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 def rollout(versions: list[int], prompt_len: int = 2, group_id: int = 0, prompt_id: int = 0) -> Rollout:
     n = len(versions)
-    sample = Sample(prompt_id=prompt_id, group_id=group_id, tokens=[1] * (prompt_len + n), prompt_len=prompt_len,
-                    loss_mask=[0] * prompt_len + [1] * n, rollout_logprobs=[0.0] * (prompt_len + n),
-                    policy_version=[-1] * prompt_len + versions, reward=0.0, status=SampleStatus.COMPLETED,
-                    metadata={})  # fmt: skip
+    sample = Sample(
+        prompt_id=prompt_id,
+        group_id=group_id,
+        tokens=[1] * (prompt_len + n),
+        prompt_len=prompt_len,
+        loss_mask=[0] * prompt_len + [1] * n,
+        rollout_logprobs=[0.0] * (prompt_len + n),
+        policy_version=[-1] * prompt_len + versions,
+        reward=0.0,
+        status=SampleStatus.COMPLETED,
+        metadata={},
+    )
     return Rollout(PromptRecord(prompt_id=prompt_id, prompt="p"), sample, "")
 
 
@@ -90,10 +98,17 @@ class LongTailRouter:
             self.abort_next -= 1
             n, finish = n // 2, "abort"
         v = str(self.version)
-        return GenerateOutput(rid=f"r{self.calls}", output_ids=[7] * n, finish_reason=FinishReason(type=finish),
-                              prompt_tokens=len(ids), completion_tokens=n, cached_tokens=0,
-                              output_logprobs=[-0.5] * n, weight_version=v,
-                              weight_versions=(WeightVersionSpan(version=v, start=0, end=n),) if n else ())  # fmt: skip
+        return GenerateOutput(
+            rid=f"r{self.calls}",
+            output_ids=[7] * n,
+            finish_reason=FinishReason(type=finish),
+            prompt_tokens=len(ids),
+            completion_tokens=n,
+            cached_tokens=0,
+            output_logprobs=[-0.5] * n,
+            weight_version=v,
+            weight_versions=(WeightVersionSpan(version=v, start=0, end=n),) if n else (),
+        )
 
 
 class Tok:
@@ -106,20 +121,26 @@ async def reward(inp: Any) -> float:
 
 
 def producer_for(router: LongTailRouter, buffer: GroupBuffer, *overrides: str) -> Producer:
-    cfg = load_config(REPO / "configs/tiny_cpu.yaml", ["mode=fully_async", "rollout.samples_per_prompt=4",
-                                                       "rollout.max_new_tokens=6", *overrides])  # fmt: skip
+    cfg = load_config(
+        REPO / "configs/tiny_cpu.yaml",
+        ["mode=fully_async", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6", *overrides],
+    )
     records = [PromptRecord(prompt_id=i, prompt=f"{i}+1=", label=str(i + 1)) for i in range(64)]
     prompts = PromptIterator(records, batch_size=4, seed=0, shuffle=False)
-    return Producer(cfg, router, prompts, lambda r: [1, 2, 3], Tok(), reward, buffer,
-                    first_group_id=0)  # fmt: skip
+    return Producer(cfg, router, prompts, lambda r: [1, 2, 3], Tok(), reward, buffer, first_group_id=0)
 
 
 def test_producer_keeps_slots_full_without_waiting_for_the_slowest_sample() -> None:
     async def main() -> None:
         router = LongTailRouter()
         buffer = GroupBuffer(capacity=100_000)  # never full here
-        producer = producer_for(router, buffer, "fully_async.max_inflight=8", "fully_async.buffer_groups=100000",
-                                "fully_async.max_staleness=100000")  # no admission limit here  # fmt: skip
+        producer = producer_for(
+            router,
+            buffer,
+            "fully_async.max_inflight=8",
+            "fully_async.buffer_groups=100000",
+            "fully_async.max_staleness=100000",
+        )  # no admission limit here
         task = asyncio.ensure_future(producer.run())
         await asyncio.sleep(0.3)
         task.cancel()
@@ -140,8 +161,13 @@ def test_backpressure_stops_new_groups_when_the_buffer_is_full() -> None:
     async def main() -> None:
         router = LongTailRouter(scale=0.001)
         buffer = GroupBuffer(capacity=8)
-        producer = producer_for(router, buffer, "fully_async.max_inflight=8", "fully_async.buffer_groups=8",
-                                "fully_async.max_staleness=100000")  # fmt: skip
+        producer = producer_for(
+            router,
+            buffer,
+            "fully_async.max_inflight=8",
+            "fully_async.buffer_groups=8",
+            "fully_async.max_staleness=100000",
+        )
         task = asyncio.ensure_future(producer.run())
         await asyncio.sleep(0.3)
         started = producer.stats.started_groups
@@ -154,7 +180,8 @@ def test_backpressure_stops_new_groups_when_the_buffer_is_full() -> None:
         await asyncio.sleep(0.1)
         assert producer.stats.started_groups > started  # room again: the producer goes on
         assert sorted(producer.unconsumed(buffer)) == sorted(
-            [g[0].record.prompt_id for g in buffer.groups] + [r.prompt_id for r in producer.inflight.values()]
+            [g[0].record.prompt_id for g in buffer.groups]
+            + [r.prompt_id for r in producer.inflight.values()]
             + [r.prompt_id for r in producer.pending]  # drawn from the data (a batch at a time), not started
         )
         task.cancel()
@@ -166,8 +193,13 @@ def test_backpressure_stops_new_groups_when_the_buffer_is_full() -> None:
 def test_admission_starts_only_groups_that_can_train_before_they_expire() -> None:
     async def main() -> None:
         buffer = GroupBuffer(capacity=1000)
-        producer = producer_for(LongTailRouter(scale=0.0005), buffer, "rollout.prompts_per_step=4",
-                                "fully_async.max_staleness=1", "fully_async.buffer_groups=1000")  # fmt: skip
+        producer = producer_for(
+            LongTailRouter(scale=0.0005),
+            buffer,
+            "rollout.prompts_per_step=4",
+            "fully_async.max_staleness=1",
+            "fully_async.buffer_groups=1000",
+        )
         task = asyncio.ensure_future(producer.run())
         await asyncio.sleep(0.15)
         assert producer.stats.started_groups == (0 + 1 + 1) * 4  # version 0, staleness 1: two steps' worth
@@ -210,17 +242,32 @@ def test_mask_old_tokens() -> None:
 
 
 def cli_argv(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"), f"run_dir={run_dir}",
-            "mode=fully_async", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-            "rollout.max_new_tokens=4", "train.world_size=1", "train.sft_warmup_steps=0",
-            "fully_async.max_inflight=8", "fully_async.buffer_groups=4", *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(REPO / "configs/tiny_cpu.yaml"),
+        f"run_dir={run_dir}",
+        "mode=fully_async",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2",
+        "rollout.max_new_tokens=4",
+        "train.world_size=1",
+        "train.sft_warmup_steps=0",
+        "fully_async.max_inflight=8",
+        "fully_async.buffer_groups=4",
+        *overrides,
+    ]
 
 
 def run_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cli_argv(run_dir, *overrides), capture_output=True, text=True, timeout=600, cwd=REPO,
-                          check=False)  # fmt: skip
+    return subprocess.run(
+        cli_argv(run_dir, *overrides), capture_output=True, text=True, timeout=600, cwd=REPO, check=False
+    )
 
 
+@pytest.mark.process
 def test_fully_async_loop_end_to_end_and_resume_accounts_for_every_prompt(tmp_path: Path) -> None:
     from miles_hpc.data import TrajectoryReader
 
@@ -243,6 +290,7 @@ def test_fully_async_loop_end_to_end_and_resume_accounts_for_every_prompt(tmp_pa
     assert set(pending3) & set(per_prompt), "prompts pending at the checkpoint were trained after the restart"
 
 
+@pytest.mark.process
 def test_killed_mid_flight_then_resumed_trains_every_drawn_prompt_once(tmp_path: Path) -> None:
     import os
     import signal
@@ -252,8 +300,9 @@ def test_killed_mid_flight_then_resumed_trains_every_drawn_prompt_once(tmp_path:
 
     run_dir = tmp_path / "run"
     argv = cli_argv(run_dir, "steps=40", "train.checkpoint_interval=2")
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True
+    )
     metrics, ckpt = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "step_2"
     deadline = time.monotonic() + 300
     try:
@@ -279,23 +328,26 @@ def test_killed_mid_flight_then_resumed_trains_every_drawn_prompt_once(tmp_path:
         trained += [s.prompt_id for s in TrajectoryReader(f) if keep(s)]
     counts = {p: trained.count(p) for p in set(trained)}
     assert len(counts) == 4 * 2 and set(counts.values()) == {2}, counts  # 4 steps x 2 prompts, each once (2 samples)
-    assert set(pending) <= set(counts) | set(json.loads(
-        (run_dir / "checkpoints" / "step_4" / "extra.json").read_text())["async_pending"])
+    assert set(pending) <= set(counts) | set(
+        json.loads((run_dir / "checkpoints" / "step_4" / "extra.json").read_text())["async_pending"]
+    )
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+@pytest.mark.process
 def test_an_update_mid_generation_on_a_real_engine_keeps_every_token(mode: str, tmp_path: Path) -> None:
     """A real engine, a real broadcast publish while a long generation runs: the sample comes back whole (abort
     mode: continued from its tokens), its first tokens at version 0 and its last at version 1."""
     import torch
     from test_client_engine import engine_fleet, tiny_model
 
-    from miles_hpc.cluster.local import free_port
+    from miles_hpc.launch.local import free_port
     from miles_hpc.models import iter_hf_tensors, load_pretrained
     from miles_hpc.rollout.client import EngineClient
     from miles_hpc.rollout.router import Router, RouterConfig
-    from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
     from miles_hpc.sync.publish import Publisher
+    from miles_hpc.sync.strategies.base import GroupSyncSpec
+    from miles_hpc.sync.strategies.broadcast import BroadcastSync
 
     model = load_pretrained(tiny_model())
     with torch.no_grad():
@@ -307,11 +359,12 @@ def test_an_update_mid_generation_on_a_real_engine_keeps_every_token(mode: str, 
         async def main() -> None:
             clients = [EngineClient(f"http://127.0.0.1:{p.port}", connect_retries=0) for p in procs]
             async with Router(clients, RouterConfig(health_interval_s=0.2), owns_clients=True) as router:
-                sync = BroadcastSync(BroadcastSpec(master_address="127.0.0.1", next_port=free_port, timeout_s=30))
+                sync = BroadcastSync(GroupSyncSpec(master_address="127.0.0.1", next_port=free_port, timeout_s=30))
                 publisher = Publisher(sync, router, pause_mode=mode)  # type: ignore[arg-type]
                 params = {"max_new_tokens": 600, "temperature": 1.0, "ignore_eos": True}
-                gen = asyncio.ensure_future(generate_sample(router, PromptRecord(prompt_id=0, prompt="p"), [1, 2, 3],
-                                                            params, 0, Tok()))  # fmt: skip
+                gen = asyncio.ensure_future(
+                    generate_sample(router, PromptRecord(prompt_id=0, prompt="p"), [1, 2, 3], params, 0, Tok())
+                )
                 await asyncio.sleep(0.3)
                 assert not gen.done(), "the generation finished before the update: make it longer"
                 try:

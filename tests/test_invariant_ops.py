@@ -81,15 +81,15 @@ def test_gradients_equal_the_plain_ops_gradients() -> None:
         return torch.randn(*shape, generator=g).requires_grad_(True)
 
     def grads(out: torch.Tensor, *ts: torch.Tensor) -> list[torch.Tensor]:
-        return list(torch.autograd.grad((out * torch.randn(out.shape, generator=torch.Generator().manual_seed(5)))
-                                        .sum(), ts))  # fmt: skip
+        return list(
+            torch.autograd.grad((out * torch.randn(out.shape, generator=torch.Generator().manual_seed(5))).sum(), ts)
+        )
 
     x, w, b, nw = leaf(70, 48), leaf(24, 48), leaf(24), leaf(48)
     for a, c in zip(grads(inv.log_softmax(x), x), grads(torch.log_softmax(x, dim=-1), x)):
         torch.testing.assert_close(a, c)
     gate, up = leaf(70, 32), leaf(70, 32)
-    for a, c in zip(grads(inv.silu_mul(gate, up), gate, up),
-                    grads(torch.nn.functional.silu(gate) * up, gate, up)):  # fmt: skip
+    for a, c in zip(grads(inv.silu_mul(gate, up), gate, up), grads(torch.nn.functional.silu(gate) * up, gate, up)):
         torch.testing.assert_close(a, c)
     for a, c in zip(grads(inv.linear(x, w, b), x, w, b), grads(torch.nn.functional.linear(x, w, b), x, w, b)):
         torch.testing.assert_close(a, c)
@@ -102,8 +102,9 @@ def test_gradients_equal_the_plain_ops_gradients() -> None:
     q, k, v = leaf(4, 20, 16), leaf(2, 30, 16), leaf(2, 30, 8)
     pos = torch.arange(10, 30)
     mask = torch.arange(30)[None, :] <= pos[:, None]
-    ref = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=0.25,
-                                                           enable_gqa=True)[0]  # fmt: skip
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, scale=0.25, enable_gqa=True
+    )[0]
     got = inv.attention(q, k, v, pos, 0.25)
     torch.testing.assert_close(got, ref)
     for a, c in zip(grads(got, q, k, v), grads(ref, q, k, v)):
@@ -122,7 +123,11 @@ def test_attention_is_the_same_for_decode_prefill_and_whole_sequence(hq: int, hk
     equal SDPA's causal attention up to rounding."""
     g = torch.Generator().manual_seed(3)
     n, d = 150, 16
-    q, k, v = torch.randn(hq, n, d, generator=g), torch.randn(hkv, n, d, generator=g), torch.randn(hkv, n, dv, generator=g)
+    q, k, v = (
+        torch.randn(hq, n, d, generator=g),
+        torch.randn(hkv, n, d, generator=g),
+        torch.randn(hkv, n, dv, generator=g),
+    )
     pos = torch.arange(n)
     whole = inv.attention(q, k, v, pos, 0.25)
     for p in (0, 1, 63, 64, 65, 149):
@@ -131,7 +136,8 @@ def test_attention_is_the_same_for_decode_prefill_and_whole_sequence(hq: int, hk
     chunk = inv.attention(q[:, 90:130], k[:, :130], v[:, :130], pos[90:130], 0.25)
     assert torch.equal(chunk, whole[:, 90:130])
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(hq // hkv, 0), v.repeat_interleave(hq // hkv, 0), is_causal=True, scale=0.25)
+        q, k.repeat_interleave(hq // hkv, 0), v.repeat_interleave(hq // hkv, 0), is_causal=True, scale=0.25
+    )
     torch.testing.assert_close(whole, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -150,5 +156,6 @@ def test_primitives_are_batch_invariant_on_gpu(dtype: torch.dtype) -> None:
     pos = torch.arange(150, device="cuda")
     whole = inv.attention(q, k, v, pos, 0.25)
     for p in (0, 64, 149):
-        assert torch.equal(inv.attention(q[:, p : p + 1], k[:, : p + 1], v[:, : p + 1], pos[p : p + 1], 0.25),
-                           whole[:, p : p + 1]), p  # fmt: skip
+        assert torch.equal(
+            inv.attention(q[:, p : p + 1], k[:, : p + 1], v[:, : p + 1], pos[p : p + 1], 0.25), whole[:, p : p + 1]
+        ), p

@@ -1,4 +1,4 @@
-"""`miles-hpc run` on GPUs: where trainer ranks and engines go (cluster/local.py `gpu_plan`), what the weight sync
+"""`miles-hpc run` on GPUs: where trainer ranks and engines go (launch/local.py `gpu_plan`), what the weight sync
 can reach from there (refused before anything starts, naming the key), and the engines' command lines."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from miles_hpc.cluster.local import LocalCluster, gpu_plan
 from miles_hpc.config import ConfigError, load_config
+from miles_hpc.engine.launch import EngineLaunch
+from miles_hpc.launch.local import LocalCluster, gpu_plan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,14 +21,23 @@ def cfg(*overrides: str):
 
 
 def test_one_gpu_shared_by_trainer_and_engine_with_colocated_sync() -> None:
-    plan = gpu_plan(cfg("train.device=cuda", "rollout.device=cuda", "train.world_size=1",
-                        "sync.strategy=colocated"), num_gpus=1)  # fmt: skip
+    plan = gpu_plan(
+        cfg("train.device=cuda", "rollout.device=cuda", "train.world_size=1", "sync.strategy=colocated"), num_gpus=1
+    )
     assert plan.trainer == (0,) and plan.engines == (0,) and plan.shares_trainer_gpu(0)
 
 
 def test_engines_go_after_the_trainer_gpus_and_wrap_around() -> None:
-    plan = gpu_plan(cfg("train.device=cuda", "rollout.device=cuda", "train.world_size=2", "rollout.num_engines=3",
-                        "sync.strategy=colocated"), num_gpus=4)  # fmt: skip
+    plan = gpu_plan(
+        cfg(
+            "train.device=cuda",
+            "rollout.device=cuda",
+            "train.world_size=2",
+            "rollout.num_engines=3",
+            "sync.strategy=colocated",
+        ),
+        num_gpus=4,
+    )
     assert plan.trainer == (0, 1) and plan.engines == (2, 3, 0)
     assert not plan.shares_trainer_gpu(0) and plan.shares_trainer_gpu(2)
     plan = gpu_plan(cfg("train.device=cuda", "rollout.device=cuda", "train.world_size=1"), num_gpus=2)
@@ -36,13 +46,16 @@ def test_engines_go_after_the_trainer_gpus_and_wrap_around() -> None:
     assert gpu_plan(cfg(), num_gpus=0).engines == ()
 
 
-@pytest.mark.parametrize("gpus, overrides, match", [
-    (1, ("train.device=cuda", "rollout.device=cuda", "train.world_size=1"), "NCCL refuses two ranks.*colocated"),
-    (2, ("train.device=cuda", "rollout.device=cuda", "train.world_size=2", "sync.strategy=p2p"), "NCCL refuses"),
-    (1, ("train.device=cuda", "train.world_size=2"), "train.world_size=2 ranks on its own GPU; this machine has 1"),
-    (1, ("train.device=cuda", "train.world_size=1"), "train.device=cuda and rollout.device=cpu differ"),
-    (1, ("train.device=cuda", "train.world_size=1", "sync.strategy=colocated"), "set rollout.device=cuda"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "gpus, overrides, match",
+    [
+        (1, ("train.device=cuda", "rollout.device=cuda", "train.world_size=1"), "NCCL refuses two ranks.*colocated"),
+        (2, ("train.device=cuda", "rollout.device=cuda", "train.world_size=2", "sync.strategy=p2p"), "NCCL refuses"),
+        (1, ("train.device=cuda", "train.world_size=2"), "train.world_size=2 ranks on its own GPU; this machine has 1"),
+        (1, ("train.device=cuda", "train.world_size=1"), "train.device=cuda and rollout.device=cpu differ"),
+        (1, ("train.device=cuda", "train.world_size=1", "sync.strategy=colocated"), "set rollout.device=cuda"),
+    ],
+)
 def test_what_cannot_run_is_refused_naming_the_key(gpus: int, overrides: tuple[str, ...], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         gpu_plan(cfg(*overrides), num_gpus=gpus)
@@ -51,21 +64,36 @@ def test_what_cannot_run_is_refused_naming_the_key(gpus: int, overrides: tuple[s
     gpu_plan(cfg("train.device=cuda", "train.world_size=1", "sync.strategy=delta"), num_gpus=1)  # files: any mix
 
 
+@pytest.mark.process
 def test_engine_command_lines_name_their_gpu_and_kv_share(tmp_path: Path) -> None:
-    c = cfg("train.device=cuda", "rollout.device=cuda", "train.world_size=1", "rollout.num_engines=2",
-            "sync.strategy=colocated")  # fmt: skip
+    c = cfg(
+        "train.device=cuda",
+        "rollout.device=cuda",
+        "train.world_size=1",
+        "rollout.num_engines=2",
+        "sync.strategy=colocated",
+    )
     cluster = LocalCluster(c, tmp_path, tmp_path / "model", tmp_path / "config.yaml", gpu_plan(c, num_gpus=2))
     spawned: list[list[str]] = []
     cluster._spawn = lambda name, argv, env=None: spawned.append(argv)  # type: ignore[method-assign]
     cluster._wait_engines = lambda n, timeout_s: []  # type: ignore[method-assign]  # nothing was started
     cluster.start_engines()
-    opts = [dict(zip(a[a.index("--device") :: 2], a[a.index("--device") + 1 :: 2])) for a in spawned]
-    assert [(o["--device"], o["--kv-cache-fraction"]) for o in opts] == [("cuda:1", "0.85"), ("cuda:0", "0.25")]
+    launches = [EngineLaunch.parse(argv[4:]) for argv in spawned]  # what each `miles-hpc serve` will run with
+    assert [(e.device, e.kv_cache_fraction) for e in launches] == [("cuda:1", 0.85), ("cuda:0", 0.25)]
 
 
+@pytest.mark.process
 def test_run_refuses_before_anything_starts(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"),
-            f"run_dir={tmp_path / 'run'}", "train.device=cuda", "train.world_size=64"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(REPO / "configs/tiny_cpu.yaml"),
+        f"run_dir={tmp_path / 'run'}",
+        "train.device=cuda",
+        "train.world_size=64",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode != 0 and "train.device: cuda puts each of train.world_size=64 ranks" in proc.stderr
     assert not (tmp_path / "run").exists()
@@ -75,9 +103,20 @@ def test_run_refuses_before_anything_starts(tmp_path: Path) -> None:
 def test_tiny_loop_on_one_gpu_with_colocated_sync(tmp_path: Path) -> None:
     # Trainer rank and engine share GPU 0; weights go by CUDA IPC and every version is verified by checksums.
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"), f"run_dir={run_dir}",
-            "steps=3", "train.world_size=1", "train.device=cuda", "rollout.device=cuda", "sync.strategy=colocated",
-            "train.sft_warmup_steps=5"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(REPO / "configs/tiny_cpu.yaml"),
+        f"run_dir={run_dir}",
+        "steps=3",
+        "train.world_size=1",
+        "train.device=cuda",
+        "rollout.device=cuda",
+        "sync.strategy=colocated",
+        "train.sft_warmup_steps=5",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import json

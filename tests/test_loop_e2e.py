@@ -13,14 +13,23 @@ import pytest
 
 from miles_hpc.data import TrajectoryReader
 
+pytestmark = pytest.mark.process
+
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6",
-         "train.world_size=2"]  # fmt: skip
+SMALL = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6", "train.world_size=2"]
 
 
 def run(run_dir: Path, *overrides: str, small: bool = True) -> str:
-    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"), f"run_dir={run_dir}",
-            *(SMALL if small else []), *overrides]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(REPO / "configs/tiny_cpu.yaml"),
+        f"run_dir={run_dir}",
+        *(SMALL if small else []),
+        *overrides,
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -105,23 +114,34 @@ def test_routing_replay_records_stores_and_replays(tmp_path: Path) -> None:
     # R3 on a tiny Qwen3-MoE: engines return every token's experts, HDF5 keeps them (smallest dtype), the trainer
     # replays them (fp32 engine and trainer route alike here: agreement 1; tests/test_r3.py makes them disagree).
     run_dir = tmp_path / "run"
-    run(run_dir, "steps=2", "model.init_arch=qwen3_moe", "algo.routing_replay=true",
-        "train.activation_checkpointing=true")  # the recompute in backward replays the same records
+    run(
+        run_dir,
+        "steps=2",
+        "model.init_arch=qwen3_moe",
+        "algo.routing_replay=true",
+        "train.activation_checkpointing=true",
+    )  # the recompute in backward replays the same records
     m = metrics(run_dir)
     for r in m:
         assert 0.9 < r["r3/coverage"] < 1.0 and r["r3/topk_agreement"] == 1.0  # each sample's last token: live
     samples = [s for f in sorted((run_dir / "trajectories").glob("*.h5")) for s in TrajectoryReader(f)]
     assert samples and all(s.routed_experts is not None for s in samples)
-    assert all(s.routed_experts.shape[0] == len(s.tokens) - 1 and s.routed_experts.dtype.itemsize == 1
-               for s in samples)  # fmt: skip
+    assert all(s.routed_experts.shape[0] == len(s.tokens) - 1 and s.routed_experts.dtype.itemsize == 1 for s in samples)
 
 
 def test_tiny_agentic_config_runs_multi_turn_episodes(tmp_path: Path) -> None:
     # The terminal environment through the reference agent: several turns per episode, TITO samples, the engine's
     # prefix cache serving most of every re-sent conversation (session affinity), the metrics in TensorBoard too.
     run_dir = tmp_path / "agent"
-    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_agent_cpu.yaml"),
-            f"run_dir={run_dir}", "steps=2"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(REPO / "configs/tiny_agent_cpu.yaml"),
+        f"run_dir={run_dir}",
+        "steps=2",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = metrics(run_dir)
@@ -138,10 +158,21 @@ def test_agents_in_fully_async_mode(pause: str, tmp_path: Path) -> None:
     # only, never the tool output's -1), a turn aborted by an update continues from its tokens, and the run
     # trains every step with the environment's rewards.
     run_dir = tmp_path / "agent_async"
-    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_agent_cpu.yaml"),
-            f"run_dir={run_dir}", "steps=3", "mode=fully_async", "fully_async.max_inflight=6",
-            "fully_async.max_staleness=1", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-            f"sync.pause_mode={pause}"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(REPO / "configs/tiny_agent_cpu.yaml"),
+        f"run_dir={run_dir}",
+        "steps=3",
+        "mode=fully_async",
+        "fully_async.max_inflight=6",
+        "fully_async.max_staleness=1",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2",
+        f"sync.pause_mode={pause}",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = metrics(run_dir)
@@ -156,8 +187,15 @@ def test_agents_in_fully_async_mode(pause: str, tmp_path: Path) -> None:
 
 
 def test_lora_strategy_without_an_adapter_fails_before_anything_starts(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"),
-            f"run_dir={tmp_path / 'run'}", "sync.strategy=lora"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(REPO / "configs/tiny_cpu.yaml"),
+        f"run_dir={tmp_path / 'run'}",
+        "sync.strategy=lora",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode != 0 and "sync.strategy" in proc.stderr and "lora.rank > 0" in proc.stderr
     assert not (tmp_path / "run").exists()
@@ -192,16 +230,24 @@ def test_lora_rl_learns_and_moves_only_the_adapter(tmp_path: Path) -> None:
     echo = REPO / "configs/tiny_echo.yaml"
 
     def cli(*args: str) -> None:
-        proc = subprocess.run([sys.executable, "-m", "miles_hpc.cli", *args], capture_output=True, text=True,
-                              timeout=900, cwd=REPO)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "miles_hpc.cli", *args], capture_output=True, text=True, timeout=900, cwd=REPO
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     cli("run", str(echo), f"run_dir={tmp_path / 'base'}", "steps=1")  # 60 warm-up steps, full fine-tuning
     cli("export", str(tmp_path / "base"), str(tmp_path / "base_hf"))
     run_dir = tmp_path / "lora"
     lora = ["lora.rank=32", "lora.alpha=128", "sync.strategy=lora", "train.lr=1e-3"]
-    cli("run", str(echo), f"run_dir={run_dir}", f"model.path={tmp_path / 'base_hf'}", "train.sft_warmup_steps=0",
-        f"steps={LORA_STEPS}", *lora)  # fmt: skip
+    cli(
+        "run",
+        str(echo),
+        f"run_dir={run_dir}",
+        f"model.path={tmp_path / 'base_hf'}",
+        "train.sft_warmup_steps=0",
+        f"steps={LORA_STEPS}",
+        *lora,
+    )
     m = metrics(run_dir)
     rewards = [r["reward_mean"] for r in m]
     first, last = statistics.fmean(rewards[:30]), statistics.fmean(rewards[-30:])
@@ -215,8 +261,9 @@ def test_lora_rl_learns_and_moves_only_the_adapter(tmp_path: Path) -> None:
     assert (ckpt / "adapter" / "adapter_model.safetensors").is_file() and not (ckpt / "dcp").exists()
     cli("export", str(run_dir), str(tmp_path / "merged"))
     got_spec, tensors = load_adapter(ckpt / "adapter")
-    adapter = LoraAdapter(got_spec, {n: (lin.out_features, lin.in_features)
-                                     for n, lin in target_linears(base, got_spec).items()})  # fmt: skip
+    adapter = LoraAdapter(
+        got_spec, {n: (lin.out_features, lin.in_features) for n, lin in target_linears(base, got_spec).items()}
+    )
     adapter.load_peft_state(tensors)
     merge_into(base, adapter)
     merged = dict(iter_hf_tensors(load_pretrained(tmp_path / "merged")))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_models_support import hf_load, input_ids, max_diff
 
 from miles_hpc.models import CausalLM, ModelConfig, build_model, iter_hf_tensors, save_pretrained
 from miles_hpc.models.lora import (
@@ -23,8 +24,6 @@ from miles_hpc.models.lora import (
     target_linears,
 )
 from miles_hpc.models.presets import preset_config
-
-from test_models_support import hf_load, input_ids, max_diff
 
 
 def tiny(arch: str = "qwen3") -> CausalLM:

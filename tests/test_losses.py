@@ -278,8 +278,18 @@ def test_microbatch_split_equals_full(batch, agg, kind) -> None:
 
     def run(sel: slice, ids: torch.Tensor, **norm):
         x = logp[sel].clone().requires_grad_(True)
-        loss, _ = policy_loss(x, old[sel], adv[sel], mask[sel], ids, cfg, rollout_logprobs=rollout[sel],
-                              ref_logprobs=ref[sel], entropy=ent[sel], **norm)
+        loss, _ = policy_loss(
+            x,
+            old[sel],
+            adv[sel],
+            mask[sel],
+            ids,
+            cfg,
+            rollout_logprobs=rollout[sel],
+            ref_logprobs=ref[sel],
+            entropy=ent[sel],
+            **norm,
+        )
         loss.backward()
         return loss, x.grad
 
@@ -287,7 +297,7 @@ def test_microbatch_split_equals_full(batch, agg, kind) -> None:
     bounds = [0, *cuts, n_seq]
     starts = [sum(lens[:b]) for b in bounds]
     micro_loss, grads = 0.0, []
-    for a, b, ta, tb in zip(bounds, bounds[1:], starts, starts[1:]):
+    for a, ta, tb in zip(bounds, starts, starts[1:]):
         local_ids = seq_ids[ta:tb] - a  # each micro-batch numbers its sequences from 0
         loss, g = run(slice(ta, tb), local_ids, num_seqs=n_seq, total_tokens=total)
         micro_loss += loss.item()

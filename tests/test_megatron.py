@@ -71,9 +71,17 @@ def loss_of(logits: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- mapping (pure)
-@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("qwen2", {}), ("llama", {"attention_bias": True}),
-                                            ("qwen3", {"tie_word_embeddings": False}), ("qwen3_moe", {}),
-                                            ("glm4_moe", {})])  # fmt: skip
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("qwen3", {}),
+        ("qwen2", {}),
+        ("llama", {"attention_bias": True}),
+        ("qwen3", {"tie_word_embeddings": False}),
+        ("qwen3_moe", {}),
+        ("glm4_moe", {}),
+    ],
+)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mapping_round_trips(arch: str, overrides: dict, tp: int) -> None:
     assert_round_trip(tiny_config(arch, **overrides), tp)
@@ -112,13 +120,23 @@ def test_layouts_follow_megatron() -> None:
     assert padded_vocab_size(320, 2) == 512
     rank1 = to_mcore(emb, hf, cfg, 1, 2)
     assert torch.equal(rank1[: 320 - 256], hf["model.embed_tokens.weight"][256:]) and not rank1[64:].any()
-    assert torch.equal(from_mcore(emb, [to_mcore(emb, hf, cfg, r, 2) for r in range(2)], cfg)[emb.hf[0]],
-                       hf["model.embed_tokens.weight"])  # fmt: skip
+    assert torch.equal(
+        from_mcore(emb, [to_mcore(emb, hf, cfg, r, 2) for r in range(2)], cfg)[emb.hf[0]],
+        hf["model.embed_tokens.weight"],
+    )
 
 
-@pytest.mark.parametrize("arch,overrides,tp,ep", [("qwen3", {}, 2, 1), ("qwen3", {"tie_word_embeddings": False}, 2, 1),
-                                                  ("qwen2", {}, 2, 1), ("qwen3_moe", {}, 1, 2), ("glm4_moe", {}, 2, 1),
-                                                  ("glm4_moe", {}, 1, 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "arch,overrides,tp,ep",
+    [
+        ("qwen3", {}, 2, 1),
+        ("qwen3", {"tie_word_embeddings": False}, 2, 1),
+        ("qwen2", {}, 2, 1),
+        ("qwen3_moe", {}, 1, 2),
+        ("glm4_moe", {}, 2, 1),
+        ("glm4_moe", {}, 1, 2),
+    ],
+)
 def test_shard_boxes_hold_what_each_rank_holds(arch: str, overrides: dict, tp: int, ep: int) -> None:
     """p2p sync's view of megatron shards: on every rank, each HF tensor's box indexes exactly the data
     `local_hf_parts` takes from that rank's megatron tensor, and the boxes of all ranks cover every element."""
@@ -155,14 +173,26 @@ def test_experts_live_on_their_expert_parallel_rank() -> None:
 
 
 # ---------------------------------------------------------------- megatron's model on our weights
-def _run_world(mode: str, model_dir: Path, world: int, tp: int, out: Path, *extra: str, ep: int = 1,
-               pp: int = 1) -> dict:  # fmt: skip
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "MCORE_PP": str(pp),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(model_dir), str(tp), str(ep), str(out), *extra],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]  # fmt: skip
+def _run_world(
+    mode: str, model_dir: Path, world: int, tp: int, out: Path, *extra: str, ep: int = 1, pp: int = 1
+) -> dict:
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "MCORE_PP": str(pp),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), mode, str(model_dir), str(tp), str(ep), str(out), *extra],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
     for p in procs:
         log, _ = p.communicate(timeout=300)
         assert p.returncode == 0, log.decode()[-4000:]
@@ -177,11 +207,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("arch,overrides,tp,ep", [
-    ("qwen3", {}, 1, 1), ("qwen3", {"tie_word_embeddings": False}, 2, 1), ("qwen2", {}, 2, 1), ("llama", {}, 2, 1),
-    ("qwen3_moe", {}, 1, 1), ("qwen3_moe", {}, 1, 2), ("qwen3_moe", {"norm_topk_prob": False}, 1, 2),
-    ("glm4_moe", {}, 1, 1), ("glm4_moe", {}, 1, 2),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "arch,overrides,tp,ep",
+    [
+        ("qwen3", {}, 1, 1),
+        ("qwen3", {"tie_word_embeddings": False}, 2, 1),
+        ("qwen2", {}, 2, 1),
+        ("llama", {}, 2, 1),
+        ("qwen3_moe", {}, 1, 1),
+        ("qwen3_moe", {}, 1, 2),
+        ("qwen3_moe", {"norm_topk_prob": False}, 1, 2),
+        ("glm4_moe", {}, 1, 1),
+        ("glm4_moe", {}, 1, 2),
+    ],
+)
+@pytest.mark.process
 def test_megatron_model_matches_ours(arch: str, overrides: dict, tp: int, ep: int, tmp_path: Path) -> None:
     """Same logits, loss and HF-named gradients as our CausalLM (fp32, packed sequences), TP=1 and TP=2; the
     weights gathered back from the TP shards are the checkpoint's, bit for bit. Gradients go through megatron's
@@ -219,14 +259,16 @@ def _compare_with_ours(cfg: ModelConfig, tp: int, tmp_path: Path, device: str, a
     assert list(got["weights"]) == list(hf)
     for name, t in hf.items():
         assert torch.equal(got["weights"][name], t.cpu()), name
-    ours_grads = {hf_name: p.grad[index] if index else p.grad for name, p in ours.named_parameters()
-                  for hf_name, index in hf_parts(cfg, name, p.shape)}  # fused experts carved into HF tensors
+    ours_grads = {
+        hf_name: p.grad[index] if index else p.grad
+        for name, p in ours.named_parameters()
+        for hf_name, index in hf_parts(cfg, name, p.shape)
+    }  # fused experts carved into HF tensors
     assert set(got["grads"]) == set(ours_grads)
     for name in [n for n, g in ours_grads.items() if g is None]:  # frozen (GLM's router correction bias)
         assert not got["grads"].pop(name).any(), name
     for name, g in got["grads"].items():
-        torch.testing.assert_close(g, ours_grads[name].cpu(), atol=atol, rtol=1e-4,
-                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+        torch.testing.assert_close(g, ours_grads[name].cpu(), atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
 # ---------------------------------------------------------------- the trainer
@@ -244,12 +286,32 @@ def tiny_glm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model("glm4_moe", "tiny", tmp_path_factory.mktemp("tiny_glm") / "model")
 
 
-@pytest.mark.parametrize("world_size,tp,ep,pp,arch", [
-    (1, 1, 1, 1, "qwen3"), (2, 2, 1, 1, "qwen3"), (2, 1, 1, 1, "qwen3"), (2, 1, 2, 1, "qwen3_moe"),
-    (2, 1, 2, 1, "glm4_moe"), (2, 1, 1, 2, "qwen3"), (4, 2, 1, 2, "qwen3"), (4, 1, 2, 2, "qwen3_moe"),
-])  # fmt: skip
-def test_trainer_step_equals_fsdp(world: None, tiny_model: Path, tiny_moe_model: Path, tiny_glm_model: Path,
-                                  tmp_path: Path, world_size: int, tp: int, ep: int, pp: int, arch: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "world_size,tp,ep,pp,arch",
+    [
+        (1, 1, 1, 1, "qwen3"),
+        (2, 2, 1, 1, "qwen3"),
+        (2, 1, 1, 1, "qwen3"),
+        (2, 1, 2, 1, "qwen3_moe"),
+        (2, 1, 2, 1, "glm4_moe"),
+        (2, 1, 1, 2, "qwen3"),
+        (4, 2, 1, 2, "qwen3"),
+        (4, 1, 2, 2, "qwen3_moe"),
+    ],
+)
+@pytest.mark.process
+def test_trainer_step_equals_fsdp(
+    world: None,
+    tiny_model: Path,
+    tiny_moe_model: Path,
+    tiny_glm_model: Path,
+    tmp_path: Path,
+    world_size: int,
+    tp: int,
+    ep: int,
+    pp: int,
+    arch: str,
+) -> None:
     """MegatronTrainer (TP, DP or pipeline stages over gloo; on the CPU the FSDP backend's AdamW over megatron's
     reduced gradients) and FSDPTrainer (one rank) on the same batch and weights (fp32): the same log-probs, step
     metrics and weights after a train step of two mini-batches, which checks that megatron's DP gradient averaging
@@ -263,18 +325,39 @@ def test_trainer_step_equals_fsdp(world: None, tiny_model: Path, tiny_moe_model:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
-def test_trainer_step_equals_fsdp_gpu(world: None, tiny_model: Path, tmp_path: Path,
-                                      distributed_optimizer: bool) -> None:  # fmt: skip
+def test_trainer_step_equals_fsdp_gpu(
+    world: None, tiny_model: Path, tmp_path: Path, distributed_optimizer: bool
+) -> None:
     """On a GPU megatron's own optimizer steps (`get_megatron_optimizer`, distributed or not): the same step as
     the FSDP backend's on the CPU (fp32 both)."""
     _compare_step_with_fsdp(tiny_model, tmp_path, 1, 1, distributed_optimizer, "cuda", atol=1e-4)
 
 
-def _compare_step_with_fsdp(model_dir: Path, tmp_path: Path, world_size: int, tp: int, distributed_optimizer: bool,
-                            device: str, atol: float, ep: int = 1, r3: bool = False, pp: int = 1) -> dict:  # fmt: skip
+def _compare_step_with_fsdp(
+    model_dir: Path,
+    tmp_path: Path,
+    world_size: int,
+    tp: int,
+    distributed_optimizer: bool,
+    device: str,
+    atol: float,
+    ep: int = 1,
+    r3: bool = False,
+    pp: int = 1,
+) -> dict:
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
-    got = _run_world("train", model_dir, world_size, tp, tmp_path / "out.pt", str(int(distributed_optimizer)), device,
-                     str(int(r3)), ep=ep, pp=pp)  # fmt: skip
+    got = _run_world(
+        "train",
+        model_dir,
+        world_size,
+        tp,
+        tmp_path / "out.pt",
+        str(int(distributed_optimizer)),
+        device,
+        str(int(r3)),
+        ep=ep,
+        pp=pp,
+    )
     ref = run_fsdp_once(str(model_dir), r3=r3)
     assert got["step"] == 2
     assert len(got["logprobs"]) == len(TRAIN_LENGTHS)
@@ -294,14 +377,17 @@ def _compare_step_with_fsdp(model_dir: Path, tmp_path: Path, world_size: int, tp
 
 
 @pytest.mark.parametrize("world_size,ep,pp", [(1, 1, 1), (2, 2, 1), (2, 1, 2)])
-def test_r3_replays_recorded_experts_like_fsdp(world: None, tiny_moe_model: Path, tmp_path: Path, world_size: int,
-                                               ep: int, pp: int) -> None:  # fmt: skip
+@pytest.mark.process
+def test_r3_replays_recorded_experts_like_fsdp(
+    world: None, tiny_moe_model: Path, tmp_path: Path, world_size: int, ep: int, pp: int
+) -> None:
     """R3 in megatron (its router-replay hook, recorded ids where there are records, the live top-k elsewhere) and
     in our model give the same step; the records, mostly unlike the router's own choice, cover all but the last
     rows of each sample. With pipeline stages each stage replays its own layers' records (the records' layer axis
     counts the MoE layers of earlier stages)."""
-    metrics = _compare_step_with_fsdp(tiny_moe_model, tmp_path, world_size, 1, False, "cpu", atol=1e-5, ep=ep, r3=True,
-                                      pp=pp)  # fmt: skip
+    metrics = _compare_step_with_fsdp(
+        tiny_moe_model, tmp_path, world_size, 1, False, "cpu", atol=1e-5, ep=ep, r3=True, pp=pp
+    )
     ref = run_fsdp_once(str(tiny_moe_model), r3=True)["metrics"]
     for key in ("r3/coverage", "r3/topk_agreement"):
         assert metrics[key] == pytest.approx(ref[key], abs=1e-9), key
@@ -335,14 +421,17 @@ def r3_batch(cfg: ModelConfig) -> TrainBatch:
 
 def run_fsdp_once(model_dir: str, r3: bool = False) -> dict:
     algo = dataclasses.replace(STEP_ALGO, routing_replay=r3)
-    trainer = FSDPTrainer(model_dir, dataclasses.replace(STEP_CFG, mixed_precision=False), algo, device="cpu",
-                          seed=0)  # fmt: skip
+    trainer = FSDPTrainer(model_dir, dataclasses.replace(STEP_CFG, mixed_precision=False), algo, device="cpu", seed=0)
     before = {k: v.clone() for k, v in trainer.state_for_sync()}
     batch = r3_batch(trainer.config) if r3 else make_batch(TRAIN_LENGTHS)
     logprobs = trainer.compute_logprobs(batch)
     metrics = trainer.train_step(batch)
-    return {"logprobs": logprobs, "metrics": metrics, "before": before,
-            "weights": {k: v.clone() for k, v in trainer.state_for_sync()}}  # fmt: skip
+    return {
+        "logprobs": logprobs,
+        "metrics": metrics,
+        "before": before,
+        "weights": {k: v.clone() for k, v in trainer.state_for_sync()},
+    }
 
 
 # ---------------------------------------------------------------- in `miles-hpc run`
@@ -351,7 +440,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_run_refuses_megatron_where_it_cannot_run(tmp_path: Path) -> None:
     from miles_hpc.config import load_config
-    from miles_hpc.loop.controller import build_trainer
+    from miles_hpc.launch.controller import build_trainer
 
     cfg = load_config(REPO / "configs/tiny_cpu.yaml", ["train.backend=megatron"])
     with pytest.raises(ValueError, match="megatron runs on GPUs.*train.device=cuda"):
@@ -369,10 +458,23 @@ def test_a_checkpoint_names_its_backend(world: None, tiny_model: Path, tmp_path:
 
 
 def _megatron_run(run_dir: Path, steps: int) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_cpu.yaml"), f"run_dir={run_dir}",
-            "train.world_size=1", "train.device=cuda", "rollout.device=cuda", "sync.strategy=colocated",
-            "train.backend=megatron", "train.sft_warmup_steps=5", "train.checkpoint_interval=2", f"steps={steps}"]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(REPO / "configs/tiny_cpu.yaml"),
+        f"run_dir={run_dir}",
+        "train.world_size=1",
+        "train.device=cuda",
+        "rollout.device=cuda",
+        "sync.strategy=colocated",
+        "train.backend=megatron",
+        "train.sft_warmup_steps=5",
+        "train.checkpoint_interval=2",
+        f"steps={steps}",
+    ]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
 @pytest.mark.gpu

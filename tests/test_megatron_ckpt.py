@@ -24,19 +24,50 @@ from conftest import require  # noqa: E402
 from test_megatron import _free_port, tiny_moe_model  # noqa: E402,F401
 from test_train_fsdp import tiny_model  # noqa: E402,F401
 
+pytestmark = pytest.mark.process
+
 WORKER = Path(__file__).parent / "mcore_ckpt_worker.py"
 METRICS = ("loss", "pg_loss", "entropy", "tokens", "loss_tokens", "lr", "clip_frac", "grad_norm")
 
 
-def _run(mode: str, model_dir: Path, ckpt: Path, out: Path, *, world: int, tp: int = 1, ep: int = 1,
-         device: str = "cpu", distributed_optimizer: bool = False) -> dict:  # fmt: skip
+def _run(
+    mode: str,
+    model_dir: Path,
+    ckpt: Path,
+    out: Path,
+    *,
+    world: int,
+    tp: int = 1,
+    ep: int = 1,
+    device: str = "cpu",
+    distributed_optimizer: bool = False,
+) -> dict:
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))}
-    argv = [sys.executable, str(WORKER), mode, str(model_dir), str(tp), str(ep), str(ckpt), str(out), device,
-            str(int(distributed_optimizer))]  # fmt: skip
-    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for r in range(world)]  # fmt: skip
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
+    }
+    argv = [
+        sys.executable,
+        str(WORKER),
+        mode,
+        str(model_dir),
+        str(tp),
+        str(ep),
+        str(ckpt),
+        str(out),
+        device,
+        str(int(distributed_optimizer)),
+    ]
+    procs = [
+        subprocess.Popen(
+            argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        for r in range(world)
+    ]
     for p in procs:
         log, _ = p.communicate(timeout=300)
         assert p.returncode == 0, log.decode()[-4000:]
@@ -67,14 +98,16 @@ def _assert_resumed(saved: dict, got: dict, atol: float = 1e-5) -> None:
     for key in METRICS:
         assert got["next"]["metrics"][key] == pytest.approx(saved["next"]["metrics"][key], rel=1e-4, abs=atol), key
     for name, w in saved["next"]["weights"].items():
-        torch.testing.assert_close(got["next"]["weights"][name], w, atol=atol, rtol=1e-4,
-                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            got["next"]["weights"][name], w, atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
+        )
         assert not torch.equal(w, before["weights"][name]), name  # the step moved it: equality is not trivial
 
 
 @pytest.mark.parametrize("world,tp", [(1, 1), (2, 2)], ids=["dp2_to_dp1", "dp2_to_tp2"])
-def test_resume_on_another_layout(dense_ckpt: tuple[Path, dict], tiny_model: Path, tmp_path: Path, world: int,
-                                  tp: int) -> None:  # fmt: skip
+def test_resume_on_another_layout(
+    dense_ckpt: tuple[Path, dict], tiny_model: Path, tmp_path: Path, world: int, tp: int
+) -> None:
     """Saved at DP 2 (TP 1), resumed at DP 1 on one rank, and at TP 2 (the layers split over two ranks):
     megatron's dist_checkpointing reshards model and optimizer state alike (both named by the model's tensors)."""
     ckpt, saved = dense_ckpt

@@ -31,8 +31,17 @@ HALVES = {"rope_interleave": False}  # RoPE rotates halves, not interleaved pair
 # yarn as DeepSeek-V3/Kimi-K2 have it, with mscale != mscale_all_dim so both of megatron's factors are checked, and
 # without mscale_all_dim (cos/sin scaled by mscale(factor), softmax unscaled); original_max_position_embeddings
 # small enough that the ramp reaches the tiny rotary dims
-YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.7}}  # fmt: skip
+YARN = {
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 512,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.9,
+        "mscale_all_dim": 0.7,
+    }
+}
 YARN_PLAIN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}}
 
 
@@ -73,8 +82,9 @@ def test_mla_rotary_rows_must_stay_on_one_rank() -> None:
     to_mcore(rule, hf, tiny_config(ARCH), 0, 8)  # interleaved: rows as they are, any split
 
 
-@pytest.mark.parametrize("overrides,tp,ep", [({}, 1, 2), ({}, 2, 1), ({**NO_Q_LORA, **HALVES}, 2, 1),
-                                             ({**HALVES, **DENSE}, 2, 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides,tp,ep", [({}, 1, 2), ({}, 2, 1), ({**NO_Q_LORA, **HALVES}, 2, 1), ({**HALVES, **DENSE}, 2, 2)]
+)
 def test_mla_shard_boxes_hold_what_each_rank_holds(overrides: dict, tp: int, ep: int) -> None:
     """test_megatron's generic p2p box check on MLA's rules (the rotary reordering included)."""
     check_boxes(ARCH, overrides, tp, ep)
@@ -86,10 +96,21 @@ def test_mla_attention_bias_is_refused() -> None:
 
 
 # ---------------------------------------------------------------- megatron's model on our weights
-@pytest.mark.parametrize("overrides,tp,ep", [
-    ({}, 1, 1), ({}, 1, 2), (NO_Q_LORA, 1, 1), (HALVES, 1, 1), (YARN, 1, 1), (YARN_PLAIN, 1, 1),
-    (DENSE, 2, 1), ({**DENSE, **NO_Q_LORA, **HALVES}, 2, 1), ({**DENSE, **YARN}, 2, 1),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides,tp,ep",
+    [
+        ({}, 1, 1),
+        ({}, 1, 2),
+        (NO_Q_LORA, 1, 1),
+        (HALVES, 1, 1),
+        (YARN, 1, 1),
+        (YARN_PLAIN, 1, 1),
+        (DENSE, 2, 1),
+        ({**DENSE, **NO_Q_LORA, **HALVES}, 2, 1),
+        ({**DENSE, **YARN}, 2, 1),
+    ],
+)
+@pytest.mark.process
 def test_megatron_mla_matches_ours(overrides: dict, tp: int, ep: int, tmp_path: Path) -> None:
     """Same logits, loss and HF-named gradients as our CausalLM (fp32, packed sequences, random router correction
     bias) and the weights gathered back bit for bit: MLA with and without q LoRA, both RoPE layouts, plain and yarn
@@ -107,8 +128,13 @@ def test_mla_unmapped_rope_scaling_says_so() -> None:
     pytest.importorskip("megatron.core")
     from miles_hpc.train.mcore_mla import mla_kwargs
 
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 512}  # fmt: skip
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 512,
+    }
     with pytest.raises(NotImplementedError, match="llama3"):
         mla_kwargs(tiny_config(ARCH, rope_scaling=llama3))
     with pytest.raises(NotImplementedError, match="attention_factor"):
@@ -131,8 +157,10 @@ def tiny_mla_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 
 @pytest.mark.parametrize("world_size,tp,ep,model", [(1, 1, 1, "moe"), (2, 1, 2, "moe"), (2, 2, 1, "dense")])
-def test_mla_trainer_step_equals_fsdp(world: None, tiny_mla_models: dict[str, Path], tmp_path: Path,
-                                      world_size: int, tp: int, ep: int, model: str) -> None:  # fmt: skip
+@pytest.mark.process
+def test_mla_trainer_step_equals_fsdp(
+    world: None, tiny_mla_models: dict[str, Path], tmp_path: Path, world_size: int, tp: int, ep: int, model: str
+) -> None:
     """MegatronTrainer and FSDPTrainer (one rank) on the same batch and DeepSeek-V3 weights: the same log-probs,
     step metrics and weights after two mini-batches (test_megatron's check), on one rank, with the experts split
     over two ranks, and with MLA split over two TP ranks."""
@@ -140,7 +168,6 @@ def test_mla_trainer_step_equals_fsdp(world: None, tiny_mla_models: dict[str, Pa
 
 
 @pytest.mark.gpu
-def test_mla_trainer_step_equals_fsdp_gpu(world: None, tiny_mla_models: dict[str, Path],
-                                          tmp_path: Path) -> None:  # fmt: skip
+def test_mla_trainer_step_equals_fsdp_gpu(world: None, tiny_mla_models: dict[str, Path], tmp_path: Path) -> None:
     """On a GPU megatron's own optimizer steps (fp32): the same step as the FSDP backend's on the CPU."""
     _compare_step_with_fsdp(tiny_mla_models["moe"], tmp_path, 1, 1, False, "cuda", atol=1e-4)

@@ -24,30 +24,53 @@ from miles_hpc.models import (
     sdpa_attention,
 )
 
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 8}  # fmt: skip
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
 
 DENSE_CASES: dict[str, tuple[str, dict[str, Any], int | None]] = {
     # name: (model_type, config overrides, HF max_shard_size in bytes or None)
     "llama": ("llama", {}, None),
-    "llama-tied-bias-mha": ("llama", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
-                                          num_key_value_heads=4), None),
+    "llama-tied-bias-mha": (
+        "llama",
+        dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True, num_key_value_heads=4),
+        None,
+    ),
     "llama-rope-llama3": ("llama", dict(hidden_size=64, rope_parameters=LLAMA3), None),
-    "llama-rope-linear": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
-                          None),
-    "llama-rope-dynamic": ("llama", dict(max_position_embeddings=8,
-                                         rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
-                           None),
-    "qwen2-tied-yarn": ("qwen2", dict(tie_word_embeddings=True, max_position_embeddings=64, rope_parameters=YARN),
-                        None),
+    "llama-rope-linear": (
+        "llama",
+        dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
+        None,
+    ),
+    "llama-rope-dynamic": (
+        "llama",
+        dict(max_position_embeddings=8, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+        None,
+    ),
+    "qwen2-tied-yarn": (
+        "qwen2",
+        dict(tie_word_embeddings=True, max_position_embeddings=64, rope_parameters=YARN),
+        None,
+    ),
     "qwen2-sharded": ("qwen2", {}, 12_000),
     "qwen3-headdim16": ("qwen3", dict(head_dim=16), None),
-    "qwen3-tied-yarn-bias-sharded": ("qwen3", dict(tie_word_embeddings=True, attention_bias=True,
-                                                   max_position_embeddings=64,
-                                                   rope_parameters={**YARN, "beta_fast": 16.0, "beta_slow": 2.0}),
-                                     8_000),
-}  # fmt: skip
+    "qwen3-tied-yarn-bias-sharded": (
+        "qwen3",
+        dict(
+            tie_word_embeddings=True,
+            attention_bias=True,
+            max_position_embeddings=64,
+            rope_parameters={**YARN, "beta_fast": 16.0, "beta_slow": 2.0},
+        ),
+        8_000,
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(DENSE_CASES))
@@ -93,8 +116,9 @@ def _checkpoint_names(path: Path) -> set[str]:
 
 
 def test_dynamic_rope_is_default_rope_within_native_length(tmp_path: Path) -> None:
-    hf = hf_model("llama", max_position_embeddings=32,
-                  rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})  # fmt: skip
+    hf = hf_model(
+        "llama", max_position_embeddings=32, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    )
     hf.save_pretrained(tmp_path)
     ours = load_pretrained(tmp_path)
     plain = CausalLM(ours.config.replace(rope_scaling=None))
@@ -106,13 +130,21 @@ def test_dynamic_rope_is_default_rope_within_native_length(tmp_path: Path) -> No
 
 
 def _tiny(model_type: str = "qwen3", **kw: Any) -> ModelConfig:
-    base: dict[str, Any] = dict(model_type=model_type, vocab_size=97, hidden_size=32, intermediate_size=48,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    base: dict[str, Any] = dict(
+        model_type=model_type,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     if model_type == "qwen2":
         base["qkv_bias"] = True
     if model_type == "qwen3_moe":
         base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-    return ModelConfig(**{**base, **kw})  # fmt: skip
+    return ModelConfig(**{**base, **kw})
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3_moe"])
@@ -184,16 +216,41 @@ def test_build_model_is_seedable_and_loadable(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- config
 QWEN3_30B_A3B = {  # the Hub config.json of Qwen/Qwen3-30B-A3B (old key style)
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
-    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
-    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
-    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
-    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
-}  # fmt: skip
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
 
 
 def test_config_parses_hub_and_transformers5_styles() -> None:
@@ -202,8 +259,12 @@ def test_config_parses_hub_and_transformers5_styles() -> None:
     assert hub.norm_topk_prob and hub.qk_norm and hub.rope_theta == 1e6 and hub.rope_scaling is None
     assert len(hub.moe_layer_ids()) == 48
     # transformers 5.24 writes num_local_experts, rope_parameters and dtype instead.
-    v5 = dict(QWEN3_30B_A3B, num_local_experts=128, dtype="bfloat16",
-              rope_parameters={"rope_type": "default", "rope_theta": 1e6})  # fmt: skip
+    v5 = dict(
+        QWEN3_30B_A3B,
+        num_local_experts=128,
+        dtype="bfloat16",
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
     for k in ("num_experts", "torch_dtype", "rope_theta", "rope_scaling"):
         del v5[k]
     assert ModelConfig.from_hf_dict(v5) == hub
@@ -289,8 +350,11 @@ def test_wrong_shape_and_unexpected_tensor_name_tensor_and_file(tmp_path: Path) 
     good = load_file(path / "model.safetensors")
     bad = dict(good, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(47, 32)})
     save_file(bad, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' "
-                                         r"has shape \(47, 32\), expected \(48, 32\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' "
+        r"has shape \(47, 32\), expected \(48, 32\)",
+    ):
         load_pretrained(path)
     save_file(dict(good, extra=torch.zeros(1)), path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.safetensors: unexpected tensor 'extra'"):

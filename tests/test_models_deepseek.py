@@ -16,20 +16,52 @@ from test_models_support import assert_grads_match, hf_load, hf_model, input_ids
 from miles_hpc.models import ModelConfig, load_pretrained, save_pretrained
 
 REPO = Path(__file__).resolve().parents[1]
-BASE: dict[str, Any] = dict(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-                            n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
-                            moe_intermediate_size=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                            v_head_dim=6, routed_scaling_factor=2.5, norm_topk_prob=True)  # fmt: skip
+BASE: dict[str, Any] = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    moe_intermediate_size=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
 CASES: dict[str, dict[str, Any]] = {
     # DeepSeek-V3 / Kimi-K2 layout: compressed queries, interleaved RoPE, yarn with mscale on the softmax scale.
-    "q-lora-interleaved-yarn": dict(q_lora_rank=12, rope_interleave=True, rope_parameters=dict(
-        rope_type="yarn", rope_theta=50000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=1.0,
-        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
-    "plain-q-halves-rope-one-group": dict(q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1,
-                                          norm_topk_prob=False, tie_word_embeddings=True),
-    "two-dense-layers-three-groups": dict(q_lora_rank=12, num_hidden_layers=4, first_k_dense_replace=2,
-                                          n_routed_experts=12, num_experts_per_tok=3, n_group=3, topk_group=2),
-}  # fmt: skip
+    "q-lora-interleaved-yarn": dict(
+        q_lora_rank=12,
+        rope_interleave=True,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=50000.0,
+            factor=4.0,
+            original_max_position_embeddings=32,
+            beta_fast=1.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    ),
+    "plain-q-halves-rope-one-group": dict(
+        q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1, norm_topk_prob=False, tie_word_embeddings=True
+    ),
+    "two-dense-layers-three-groups": dict(
+        q_lora_rank=12,
+        num_hidden_layers=4,
+        first_k_dense_replace=2,
+        n_routed_experts=12,
+        num_experts_per_tok=3,
+        n_group=3,
+        topk_group=2,
+    ),
+}
 
 
 def deepseek(case: str, seed: int = 0) -> Any:

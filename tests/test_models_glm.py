@@ -14,15 +14,26 @@ from test_models_support import assert_grads_match, hf_load, hf_model, input_ids
 
 from miles_hpc.models import load_pretrained, save_pretrained
 
-BASE: dict[str, Any] = dict(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-                            n_shared_experts=1, first_k_dense_replace=1, moe_intermediate_size=16,
-                            routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True)  # fmt: skip
+BASE: dict[str, Any] = dict(
+    num_hidden_layers=3,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    moe_intermediate_size=16,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    attention_bias=True,
+)
 CASES: dict[str, dict[str, Any]] = {
     "glm-4.5-like": dict(use_qk_norm=True),  # partial rotary 0.5 (transformers' default), QK-norm
     "air-like-no-qk-norm-tied": dict(use_qk_norm=False, tie_word_embeddings=True, n_group=1),
-    "full-rotary-two-dense": dict(partial_rotary_factor=1.0, num_hidden_layers=4, first_k_dense_replace=2,
-                                  attention_bias=False),
-}  # fmt: skip
+    "full-rotary-two-dense": dict(
+        partial_rotary_factor=1.0, num_hidden_layers=4, first_k_dense_replace=2, attention_bias=False
+    ),
+}
 
 
 def glm(case: str, seed: int = 0) -> Any:

@@ -29,9 +29,11 @@ MOE_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "no-norm-topk-tied": (dict(norm_topk_prob=False, tie_word_embeddings=True), {}),
     "mlp-only-layers": (dict(num_hidden_layers=4, mlp_only_layers=[0, 2], norm_topk_prob=True), {}),
     "sparse-step-2-sharded": (dict(num_hidden_layers=4, decoder_sparse_step=2), dict(max_shard_size=20_000)),
-    "fused-format": (dict(norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1]),
-                     dict(save_original_format=False)),
-}  # fmt: skip
+    "fused-format": (
+        dict(norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1]),
+        dict(save_original_format=False),
+    ),
+}
 
 
 def _hf_routes(hf: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -132,10 +134,26 @@ def test_gradients_match_transformers(model_type: str, tmp_path: Path) -> None:
 
 
 def _tiny_moe(**kw: Any) -> ModelConfig:
-    return ModelConfig(**{**dict(model_type="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48,
-                                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                                 mlp_only_layers=(1,), initializer_range=0.2), **kw})  # fmt: skip
+    return ModelConfig(
+        **{
+            **dict(
+                model_type="qwen3_moe",
+                vocab_size=97,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                mlp_only_layers=(1,),
+                initializer_range=0.2,
+            ),
+            **kw,
+        }
+    )
 
 
 def _random_routes(shape: tuple[int, ...], num_experts: int, seed: int) -> torch.Tensor:
@@ -187,8 +205,18 @@ def test_replay_and_routes_validation() -> None:
         model(ids, routing_replay=torch.zeros(1, 4, 3, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"outside \[0, 8\)"):
         model(ids, routing_replay=torch.full((1, 4, 2, 2), 8, dtype=torch.int32))
-    dense = build_model(ModelConfig(model_type="llama", vocab_size=97, hidden_size=16, intermediate_size=16,
-                                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8))
+    dense = build_model(
+        ModelConfig(
+            model_type="llama",
+            vocab_size=97,
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    )
     _, routed = dense(ids, return_routed_experts=True)
     assert (dense.num_moe_layers, dense.top_k, routed.shape) == (0, 0, (1, 4, 0, 0))
 

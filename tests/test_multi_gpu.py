@@ -24,9 +24,18 @@ def gpus() -> int:
 
 
 def run_loop(run_dir: Path, *overrides: str) -> list[dict]:
-    run(run_dir, "steps=3", "train.device=cuda", "rollout.device=cuda", "train.mixed_precision=false",
-        "train.sft_warmup_steps=5", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", *overrides,
-        small=False)  # fmt: skip
+    run(
+        run_dir,
+        "steps=3",
+        "train.device=cuda",
+        "rollout.device=cuda",
+        "train.mixed_precision=false",
+        "train.sft_warmup_steps=5",
+        "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        *overrides,
+        small=False,
+    )
     return metrics(run_dir)
 
 

@@ -1,9 +1,9 @@
-"""sync/estimate.py and `miles-hpc plan`: parameter counts, HF names, the subset-scaled p2p plan, the arithmetic.
+"""planner/estimate.py and `miles-hpc plan`: parameter counts, HF names, the subset-scaled p2p plan, the arithmetic.
 
 The large-model configs are checked against their advertised sizes and, for GLM-5.2, against the byte total and
 tensor count of the real checkpoint index (as pinned by the GLM-5.2 launcher of a radixark/miles fork, see
 docs/planning.md). The p2p estimate plans one layer of each kind; here it must equal the whole-model plan of
-sync/plan.py exactly, rank by rank.
+planner/transfer.py exactly, rank by rank.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from miles_hpc.cli import main
 from miles_hpc.models.presets import ARCHS, preset_config
-from miles_hpc.sync.estimate import (
+from miles_hpc.planner.estimate import (
     Cluster,
     ModelSpecError,
     element_bytes,
@@ -30,26 +30,43 @@ from miles_hpc.sync.estimate import (
     p2p_bytes,
     param_counts,
 )
-from miles_hpc.sync.plan import engine_layout, fsdp_layout, plan_transfers, summarize
+from miles_hpc.planner.transfer import engine_layout, fsdp_layout, plan_transfers, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 
 # A small GLM-5-shaped config: MLA with low-rank queries, two dense layers, 8 experts + 1 shared, and an IndexShare
 # schedule (indexer on layers 0, 1, 3, 5), so that it has three kinds of layer.
 SMALL_MLA = {
-    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": 32, "vocab_size": 64,
-    "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 16,
-    "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 8, "intermediate_size": 48,
-    "moe_intermediate_size": 8, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
-    "first_k_dense_replace": 2, "topk_method": "noaux_tc", "index_n_heads": 2, "index_head_dim": 8,
-    "index_topk_freq": 2, "index_skip_topk_offset": 2, "tie_word_embeddings": False,
-}  # fmt: skip
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "hidden_size": 32,
+    "vocab_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 4,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 8,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 2,
+    "topk_method": "noaux_tc",
+    "index_n_heads": 2,
+    "index_head_dim": 8,
+    "index_topk_freq": 2,
+    "index_skip_topk_offset": 2,
+    "tie_word_embeddings": False,
+}
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture
 def cli_json() -> Iterator[subprocess.Popen[str]]:
-    """`miles-hpc plan kimi_k2 --json` as a subprocess, started before the first test of this file: it spends
-    seconds importing torch (the CLI's parser imports the model presets), which then overlap the other tests."""
+    """`miles-hpc plan kimi_k2 --json` as a subprocess (the installed entry point's path: imports, argv, exit)."""
     cmd = [sys.executable, "-m", "miles_hpc.cli", "plan", "kimi_k2", "--json", "--engine-tp", "16"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     yield proc
@@ -73,10 +90,18 @@ def test_large_models_match_their_advertised_sizes() -> None:
 def test_glm52_matches_the_checkpoint_index() -> None:
     """59,585 tensors and 1,506,659,919,872 bytes: the zai-org/GLM-5.2 index, MTP layer 78 included."""
     glm, _ = load_model_config("glm52")
-    with_mtp = {**glm, "num_hidden_layers": 79, "mlp_layer_types": [*glm["mlp_layer_types"], "sparse"],
-                "indexer_types": [*glm["indexer_types"], "full"]}  # fmt: skip
-    mtp_extra = {"eh_proj.weight": (6144, 2 * 6144), "enorm.weight": (6144,), "hnorm.weight": (6144,),
-                 "shared_head.norm.weight": (6144,)}  # fmt: skip
+    with_mtp = {
+        **glm,
+        "num_hidden_layers": 79,
+        "mlp_layer_types": [*glm["mlp_layer_types"], "sparse"],
+        "indexer_types": [*glm["indexer_types"], "full"],
+    }
+    mtp_extra = {
+        "eh_proj.weight": (6144, 2 * 6144),
+        "enorm.weight": (6144,),
+        "hnorm.weight": (6144,),
+        "shared_head.norm.weight": (6144,),
+    }
     assert len(hf_tensor_shapes(with_mtp)) + len(mtp_extra) == 59585
     assert model_bytes(with_mtp) + 2 * sum(math.prod(s) for s in mtp_extra.values()) == 1_506_659_919_872
 
@@ -140,12 +165,27 @@ def test_subset_p2p_equals_the_full_plan(cfg, world, engines, tp, ep, rollout_by
 
 def test_arithmetic_by_hand() -> None:
     """One layer, hidden 4, vocab 8, 2 heads (no GQA), MLP 8, untied: 236 parameters, 472 bf16 bytes."""
-    cfg = {"model_type": "llama", "hidden_size": 4, "vocab_size": 8, "num_hidden_layers": 1,
-           "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 8}  # fmt: skip
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 4,
+        "vocab_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "intermediate_size": 8,
+    }
     # embed 32 + norm 4 + lm_head 32; layer: 2 norms 8 + q,k,v,o 4x16 + gate, up, down 3x32
     assert param_counts(cfg) == (236, 236) and model_bytes(cfg) == 472
-    link = Cluster(train_gpus=2, engines=2, engine_tp=1, link_gbits=8.0, delta_ratio=0.5, encode_gbps=1.0,
-                   decode_gbps=2.0, gpu_mem_gb=1e-6)  # 1 GB/s links; 1000-byte GPUs  # fmt: skip
+    link = Cluster(
+        train_gpus=2,
+        engines=2,
+        engine_tp=1,
+        link_gbits=8.0,
+        delta_ratio=0.5,
+        encode_gbps=1.0,
+        decode_gbps=2.0,
+        gpu_mem_gb=1e-6,
+    )  # 1 GB/s links; 1000-byte GPUs
     r = estimate(cfg, link)
     gb = 1e9
     assert r["sync"]["broadcast"]["seconds"] == pytest.approx(472 / gb)
@@ -164,6 +204,7 @@ def test_arithmetic_by_hand() -> None:
     assert mem["train_min_gpus"] == math.ceil(236 * 18 / 1000) and mem["rollout_fits"]
 
 
+@pytest.mark.process
 def test_cli_json_end_to_end(cli_json: subprocess.Popen[str]) -> None:
     stdout, stderr = cli_json.communicate(timeout=120)
     assert cli_json.returncode == 0, stderr

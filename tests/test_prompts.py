@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import require
 from transformers import AutoTokenizer
 
-from conftest import require
 from miles_hpc.data.prompts import PromptDataError, PromptIterator, PromptRecord, load_prompts, render_prompt
 from miles_hpc.models.tokenizer import write_tokenizer
 

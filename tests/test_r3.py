@@ -23,16 +23,23 @@ def rollouts(ckpt: Path, noise: float, n: int = 6) -> list[tuple[list[int], np.n
     the checkpoint's plus `noise` x N(0, 1)."""
     engine = Engine.from_pretrained(str(ckpt), EngineConfig(block_size=4))
     g = torch.Generator().manual_seed(3)
-    moved = [(name, t + noise * torch.randn(t.shape, generator=g)) for name, t in iter_hf_tensors(engine.model)
-             if name.endswith("mlp.gate.weight")]  # fmt: skip
+    moved = [
+        (name, t + noise * torch.randn(t.shape, generator=g))
+        for name, t in iter_hf_tensors(engine.model)
+        if name.endswith("mlp.gate.weight")
+    ]
     engine.update_weights(moved, version="perturbed")
     prompts = [torch.randint(0, 256, (7 + i,), generator=g).tolist() for i in range(n)]
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True, sampling_seed=9)
-    reqs = [GenerateRequest(rid=str(i), input_ids=tuple(p), sampling=sp, return_routed_experts=True)
-            for i, p in enumerate(prompts)]  # fmt: skip
+    reqs = [
+        GenerateRequest(rid=str(i), input_ids=tuple(p), sampling=sp, return_routed_experts=True)
+        for i, p in enumerate(prompts)
+    ]
     res = run(engine, *reqs)
-    return [(p + res[str(i)].output_ids, res[str(i)].routed_experts, res[str(i)].output_logprobs, len(p))
-            for i, p in enumerate(prompts)]  # fmt: skip
+    return [
+        (p + res[str(i)].output_ids, res[str(i)].routed_experts, res[str(i)].output_logprobs, len(p))
+        for i, p in enumerate(prompts)
+    ]
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
@@ -47,8 +54,9 @@ def test_replay_uses_the_rollouts_experts_and_cuts_the_mismatch(arch: str, tmp_p
         record[0, : routed.shape[0]] = torch.from_numpy(routed.astype(np.int64))  # the last token has no record
         for mode in ("off", "on"):
             with torch.no_grad():
-                logits, used = trainer(ids, routing_replay=record, routing_compare=mode == "off",
-                                       return_routed_experts=True)  # fmt: skip
+                logits, used = trainer(
+                    ids, routing_replay=record, routing_compare=mode == "off", return_routed_experts=True
+                )
             stats[mode] += trainer.replay_stats()
             lp = torch.log_softmax(logits[0].float(), dim=-1)
             mine = [lp[p - 1 + j, t].item() for j, t in enumerate(tokens[p:])]

@@ -15,7 +15,6 @@ import random
 import pytest
 
 from miles_hpc.config import RewardConfig
-
 from miles_hpc.rollout.contract import ContractError, check_reward_fn, default_examples, example_input, load_examples
 from miles_hpc.rollout.plugins import load_object
 from miles_hpc.rollout.rewards import boxed_math, exact_match, numeric_match

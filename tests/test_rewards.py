@@ -51,8 +51,19 @@ def test_char_match() -> None:
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("The answer is 42.", 42), ("10-5", 5), ("x = -5", -5), ("1,234 apples", 1234), ("pairs 1,2", 2),
-     ("2e3", 2000), (".5", 0.5), ("-.25 then 3.75", 3.75), ("no digits", None), ("", None), ("a5", 5)],
+    [
+        ("The answer is 42.", 42),
+        ("10-5", 5),
+        ("x = -5", -5),
+        ("1,234 apples", 1234),
+        ("pairs 1,2", 2),
+        ("2e3", 2000),
+        (".5", 0.5),
+        ("-.25 then 3.75", 3.75),
+        ("no digits", None),
+        ("", None),
+        ("a5", 5),
+    ],
 )
 def test_parse_last_number(text: str, value: float | None) -> None:
     assert parse_last_number(text) == value
@@ -73,9 +84,16 @@ def test_numeric_match_and_tolerance() -> None:
 
 @pytest.mark.parametrize(
     ("text", "content"),
-    [(r"\boxed{5}", "5"), (r"a \boxed{1} b \boxed{2}", "2"), (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
-     (r"\boxed{{a}{b}}", "{a}{b}"), (r"\boxed{1} then \boxed{2", "1"), ("no box", None), (r"\fbox{7}", "7"),
-     (r"\boxed {x}", "x")],
+    [
+        (r"\boxed{5}", "5"),
+        (r"a \boxed{1} b \boxed{2}", "2"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"\boxed{{a}{b}}", "{a}{b}"),
+        (r"\boxed{1} then \boxed{2", "1"),
+        ("no box", None),
+        (r"\fbox{7}", "7"),
+        (r"\boxed {x}", "x"),
+    ],
 )
 def test_extract_boxed_balanced(text: str, content: str | None) -> None:
     assert extract_boxed(text) == content

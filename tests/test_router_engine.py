@@ -20,7 +20,10 @@ from miles_hpc.rollout.responses import GenerateOutput, metric_sum
 from miles_hpc.rollout.router import Router, RouterConfig
 from miles_hpc.rollout.sglang import wait_for_engines
 
-pytestmark = pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine server (miles-hpc serve) is not built")
+pytestmark = [
+    pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine server (miles-hpc serve) is not built"),
+    pytest.mark.process,
+]
 N_NEW = 160
 
 

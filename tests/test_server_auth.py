@@ -10,13 +10,17 @@ from pathlib import Path
 import pytest
 from server_fixtures import Server, call, make_model, running_server
 
+pytestmark = pytest.mark.process
+
 KEY, ADMIN = "plain-key-123", "admin-key-456"
 OPEN = [("GET", "/health", None), ("GET", "/ready", None), ("GET", "/health_generate", None), ("GET", "/metrics", None)]
 NORMAL = [
     ("POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}),
-    ("GET", "/get_model_info", None), ("GET", "/model_info", None),
-    ("GET", "/get_server_info", None), ("GET", "/server_info", None),
-]  # fmt: skip
+    ("GET", "/get_model_info", None),
+    ("GET", "/model_info", None),
+    ("GET", "/get_server_info", None),
+    ("GET", "/server_info", None),
+]
 ADMIN_ROUTES = [
     ("POST", "/pause_generation", {"mode": "in_place"}),
     ("POST", "/continue_generation", {}),
@@ -35,8 +39,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     for name, key in (("api.key", KEY), ("admin.key", ADMIN)):
         (root / name).write_text(key + "\n")
         (root / name).chmod(0o600)
-    with running_server(model, root, "--api-key-file", str(root / "api.key"),
-                        "--admin-api-key-file", str(root / "admin.key")) as s:  # fmt: skip
+    with running_server(
+        model, root, "--api-key-file", str(root / "api.key"), "--admin-api-key-file", str(root / "admin.key")
+    ) as s:
         yield s
 
 

@@ -12,6 +12,8 @@ import aiohttp
 import pytest
 from server_fixtures import Server, acall, ametrics, call, generate, make_model, running_server
 
+pytestmark = pytest.mark.process
+
 N = 600  # tokens per long request: long enough to catch it running, short enough to finish in ~1-2 s
 
 
@@ -23,8 +25,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def long_request(rid: str, first: int, n: int = N) -> dict[str, Any]:
-    return {"input_ids": [first, 2, 3, 4], "rid": rid,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}  # fmt: skip
+    return {
+        "input_ids": [first, 2, 3, 4],
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+    }
 
 
 async def start_running(s: aiohttp.ClientSession, url: str, bodies: list[dict[str, Any]]) -> list[asyncio.Task[Any]]:
@@ -105,8 +110,11 @@ def test_abort_request_by_rid_and_all(server: Server) -> None:
 
 def test_update_weight_version(server: Server) -> None:
     r = call("POST", server.url + "/update_weight_version", {"new_version": "v-7", "abort_all_requests": False})
-    assert r.status == 200 and r.body == {"success": True, "message": "Weight version updated to v-7",
-                                          "new_version": "v-7"}  # fmt: skip
+    assert r.status == 200 and r.body == {
+        "success": True,
+        "message": "Weight version updated to v-7",
+        "new_version": "v-7",
+    }
     meta = generate(server.url, [1, 2, 3], 3)["meta_info"]
     assert meta["weight_version"] == "v-7" and meta["weight_versions"] == [{"version": "v-7", "start": 0, "end": 3}]
     assert call("GET", server.url + "/get_model_info").body["weight_version"] == "v-7"

@@ -10,8 +10,20 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from server_fixtures import Server, acall, call, generate, greedy_reference, make_model, metrics, reference_logprobs
-from server_fixtures import ametrics, running_server
+from server_fixtures import (
+    Server,
+    acall,
+    ametrics,
+    call,
+    generate,
+    greedy_reference,
+    make_model,
+    metrics,
+    reference_logprobs,
+    running_server,
+)
+
+pytestmark = pytest.mark.process
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
 
@@ -23,8 +35,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running_server(model, tmp_path_factory.mktemp("srv"), "--max-context-len", "256",
-                        "--max-request-mb", "0.05") as s:  # fmt: skip
+    with running_server(
+        model, tmp_path_factory.mktemp("srv"), "--max-context-len", "256", "--max-request-mb", "0.05"
+    ) as s:
         yield s
 
 
@@ -38,8 +51,9 @@ def test_rendezvous_and_probes(server: Server, model: Path) -> None:
 
 
 def test_generate_single_matches_the_reference_model(server: Server, model: Path) -> None:
-    out = generate(server.url, PROMPT, 12, return_logprob=True, logprob_start_len=0, rid="single-1",
-                   sampling={"ignore_eos": True})  # fmt: skip
+    out = generate(
+        server.url, PROMPT, 12, return_logprob=True, logprob_start_len=0, rid="single-1", sampling={"ignore_eos": True}
+    )
     ids, meta = out["output_ids"], out["meta_info"]
     assert set(out) == {"text", "output_ids", "meta_info"} and isinstance(out["text"], str)
     assert meta["id"] == "single-1" and meta["finish_reason"] == {"type": "length"}
@@ -76,8 +90,13 @@ BIG = json.dumps({"input_ids": [1] * 30_000}).encode()  # > the 50 KB limit of t
         ("POST", "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": "8"}}, 400, "max_new_tokens"),
         ("POST", "/generate", {"input_ids": [1, 320]}, 400, "input_ids[1]"),
         ("POST", "/generate", {"input_ids": [1] * 256}, 400, "longer than the model's context length"),
-        ("POST", "/generate", {"input_ids": [1] * 200, "sampling_params": {"max_new_tokens": 100}}, 400,
-         "maximum context length"),
+        (
+            "POST",
+            "/generate",
+            {"input_ids": [1] * 200, "sampling_params": {"max_new_tokens": 100}},
+            400,
+            "maximum context length",
+        ),
         ("POST", "/generate", {"text": "Hello"}, 400, "text input is not supported"),
         ("POST", "/generate", {"input_ids": [1], "stream": True}, 400, "stream"),
         ("POST", "/generate", BIG, 413, "Maximum request body size"),
@@ -89,8 +108,9 @@ BIG = json.dumps({"input_ids": [1] * 30_000}).encode()  # > the 50 KB limit of t
         ("POST", "/no_such_endpoint", {}, 404, "Not Found"),
     ],
 )
-def test_bad_requests_get_4xx_and_the_server_stays_up(server: Server, method: str, path: str, body: object,
-                                                      status: int, needle: str) -> None:  # fmt: skip
+def test_bad_requests_get_4xx_and_the_server_stays_up(
+    server: Server, method: str, path: str, body: object, status: int, needle: str
+) -> None:
     kw = {"data": body} if isinstance(body, bytes) else {}
     r = call(method, server.url + path, None if isinstance(body, bytes) else body, **kw)
     assert r.status == status, r.text
@@ -116,8 +136,13 @@ def test_metrics_are_prometheus_text(server: Server) -> None:
     before = metrics(server.url)
     generate(server.url, [3, 4, 5], 5, sampling={"ignore_eos": True})
     after = metrics(server.url)
-    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput", "sglang:cache_hit_rate",
-                 "miles:weight_version_info"):  # fmt: skip
+    for name in (
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:gen_throughput",
+        "sglang:cache_hit_rate",
+        "miles:weight_version_info",
+    ):
         assert name in after
     assert after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"] >= 5
     assert after["sglang:gen_throughput"] > 0
@@ -151,8 +176,12 @@ def test_client_disconnect_aborts_its_request(server: Server) -> None:
                 left = (await ametrics(s, server.url))["sglang:num_queue_reqs"]
             finally:
                 await acall(s, "POST", server.url + "/continue_generation", {})
-            again = await acall(s, "POST", server.url + "/generate", {"input_ids": [1, 2], "rid": "gone",
-                                                                      "sampling_params": {"max_new_tokens": 1}})
+            again = await acall(
+                s,
+                "POST",
+                server.url + "/generate",
+                {"input_ids": [1, 2], "rid": "gone", "sampling_params": {"max_new_tokens": 1}},
+            )
             return queued, left, again.status
 
     queued, left, status = asyncio.run(scenario())

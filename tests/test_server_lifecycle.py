@@ -34,6 +34,7 @@ def port_is_free(port: int) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.process
 def test_signal_shuts_down_cleanly_with_requests_in_flight(model: Path, tmp_path: Path, sig: int) -> None:
     server = start_server(model, tmp_path)
     port = server.info["port"]
@@ -73,6 +74,7 @@ def test_startup_errors_exit_2(model: Path, tmp_path: Path, capsys: pytest.Captu
     assert "port" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_taken_port_fails_fast(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

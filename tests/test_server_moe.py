@@ -15,7 +15,9 @@ from safetensors.torch import save
 from server_fixtures import Server, call, generate, make_model, running_server
 
 from miles_hpc.models import load_pretrained
-from miles_hpc.sync.checksum import tensor_checksum
+from miles_hpc.sync.wire.checksum import tensor_checksum
+
+pytestmark = pytest.mark.process
 
 PROMPT = [10, 20, 30, 40, 50, 60, 70]
 
@@ -43,8 +45,9 @@ def test_routed_experts(server: Server, model: Path, start: int) -> None:
     info = call("GET", server.url + "/get_model_info").body
     layers, top_k = info["num_moe_layers"], info["top_k"]
     assert (layers, top_k) == (2, 2)
-    out = generate(server.url, PROMPT, 6, return_routed_experts=True, routed_experts_start_len=start,
-                   sampling={"ignore_eos": True})  # fmt: skip
+    out = generate(
+        server.url, PROMPT, 6, return_routed_experts=True, routed_experts_start_len=start, sampling={"ignore_eos": True}
+    )
     meta = out["meta_info"]
     total = meta["prompt_tokens"] + meta["completion_tokens"]
     rows = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)

@@ -24,25 +24,47 @@ def parse(body: object) -> protocol.ParsedGenerate:
 
 
 def test_single_prompt_defaults_follow_sglang() -> None:
-    p = protocol.parse_generate({"input_ids": [1, 2, 3]}, ModelLimits(vocab_size=320, max_context_len=4096),
-                                lambda: "auto")  # fmt: skip
+    p = protocol.parse_generate(
+        {"input_ids": [1, 2, 3]}, ModelLimits(vocab_size=320, max_context_len=4096), lambda: "auto"
+    )
     assert not p.batched and len(p.requests) == 1
     req = p.requests[0]
     assert req.input_ids == (1, 2, 3) and req.rid == "auto"
     sp = req.sampling
-    assert (sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.ignore_eos) == (128, 1.0, 1.0, -1, 0.0,
-                                                                                                False)
+    assert (sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.ignore_eos) == (
+        128,
+        1.0,
+        1.0,
+        -1,
+        0.0,
+        False,
+    )
     assert not req.return_logprob and req.logprob_start_len == -1 and not req.return_routed_experts
 
 
 def test_what_our_rollout_client_sends_is_accepted() -> None:
     # The client builds bodies from requests.py; whatever it can send, the engine must take.
     body = client_bodies.generate_body(
-        [5, 6, 7], {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
-                    "stop_token_ids": [258], "ignore_eos": False, "skip_special_tokens": True, "sampling_seed": 3,
-                    "no_stop_trim": False, "spaces_between_special_tokens": True},
-        rid="r1", return_logprob=True, logprob_start_len=0, return_routed_experts=True, routed_experts_start_len=1,
-    )  # fmt: skip
+        [5, 6, 7],
+        {
+            "max_new_tokens": 4,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+            "min_p": 0.05,
+            "stop_token_ids": [258],
+            "ignore_eos": False,
+            "skip_special_tokens": True,
+            "sampling_seed": 3,
+            "no_stop_trim": False,
+            "spaces_between_special_tokens": True,
+        },
+        rid="r1",
+        return_logprob=True,
+        logprob_start_len=0,
+        return_routed_experts=True,
+        routed_experts_start_len=1,
+    )
     req = parse(body).requests[0]
     assert req.rid == "r1" and req.sampling.stop_token_ids == (258,) and req.sampling.sampling_seed == 3
     assert req.return_logprob and req.logprob_start_len == 0 and req.routed_experts_start_len == 1
@@ -54,11 +76,13 @@ def test_what_our_rollout_client_sends_is_accepted() -> None:
     v = protocol.parse_control("update_weight_version", client_bodies.update_weight_version_body("7"))
     assert v == {"rid": None, "new_version": "7", "abort_all_requests": False}
     protocol.parse_control("weights_checker", client_bodies.weights_checker_body())
-    init = protocol.parse_control("init_weights_update_group",
-                                  client_bodies.init_weights_update_group_body("h", 1234, 1, 2, backend="gloo"))
+    init = protocol.parse_control(
+        "init_weights_update_group", client_bodies.init_weights_update_group_body("h", 1234, 1, 2, backend="gloo")
+    )
     assert init["backend"] == "gloo" and init["group_name"] == "weight_update_group"
-    upd = client_bodies.update_weights_from_distributed_body(["a", "b"], ["torch.bfloat16", "float32"], [[2, 3], []],
-                                                             weight_version="5", flush_cache=True)
+    upd = client_bodies.update_weights_from_distributed_body(
+        ["a", "b"], ["torch.bfloat16", "float32"], [[2, 3], []], weight_version="5", flush_cache=True
+    )
     assert protocol.parse_control("update_weights_from_distributed", upd)["dtypes"] == ["bfloat16", "float32"]
     disk = client_bodies.update_weights_from_disk_body("/m", weight_version="2")
     assert protocol.parse_control("update_weights_from_disk", disk)["weight_version"] == "2"
@@ -66,8 +90,14 @@ def test_what_our_rollout_client_sends_is_accepted() -> None:
 
 
 def test_batched_prompts_and_per_item_values() -> None:
-    p = parse({"input_ids": [[1, 2], [3, 4, 5]], "rid": ["a", "b"], "return_logprob": [True, False],
-               "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 3, "skip_special_tokens": False}]})
+    p = parse(
+        {
+            "input_ids": [[1, 2], [3, 4, 5]],
+            "rid": ["a", "b"],
+            "return_logprob": [True, False],
+            "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 3, "skip_special_tokens": False}],
+        }
+    )
     assert p.batched and [r.rid for r in p.requests] == ["a", "b"]
     assert [r.return_logprob for r in p.requests] == [True, False]
     assert [r.sampling.max_new_tokens for r in p.requests] == [2, 3] and p.skip_special_tokens == [True, False]
@@ -121,8 +151,16 @@ def test_bad_generate_requests_name_the_field(body: object, needle: str) -> None
 
 
 def test_null_means_default() -> None:
-    req = parse({"input_ids": [1], "rid": None, "sampling_params": {"temperature": None, "max_new_tokens": 5},
-                 "return_logprob": None, "text": None, "stream": None}).requests[0]  # fmt: skip
+    req = parse(
+        {
+            "input_ids": [1],
+            "rid": None,
+            "sampling_params": {"temperature": None, "max_new_tokens": 5},
+            "return_logprob": None,
+            "text": None,
+            "stream": None,
+        }
+    ).requests[0]
     assert req.sampling.temperature == 1.0 and not req.return_logprob and req.rid.startswith("auto-")
 
 
@@ -134,17 +172,29 @@ def test_null_means_default() -> None:
         ("update_weight_version", {}, "missing required field `new_version`"),
         ("update_weight_version", {"new_version": 3}, "field `new_version`"),
         ("weights_checker", {"action": "compare"}, "field `action`"),
-        ("init_weights_update_group", {"master_address": "h", "master_port": "1", "rank_offset": 1, "world_size": 2},
-         "field `master_port`"),
-        ("init_weights_update_group", {"master_address": "h", "master_port": 1, "rank_offset": 2, "world_size": 2},
-         "rank_offset"),
-        ("update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32", "float32"], "shapes": [[1]]},
-         "differ in length"),
+        (
+            "init_weights_update_group",
+            {"master_address": "h", "master_port": "1", "rank_offset": 1, "world_size": 2},
+            "field `master_port`",
+        ),
+        (
+            "init_weights_update_group",
+            {"master_address": "h", "master_port": 1, "rank_offset": 2, "world_size": 2},
+            "rank_offset",
+        ),
+        (
+            "update_weights_from_distributed",
+            {"names": ["a"], "dtypes": ["float32", "float32"], "shapes": [[1]]},
+            "differ in length",
+        ),
         ("update_weights_from_distributed", {"names": ["a"], "dtypes": ["complex32"], "shapes": [[1]]}, "dtypes[0]"),
         ("update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[-1]]}, "shapes[0][0]"),
         ("update_weights_from_disk", {"model_path": "/m", "load_format": "gguf"}, "load_format"),
-        ("update_weights_from_tensor", {"serialized_named_tensors": [b"x".hex()], "load_format": "direct"},
-         "load_format"),
+        (
+            "update_weights_from_tensor",
+            {"serialized_named_tensors": [b"x".hex()], "load_format": "direct"},
+            "load_format",
+        ),
         ("flush_cache", {"timeout_s": -1}, "timeout_s"),
         ("destroy_weights_update_group", ["weight_update_group"], "expected a JSON object"),
     ],
@@ -156,13 +206,28 @@ def test_bad_control_requests_name_the_field(endpoint: str, body: object, needle
 
 
 def test_generate_response_shape() -> None:
-    req = parse({"input_ids": [7, 8, 9], "return_logprob": True, "logprob_start_len": 1, "rid": "x",
-                 "return_routed_experts": True}).requests[0]  # fmt: skip
+    req = parse(
+        {
+            "input_ids": [7, 8, 9],
+            "return_logprob": True,
+            "logprob_start_len": 1,
+            "rid": "x",
+            "return_routed_experts": True,
+        }
+    ).requests[0]
     routed = np.arange(4 * 2 * 3, dtype=np.int32).reshape(4, 2, 3)
-    res = GenerateResult(rid="x", output_ids=[4, 5], finish_reason=FinishReason(type="stop", matched=5),
-                         prompt_tokens=3, cached_tokens=0, output_logprobs=[-0.5, -1.5], input_logprobs=[-2.0, -3.0],
-                         routed_experts=routed, weight_versions=[{"version": "3", "start": 0, "end": 2}],
-                         weight_version="3")  # fmt: skip
+    res = GenerateResult(
+        rid="x",
+        output_ids=[4, 5],
+        finish_reason=FinishReason(type="stop", matched=5),
+        prompt_tokens=3,
+        cached_tokens=0,
+        output_logprobs=[-0.5, -1.5],
+        input_logprobs=[-2.0, -3.0],
+        routed_experts=routed,
+        weight_versions=[{"version": "3", "start": 0, "end": 2}],
+        weight_version="3",
+    )
     out = protocol.generate_response(req, res, "hi")
     assert out["text"] == "hi" and out["output_ids"] == [4, 5]
     meta = out["meta_info"]
@@ -202,8 +267,9 @@ KEY, ADMIN = "k-plain", "k-admin"
         (ApiKeys(api_key="ключ"), AuthLevel.NORMAL, "Bearer ключ", None),
     ],
 )
-def test_auth_decisions_follow_sglang(keys: ApiKeys, level: AuthLevel, header: str | None,
-                                     expected: int | None) -> None:  # fmt: skip
+def test_auth_decisions_follow_sglang(
+    keys: ApiKeys, level: AuthLevel, header: str | None, expected: int | None
+) -> None:
     assert decide(level, header, keys) == expected
 
 

@@ -17,8 +17,10 @@ from safetensors.torch import save
 from server_fixtures import Server, acall, call, generate, greedy_reference, make_model, running_server
 
 from miles_hpc.models import iter_hf_tensors, load_pretrained
-from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.pg import CustomGroup, GroupSpec
+from miles_hpc.sync.wire.checksum import tensor_checksum
+from miles_hpc.sync.wire.pg import CustomGroup, GroupSpec
+
+pytestmark = pytest.mark.process
 
 PROMPTS = [[72, 101, 108, 108, 111], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200, 17]]
 
@@ -79,8 +81,11 @@ def test_weights_checker_shape_and_get(server: Server, models: dict[str, Path]) 
 def test_update_weights_from_disk(server: Server, models: dict[str, Path]) -> None:
     body = {"model_path": str(models["b"]), "weight_version": "disk-1"}
     r = call("POST", server.url + "/update_weights_from_disk", body)
-    assert r.status == 200 and r.body == {"success": True, "message": "Succeeded to update model weights.",
-                                          "num_paused_requests": 0}  # fmt: skip
+    assert r.status == 200 and r.body == {
+        "success": True,
+        "message": "Succeeded to update model weights.",
+        "num_paused_requests": 0,
+    }
     assert_serves(server.url, models["b"], "disk-1")
     assert call("GET", server.url + "/get_model_info").body["model_path"] == str(models["b"])
     bad = call("POST", server.url + "/update_weights_from_disk", {"model_path": "/no/such/checkpoint"})
@@ -91,8 +96,11 @@ def test_update_weights_from_disk(server: Server, models: dict[str, Path]) -> No
 def test_update_weights_from_tensor(server: Server, models: dict[str, Path]) -> None:
     named = hf_tensors(models["a"])
     blob = base64.b64encode(save(dict(named))).decode()
-    r = call("POST", server.url + "/update_weights_from_tensor",
-             {"serialized_named_tensors": [blob], "weight_version": "tensor-1", "flush_cache": True})  # fmt: skip
+    r = call(
+        "POST",
+        server.url + "/update_weights_from_tensor",
+        {"serialized_named_tensors": [blob], "weight_version": "tensor-1", "flush_cache": True},
+    )
     assert r.status == 200 and r.body == {"success": True, "message": "Succeeded to update model weights."}
     assert_serves(server.url, models["a"], "tensor-1")
     # one tensor only: exactly its checksum changes
@@ -122,28 +130,52 @@ def test_update_weights_from_distributed_over_gloo(server: Server, models: dict[
     before = [generate(url, p, 10, sampling={"ignore_eos": True})["output_ids"] for p in PROMPTS]
 
     def bucket_body(bucket: list[tuple[str, torch.Tensor]], version: str | None) -> dict[str, object]:
-        body: dict[str, object] = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype) for _, t in bucket],
-                                   "shapes": [list(t.shape) for _, t in bucket], "group_name": "wug",
-                                   "flush_cache": True}  # fmt: skip
+        body: dict[str, object] = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [str(t.dtype) for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": "wug",
+            "flush_cache": True,
+        }
         return body if version is None else {**body, "weight_version": version}
 
-    async def send(s: aiohttp.ClientSession, group: CustomGroup, bucket: list[tuple[str, torch.Tensor]],
-                   body: dict[str, object]) -> object:  # fmt: skip
+    async def send(
+        s: aiohttp.ClientSession, group: CustomGroup, bucket: list[tuple[str, torch.Tensor]], body: dict[str, object]
+    ) -> object:
         post = asyncio.create_task(acall(s, "POST", url + "/update_weights_from_distributed", body))
         await asyncio.to_thread(lambda: [group.broadcast(t, src=0) for _, t in bucket])
         return await post
 
     async def scenario() -> None:
         async with aiohttp.ClientSession() as s:
-            spec = GroupSpec(backend="gloo", master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
-                             group_name="wug", timeout_s=60)  # fmt: skip
+            spec = GroupSpec(
+                backend="gloo",
+                master_address="127.0.0.1",
+                master_port=port,
+                rank=0,
+                world_size=2,
+                group_name="wug",
+                timeout_s=60,
+            )
             join = asyncio.create_task(asyncio.to_thread(CustomGroup, spec))
-            r = await acall(s, "POST", url + "/init_weights_update_group",
-                            {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-                             "group_name": "wug", "backend": "gloo"})  # fmt: skip
+            r = await acall(
+                s,
+                "POST",
+                url + "/init_weights_update_group",
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "group_name": "wug",
+                    "backend": "gloo",
+                },
+            )
             group = await join
-            assert r.status == 200 and r.body == {"success": True,
-                                                  "message": "Succeeded to initialize custom process group."}
+            assert r.status == 200 and r.body == {
+                "success": True,
+                "message": "Succeeded to initialize custom process group.",
+            }
             try:
                 # a wrong shape fails the update, but the bucket is still received: the group stays aligned
                 name, t = named[0]
@@ -167,10 +199,16 @@ def test_update_weights_from_distributed_over_gloo(server: Server, models: dict[
 
 
 def test_distributed_errors_answer_and_keep_serving(server: Server) -> None:
-    r = call("POST", server.url + "/init_weights_update_group",
-             {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2})
+    r = call(
+        "POST",
+        server.url + "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2},
+    )
     assert r.status == 400 and r.body["success"] is False and "gloo" in r.body["message"]  # default nccl, CPU engine
-    r = call("POST", server.url + "/update_weights_from_distributed",
-             {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
+    r = call(
+        "POST",
+        server.url + "/update_weights_from_distributed",
+        {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"},
+    )
     assert r.status == 400 and r.body["success"] is False and "nope" in r.body["message"]
     assert call("GET", server.url + "/health_generate").status == 200

@@ -83,8 +83,11 @@ def test_het_job_components_on_two_nodes(slurm_cluster: SlurmCluster) -> None:
 
 
 def test_array_job(slurm_cluster: SlurmCluster) -> None:
-    job = slurm_cluster.sbatch("#!/bin/bash\necho task $SLURM_ARRAY_TASK_ID of $SLURM_ARRAY_JOB_ID\n",
-                               "--array=0-2", "--output=array-%A_%a.out")  # fmt: skip
+    job = slurm_cluster.sbatch(
+        "#!/bin/bash\necho task $SLURM_ARRAY_TASK_ID of $SLURM_ARRAY_JOB_ID\n",
+        "--array=0-2",
+        "--output=array-%A_%a.out",
+    )
     assert slurm_cluster.wait(job) == "COMPLETED"
     assert len(slurm_cluster.records(job)) == 3
     for task in range(3):

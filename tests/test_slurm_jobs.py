@@ -26,15 +26,33 @@ from miles_hpc.data import TrajectoryReader
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
-         "train.sft_warmup_steps=0"]  # fmt: skip
+SMALL = [
+    "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=2",
+    "rollout.max_new_tokens=4",
+    "train.sft_warmup_steps=0",
+]
 
 
 def submit(cluster: SlurmCluster, run_dir: Path, *overrides: str) -> str:
     """`sbatch slurm/tiny_cpu.sbatch key=value...` from the repository (as a user would), log in the test's dir."""
-    proc = subprocess.run(["sbatch", "--parsable", f"--output={cluster.workdir}/tiny-%j.out", "slurm/tiny_cpu.sbatch",
-                           f"run_dir={run_dir}", *SMALL, *overrides], cwd=REPO, env=cluster.env, capture_output=True,
-                          text=True, timeout=60, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--output={cluster.workdir}/tiny-%j.out",
+            "slurm/tiny_cpu.sbatch",
+            f"run_dir={run_dir}",
+            *SMALL,
+            *overrides,
+        ],
+        cwd=REPO,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 
@@ -63,8 +81,9 @@ def test_tiny_hetjob_runs_the_demo_and_tears_rollout_down(slurm_cluster: SlurmCl
     assert json.loads((run_dir / "rendezvous" / "shutdown").read_text())["why"] == "training ended"
 
 
-def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(slurm_cluster: SlurmCluster,
-                                                                       tmp_path: Path) -> None:  # fmt: skip
+def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
     steps = 30
     job = submit(slurm_cluster, run_dir, f"steps={steps}")
@@ -92,16 +111,40 @@ def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(slurm_clu
 
 def test_sweep_runs_one_array_task_per_grid_point(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     root = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "-m", "miles_hpc.cli", "sweep", "--grid", "train.lr=1e-3,3e-3",
-                           "configs/tiny_cpu.yaml", f"run_dir={root}", "steps=2", *SMALL, "train.world_size=1"],
-                          cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "miles_hpc.cli",
+            "sweep",
+            "--grid",
+            "train.lr=1e-3,3e-3",
+            "configs/tiny_cpu.yaml",
+            f"run_dir={root}",
+            "steps=2",
+            *SMALL,
+            "train.world_size=1",
+        ],
+        cwd=REPO,
+        env=slurm_cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.split("submitted array job ")[1].split()[0]
     state = slurm_cluster.wait(job, timeout=300)
     logs = "\n".join(p.read_text() for p in root.glob("slurm-*.out"))
     assert state == "COMPLETED", logs[-4000:]
-    report = subprocess.run([sys.executable, "-m", "miles_hpc.cli", "sweep-report", str(root), "--json"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60, check=True).stdout  # fmt: skip
+    report = subprocess.run(
+        [sys.executable, "-m", "miles_hpc.cli", "sweep-report", str(root), "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     rows = json.loads(report)
     assert [(r["train.lr"], r["status"], r["steps"]) for r in rows] == [("1e-3", "done", 2), ("3e-3", "done", 2)]
     for task in json.loads((root / "sweep.json").read_text())["tasks"]:  # each point ran with its own values
@@ -124,15 +167,19 @@ def test_bootstrap_under_srun_pmix_agrees_with_mpi(slurm_cluster: SlurmCluster, 
     require(shutil.which("mpirun") is not None, "Open MPI (its libmpi, loaded by mpi4py in the tasks)")
     prog = tmp_path / "place.py"
     prog.write_text(BOOTSTRAP_PROG)
-    script = (f"#!/bin/bash\n#SBATCH --nodes=2 --ntasks=2 --ntasks-per-node=1 --time=2\n"
-              f"#SBATCH --output={tmp_path}/place-%j.out\n"
-              f"srun --mpi=pmix {sys.executable} {prog}\n")  # fmt: skip
+    script = (
+        f"#!/bin/bash\n#SBATCH --nodes=2 --ntasks=2 --ntasks-per-node=1 --time=2\n"
+        f"#SBATCH --output={tmp_path}/place-%j.out\n"
+        f"srun --mpi=pmix {sys.executable} {prog}\n"
+    )
     job = slurm_cluster.sbatch(script)
     state = slurm_cluster.wait(job, timeout=120)
     out = (tmp_path / f"place-{job}.out").read_text()
     assert state == "COMPLETED", out[-3000:]
-    places = sorted((json.loads(line.split("PLACE ", 1)[1]) for line in out.splitlines() if "PLACE " in line),
-                    key=lambda p: p["slurm"]["rank"])  # fmt: skip
+    places = sorted(
+        (json.loads(line.split("PLACE ", 1)[1]) for line in out.splitlines() if "PLACE " in line),
+        key=lambda p: p["slurm"]["rank"],
+    )
     assert [p["slurm"]["rank"] for p in places] == [p["mpi"]["rank"] for p in places] == [0, 1], out
     assert {p["slurm"]["world_size"] for p in places} == {p["mpi"]["world_size"] for p in places} == {2}
     assert [p["slurm"]["node"] for p in places] == ["n1", "n2"]  # SLURMD_NODENAME: the fake nodes
@@ -140,21 +187,36 @@ def test_bootstrap_under_srun_pmix_agrees_with_mpi(slurm_cluster: SlurmCluster, 
     assert len({p["mpi"]["master_addr"] for p in places}) == 1  # MPI's view: host names (one real host here)
 
 
-def test_submitit_runs_a_single_job_and_an_array(slurm_cluster: SlurmCluster, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """submitit (single-component jobs and arrays): a whole run per allocation; result() is the run's summary
-    (submitit polls sacct: the local cluster's stand-in answers)."""
-    from miles_hpc.loop.submitit_jobs import submit_runs
+def _launcher(cluster: SlurmCluster, script: str, *args: str) -> list[str]:
+    """``python launchers/<script> ... --wait`` as a user types it; its stdout lines."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launchers" / script), *args, "--wait"],
+        cwd=REPO,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout.splitlines()
 
-    for key in ("SLURM_CONF", "PATH"):
-        monkeypatch.setenv(key, slurm_cluster.env[key])
-    cfg = load_config(REPO / "configs/tiny_cpu.yaml", ["train.world_size=1"])
-    runs = [[f"run_dir={tmp_path / f'run{i}'}", "steps=2", *SMALL, "train.world_size=1", f"seed={i}"] for i in range(2)]
-    (single,) = submit_runs(cfg, str(REPO / "configs/tiny_cpu.yaml"), runs[:1], tmp_path / "submitit")
-    summary = single.result()  # raises with the job's traceback if it failed
+
+def test_submitit_launchers_run_a_single_job_and_a_sweep(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """launchers/submitit_run.py and submitit_sweep.py (submitit's Python API, single-component jobs and arrays): a
+    whole run per allocation; --wait prints each run's summary (submitit polls sacct: the local cluster's stand-in
+    answers)."""
+    config = str(REPO / "configs/tiny_cpu.yaml")
+    small = ["steps=2", *SMALL, "train.world_size=1"]
+    out = _launcher(slurm_cluster, "submitit_run.py", config, f"run_dir={tmp_path / 'single'}", *small)
+    assert out[0].startswith("submitted job "), out
+    summary = json.loads(out[-1])
     assert summary["steps"] == 2 and Path(summary["metrics"]).exists()
-    runs = [[o.replace("/run", "/arr") for o in r] for r in runs]  # fresh run dirs for the array
-    array = submit_runs(cfg, str(REPO / "configs/tiny_cpu.yaml"), runs, tmp_path / "submitit-array")
-    assert len({j.job_id.split("_")[0] for j in array}) == 1  # one array job
-    assert [j.result()["steps"] for j in array] == [2, 2]
-    assert all((tmp_path / f"arr{i}" / "checkpoints" / "step_2").exists() for i in range(2))
+    out = _launcher(
+        slurm_cluster, "submitit_sweep.py", config, f"run_dir={tmp_path / 'sweep'}", *small, "--grid", "seed=0,1"
+    )
+    assert out[0].startswith("submitted 2 array tasks"), out
+    summaries = [json.loads(line) for line in out[1:]]
+    assert [s["steps"] for s in summaries] == [2, 2]
+    points = sorted(p for p in (tmp_path / "sweep").iterdir() if (p / "checkpoints" / "step_2").is_dir())
+    assert len(points) == 2, sorted((tmp_path / "sweep").iterdir())

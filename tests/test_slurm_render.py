@@ -17,11 +17,15 @@ from miles_hpc.config import load_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize(("path", "config", "overrides"), [
-    ("slurm/tiny_cpu.sbatch", "configs/tiny_cpu.yaml", []),
-    ("tests/golden/tiny_cpu_split.sbatch", "configs/tiny_cpu.yaml", ["slurm.mode=split"]),
-    ("slurm/glm52_64gpu.sbatch", "configs/experiments/glm52_64gpu.yaml", []),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "config", "overrides"),
+    [
+        ("slurm/tiny_cpu.sbatch", "configs/tiny_cpu.yaml", []),
+        ("tests/golden/tiny_cpu_split.sbatch", "configs/tiny_cpu.yaml", ["slurm.mode=split"]),
+        ("slurm/glm52_64gpu.sbatch", "configs/experiments/glm52_64gpu.yaml", []),
+    ],
+)
+@pytest.mark.process
 def test_checked_in_scripts_are_current(path: str, config: str, overrides: list[str]) -> None:
     cfg = load_config(REPO / config, overrides)
     want = render_sbatch(cfg, config, overrides)
@@ -34,9 +38,20 @@ def sbatch_lines(script: str) -> list[str]:
 
 
 def test_hetjob_components_and_preemption() -> None:
-    cfg = load_config(REPO / "configs/tiny_cpu.yaml", ["train.world_size=8", "rollout.num_engines=4",
-                      "slurm.train_nodes=2", "slurm.rollout_nodes=4", "slurm.gpus_per_node=4", "slurm.partition=gpu",
-                      "slurm.account=proj123", "slurm.signal_s=300", "slurm.site=slurm/sites/frontier.sh"])  # fmt: skip
+    cfg = load_config(
+        REPO / "configs/tiny_cpu.yaml",
+        [
+            "train.world_size=8",
+            "rollout.num_engines=4",
+            "slurm.train_nodes=2",
+            "slurm.rollout_nodes=4",
+            "slurm.gpus_per_node=4",
+            "slurm.partition=gpu",
+            "slurm.account=proj123",
+            "slurm.signal_s=300",
+            "slurm.site=slurm/sites/frontier.sh",
+        ],
+    )
     script = render_sbatch(cfg, "configs/x.yaml")
     lines = sbatch_lines(script)
     het = lines.index("#SBATCH hetjob")
@@ -46,29 +61,49 @@ def test_hetjob_components_and_preemption() -> None:
     assert "#SBATCH --signal=B:USR2@300  # USR1 may be taken by NCCL" in lines and "#SBATCH --requeue" in lines
     assert "#SBATCH --account=proj123  # EDIT" in lines and "#SBATCH --partition=gpu  # EDIT" in lines
     assert "source slurm/sites/frontier.sh" in script and "export HF_HUB_OFFLINE=1" in script
-    assert "--het-group=1 miles-hpc worker --role rollout" in script and "--het-group=0 miles-hpc worker --role train" in script
+    assert (
+        "--het-group=1 miles-hpc worker --role rollout" in script
+        and "--het-group=0 miles-hpc worker --role train" in script
+    )
     # Training's end, whatever it was, stops the rollout step; a USR2 requeues after the checkpoint.
-    assert script.index('worker --role shutdown') > script.index('wait_for "$TRAIN"')
+    assert script.index("worker --role shutdown") > script.index('wait_for "$TRAIN"')
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
     cfg = load_config(REPO / "configs/tiny_cpu.yaml", ["slurm.signal_s=0", "slurm.requeue=false"])
     lines = sbatch_lines(render_sbatch(cfg, "c.yaml"))
     assert not any("--signal" in x or "--requeue" in x for x in lines)
 
 
+@pytest.mark.process
 def test_submit_dry_run_prints_the_script() -> None:
-    out = subprocess.run([sys.executable, "-m", "miles_hpc.cli", "submit", "--dry-run", "configs/tiny_cpu.yaml"],
-                         capture_output=True, text=True, cwd=REPO, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "miles_hpc.cli", "submit", "--dry-run", "configs/tiny_cpu.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    ).stdout
     assert out == (REPO / "slurm/tiny_cpu.sbatch").read_text()
 
 
+@pytest.mark.process
 def test_flagship_script_shape() -> None:
     """slurm/glm52_64gpu.sbatch: 64 GPUs, 32 training ranks on 4 nodes and 4 TP-8 engines on 4 nodes, the site file,
     walltime signal and requeue."""
     script = (REPO / "slurm/glm52_64gpu.sbatch").read_text()
     lines = sbatch_lines(script)
     het = lines.index("#SBATCH hetjob")
-    assert {"#SBATCH --nodes=4", "#SBATCH --ntasks=32", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8"} <= set(lines[:het])
-    assert {"#SBATCH --nodes=4", "#SBATCH --ntasks=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8"} <= set(lines[het:])
+    assert {
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks=32",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+    } <= set(lines[:het])
+    assert {
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+    } <= set(lines[het:])
     assert "source slurm/sites/nvidia_ib.sh" in script and "#SBATCH --requeue" in lines
     for site in ("slurm/sites/frontier.sh", "slurm/sites/nvidia_ib.sh"):
         subprocess.run(["bash", "-n", str(REPO / site)], check=True)

@@ -15,7 +15,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_expand_grid_is_the_product_first_key_slowest() -> None:
-    assert expand_grid(["a=1,2", "b=x,y,z"]) == [{"a": "1", "b": b} for b in "xyz"] + [{"a": "2", "b": b} for b in "xyz"]
+    assert expand_grid(["a=1,2", "b=x,y,z"]) == [{"a": "1", "b": b} for b in "xyz"] + [
+        {"a": "2", "b": b} for b in "xyz"
+    ]
     assert expand_grid(["train.lr=3e-4"]) == [{"train.lr": "3e-4"}]
     for bad, msg in [(["a"], "key=v1"), (["a="], "key=v1"), (["a=1", "a=2"], "twice")]:
         with pytest.raises(ValueError, match=msg):
@@ -37,14 +39,20 @@ def test_plan_script_and_report(tmp_path: Path) -> None:
         run = Path(tasks[i]["run_dir"])
         run.mkdir()
         (run / "config.yaml").write_text("name: x\nsteps: 4\n")
-        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": s / 10}) + "\n" for s in range(n)))
+        (run / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "reward_mean": s / 10}) + "\n" for s in range(n))
+        )
     rows = report(tmp_path, last=2)
-    assert [(r["seed"], r["status"], r["steps"]) for r in rows] == [("0", "done", 4), ("1", "running", 2), ("2", "missing", 0)]
+    assert [(r["seed"], r["status"], r["steps"]) for r in rows] == [
+        ("0", "done", 4),
+        ("1", "running", 2),
+        ("2", "missing", 0),
+    ]
     assert rows[0]["reward_last"] == pytest.approx(0.25)
 
 
 def test_walltime_to_minutes() -> None:
-    from miles_hpc.loop.submitit_jobs import _minutes
+    from miles_hpc.launch.submitit_jobs import _minutes
 
     times = ("30", "00:30:00", "04:00:00", "1-00:00:00", "00:00:30", "2:05", "1-12", "2-01:30")
     assert [_minutes(t) for t in times] == [30, 30, 240, 1440, 1, 3, 2160, 2970]

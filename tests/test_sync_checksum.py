@@ -1,4 +1,4 @@
-"""`sync.checksum.tensor_checksum`: what it covers, that it is pinned (trainer and engine of different versions of
+"""`sync.wire.checksum.tensor_checksum`: what it covers, that it is pinned (trainer and engine of different versions of
 this code must agree), and that a GPU computes the same value as the CPU."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_hpc.sync import checksum
-from miles_hpc.sync.checksum import CHUNK, tensor_checksum, tensor_checksums
+from miles_hpc.sync.wire import checksum
+from miles_hpc.sync.wire.checksum import CHUNK, tensor_checksum, tensor_checksums
 
 
 def test_covers_dtype_shape_and_bits() -> None:
@@ -115,11 +115,13 @@ class Declines(DefinitionKernels):  # the kernels' own refusal (no common base p
         return None
 
 
-@pytest.mark.parametrize("kernels, ok", [(DefinitionKernels(), True), (OffByOne(), False), (CopiesWrong(), False),
-                                         (Raises(), False), (Declines(), True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "kernels, ok",
+    [(DefinitionKernels(), True), (OffByOne(), False), (CopiesWrong(), False), (Raises(), False), (Declines(), True)],
+)
 def test_self_check_refuses_kernels_that_compute_other_bits(monkeypatch, caplog, kernels, ok: bool) -> None:
     monkeypatch.setattr(checksum, "CHUNK", 64)  # more than two chunks at test speed
-    with caplog.at_level("WARNING", logger="miles_hpc.sync.checksum"):
+    with caplog.at_level("WARNING", logger="miles_hpc.sync.wire.checksum"):
         assert checksum.self_check(kernels, torch.device("cpu")) is ok
     assert ("disagree with the definition on cpu" in caplog.text) is not ok
 
@@ -139,13 +141,22 @@ def test_kernels_are_checked_once_per_device(monkeypatch) -> None:
 @pytest.mark.gpu
 def test_gpu_computes_the_cpu_value() -> None:
     g = torch.Generator().manual_seed(1)
-    for t in [torch.randn(3, CHUNK // 3 + 11, generator=g).to(torch.bfloat16), torch.randn(1000, generator=g),
-              torch.randn(3 * CHUNK + 5, generator=g).to(torch.bfloat16), torch.randn(CHUNK, generator=g),
-              torch.randint(0, 255, (77,), dtype=torch.uint8, generator=g), torch.randn(5, dtype=torch.float64),
-              torch.zeros(0, 4), torch.randn(64, 64, generator=g).half()]:  # fmt: skip
+    for t in [
+        torch.randn(3, CHUNK // 3 + 11, generator=g).to(torch.bfloat16),
+        torch.randn(1000, generator=g),
+        torch.randn(3 * CHUNK + 5, generator=g).to(torch.bfloat16),
+        torch.randn(CHUNK, generator=g),
+        torch.randint(0, 255, (77,), dtype=torch.uint8, generator=g),
+        torch.randn(5, dtype=torch.float64),
+        torch.zeros(0, 4),
+        torch.randn(64, 64, generator=g).half(),
+    ]:
         assert tensor_checksum(t.cuda()) == tensor_checksum(t), t.dtype
         if t.dim() == 2:  # a strided view hashes as its contiguous copy on both devices
             assert tensor_checksum(t.cuda().t()) == tensor_checksum(t.t())
-    mixed = [("gpu", torch.randn(1000, generator=g).cuda()), ("cpu", torch.randn(7, generator=g)),
-             ("gpu2", torch.randn(2 * CHUNK + 1, generator=g).bfloat16().cuda())]  # fmt: skip
+    mixed = [
+        ("gpu", torch.randn(1000, generator=g).cuda()),
+        ("cpu", torch.randn(7, generator=g)),
+        ("gpu2", torch.randn(2 * CHUNK + 1, generator=g).bfloat16().cuda()),
+    ]
     assert tensor_checksums(mixed) == {n: tensor_checksum(t.cpu()) for n, t in mixed}

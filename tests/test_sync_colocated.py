@@ -1,4 +1,4 @@
-"""The "colocated" weight sync (sync/colocated.py -> handles over HTTP -> sync/tensor_handles.py): two versions
+"""The "colocated" weight sync (sync/strategies/colocated.py -> handles over HTTP -> sync/wire/tensor_handles.py): two versions
 published to two real `miles-hpc serve` processes on this host through shared memory and verified, no segment left
 in /dev/shm, hostile pickles refused with 400 naming the global or opcode (and nothing run), a remote engine refused
 by URL; in-process, the restricted unpickler reads back exactly what the trainer side writes. The CUDA IPC path runs
@@ -27,17 +27,17 @@ from sync_support import ADMIN, bf16_fleet, engine_sums, gpu_engine, router_of
 from test_client_engine import HAVE_SERVER, EngineProcess, tiny_model
 from torch.multiprocessing import reductions
 
-from miles_hpc.sync import tensor_handles
-from miles_hpc.sync.tensor_handles import TensorHandleError, load_named_tensors
 from miles_hpc.models import iter_hf_tensors, load_pretrained
 from miles_hpc.rollout import requests as rq
 from miles_hpc.rollout.client import EngineClient, EngineHTTPError
 from miles_hpc.rollout.router import Router, RouterConfig
-from miles_hpc.sync import colocated
-from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.colocated import ColocatedSpec, ColocatedSync, ShmSlice, is_local_url, serialize_named
 from miles_hpc.sync.protocol import WeightSyncError
 from miles_hpc.sync.publish import Publisher
+from miles_hpc.sync.strategies import colocated
+from miles_hpc.sync.strategies.colocated import ColocatedSpec, ColocatedSync, ShmSlice, is_local_url, serialize_named
+from miles_hpc.sync.wire import tensor_handles
+from miles_hpc.sync.wire.checksum import tensor_checksum
+from miles_hpc.sync.wire.tensor_handles import TensorHandleError, load_named_tensors
 
 needs_server = pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine server (miles-hpc serve) is not built")
 REPO = Path(__file__).resolve().parents[1]
@@ -70,9 +70,26 @@ class FakeCudaTensor:
         self.device = device
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (reductions.rebuild_cuda_tensor,
-                (torch.Tensor, torch.Size([4, 8]), (8, 1), 0, torch.storage.TypedStorage, torch.bfloat16, self.device,
-                 b"\x01" * 64, 1 << 21, 4096, False, b"/torch_ipc_refcounter", 3, b"\x02" * 64, True))  # fmt: skip
+        return (
+            reductions.rebuild_cuda_tensor,
+            (
+                torch.Tensor,
+                torch.Size([4, 8]),
+                (8, 1),
+                0,
+                torch.storage.TypedStorage,
+                torch.bfloat16,
+                self.device,
+                b"\x01" * 64,
+                1 << 21,
+                4096,
+                False,
+                b"/torch_ipc_refcounter",
+                3,
+                b"\x02" * 64,
+                True,
+            ),
+        )
 
 
 def cuda_format_payload() -> str:
@@ -88,6 +105,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EnginePro
 
 
 @needs_server
+@pytest.mark.process
 def test_publish_two_versions_to_two_engines_without_leaking_segments(
     engines: list[EngineProcess], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -127,6 +145,7 @@ def test_publish_two_versions_to_two_engines_without_leaking_segments(
 
 
 @needs_server
+@pytest.mark.process
 def test_hostile_payloads_are_refused_and_nothing_runs(engines: list[EngineProcess], tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
 
@@ -141,12 +160,16 @@ def test_hostile_payloads_are_refused_and_nothing_runs(engines: list[EngineProce
         (b64(pickle.dumps([("model.norm.weight", RunsCode())])), f"refused global {os.system.__module__}.system"),
         (b64(pickle.dumps(eval)), "refused global builtins.eval"),
         (b64(pickle.dumps(argparse.Namespace(a=1), protocol=4)), "refused pickle opcode NEWOBJ"),
-        (serialize_named([("model.norm.weight", ShmSlice("../../etc/passwd", 0, "float32", (4,)))], no_gpu),
-         "is not one of ours"),
-        (serialize_named([("model.norm.weight", ShmSlice("miles_hpc_gone_0", 0, "float32", (4,)))], no_gpu),
-         "cannot open shared-memory segment /dev/shm/miles_hpc_gone_0"),
+        (
+            serialize_named([("model.norm.weight", ShmSlice("../../etc/passwd", 0, "float32", (4,)))], no_gpu),
+            "is not one of ours",
+        ),
+        (
+            serialize_named([("model.norm.weight", ShmSlice("miles_hpc_gone_0", 0, "float32", (4,)))], no_gpu),
+            "cannot open shared-memory segment /dev/shm/miles_hpc_gone_0",
+        ),
         (cuda_format_payload(), "CUDA IPC handles, but this engine runs on cpu"),
-    ]  # fmt: skip
+    ]
 
     async def main() -> None:
         client = EngineClient(f"http://127.0.0.1:{engines[0].port}", admin_api_key=ADMIN, connect_retries=0)
@@ -195,8 +218,13 @@ def test_remote_engine_is_refused_by_url() -> None:
 
 # ---------------------------------------------------------------- the format, in-process
 def test_unpickler_reads_back_exactly_what_the_trainer_writes() -> None:
-    pending = [("a", torch.randn(3, 5)), ("b", torch.arange(10)), ("empty", torch.zeros(0, 4)),
-               ("strided", torch.randn(6, 4).t()), ("half", torch.randn(7).to(torch.bfloat16))]  # fmt: skip
+    pending = [
+        ("a", torch.randn(3, 5)),
+        ("b", torch.arange(10)),
+        ("empty", torch.zeros(0, 4)),
+        ("strided", torch.randn(6, 4).t()),
+        ("half", torch.randn(7).to(torch.bfloat16)),
+    ]
     for dtype in (None, torch.bfloat16):
         bucket = colocated.stage_bucket(pending, dtype)
         try:
@@ -312,9 +340,15 @@ def test_cuda_format_body_passes_sglang_request_type_and_unpickler() -> None:
     venv = Path(os.environ.get("SGLANG_VENV", REPO / ".venv-sglang"))
     python = venv / "bin" / "python"
     require(python.exists(), f"SGLang venv at {venv} (make it with scripts/test_sglang.sh --install-only)")
-    proc = subprocess.run([str(python), "-c", SGLANG_CHECK, str(REPO)], check=False, input=json.dumps(cuda_format_payload()),
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    proc = subprocess.run(
+        [str(python), "-c", SGLANG_CHECK, str(REPO)],
+        check=False,
+        input=json.dumps(cuda_format_payload()),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "torch.multiprocessing.reductions.rebuild_cuda_tensor" in seen, seen
@@ -328,8 +362,9 @@ def test_cuda_ipc_publish_to_an_engine_on_this_gpu(tmp_path: Path) -> None:
         async def main() -> None:
             w = [(n, t.to("cuda")) for n, t in weights(7)]
             # Buckets (the path real SGLang gets; our engines take direct writes, test_sync_direct.py).
-            sync = ColocatedSync(ColocatedSpec(bucket_bytes=1 << 18, rollout_dtype=torch.bfloat16, timeout_s=60,
-                                               direct=False))  # fmt: skip
+            sync = ColocatedSync(
+                ColocatedSpec(bucket_bytes=1 << 18, rollout_dtype=torch.bfloat16, timeout_s=60, direct=False)
+            )
             async with Router.from_urls([rec.url], RouterConfig(health_interval_s=60), connect_retries=0) as router:
                 report = await Publisher(sync, router, pause_mode="in_place").publish(lambda: iter(w), "7")
                 assert report.engines == 1 and report.tensors == len(w) and our_segments() == []

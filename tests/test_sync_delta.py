@@ -1,4 +1,4 @@
-"""The "delta" weight sync end to end (sync/delta.py -> files -> engine/delta_receiver.py), over real
+"""The "delta" weight sync end to end (sync/strategies/delta.py -> files -> engine/delta_receiver.py), over real
 `miles-hpc serve` processes (bfloat16, the tiny Qwen3-MoE: per-expert HF names) driven by the Publisher: a full first
 version, small deltas after it, a restarted engine brought back with full tensors, a corrupt payload and a wrong
 base refused by name, pruning; plus the version directory writer/reader and the engine side in-process.
@@ -24,12 +24,12 @@ from miles_hpc.engine.core import Engine, RequestError
 from miles_hpc.engine.delta_receiver import apply_version
 from miles_hpc.models import load_pretrained
 from miles_hpc.rollout.client import EngineClient, EngineHTTPError
-from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.delta import DeltaSpec, DeltaSync, Staged
-from miles_hpc.sync.delta_codec import encode, encode_full
-from miles_hpc.sync.delta_manifest import ManifestError, VersionWriter, read_manifest, read_payload
+from miles_hpc.sync.codec.delta_codec import encode, encode_full
+from miles_hpc.sync.codec.delta_manifest import ManifestError, VersionWriter, read_manifest, read_payload
 from miles_hpc.sync.protocol import WeightSyncError
 from miles_hpc.sync.publish import Publisher
+from miles_hpc.sync.strategies.delta import DeltaSpec, DeltaSync, Staged
+from miles_hpc.sync.wire.checksum import tensor_checksum
 
 needs_server = pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine server (miles-hpc serve) is not built")
 Named = list[tuple[str, torch.Tensor]]
@@ -67,6 +67,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EnginePro
 
 
 @needs_server
+@pytest.mark.process
 def test_full_then_deltas_then_a_restarted_engine_gets_full(engines: list[EngineProcess], tmp_path: Path) -> None:
     spec = DeltaSpec(run_dir=tmp_path, rollout_dtype=torch.bfloat16, keep_versions=2, timeout_s=60)
     weights_dir = tmp_path / "weights"
@@ -128,6 +129,7 @@ class _Corrupting(DeltaSync):
 
 
 @needs_server
+@pytest.mark.process
 def test_corrupt_payload_and_wrong_base_are_refused_by_name(engines: list[EngineProcess], tmp_path: Path) -> None:
     spec = DeltaSpec(run_dir=tmp_path, rollout_dtype=torch.bfloat16, timeout_s=60)
 
@@ -156,8 +158,11 @@ def test_corrupt_payload_and_wrong_base_are_refused_by_name(engines: list[Engine
             assert read_manifest(v12).base_version == "11"
 
             c = router.clients[0]
-            with pytest.raises(EngineHTTPError, match=r"engine holds weight version '12', the delta in .* is against "
-                                                      r"'11'"):  # fmt: skip
+            with pytest.raises(
+                EngineHTTPError,
+                match=r"engine holds weight version '12', the delta in .* is against "
+                r"'11'",
+            ):
                 await c.update_weights_from_delta(v12, base_version="11")
             with pytest.raises(EngineHTTPError, match=r"base_version '5' in the request, '11' in"):
                 await c.update_weights_from_delta(v12, base_version="5")
@@ -240,8 +245,11 @@ def test_reader_errors_name_the_file_and_tensor(tmp_path: Path) -> None:
     d = tmp_path / "v1"
     manifest = d / "manifest.json"
     raw = json.loads(manifest.read_text())
-    for patch, match in (({"file": "../etc/passwd"}, "not a plain file name"), ({"kind": "delta"}, "'full' only"),
-                         ({"offset": -1}, "non-negative integers")):  # fmt: skip
+    for patch, match in (
+        ({"file": "../etc/passwd"}, "not a plain file name"),
+        ({"kind": "delta"}, "'full' only"),
+        ({"offset": -1}, "non-negative integers"),
+    ):
         manifest.write_text(json.dumps({**raw, "tensors": [{**raw["tensors"][0], **patch}]}))
         with pytest.raises(ManifestError, match=rf"{manifest}: tensor 'model.norm.weight' .*{match}"):
             read_manifest(d)
@@ -274,6 +282,7 @@ async def _stage(sync: DeltaSync, named: Named, version: str, *, full: bool = Fa
     return await sync.stage(iter(named), version, full=full)
 
 
+@pytest.mark.process
 def test_engine_refuses_a_delta_in_another_dtype_and_a_wrong_base(tmp_path: Path) -> None:
     sync = DeltaSync(DeltaSpec(run_dir=tmp_path, rollout_dtype=torch.bfloat16))
     w1 = base_weights()
@@ -298,6 +307,7 @@ def test_engine_refuses_a_delta_in_another_dtype_and_a_wrong_base(tmp_path: Path
 
 
 @pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.process
 def test_engine_whose_weights_are_not_the_base_ends_half_updated(
     grouped: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -312,8 +322,9 @@ def test_engine_whose_weights_are_not_the_base_ends_half_updated(
     assert s2.manifest is not None
     bad = [e.name for e in s2.manifest.tensors if e.kind == "delta"][-1]
     engine = engine_of("bfloat16")
-    engine.update_weights([(n, t) for n, t in step(w1, seed=99) if n == bad] + [(n, t) for n, t in w1 if n != bad],
-                          version="1")  # fmt: skip
+    engine.update_weights(
+        [(n, t) for n, t in step(w1, seed=99) if n == bad] + [(n, t) for n, t in w1 if n != bad], version="1"
+    )
     engine.pause("in_place")
     with pytest.raises(RequestError, match=rf"tensor '{bad}' in .*payload-00000.bin: checksum mismatch"):
         apply_version(engine, s2.directory, base_version="1", weight_version=None, flush_cache=True)

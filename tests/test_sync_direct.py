@@ -1,4 +1,4 @@
-"""Direct writes of the colocated strategy (sync/colocated_direct.py, engine/direct_weights.py).
+"""Direct writes of the colocated strategy (sync/strategies/colocated_direct.py, engine/direct_weights.py).
 
 CPU: the engine's handle entries rebuild exactly the views weight updates write into (dense with a tied head, MoE
 with per-expert names into fused tensors); an engine on the CPU refuses the routes with the message the trainer
@@ -26,11 +26,11 @@ from miles_hpc.models import hf_target, iter_hf_tensors, load_pretrained
 from miles_hpc.models.presets import init_model
 from miles_hpc.rollout.client import EngineClient, EngineHTTPError
 from miles_hpc.rollout.router import Router, RouterConfig
-from miles_hpc.sync.checksum import digests, head, lanes_of, tensor_checksum, tensor_checksums
-from miles_hpc.sync.colocated_direct import write_and_hash
-from miles_hpc.sync.colocated import ColocatedSpec, ColocatedSync
 from miles_hpc.sync.protocol import EngineSyncError
 from miles_hpc.sync.publish import Publisher
+from miles_hpc.sync.strategies.colocated import ColocatedSpec, ColocatedSync
+from miles_hpc.sync.strategies.colocated_direct import write_and_hash
+from miles_hpc.sync.wire.checksum import digests, head, lanes_of, tensor_checksum, tensor_checksums
 
 needs_server = pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine server (miles-hpc serve) is not built")
 
@@ -53,8 +53,10 @@ def test_entries_rebuild_the_views_updates_write_into(tmp_path: Path, arch: str)
 
 def test_write_and_hash_writes_every_destination_and_hashes_what_it_wrote() -> None:
     g = torch.Generator().manual_seed(0)
-    srcs = [torch.randn(n, generator=g).to(dt) for n, dt in ((300, torch.bfloat16), (7, torch.float32),
-                                                               (0, torch.bfloat16), (1000, torch.float16))]  # fmt: skip
+    srcs = [
+        torch.randn(n, generator=g).to(dt)
+        for n, dt in ((300, torch.bfloat16), (7, torch.float32), (0, torch.bfloat16), (1000, torch.float16))
+    ]
     dsts = [[torch.zeros_like(s), torch.ones_like(s)] for s in srcs]  # two engines each
     lanes = write_and_hash(zip(srcs, dsts), batch_bytes=600)  # several batches, one tensor larger than a batch
     assert all(torch.equal(d, s) for s, ds in zip(srcs, dsts) for d in ds)
@@ -77,6 +79,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EnginePro
 
 
 @needs_server
+@pytest.mark.process
 def test_cpu_engine_server_refuses_the_routes(engines: list[EngineProcess]) -> None:
     async def main() -> None:
         async with router_of(engines) as router:

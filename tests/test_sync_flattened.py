@@ -1,5 +1,5 @@
 """SGLang's ``flattened_bucket`` load format in the colocated sync: the trainer sends one tensor per bucket plus
-metadata (sync/colocated.py), the engine opens it with a restricted unpickler (sync/tensor_handles.py). On CPU the
+metadata (sync/strategies/colocated.py), the engine opens it with a restricted unpickler (sync/wire/tensor_handles.py). On CPU the
 flat tensor is one of our shared-memory slices; on a GPU a CUDA IPC handle (gpu tier)."""
 
 from __future__ import annotations
@@ -17,26 +17,27 @@ from typing import Any
 import pytest
 import torch
 from conftest import require
-from torch.multiprocessing import reductions
-from test_client_engine import HAVE_SERVER
 from sync_support import bf16_fleet, engine_sums, gpu_engine, perturbed_weights, router_of
+from test_client_engine import HAVE_SERVER
 from test_sync_colocated import no_gpu, weights
+from torch.multiprocessing import reductions
 
-from miles_hpc.sync.tensor_handles import FLAT_FIELDS, TensorHandleError, load_flattened_bucket
 from miles_hpc.rollout import requests as rq
 from miles_hpc.rollout.router import Router, RouterConfig
-from miles_hpc.sync import colocated
-from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.colocated import ColocatedSpec, ColocatedSync, ShmSlice, serialize_object
 from miles_hpc.sync.publish import Publisher
+from miles_hpc.sync.strategies import colocated
+from miles_hpc.sync.strategies.colocated import ColocatedSpec, ColocatedSync, ShmSlice, serialize_object
+from miles_hpc.sync.wire.checksum import tensor_checksum
+from miles_hpc.sync.wire.tensor_handles import FLAT_FIELDS, TensorHandleError, load_flattened_bucket
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def meta(name: str, shape: tuple[int, ...], start: int, dtype: Any = torch.float32) -> types.SimpleNamespace:
     n = int(torch.Size(shape).numel())
-    return types.SimpleNamespace(name=name, shape=torch.Size(shape), dtype=dtype, start_idx=start, end_idx=start + n,
-                                 numel=n)  # fmt: skip
+    return types.SimpleNamespace(
+        name=name, shape=torch.Size(shape), dtype=dtype, start_idx=start, end_idx=start + n, numel=n
+    )
 
 
 def flat_payload(tensors: list[tuple[str, torch.Tensor]]) -> tuple[bytes, colocated._Bucket]:
@@ -101,10 +102,14 @@ def test_refuses_what_the_format_does_not_need() -> None:
         wrong_numel.numel = 3
         no_dtype = meta("a", (4,), 0)
         del no_dtype.dtype
-        for bad, match in [(meta("a", (5,), 0), "does not hold shape"), (meta("a", (2, 2), 1), "does not hold shape"),
-                           (wrong_numel, "does not hold shape"), (no_dtype, "must have exactly"),
-                           (meta("a", (4,), 0, torch.complex64), "refused global torch.complex64"),
-                           (meta("a", (4,), 0, "bfloat16"), "a weight dtype")]:  # fmt: skip
+        for bad, match in [
+            (meta("a", (5,), 0), "does not hold shape"),
+            (meta("a", (2, 2), 1), "does not hold shape"),
+            (wrong_numel, "does not hold shape"),
+            (no_dtype, "must have exactly"),
+            (meta("a", (4,), 0, torch.complex64), "refused global torch.complex64"),
+            (meta("a", (4,), 0, "bfloat16"), "a weight dtype"),
+        ]:
             payload = base64.b64decode(serialize_object({"flattened_tensor": slice_, "metadata": [bad]}, no_gpu))
             with pytest.raises(TensorHandleError, match=match):
                 load_flattened_bucket(payload, "cpu")
@@ -114,6 +119,7 @@ def test_refuses_what_the_format_does_not_need() -> None:
 
 
 @pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine server (miles-hpc serve) is not built")
+@pytest.mark.process
 def test_a_real_engine_applies_a_flattened_bucket(tmp_path: Path) -> None:
     with bf16_fleet(tmp_path, n=1) as procs:
         named = perturbed_weights(11)  # bf16, the fleet's dtype
@@ -123,8 +129,9 @@ def test_a_real_engine_applies_a_flattened_bucket(tmp_path: Path) -> None:
             async def main() -> None:
                 async with router_of(procs) as router:
                     client = router.clients[0]
-                    await client.update_weights_from_tensor([base64.b64encode(raw).decode()], weight_version="11",
-                                                            load_format="flattened_bucket")  # fmt: skip
+                    await client.update_weights_from_tensor(
+                        [base64.b64encode(raw).decode()], weight_version="11", load_format="flattened_bucket"
+                    )
                     got = await engine_sums(client)
                     assert {n: got[n] for n, _ in named} == {n: tensor_checksum(t) for n, t in named}
                     assert (await client.model_info())["weight_version"] == "11"
@@ -167,9 +174,26 @@ class FakeFlat:
     """Pickles as torch's CUDA IPC reduction of a 1-D bf16 tensor of 32 elements (made-up handles)."""
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (reductions.rebuild_cuda_tensor,
-                (torch.Tensor, torch.Size([32]), (1,), 0, torch.storage.TypedStorage, torch.bfloat16, 0,
-                 b"\x01" * 64, 1 << 21, 4096, False, b"/torch_ipc_refcounter", 3, b"\x02" * 64, True))  # fmt: skip
+        return (
+            reductions.rebuild_cuda_tensor,
+            (
+                torch.Tensor,
+                torch.Size([32]),
+                (1,),
+                0,
+                torch.storage.TypedStorage,
+                torch.bfloat16,
+                0,
+                b"\x01" * 64,
+                1 << 21,
+                4096,
+                False,
+                b"/torch_ipc_refcounter",
+                3,
+                b"\x02" * 64,
+                True,
+            ),
+        )
 
 
 @pytest.mark.sglang
@@ -177,10 +201,21 @@ def test_our_flattened_payload_passes_sglangs_unpickler_and_bucket_code() -> Non
     venv = Path(os.environ.get("SGLANG_VENV", REPO / ".venv-sglang"))
     python = venv / "bin" / "python"
     require(python.exists(), f"SGLang venv at {venv} (make it with scripts/test_sglang.sh --install-only)")
-    payload = serialize_object({"flattened_tensor": FakeFlat(), "metadata": [
-        meta("a", (2, 3), 0, torch.bfloat16), meta("b", (4,), 8, torch.bfloat16)]}, no_gpu)  # fmt: skip
-    proc = subprocess.run([str(python), "-c", SGLANG_FLAT_CHECK], input=payload, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    payload = serialize_object(
+        {
+            "flattened_tensor": FakeFlat(),
+            "metadata": [meta("a", (2, 3), 0, torch.bfloat16), meta("b", (4,), 8, torch.bfloat16)],
+        },
+        no_gpu,
+    )
+    proc = subprocess.run(
+        [str(python), "-c", SGLANG_FLAT_CHECK],
+        input=payload,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == [["a", [2, 3], "torch.bfloat16", 15.0], ["b", [4], "torch.bfloat16", 38.0]]

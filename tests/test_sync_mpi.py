@@ -1,4 +1,4 @@
-"""sync/mpi.py: the MPI transport, run under a real ``mpirun`` (Open MPI) with mpi4py.
+"""sync/wire/mpi.py: the MPI transport, run under a real ``mpirun`` (Open MPI) with mpi4py.
 
 Each test starts ``mpirun -np K python tests/mpi_progs/PROG.py ...`` as a subprocess; every rank prints one
 ``RESULT {json}`` line (tests/mpi_progs/common.py) and the test checks those lines and the exit code. Covered:
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from conftest import require
 
-from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.mpi import MPIOptions, connect_accept_blocker, detect_gpu_aware
+from miles_hpc.sync.wire.checksum import tensor_checksum
+from miles_hpc.sync.wire.mpi import MPIOptions, connect_accept_blocker, detect_gpu_aware
 
 PROGS = Path(__file__).parent / "mpi_progs"
 TIMEOUT_S = 60
@@ -71,8 +71,7 @@ def results(output: str) -> list[dict]:
 
 
 def run_mpi(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, list[dict], str]:
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env=env or clean_env())  # fmt: skip
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=TIMEOUT_S, env=env or clean_env())
     out = proc.stdout + proc.stderr
     return proc.returncode, results(proc.stdout), out
 
@@ -126,9 +125,10 @@ def test_options_validate() -> None:
         MPIOptions(timeout_s=0)
 
 
+@pytest.mark.process
 def test_import_does_not_initialise_mpi() -> None:
     """Importing the module must not import mpi4py (which initialises MPI) in processes that never use it."""
-    code = "import sys, miles_hpc.sync.mpi; assert 'mpi4py' not in sys.modules, 'mpi4py imported'"
+    code = "import sys, miles_hpc.sync.wire.mpi; assert 'mpi4py' not in sys.modules, 'mpi4py imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S, env=clean_env())
 
 
@@ -194,8 +194,12 @@ def test_join_separate_launches(mpirun: list[str], tmp_path: Path) -> None:
     server = shutil.which("ompi-server")
     require(server is not None, "ompi-server (Open MPI)")
     uri = tmp_path / "uri"
-    srv = subprocess.Popen([server or "ompi-server", "--no-daemonize", "--report-uri", str(uri)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env())  # fmt: skip
+    srv = subprocess.Popen(
+        [server or "ompi-server", "--no-daemonize", "--report-uri", str(uri)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=clean_env(),
+    )
     jobs: list[subprocess.Popen[str]] = []
     try:
         deadline = time.monotonic() + 20
@@ -206,8 +210,9 @@ def test_join_separate_launches(mpirun: list[str], tmp_path: Path) -> None:
         rdv = str(tmp_path / "rendezvous")
         for job, (np, extra) in enumerate([(2, ["self"]), (2, []), (1, [])]):
             cmd = [*launch, "-np", str(np), *prog("join.py", rdv, "wsync", str(job), "3", *extra)]
-            jobs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         env=clean_env()))  # fmt: skip
+            jobs.append(
+                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env())
+            )
         outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in jobs]
     finally:
         for p in [*jobs, srv]:  # ours, by handle
@@ -230,8 +235,9 @@ def test_join_separate_launches(mpirun: list[str], tmp_path: Path) -> None:
 @pytest.mark.mpi
 def test_join_without_ompi_server_fails_clearly(mpirun: list[str], tmp_path: Path) -> None:
     """Without a shared ompi-server, Open MPI 4's connect fails and accept hangs: join() raises first."""
-    version = subprocess.run([mpirun[0], "--version"], check=False, capture_output=True, text=True,
-                             timeout=TIMEOUT_S).stdout  # fmt: skip
+    version = subprocess.run(
+        [mpirun[0], "--version"], check=False, capture_output=True, text=True, timeout=TIMEOUT_S
+    ).stdout
     if not re.search(r"\(Open MPI\) [1-4]\.", version):  # asked of mpirun: importing mpi4py here would init MPI
         pytest.skip(f"not Open MPI <= 4 ({version.strip()!r}): no ompi-server requirement to check")
     rc, got, out = run_mpi([*mpirun, "-np", "1", *prog("join.py", str(tmp_path), "wsync", "1", "2")])
@@ -244,8 +250,8 @@ def test_broadcast_and_p2p_over_mpi_to_real_engines(mpirun: list[str], tmp_path:
     """Two `miles-hpc serve` engines, each under its own mpirun, and a trainer job of 2 ranks, all joined through
     one ompi-server: broadcast (rank 0) and p2p (both ranks) publishes verified by checksums, exactly the
     Publisher cycle of the torch transport."""
-    from miles_hpc.rollout.sglang import wait_for_engines
     from miles_hpc.models.presets import init_model
+    from miles_hpc.rollout.sglang import wait_for_engines
 
     server = shutil.which("ompi-server")
     require(server is not None, "ompi-server (Open MPI)")
@@ -256,8 +262,12 @@ def test_broadcast_and_p2p_over_mpi_to_real_engines(mpirun: list[str], tmp_path:
     rdv.mkdir()
     ports.mkdir()
     procs: list[subprocess.Popen[str]] = []
-    srv = subprocess.Popen([server or "ompi-server", "--no-daemonize", "--report-uri", str(uri)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env())  # fmt: skip
+    srv = subprocess.Popen(
+        [server or "ompi-server", "--no-daemonize", "--report-uri", str(uri)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=clean_env(),
+    )
     procs.append(srv)
     try:
         deadline = time.monotonic() + 20
@@ -266,11 +276,31 @@ def test_broadcast_and_p2p_over_mpi_to_real_engines(mpirun: list[str], tmp_path:
             time.sleep(0.05)
         launch = [*mpirun, "--ompi-server", f"file:{uri}", "-np"]
         for i in range(2):
-            serve = [sys.executable, "-m", "miles_hpc.cli", "serve", str(model), "--port", "0", "--rendezvous",
-                     str(rdv / f"engine-{i}.json"), "--dtype", "bfloat16", "--admin-api-key-file",
-                     str(tmp_path / "admin"), "--weight-update-timeout", "60"]  # fmt: skip
-            procs.append(subprocess.Popen([*launch, "1", *serve], stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL, env=clean_env(OMP_NUM_THREADS="1")))  # fmt: skip
+            serve = [
+                sys.executable,
+                "-m",
+                "miles_hpc.cli",
+                "serve",
+                str(model),
+                "--port",
+                "0",
+                "--rendezvous",
+                str(rdv / f"engine-{i}.json"),
+                "--dtype",
+                "bfloat16",
+                "--admin-api-key-file",
+                str(tmp_path / "admin"),
+                "--weight-update-timeout",
+                "60",
+            ]
+            procs.append(
+                subprocess.Popen(
+                    [*launch, "1", *serve],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=clean_env(OMP_NUM_THREADS="1"),
+                )
+            )
         urls = [r.url for r in wait_for_engines(rdv, 2, timeout=120, poll_s=0.1)]
         trainer = [*launch, "2", *prog("publish.py", str(model), str(ports), "mpi-admin", *urls)]
         proc = subprocess.run(trainer, check=False, capture_output=True, text=True, timeout=240, env=clean_env())

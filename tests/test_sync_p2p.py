@@ -1,4 +1,4 @@
-"""The p2p strategy (sync/p2p.py) over real `miles-hpc serve` engines and a real gloo group: two trainer ranks
+"""The p2p strategy (sync/strategies/p2p.py) over real `miles-hpc serve` engines and a real gloo group: two trainer ranks
 (`ThreadedRanks`: threads of this process, each with its own group member) send only the dim-0 shards they hold; every engine ends
 with exactly the trainer's tensors (checked by piece checksums and, independently, by the engines' whole-tensor
 checksums); a tampered engine fails verification naming the piece; a bad announcement is refused with a message.
@@ -17,15 +17,19 @@ from safetensors.torch import save
 from sync_support import ADMIN, bf16_fleet, engine_sums, perturbed_weights, router_of
 from test_client_engine import HAVE_SERVER
 
-from miles_hpc.cluster.local import free_port
+from miles_hpc.launch.local import free_port
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.errors import EngineError
-from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.p2p import P2PSpec, P2PSync, ThreadedRanks, buckets_of
 from miles_hpc.sync.protocol import WeightSyncError
 from miles_hpc.sync.publish import Publisher
+from miles_hpc.sync.strategies.base import GroupSyncSpec
+from miles_hpc.sync.strategies.p2p import P2PSync, ThreadedRanks, buckets_of
+from miles_hpc.sync.wire.checksum import tensor_checksum
 
-pytestmark = pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine server (miles-hpc serve) is not built")
+pytestmark = [
+    pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine server (miles-hpc serve) is not built"),
+    pytest.mark.process,
+]
 
 WORLD = 2
 
@@ -35,8 +39,16 @@ def test_p2p_publish_every_engine_holds_the_trainers_weights(tmp_path: Path) -> 
 
         async def main() -> None:
             world = ThreadedRanks(perturbed_weights(1), WORLD)
-            sync = P2PSync(P2PSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=1 << 16,
-                                   rollout_dtype=torch.bfloat16, timeout_s=30), world)  # fmt: skip
+            sync = P2PSync(
+                GroupSyncSpec(
+                    master_address="127.0.0.1",
+                    next_port=free_port,
+                    bucket_bytes=1 << 16,
+                    rollout_dtype=torch.bfloat16,
+                    timeout_s=30,
+                ),
+                world,
+            )
             async with router_of(procs) as router:
                 publisher = Publisher(sync, router, pause_mode="retract")
                 try:
@@ -49,8 +61,7 @@ def test_p2p_publish_every_engine_holds_the_trainers_weights(tmp_path: Path) -> 
                             assert await engine_sums(c) == want  # whole tensors, independent of the pieces
                             assert str((await c.model_info())["weight_version"]) == version
                     # Piece checksums: one per held box, i.e. 2 per tensor with >= 2 rows (uneven last chunks too).
-                    assert report.tensors == sum(len({b for b in world.layout[n] if not b.empty})
-                                                 for n in world.shapes)  # fmt: skip
+                    assert report.tensors == sum(len({b for b in world.layout[n] if not b.empty}) for n in world.shapes)
                     assert len(buckets_of(world.shapes, 2, 1 << 16)) > 3  # several buckets went out
 
                     # An engine whose tensor differs from the trainer's fails verification naming the piece.
@@ -69,7 +80,7 @@ def test_p2p_publish_every_engine_holds_the_trainers_weights(tmp_path: Path) -> 
 
 def await_sums(world: ThreadedRanks) -> dict[str, str]:
     """The pieces the trainer ranks hold, hashed as a push would (rollout dtype = bf16 already)."""
-    from miles_hpc.sync.checksum import piece_key
+    from miles_hpc.sync.wire.checksum import piece_key
 
     out = {}
     for n, t in world.named.items():
@@ -89,8 +100,9 @@ def test_bad_p2p_announcement_is_refused_with_the_tensor_named(tmp_path: Path) -
                 with pytest.raises(EngineError, match="outside shape"):
                     await c.update_weights_from_p2p(["model.norm.weight"], ["bfloat16"], [[8]], [[[0, 0, 9]]])
                 with pytest.raises(EngineError, match="no weight update group"):
-                    await c.update_weights_from_p2p(["model.norm.weight"], ["bfloat16"], [[8]], [[[0, 0, 8]]],
-                                                    group_name="nope")  # fmt: skip
+                    await c.update_weights_from_p2p(
+                        ["model.norm.weight"], ["bfloat16"], [[8]], [[[0, 0, 8]]], group_name="nope"
+                    )
                 with pytest.raises(EngineError, match="no HF tensor"):
                     await c.weights_piece_checksums(["model.nope.weight"], [[[0, 1]]])
 
@@ -99,11 +111,13 @@ def test_bad_p2p_announcement_is_refused_with_the_tensor_named(tmp_path: Path) -
 
 def test_p2p_against_sglang_engines_falls_back_to_broadcast(tmp_path: Path) -> None:
     from miles_hpc.config import load_config
-    from miles_hpc.sync.broadcast import BroadcastSync
     from miles_hpc.sync.factory import build_sync
+    from miles_hpc.sync.strategies.broadcast import BroadcastSync
 
     repo = Path(__file__).resolve().parents[1]
     cfg = load_config(repo / "configs/tiny_cpu.yaml", ["sync.strategy=p2p", "rollout.backend=sglang"])
     assert isinstance(build_sync(cfg, tmp_path, "127.0.0.1", free_port, trainer=None), BroadcastSync)
     cfg = load_config(repo / "configs/tiny_cpu.yaml", ["sync.strategy=p2p"])
-    assert isinstance(build_sync(cfg, tmp_path, "127.0.0.1", free_port, trainer=ThreadedRanks(perturbed_weights(0), WORLD)), P2PSync)
+    assert isinstance(
+        build_sync(cfg, tmp_path, "127.0.0.1", free_port, trainer=ThreadedRanks(perturbed_weights(0), WORLD)), P2PSync
+    )

@@ -1,4 +1,4 @@
-"""sync/pg.py: a gloo group across processes that each already have their OWN default process group.
+"""sync/wire/pg.py: a gloo group across processes that each already have their OWN default process group.
 
 Topology of the main test (what weight sync looks like): processes T0 and T1 form a 2-rank "trainer" default world;
 engines E0 and E1 each initialise a 1-rank default world of their own. The custom group is {T0: rank 0, E0: 1, E1: 2}
@@ -16,10 +16,10 @@ import traceback
 from pathlib import Path
 
 import pytest
-from conftest import require
 import torch
+from conftest import require
 
-from miles_hpc.sync.pg import CustomGroup, GroupSpec
+from miles_hpc.sync.wire.pg import CustomGroup, GroupSpec
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool]
 if hasattr(torch, "float8_e4m3fn"):
@@ -64,8 +64,15 @@ def _worker(role: str, default_port: int, group_port: int, out: str) -> None:
         lines = []
         if role != "T1":
             rank = {"T0": 0, "E0": 1, "E1": 2}[role]
-            spec = GroupSpec(backend="gloo", master_address="127.0.0.1", master_port=group_port, rank=rank,
-                             world_size=3, group_name="weight_update_group", timeout_s=60)
+            spec = GroupSpec(
+                backend="gloo",
+                master_address="127.0.0.1",
+                master_port=group_port,
+                rank=rank,
+                world_size=3,
+                group_name="weight_update_group",
+                timeout_s=60,
+            )
             group = CustomGroup(spec)
             for i, dtype in enumerate(DTYPES):
                 t = payload(i, dtype) if rank == 0 else torch.zeros(3 + i, 5, dtype=dtype)
@@ -98,6 +105,7 @@ def _worker(role: str, default_port: int, group_port: int, out: str) -> None:
         raise
 
 
+@pytest.mark.process
 def test_custom_group_across_separate_default_worlds(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     default_port, group_port = free_ports(2)
@@ -129,16 +137,22 @@ def test_spec_validation() -> None:
     GroupSpec(**{**base, "backend": "mpi"})  # an MPIGroup's spec (open_group); CustomGroup refuses it
     with pytest.raises(ValueError, match="open_group"):
         CustomGroup(GroupSpec(**{**base, "backend": "mpi"}))
-    for bad, msg in [({"backend": "ucx"}, "backend"), ({"rank": 2}, "rank 2"), ({"master_port": 0}, "port"),
-                     ({"group_name": ""}, "group_name"), ({"timeout_s": 0}, "timeout_s")]:
+    for bad, msg in [
+        ({"backend": "ucx"}, "backend"),
+        ({"rank": 2}, "rank 2"),
+        ({"master_port": 0}, "port"),
+        ({"group_name": ""}, "group_name"),
+        ({"timeout_s": 0}, "timeout_s"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             GroupSpec(**{**base, **bad})
 
 
 def test_join_without_rank0_times_out() -> None:
     # rank 1 with no rank 0 serving the store: fails within the timeout instead of hanging forever
-    spec = GroupSpec(backend="gloo", master_address="127.0.0.1", master_port=free_port(), rank=1, world_size=2,
-                     timeout_s=1)
+    spec = GroupSpec(
+        backend="gloo", master_address="127.0.0.1", master_port=free_port(), rank=1, world_size=2, timeout_s=1
+    )
     with pytest.raises(Exception):  # noqa: B017 (torch raises DistStoreError / RuntimeError depending on version)
         CustomGroup(spec)
 
@@ -167,11 +181,24 @@ def test_wire_compatible_with_sglang(sglang_rank: int) -> None:
     require(python.exists(), f"SGLang venv at {SGLANG_VENV} (make it with scripts/test_sglang.sh --install-only)")
     port = free_port()
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    other = subprocess.Popen([str(python), "-c", _SGLANG_SIDE, str(port), str(sglang_rank)], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    other = subprocess.Popen(
+        [str(python), "-c", _SGLANG_SIDE, str(port), str(sglang_rank)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
-        group = CustomGroup(GroupSpec(backend="gloo", master_address="127.0.0.1", master_port=port,
-                                      rank=1 - sglang_rank, world_size=2, timeout_s=90))  # fmt: skip
+        group = CustomGroup(
+            GroupSpec(
+                backend="gloo",
+                master_address="127.0.0.1",
+                master_port=port,
+                rank=1 - sglang_rank,
+                world_size=2,
+                timeout_s=90,
+            )
+        )
         t = torch.arange(6, dtype=torch.bfloat16) + 1 if sglang_rank == 1 else torch.zeros(6, dtype=torch.bfloat16)
         group.broadcast(t, src=0)
         out, _ = other.communicate(timeout=120)

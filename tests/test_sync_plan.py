@@ -1,4 +1,4 @@
-"""sync/plan.py: the p2p weight-sync plan (pure; no process groups).
+"""planner/transfer.py: the p2p weight-sync plan (pure; no process groups).
 
 The property tests build random models, trainer world sizes and engine layouts, then *execute* the plan on CPU
 tensors: each trainer rank's shard is cut from a random global tensor, every transfer copies ``shard[src_box]``
@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from miles_hpc.sync.plan import (
+from miles_hpc.planner.transfer import (
     Box,
     EngineRank,
     PlanError,
@@ -137,7 +137,10 @@ def test_fsdp_uneven_and_empty_shards():
 
 def test_vocab_parallel_split_and_errors():
     shapes = {"lm_head.weight": (10, 8)}
-    spans = lambda layout: [b.dims[0] for _, b in sorted(layout["lm_head.weight"].items())]
+
+    def spans(layout):
+        return [b.dims[0] for _, b in sorted(layout["lm_head.weight"].items())]
+
     assert spans(engine_layout(shapes, 4, 1)) == [(0, 3), (3, 6), (6, 9), (9, 10)]  # chunk semantics
     assert spans(engine_layout(shapes, 4, 1, vocab_pad_to=8)) == [(0, 4), (4, 8), (8, 10)]  # rank 3 needs nothing
     assert spans(engine_layout({"lm_head.weight": (12, 8)}, 4, 1, strict=True)) == [(0, 3), (3, 6), (6, 9), (9, 12)]
@@ -240,8 +243,12 @@ def random_model(rng: random.Random, tp: int, ep: int, *, split_only: bool) -> d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for layer in range(rng.randint(1, 2)):
         p = f"model.layers.{layer}."
-        shapes |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (h, h),
-                   p + "self_attn.o_proj.weight": (h, h), p + "mlp.down_proj.weight": (h, f)}  # fmt: skip
+        shapes |= {
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (h, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.down_proj.weight": (h, f),
+        }
         if not split_only:
             shapes |= {
                 p + "input_layernorm.weight": (h,),
@@ -299,7 +306,8 @@ def test_pairing_order_between_two_peers():
 def test_group_rank_and_dtype_map():
     assert [group_rank(r, world=4, tp_size=2) for r in (0, 3, EngineRank(0, 0), EngineRank(1, 1))] == [0, 3, 4, 7]
     shapes = {"model.norm.weight": (4,), "lm_head.weight": (4, 2)}
-    plan = plan_transfers(shapes, fsdp_layout(shapes, 1), engine_layout(shapes, 1, 1),
-                          {"model.norm.weight": 4, "lm_head.weight": 2})  # fmt: skip
+    plan = plan_transfers(
+        shapes, fsdp_layout(shapes, 1), engine_layout(shapes, 1, 1), {"model.norm.weight": 4, "lm_head.weight": 2}
+    )
     assert [(t.name, t.nbytes) for t in plan] == [("model.norm.weight", 16), ("lm_head.weight", 16)]
     assert isinstance(plan[0], Transfer)

@@ -15,17 +15,21 @@ import pytest
 import torch
 from test_client_engine import HAVE_SERVER, EngineProcess, engine_fleet, tiny_model
 
-from miles_hpc.cluster.local import free_port
+from miles_hpc.launch.local import free_port
 from miles_hpc.models import iter_hf_tensors, load_pretrained
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.router import Router, RouterConfig
 from miles_hpc.rollout.sglang import wait_for_engines
-from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
-from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.publish import Publisher
 from miles_hpc.sync.protocol import WeightSyncError
+from miles_hpc.sync.publish import Publisher
+from miles_hpc.sync.strategies.base import GroupSyncSpec
+from miles_hpc.sync.strategies.broadcast import BroadcastSync
+from miles_hpc.sync.wire.checksum import tensor_checksum
 
-pytestmark = pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine server (miles-hpc serve) is not built")
+pytestmark = [
+    pytest.mark.skipif(not HAVE_SERVER, reason="the embedded engine server (miles-hpc serve) is not built"),
+    pytest.mark.process,
+]
 
 
 @pytest.fixture
@@ -53,8 +57,9 @@ def test_publish_drops_a_dead_engine_and_readmits_it_with_current_weights(engine
     cfg = RouterConfig(health_interval_s=0.1, health_timeout_s=3, readmit_after=2)
 
     async def main() -> None:
-        sync = BroadcastSync(BroadcastSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=1 << 16,
-                                           timeout_s=20))  # fmt: skip
+        sync = BroadcastSync(
+            GroupSyncSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=1 << 16, timeout_s=20)
+        )
         publisher: Publisher
         clients = [EngineClient(u, connect_retries=0) for u in urls]
         router = Router(clients, cfg, owns_clients=True, on_readmit=lambda i, c: publisher.readmit_check(i, c))
@@ -113,7 +118,7 @@ def test_checksum_mismatch_stops_the_publish_naming_the_tensor(engines: list[Eng
     records = wait_for_engines(engines[0].rendezvous.parent, 3, timeout=90, poll_s=0.05)
 
     async def main() -> None:
-        sync = _Corrupting(BroadcastSpec(master_address="127.0.0.1", next_port=free_port, timeout_s=20))
+        sync = _Corrupting(GroupSyncSpec(master_address="127.0.0.1", next_port=free_port, timeout_s=20))
         async with Router.from_urls([r.url for r in records], connect_retries=0) as router:
             publisher = Publisher(sync, router)
             w = weights(4)
@@ -136,8 +141,9 @@ def test_engine_killed_mid_push_is_dropped_and_the_others_complete(engines: list
 
     async def main() -> None:
         # Small buckets: the update is many parts, and engine 1 dies after the first ones went out.
-        sync = BroadcastSync(BroadcastSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=1 << 14,
-                                           timeout_s=15))  # fmt: skip
+        sync = BroadcastSync(
+            GroupSyncSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=1 << 14, timeout_s=15)
+        )
         async with Router.from_urls(urls, RouterConfig(health_interval_s=60), connect_retries=0) as router:
             publisher = Publisher(sync, router)
             w = weights(5)

@@ -27,7 +27,10 @@ def test_labels_correct_and_formats(name: str) -> None:
     for r in recs:
         assert isinstance(r.prompt, str) and isinstance(r.label, str) and r.metadata == {"task": name}
         assert r.label == _solve(r.prompt)
-        assert 1 <= len(r.label.encode()) <= spec.max_answer_tokens and len(r.prompt) <= len("reverse ") + spec.max_answer_tokens
+        assert (
+            1 <= len(r.label.encode()) <= spec.max_answer_tokens
+            and len(r.prompt) <= len("reverse ") + spec.max_answer_tokens
+        )
     assert len({r.prompt for r in recs}) > 20  # not one problem repeated
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 
 from miles_hpc.data.tasks import make_task
 from miles_hpc.data.terminal_env import TerminalEnv, make_terminal_task, parse_command
@@ -54,14 +55,15 @@ def test_bad_commands_get_errors_and_output_is_cut() -> None:
     assert not env.done and env.files == {**env.task.files}  # reading changes nothing
 
 
+@pytest.mark.process
 def test_reference_agent_meets_the_contract_on_a_real_engine(tmp_path: Path) -> None:
+    from test_client_engine import EngineProcess, stop_all
     from transformers import AutoTokenizer
 
     from miles_hpc.models.presets import init_model
     from miles_hpc.rollout.agents import AgentContext, check_agent, terminal_agent
     from miles_hpc.rollout.client import EngineClient
     from miles_hpc.rollout.router import Router, RouterConfig
-    from test_client_engine import EngineProcess, stop_all
 
     ckpt = init_model("qwen3", "tiny", tmp_path / "m")
     tok = AutoTokenizer.from_pretrained(str(ckpt))
@@ -72,9 +74,14 @@ def test_reference_agent_meets_the_contract_on_a_real_engine(tmp_path: Path) -> 
 
         async def main() -> None:
             async with Router([EngineClient(rec.url)], RouterConfig(health_interval_s=60), owns_clients=True) as r:
-                ctx = AgentContext(generate_fn=r.generate, tokenizer=tok, session=("g", 0), group_id=7,
-                                   sampling={"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 3},
-                                   max_turns=4)  # fmt: skip
+                ctx = AgentContext(
+                    generate_fn=r.generate,
+                    tokenizer=tok,
+                    session=("g", 0),
+                    group_id=7,
+                    sampling={"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 3},
+                    max_turns=4,
+                )
                 sample = await check_agent(terminal_agent, ctx, record)
                 turns = sample.metadata["turns"]
                 assert 1 <= turns <= 4 and sample.reward in (0.0, 1.0) and sample.response_len > 0
@@ -104,14 +111,26 @@ def test_an_agent_turn_aborted_by_a_weight_update_continues_from_its_tokens(tmp_
         calls.append((len(ids), dict(params)))
         first = len(calls) == 1
         n, v = (3, "0") if first else (int(params["max_new_tokens"]), "1")
-        return GenerateOutput(rid=f"r{len(calls)}", output_ids=[65 + len(calls)] * n, prompt_tokens=len(ids),
-                              finish_reason=FinishReason(type="abort" if first else "length"), completion_tokens=n,
-                              cached_tokens=0, output_logprobs=[-0.5] * n, weight_version=v,
-                              weight_versions=(WeightVersionSpan(version=v, start=0, end=n),))  # fmt: skip
+        return GenerateOutput(
+            rid=f"r{len(calls)}",
+            output_ids=[65 + len(calls)] * n,
+            prompt_tokens=len(ids),
+            finish_reason=FinishReason(type="abort" if first else "length"),
+            completion_tokens=n,
+            cached_tokens=0,
+            output_logprobs=[-0.5] * n,
+            weight_version=v,
+            weight_versions=(WeightVersionSpan(version=v, start=0, end=n),),
+        )
 
     async def main() -> None:
-        ctx = AgentContext(generate_fn=generate, tokenizer=tok, session=1, group_id=1,
-                           sampling={"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 3})  # fmt: skip
+        ctx = AgentContext(
+            generate_fn=generate,
+            tokenizer=tok,
+            session=1,
+            group_id=1,
+            sampling={"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 3},
+        )
         conv = Conversation.start(tok, [{"role": "user", "content": "ls"}])
         start = len(conv.ids)
         await ctx.generate(conv)

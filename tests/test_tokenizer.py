@@ -41,4 +41,8 @@ def test_chatml_template_and_append_only(tok) -> None:
 
 def test_files_written(tmp_path: Path) -> None:
     write_tokenizer(tmp_path)
-    assert {p.name for p in tmp_path.iterdir()} == {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    }

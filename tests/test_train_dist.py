@@ -20,6 +20,8 @@ from miles_hpc.train.fsdp import FSDPTrainer
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train_fsdp import STEP_ALGO, STEP_CFG, free_port, make_batch, params_of, tiny_model, worker_main, world  # noqa: E402,F401
 
+pytestmark = pytest.mark.process
+
 # Rank 1 gets fewer micro-batches than rank 0 with these lengths and the 20-token budget (dummy path runs).
 LENGTHS = (7, 12, 25, 5, 18, 9, 3)
 
@@ -78,8 +80,13 @@ if __name__ == "__main__":
 def test_leave_ends_children_and_keeps_the_exit_code(tmp_path: Path) -> None:
     script = tmp_path / "leaver.py"
     script.write_text(LEAVER)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
     assert done.returncode == 3, done.stderr[-2000:]
     child = int(done.stdout.split()[0])
     with pytest.raises(ProcessLookupError):

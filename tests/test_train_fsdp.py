@@ -14,7 +14,7 @@ from miles_hpc.config import AlgoConfig, TrainConfig
 from miles_hpc.data.sample import token_hash
 from miles_hpc.models import iter_hf_tensors, load_pretrained, save_pretrained
 from miles_hpc.models.presets import init_model
-from miles_hpc.sync.checksum import tensor_checksum
+from miles_hpc.sync.wire.checksum import tensor_checksum
 from miles_hpc.train import dist as tdist
 from miles_hpc.train.batch import TrainBatch
 from miles_hpc.train.checkpoint import checkpoint_path, latest_checkpoint
@@ -108,8 +108,18 @@ def test_step_raises_logprob_of_positive_advantage(world: None, tiny_model: Path
     before = trainer.compute_logprobs(batch)
     metrics = trainer.train_step(batch)
     after = trainer.compute_logprobs(batch)
-    for key in ("loss", "pg_loss", "clip_frac", "grad_norm", "lr", "entropy", "kl", "tokens",
-                "mismatch/max_abs_logprob_diff", "mismatch/mean_abs_logprob_diff"):  # fmt: skip
+    for key in (
+        "loss",
+        "pg_loss",
+        "clip_frac",
+        "grad_norm",
+        "lr",
+        "entropy",
+        "kl",
+        "tokens",
+        "mismatch/max_abs_logprob_diff",
+        "mismatch/mean_abs_logprob_diff",
+    ):
         assert key in metrics, key
     assert metrics["grad_norm"] > 0 and metrics["tokens"] == batch.num_tokens
     assert metrics["mismatch/max_abs_logprob_diff"] >= metrics["mismatch/mean_abs_logprob_diff"] > 0

@@ -36,9 +36,13 @@ def test_gradients_match_finite_differences() -> None:
 def test_token_logprobs_equal_plain_log_softmax(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 11, (n,), generator=g).tolist() for n in (4, 1, 6)]
-    batch = TrainBatch(tokens=seqs, loss_mask=[[1] * len(s) for s in seqs],
-                       rollout_logprobs=[[0.0] * len(s) for s in seqs], advantages=[[1.0] * len(s) for s in seqs],
-                       token_hash=["" for _ in seqs])  # fmt: skip
+    batch = TrainBatch(
+        tokens=seqs,
+        loss_mask=[[1] * len(s) for s in seqs],
+        rollout_logprobs=[[0.0] * len(s) for s in seqs],
+        advantages=[[1.0] * len(s) for s in seqs],
+        token_hash=["" for _ in seqs],
+    )
     mb = pack_samples(batch, [0, 1, 2], torch.device("cpu"))
     logits = torch.randn(1, mb.num_tokens, 11, generator=g).to(dtype).requires_grad_()
     w_lp, w_ent = torch.randn(mb.num_tokens, generator=g), torch.randn(mb.num_tokens, generator=g)
@@ -63,8 +67,9 @@ def test_token_logprobs_equal_plain_log_softmax(dtype: torch.dtype) -> None:
 
 
 def test_entropy_as_metric_only_has_no_grad() -> None:
-    batch = TrainBatch(tokens=[[1, 2, 3]], loss_mask=[[1, 1, 1]], rollout_logprobs=[[0.0] * 3],
-                       advantages=[[1.0] * 3], token_hash=[""])  # fmt: skip
+    batch = TrainBatch(
+        tokens=[[1, 2, 3]], loss_mask=[[1, 1, 1]], rollout_logprobs=[[0.0] * 3], advantages=[[1.0] * 3], token_hash=[""]
+    )
     mb = pack_samples(batch, [0], torch.device("cpu"))
     logits = torch.randn(1, 3, 5, requires_grad=True)
     lp, ent = token_logprobs(logits, mb, with_entropy=True, entropy_grad=False)
@@ -97,6 +102,7 @@ print("ok")
 """
 
 
+@pytest.mark.process
 def test_triton_kernels_in_the_interpreter() -> None:
     """The kernels' logic on CPU tensors in Triton's interpreter (CI has no GPU); the GPU test below checks them
     compiled, in bf16."""

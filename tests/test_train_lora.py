@@ -32,8 +32,10 @@ def lora_trainer(model_dir: Path | str, seed: int = 0) -> FSDPTrainer:
 
 
 def base_weights(trainer: FSDPTrainer) -> dict[str, torch.Tensor]:
-    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-            for n, t in trainer.model.state_dict().items()}  # fmt: skip
+    return {
+        n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+        for n, t in trainer.model.state_dict().items()
+    }
 
 
 def adapter_of(trainer: FSDPTrainer) -> dict[str, torch.Tensor]:
@@ -98,11 +100,18 @@ def test_adapter_checkpoint_resumes_exactly(world: None, tiny_model: Path, tmp_p
         full.load(path)
 
 
+@pytest.mark.process
 def test_two_ranks_equal_one(world: None, tiny_model: Path, tmp_path: Path) -> None:
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, __file__, str(tiny_model), str(tmp_path / f"out{r}.pt")],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for r in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(tiny_model), str(tmp_path / f"out{r}.pt")],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
     ref = run_once(str(tiny_model))
     for p in procs:
         out, _ = p.communicate(timeout=120)

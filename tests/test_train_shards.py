@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from miles_hpc.models.presets import init_model
-from miles_hpc.sync.plan import EngineRank, engine_layout, plan_transfers
+from miles_hpc.planner.transfer import EngineRank, engine_layout, plan_transfers
 from miles_hpc.train.fsdp import FSDPTrainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train_fsdp import STEP_ALGO, STEP_CFG, free_port, worker_main  # noqa: E402
+
+pytestmark = pytest.mark.process
 
 WORLD = 3
 
@@ -53,9 +55,12 @@ def test_shard_map_matches_gathered_weights(arch: str, tmp_path: Path) -> None:
     model = init_model(arch, "tiny", tmp_path / "model")
     env = {**os.environ, "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     procs = [
-        subprocess.Popen([sys.executable, __file__, str(model), str(tmp_path / f"out{r}.pt")],
-                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, __file__, str(model), str(tmp_path / f"out{r}.pt")],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         for r in range(WORLD)
     ]
     for p in procs:

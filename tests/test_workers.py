@@ -1,4 +1,4 @@
-"""`miles-hpc prepare` + `miles-hpc worker --role rollout|train|shutdown` (loop/workers.py) without a scheduler:
+"""`miles-hpc prepare` + `miles-hpc worker --role rollout|train|shutdown` (launch/workers.py) without a scheduler:
 the processes a Slurm job starts, launched here by hand with torchrun-style variables. The controller waits for the
 engine's rendezvous file, runs the loop, and its ``shutdown`` stops the rollout worker; a missing engine times out
 with a message naming it and its node."""
@@ -11,36 +11,62 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_train_fsdp import free_port
 
 from miles_hpc.config import load_config
-from miles_hpc.loop.run_dir import RunPaths
-from miles_hpc.loop.workers import prepare, train_placement
+from miles_hpc.launch.run_dir import RunPaths
+from miles_hpc.launch.workers import prepare, train_placement
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
-         "train.sft_warmup_steps=0", "train.world_size=2"]  # fmt: skip
+SMALL = [
+    "steps=2",
+    "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=2",
+    "rollout.max_new_tokens=4",
+    "train.sft_warmup_steps=0",
+    "train.world_size=2",
+]
 
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "miles_hpc.cli", *args]
 
 
+@pytest.mark.process
 def test_workers_run_the_loop_and_training_stops_rollout(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    out = subprocess.run(cli("prepare", str(REPO / "configs/tiny_cpu.yaml"), f"run_dir={run_dir}", *SMALL),
-                         capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    out = subprocess.run(
+        cli("prepare", str(REPO / "configs/tiny_cpu.yaml"), f"run_dir={run_dir}", *SMALL),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     config = out.stdout.strip().splitlines()[-1]
     assert config == str(run_dir / "config.yaml") and (run_dir / "keys" / "admin_api_key").is_file()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
-    rollout = subprocess.Popen(cli("worker", "--role", "rollout", config), env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    rollout = subprocess.Popen(
+        cli("worker", "--role", "rollout", config), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     port = str(free_port())
-    trainers = [subprocess.Popen(cli("worker", "--role", "train", config),
-                                 env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-                for r in range(2)]
+    trainers = [
+        subprocess.Popen(
+            cli("worker", "--role", "train", config),
+            env={
+                **env,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     try:
         outs = [t.communicate(timeout=300)[0] for t in trainers]
         assert [t.returncode for t in trainers] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
@@ -92,23 +118,40 @@ def test_controller_names_the_missing_engine_and_its_node(tmp_path: Path) -> Non
         raise AssertionError("no timeout")
 
 
+@pytest.mark.process
 def test_sglang_backend_worker_waits_for_health_and_writes_the_record(tmp_path: Path) -> None:
     """Backend sglang: the rollout worker starts `SGLANG_PYTHON -m sglang.launch_server ...` (here a stand-in that
     serves our engine: tests/sglang_standin.py), waits for /health, writes engine-0.json itself (SGLang writes
     none), and stops the server at shutdown; the controller trains through it."""
     standin = tmp_path / "sglang-python"
-    standin.write_text(f"#!/bin/bash\nexec {sys.executable} {REPO / 'tests' / 'sglang_standin.py'} \"$@\"\n")
+    standin.write_text(f'#!/bin/bash\nexec {sys.executable} {REPO / "tests" / "sglang_standin.py"} "$@"\n')
     standin.chmod(0o755)
     run_dir = tmp_path / "run"
-    overrides = [f"run_dir={run_dir}", *SMALL, "train.world_size=1", "rollout.backend=sglang",
-                 f"rollout.sglang_python={standin}"]  # fmt: skip
-    config = subprocess.run(cli("prepare", str(REPO / "configs/tiny_cpu.yaml"), *overrides), capture_output=True,
-                            text=True, timeout=300, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
+    overrides = [
+        f"run_dir={run_dir}",
+        *SMALL,
+        "train.world_size=1",
+        "rollout.backend=sglang",
+        f"rollout.sglang_python={standin}",
+    ]
+    config = (
+        subprocess.run(
+            cli("prepare", str(REPO / "configs/tiny_cpu.yaml"), *overrides),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
-    rollout = subprocess.Popen(cli("worker", "--role", "rollout", config), env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    trainer = subprocess.Popen(cli("worker", "--role", "train", config), env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    rollout = subprocess.Popen(
+        cli("worker", "--role", "rollout", config), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    trainer = subprocess.Popen(
+        cli("worker", "--role", "train", config), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         out = trainer.communicate(timeout=300)[0]
         assert trainer.returncode == 0 and "done: 2 steps" in out, out[-3000:]
@@ -123,6 +166,7 @@ def test_sglang_backend_worker_waits_for_health_and_writes_the_record(tmp_path: 
     assert oct((run_dir / "keys" / "sglang-0.yaml").stat().st_mode & 0o777) == "0o600"
 
 
+@pytest.mark.process
 def test_usr2_to_the_trainer_task_checkpoints_and_stops(tmp_path: Path) -> None:
     """`--signal=USR2@N` (without B:) reaches the tasks: trainer rank 0 asks itself to stop after its step, with a
     checkpoint; the rollout worker ignores the signal and stops at shutdown."""
@@ -131,12 +175,22 @@ def test_usr2_to_the_trainer_task_checkpoints_and_stops(tmp_path: Path) -> None:
 
     run_dir = tmp_path / "run"
     overrides = [f"run_dir={run_dir}", *SMALL, "train.world_size=1", "steps=200"]
-    config = subprocess.run(cli("prepare", str(REPO / "configs/tiny_cpu.yaml"), *overrides), capture_output=True,
-                            text=True, timeout=300, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
+    config = (
+        subprocess.run(
+            cli("prepare", str(REPO / "configs/tiny_cpu.yaml"), *overrides),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
     rollout = subprocess.Popen(cli("worker", "--role", "rollout", config), env=env)
-    trainer = subprocess.Popen(cli("worker", "--role", "train", config), env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    trainer = subprocess.Popen(
+        cli("worker", "--role", "train", config), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         metrics = run_dir / "metrics.jsonl"
         deadline = time.monotonic() + 240

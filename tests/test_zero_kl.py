@@ -58,8 +58,13 @@ def make_ckpt(out: Path, arch: str, size: str = "tiny") -> Path:
 
 def request(rid: str, prompt: list[int], with_input_lps: bool = False) -> GenerateRequest:
     sp = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True, sampling_seed=int(rid) + 7)
-    return GenerateRequest(rid=rid, input_ids=tuple(prompt), sampling=sp, return_logprob=True,
-                           logprob_start_len=0 if with_input_lps else -1)  # fmt: skip
+    return GenerateRequest(
+        rid=rid,
+        input_ids=tuple(prompt),
+        sampling=sp,
+        return_logprob=True,
+        logprob_start_len=0 if with_input_lps else -1,
+    )
 
 
 def generate(ckpt: Path, batch_invariant: bool, **engine_kw: object) -> list[tuple[list[int], list[float], int]]:
@@ -90,8 +95,9 @@ def generate(ckpt: Path, batch_invariant: bool, **engine_kw: object) -> list[tup
         pass
     assert sum(results[str(10 + i)].cached_tokens for i in range(4)) > 0  # the prefix cache served round 2
     out = []
-    for rid, prompt in [(str(i), p) for i, p in enumerate(prompts)] + [(str(10 + i), s + [1, 2, 3])
-                                                                        for i, s in enumerate(first[:4])]:  # fmt: skip
+    for rid, prompt in [(str(i), p) for i, p in enumerate(prompts)] + [
+        (str(10 + i), s + [1, 2, 3]) for i, s in enumerate(first[:4])
+    ]:
         r = results[rid]
         lps: list[float | None] = [None] * (len(prompt) - 1) + list(r.output_logprobs)
         if r.input_logprobs is not None:
@@ -102,9 +108,13 @@ def generate(ckpt: Path, batch_invariant: bool, **engine_kw: object) -> list[tup
 
 def max_diff(trainer: FSDPTrainer, seqs: list[tuple[list[int], list[float], int]]) -> float:
     toks = [t for t, _, _ in seqs]
-    batch = TrainBatch(tokens=toks, loss_mask=[[0] * p + [1] * (len(t) - p) for t, _, p in seqs],
-                       rollout_logprobs=[[0.0] * len(t) for t in toks], advantages=[[0.0] * len(t) for t in toks],
-                       token_hash=[token_hash(t) for t in toks])  # fmt: skip
+    batch = TrainBatch(
+        tokens=toks,
+        loss_mask=[[0] * p + [1] * (len(t) - p) for t, _, p in seqs],
+        rollout_logprobs=[[0.0] * len(t) for t in toks],
+        advantages=[[0.0] * len(t) for t in toks],
+        token_hash=[token_hash(t) for t in toks],
+    )
     got = trainer.compute_logprobs(batch)
     worst = 0.0
     for (_, lps, _), mine in zip(seqs, got):
@@ -121,8 +131,9 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal(world: None, tmp_path: Pa
     assert sum(lp is not None for _, lps, _ in seqs for lp in lps) > 10 * NEW_TOKENS
     # Micro-batches of several sequences (positions in the packed row vary), then one sequence per micro-batch.
     for budget in (200, 1):
-        trainer = FSDPTrainer(ckpt, TrainConfig(max_tokens_per_microbatch=budget), AlgoConfig(), device="cpu", seed=0,
-                              zero_kl=True)  # fmt: skip
+        trainer = FSDPTrainer(
+            ckpt, TrainConfig(max_tokens_per_microbatch=budget), AlgoConfig(), device="cpu", seed=0, zero_kl=True
+        )
         assert max_diff(trainer, seqs) == 0.0
 
 
@@ -223,13 +234,17 @@ def test_config_accepts_matching_dtypes() -> None:
     assert config_from_dict({"zero_kl": True}).zero_kl
     for arch in ("qwen3_moe", "deepseek_v3", "glm4_moe"):
         assert config_from_dict({"zero_kl": True, "model": {"init_arch": arch}}).zero_kl
-    cfg = config_from_dict({"zero_kl": True, "model": {"dtype": "bfloat16"},
-                            "train": {"device": "cuda"}, "rollout": {"device": "cuda"}})  # fmt: skip
+    cfg = config_from_dict(
+        {"zero_kl": True, "model": {"dtype": "bfloat16"}, "train": {"device": "cuda"}, "rollout": {"device": "cuda"}}
+    )
     assert isinstance(cfg, RunConfig) and cfg.zero_kl
 
 
-@pytest.mark.xfail(strict=False, reason="known gap (docs/lora.md, Zero-KL mode): with 16 intra-op threads torch's CPU "
-                   "GEMM of a [32, 768] tile gives a row bits that depend on its position in the tile")  # fmt: skip
+@pytest.mark.xfail(
+    strict=False,
+    reason="known gap (docs/lora.md, Zero-KL mode): with 16 intra-op threads torch's CPU "
+    "GEMM of a [32, 768] tile gives a row bits that depend on its position in the tile",
+)
 def test_tiled_linear_at_16_threads() -> None:
     """Pins the gap found on a 16-core host: `invariant.linear` with in_features 768 (32-row tiles) is invariant at
     1-8 threads, not at 16 (the thread count, not the core count, decides: it reproduces on 2 cores)."""

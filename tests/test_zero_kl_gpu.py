@@ -30,8 +30,10 @@ def cuda_world() -> Iterator[None]:
     tdist.teardown()
 
 
-@pytest.mark.parametrize("arch,size", [("qwen3", "tiny"), ("qwen3", "small"), ("qwen3_moe", "small"),
-                                       ("deepseek_v3", "small"), ("glm4_moe", "tiny")])  # fmt: skip
+@pytest.mark.parametrize(
+    "arch,size",
+    [("qwen3", "tiny"), ("qwen3", "small"), ("qwen3_moe", "small"), ("deepseek_v3", "small"), ("glm4_moe", "tiny")],
+)
 def test_engine_and_trainer_logprobs_are_bitwise_equal_on_gpu(
     cuda_world: None, tmp_path: Path, arch: str, size: str
 ) -> None:
@@ -43,8 +45,13 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal_on_gpu(
     assert max_diff(plain, generate(ckpt, False, device="cuda", dtype="bfloat16", num_blocks=1024)) > 0.0
 
 
-GPU = ["train.device=cuda", "rollout.device=cuda", "model.dtype=bfloat16", "sync.strategy=colocated",
-       "train.world_size=1"]  # fmt: skip
+GPU = [
+    "train.device=cuda",
+    "rollout.device=cuda",
+    "model.dtype=bfloat16",
+    "sync.strategy=colocated",
+    "train.world_size=1",
+]
 
 
 @pytest.mark.parametrize("arch,extra", [("qwen3", ()), ("qwen3_moe", ("algo.routing_replay=true",))])
@@ -68,8 +75,18 @@ def test_multi_turn_agent_on_gpu_hits_the_prefix_cache_with_zero_mismatch(tmp_pa
     import subprocess
     import sys
 
-    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/tiny_agent_cpu.yaml"),
-            f"run_dir={tmp_path / 'run'}", "steps=2", "zero_kl=true", "train.sft_warmup_steps=3", *GPU]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(REPO / "configs/tiny_agent_cpu.yaml"),
+        f"run_dir={tmp_path / 'run'}",
+        "steps=2",
+        "zero_kl=true",
+        "train.sft_warmup_steps=3",
+        *GPU,
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=REPO, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

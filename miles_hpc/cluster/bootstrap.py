@@ -1,5 +1,5 @@
 """Where a worker process sits: rank, world size, local rank, node, master address and port (stage: cluster;
-DESIGN section 3). Imports nothing of ours.
+docs/design.md section 3). Imports nothing of ours.
 
 Sources, in the order :func:`bootstrap` tries them:
 - torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): taken as they are;
@@ -26,8 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["Placement", "bootstrap", "expand_nodelist", "from_slurm", "from_torchrun", "master_port",
-           "port_candidates"]  # fmt: skip
+__all__ = ["Placement", "bootstrap", "expand_nodelist", "from_slurm", "from_torchrun", "master_port", "port_candidates"]
 
 PORT_LO, PORT_SPAN = 20000, 30000  # derived ports fall in [20000, 50000): above well-known and below ephemeral
 
@@ -50,8 +49,13 @@ class Placement:
         """torchrun-style variables for this placement (what torch.distributed's env:// reads)."""
         if self.master_port is None:
             raise ValueError("master_port is not decided yet: call master_port() first")
-        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
-                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}  # fmt: skip
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -117,15 +121,22 @@ def _expand_one(item: str, whole: str) -> list[str]:
 # ------------------------------------------------------------------------------------------------ sources
 def from_torchrun(env: Mapping[str, str]) -> Placement:
     world = int(env["WORLD_SIZE"])
-    return Placement(rank=int(env["RANK"]), world_size=world, local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
-                     local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)), node=socket.gethostname(),
-                     master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]),
-                     source="torchrun")  # fmt: skip
+    return Placement(
+        rank=int(env["RANK"]),
+        world_size=world,
+        local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+        node=socket.gethostname(),
+        master_addr=env["MASTER_ADDR"],
+        master_port=int(env["MASTER_PORT"]),
+        source="torchrun",
+    )
 
 
 def from_slurm(env: Mapping[str, str], het_group: int | None = None) -> Placement:
     """This task's placement in its Slurm job step. ``het_group``: the component this step runs in (heterogeneous
     jobs only; Slurm does not say which). The master is the first node of that component (or of the step)."""
+
     def need(key: str) -> str:
         if key not in env:
             raise ValueError(f"Slurm variable {key} is not set: is this task running under srun?")
@@ -143,11 +154,19 @@ def from_slurm(env: Mapping[str, str], het_group: int | None = None) -> Placemen
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or need("SLURM_NODELIST")
     nodes = expand_nodelist(nodelist)
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
-    return Placement(rank=int(need("SLURM_PROCID")), world_size=int(need("SLURM_NTASKS")),
-                     local_rank=int(env.get("SLURM_LOCALID", "0")),
-                     local_world_size=_first_int(env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE"), 1),
-                     node=node, master_addr=nodes[0], master_port=None, source="slurm", job_id=job,
-                     het_group=het_group, attempt=int(env.get("SLURM_RESTART_COUNT", "0")))  # fmt: skip
+    return Placement(
+        rank=int(need("SLURM_PROCID")),
+        world_size=int(need("SLURM_NTASKS")),
+        local_rank=int(env.get("SLURM_LOCALID", "0")),
+        local_world_size=_first_int(env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE"), 1),
+        node=node,
+        master_addr=nodes[0],
+        master_port=None,
+        source="slurm",
+        job_id=job,
+        het_group=het_group,
+        attempt=int(env.get("SLURM_RESTART_COUNT", "0")),
+    )
 
 
 def _first_int(spec: str | None, default: int) -> int:
@@ -166,15 +185,24 @@ def _from_mpi() -> Placement:
     rank, size = comm.Get_rank(), comm.Get_size()
     hosts = comm.allgather(socket.gethostname())
     local = [r for r, h in enumerate(hosts) if h == hosts[rank]]
-    return Placement(rank=rank, world_size=size, local_rank=local.index(rank), local_world_size=len(local),
-                     node=hosts[rank], master_addr=hosts[0], master_port=None, source="mpi")  # fmt: skip
+    return Placement(
+        rank=rank,
+        world_size=size,
+        local_rank=local.index(rank),
+        local_world_size=len(local),
+        node=hosts[rank],
+        master_addr=hosts[0],
+        master_port=None,
+        source="mpi",
+    )
 
 
 _MPI_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 
-def bootstrap(env: Mapping[str, str] | None = None, *, het_group: int | None = None,
-              mpi: Callable[[], Placement] = _from_mpi) -> Placement:  # fmt: skip
+def bootstrap(
+    env: Mapping[str, str] | None = None, *, het_group: int | None = None, mpi: Callable[[], Placement] = _from_mpi
+) -> Placement:
     """The placement of this process from whichever launcher started it (module docstring)."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env:
@@ -183,8 +211,16 @@ def bootstrap(env: Mapping[str, str] | None = None, *, het_group: int | None = N
         return from_slurm(env, het_group)
     if any(k in env for k in _MPI_VARS):
         return mpi()
-    return Placement(rank=0, world_size=1, local_rank=0, local_world_size=1, node=socket.gethostname(),
-                     master_addr="127.0.0.1", master_port=None, source="single")  # fmt: skip
+    return Placement(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node=socket.gethostname(),
+        master_addr="127.0.0.1",
+        master_port=None,
+        source="single",
+    )
 
 
 # ------------------------------------------------------------------------------------------------ ports
@@ -206,8 +242,14 @@ def port_is_free(port: int, host: str = "") -> bool:
     return True
 
 
-def master_port(placement: Placement, rendezvous_dir: str | os.PathLike[str], *, name: str = "master",
-                timeout_s: float = 300.0, is_free: Callable[[int], bool] = port_is_free) -> Placement:  # fmt: skip
+def master_port(
+    placement: Placement,
+    rendezvous_dir: str | os.PathLike[str],
+    *,
+    name: str = "master",
+    timeout_s: float = 300.0,
+    is_free: Callable[[int], bool] = port_is_free,
+) -> Placement:
     """Decide the master port: rank 0 takes the first free candidate of its job and writes
     ``rendezvous_dir/<name>.json`` (atomically); the other ranks wait for that file. A placement that already has a
     port (torchrun) is returned as it is."""
@@ -215,16 +257,23 @@ def master_port(placement: Placement, rendezvous_dir: str | os.PathLike[str], *,
         return placement
     path = Path(rendezvous_dir) / f"{name}.json"
     if placement.rank == 0:
-        port = next((p for p in port_candidates(placement.job_id, salt=placement.het_group or 0) if is_free(p)),
-                    None)  # fmt: skip
+        port = next((p for p in port_candidates(placement.job_id, salt=placement.het_group or 0) if is_free(p)), None)
         if port is None:
             raise RuntimeError(f"no free port among the job's candidates {port_candidates(placement.job_id)}")
         addr = reachable_address(placement.master_addr)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"master_addr": addr, "master_port": port,
-                                   "job_id": placement.job_id, "attempt": placement.attempt,
-                                   "time": time.time()}))  # fmt: skip
+        tmp.write_text(
+            json.dumps(
+                {
+                    "master_addr": addr,
+                    "master_port": port,
+                    "job_id": placement.job_id,
+                    "attempt": placement.attempt,
+                    "time": time.time(),
+                }
+            )
+        )
         os.replace(tmp, path)
     else:
         deadline = time.monotonic() + timeout_s
@@ -238,8 +287,10 @@ def master_port(placement: Placement, rendezvous_dir: str | os.PathLike[str], *,
             except (FileNotFoundError, json.JSONDecodeError):
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {placement.rank} on {placement.node}: no {path} from rank 0 "
-                                   f"({placement.master_addr}) after {timeout_s:.0f} s")  # fmt: skip
+                raise TimeoutError(
+                    f"rank {placement.rank} on {placement.node}: no {path} from rank 0 "
+                    f"({placement.master_addr}) after {timeout_s:.0f} s"
+                )
             time.sleep(0.1)
     return Placement(**{**placement.as_dict(), "master_port": port, "master_addr": addr})  # type: ignore[arg-type]
 

@@ -1,13 +1,13 @@
-"""The Slurm batch script of a run, as a pure function of its config (stage: cluster; DESIGN sections 3 and 10).
+"""The Slurm batch script of a run, as a pure function of its config (stage: cluster; docs/design.md sections 3 and 10).
 
 `render_sbatch(cfg, config_path, overrides)` gives a heterogeneous job (component 0: `train.world_size` trainer
 ranks, component 1: `rollout.num_engines` engines) or, with `slurm.mode: split`, one allocation whose node list is
-split by role (for sites that forbid hetjobs). House style (DESIGN section 10): `set -euo pipefail`, START/END
+split by role (for sites that forbid hetjobs). House style (docs/design.md section 10): `set -euo pipefail`, START/END
 stamps, `# EDIT` on site values, `srun --kill-on-bad-exit=1 --wait=60`, `--signal=B:USR2@N` + `--requeue` with a
 handler that has the trainer checkpoint at the end of its step and then requeues the job, offline by default,
 a short TMPDIR, debug variables present but commented out.
 
-The script's flow is loop/workers.py's: `miles-hpc prepare`, the rollout step in the background, the training
+The script's flow is launch/workers.py's: `miles-hpc prepare`, the rollout step in the background, the training
 step, then `worker --role shutdown` whatever training did, so rollout nodes never idle until the walltime.
 """
 
@@ -23,8 +23,12 @@ __all__ = ["render_sbatch"]
 def _sbatch_lines(cfg: RunConfig, *, nodes: int, ntasks: int, partition: str | None) -> list[str]:
     s = cfg.slurm
     per_node = [f"#SBATCH --ntasks-per-node={ntasks // nodes}"] if ntasks % nodes == 0 and nodes > 1 else []
-    lines = [f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks={ntasks}", *per_node,
-             f"#SBATCH --cpus-per-task={s.cpus_per_task}"]  # fmt: skip
+    lines = [
+        f"#SBATCH --nodes={nodes}",
+        f"#SBATCH --ntasks={ntasks}",
+        *per_node,
+        f"#SBATCH --cpus-per-task={s.cpus_per_task}",
+    ]
     if s.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
     if partition:
@@ -36,10 +40,15 @@ def _sbatch_lines(cfg: RunConfig, *, nodes: int, ntasks: int, partition: str | N
 
 def _header(cfg: RunConfig) -> list[str]:
     s = cfg.slurm
-    lines = ["#!/bin/bash", "# Rendered by `miles-hpc submit --dry-run` from the run's config: change the config (its",
-             "# slurm: section) and render again rather than editing here. Extra key=value arguments to sbatch",
-             "# override the config.", f"#SBATCH --job-name={cfg.name}", f"#SBATCH --time={s.time}",
-             f"#SBATCH --output={s.output or cfg.run_dir + '/logs/slurm-%j.out'}"]  # fmt: skip
+    lines = [
+        "#!/bin/bash",
+        "# Rendered by `miles-hpc submit --dry-run` from the run's config: change the config (its",
+        "# slurm: section) and render again rather than editing here. Extra key=value arguments to sbatch",
+        "# override the config.",
+        f"#SBATCH --job-name={cfg.name}",
+        f"#SBATCH --time={s.time}",
+        f"#SBATCH --output={s.output or cfg.run_dir + '/logs/slurm-%j.out'}",
+    ]
     if s.account:
         lines.append(f"#SBATCH --account={s.account}  # EDIT")
     if s.qos:
@@ -106,17 +115,18 @@ def render_sbatch(cfg: RunConfig, config_path: str, overrides: list[str] | tuple
         lines += _sbatch_lines(cfg, nodes=s.rollout_nodes, ntasks=nroll, partition=s.rollout_partition or s.partition)
     else:
         lines += ["# one allocation: the first train_nodes nodes train, the others run the engines"]
-        lines += _sbatch_lines(cfg, nodes=s.train_nodes + s.rollout_nodes, ntasks=ntrain + nroll,
-                               partition=s.partition)  # fmt: skip
+        lines += _sbatch_lines(cfg, nodes=s.train_nodes + s.rollout_nodes, ntasks=ntrain + nroll, partition=s.partition)
     body = [_ENV]
     if s.site:
         body.append(f"source {shlex.quote(s.site)}  # site settings (ROCm/RCCL, NICs)\n")
     if s.setup:
         body.append("# EDIT: environment\n" + "".join(f"{x}\n" for x in s.setup))
     args = " ".join(shlex.quote(x) for x in (config_path, *overrides))
-    body.append("# run dir, resolved config, starting model, keys; extra key=value arguments of sbatch override "
-                "the config\n"
-                f'CONFIG=$(miles-hpc prepare {args} "$@" | tail -n 1)\nRUN=$(dirname "$CONFIG")\n')
+    body.append(
+        "# run dir, resolved config, starting model, keys; extra key=value arguments of sbatch override "
+        "the config\n"
+        f'CONFIG=$(miles-hpc prepare {args} "$@" | tail -n 1)\nRUN=$(dirname "$CONFIG")\n'
+    )
     body.append(_PREEMPT)
     srun = "srun --kill-on-bad-exit=1 --wait=60"
     if s.mode == "hetjob":
@@ -128,10 +138,14 @@ def render_sbatch(cfg: RunConfig, config_path: str, overrides: list[str] | tuple
             f'TRAIN_NODES=$(IFS=,; echo "${{NODES[*]:0:{s.train_nodes}}}")\n'
             f'ROLLOUT_NODES=$(IFS=,; echo "${{NODES[*]:{s.train_nodes}}}")\n'
         )
-        rollout = (f'{srun} --nodes={s.rollout_nodes} --ntasks={nroll} --nodelist="$ROLLOUT_NODES" '
-                   'miles-hpc worker --role rollout "$CONFIG" &')  # fmt: skip
-        train = (f'{srun} --nodes={s.train_nodes} --ntasks={ntrain} --nodelist="$TRAIN_NODES" '
-                 'miles-hpc worker --role train "$CONFIG" &')  # fmt: skip
+        rollout = (
+            f'{srun} --nodes={s.rollout_nodes} --ntasks={nroll} --nodelist="$ROLLOUT_NODES" '
+            'miles-hpc worker --role rollout "$CONFIG" &'
+        )
+        train = (
+            f'{srun} --nodes={s.train_nodes} --ntasks={ntrain} --nodelist="$TRAIN_NODES" '
+            'miles-hpc worker --role train "$CONFIG" &'
+        )
     body.append(f"{rollout}\nROLLOUT=$!\n{train}\nTRAIN=$!\n")
     body.append(_FINISH)
     return "\n".join(lines) + "\n\n" + "\n".join(body)

@@ -48,8 +48,14 @@ def write_plan(root: Path, config: str, overrides: list[str], points: list[dict[
     tasks = []
     for i, point in enumerate(points):
         run_dir = root / point_name(i, point)
-        tasks.append({"index": i, "run_dir": str(run_dir), "point": point,
-                      "overrides": [*overrides, *(f"{k}={v}" for k, v in point.items()), f"run_dir={run_dir}"]})  # fmt: skip
+        tasks.append(
+            {
+                "index": i,
+                "run_dir": str(run_dir),
+                "point": point,
+                "overrides": [*overrides, *(f"{k}={v}" for k, v in point.items()), f"run_dir={run_dir}"],
+            }
+        )
     root.mkdir(parents=True, exist_ok=True)
     path = root / "sweep.json"
     tmp = path.with_suffix(".tmp")
@@ -62,10 +68,16 @@ def render_array(cfg: RunConfig, plan: Path, n: int, *, max_parallel: int | None
     """An array job of ``n`` tasks, each one node running `miles-hpc sweep-task PLAN $SLURM_ARRAY_TASK_ID`."""
     s = cfg.slurm
     limit = f"%{max_parallel}" if max_parallel else ""
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={cfg.name}-sweep", f"#SBATCH --time={s.time}",
-             f"#SBATCH --array=0-{n - 1}{limit}", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
-             f"#SBATCH --cpus-per-task={max(s.cpus_per_task, cfg.train.world_size + cfg.rollout.num_engines)}",
-             f"#SBATCH --output={plan.parent}/slurm-%A_%a.out"]  # fmt: skip
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={cfg.name}-sweep",
+        f"#SBATCH --time={s.time}",
+        f"#SBATCH --array=0-{n - 1}{limit}",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks=1",
+        f"#SBATCH --cpus-per-task={max(s.cpus_per_task, cfg.train.world_size + cfg.rollout.num_engines)}",
+        f"#SBATCH --output={plan.parent}/slurm-%A_%a.out",
+    ]
     if s.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
     for key, value in (("partition", s.partition), ("account", s.account), ("qos", s.qos)):
@@ -74,14 +86,18 @@ def render_array(cfg: RunConfig, plan: Path, n: int, *, max_parallel: int | None
     if s.requeue:
         lines.append("#SBATCH --requeue  # a requeued task resumes its run from the last checkpoint")
     lines += [f"#SBATCH {x}" for x in s.extra_sbatch]
-    body = ["set -euo pipefail", 'echo "START $(date -u +%FT%TZ) task ${SLURM_ARRAY_TASK_ID} of job ${SLURM_ARRAY_JOB_ID}"',
-            "export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1",
-            'export TMPDIR="/tmp/mh-${SLURM_JOB_ID}"', 'mkdir -p "$TMPDIR"', "export PYTHONUNBUFFERED=1"]  # fmt: skip
+    body = [
+        "set -euo pipefail",
+        'echo "START $(date -u +%FT%TZ) task ${SLURM_ARRAY_TASK_ID} of job ${SLURM_ARRAY_JOB_ID}"',
+        "export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1",
+        'export TMPDIR="/tmp/mh-${SLURM_JOB_ID}"',
+        'mkdir -p "$TMPDIR"',
+        "export PYTHONUNBUFFERED=1",
+    ]
     if s.site:
         body.append(f"source {shlex.quote(s.site)}")
     body += list(s.setup)
-    body += [f'miles-hpc sweep-task {shlex.quote(str(plan))} "$SLURM_ARRAY_TASK_ID"',
-             'echo "END $(date -u +%FT%TZ)"']  # fmt: skip
+    body += [f'miles-hpc sweep-task {shlex.quote(str(plan))} "$SLURM_ARRAY_TASK_ID"', 'echo "END $(date -u +%FT%TZ)"']
     return "\n".join(lines) + "\n\n" + "\n".join(body) + "\n"
 
 

@@ -1,6 +1,8 @@
-"""Data stage: the Sample record, prompt datasets and the HDF5 trajectory store (DESIGN section 7).
+"""Data (stage: data; docs/formats.md): the `Sample` record, prompt datasets and tasks, HDF5 trajectory shards.
 
-Imports nothing of ours but ``miles_hpc.config`` (DESIGN section 2).
+`sample`, `schema` (the shard layout, a contract), `store` (writer), `reader`, `inspect` (``miles-hpc inspect``),
+`prompts`, `tasks` (built-in tasks), `terminal_env` (the reference multi-turn environment). Imports nothing of ours
+but ``miles_hpc.config``.
 """
 
 from miles_hpc.data.inspect import format_summary, summarize

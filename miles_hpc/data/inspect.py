@@ -1,4 +1,4 @@
-"""Summaries of trajectory shards for ``miles-hpc inspect PATH`` (stage: data; DESIGN sections 7 and 8).
+"""Summaries of trajectory shards for ``miles-hpc inspect PATH`` (stage: data; docs/design.md sections 7 and 8).
 
 :func:`summarize` reads the flat datasets directly (no Sample objects), so it is cheap on large runs; it validates
 every shard with the same checks as the reader and raises :class:`TrajectoryFileError` for bad input.

@@ -1,4 +1,4 @@
-"""Prompt datasets (stage: data; DESIGN section 7): load, render to token ids, iterate epoch after epoch.
+"""Prompt datasets (stage: data; docs/design.md section 7): load, render to token ids, iterate epoch after epoch.
 
 Invariants:
 - A prompt file is JSONL (``.jsonl``, one JSON object per line) or Parquet (``.parquet``/``.pq``, needs pyarrow).
@@ -99,8 +99,9 @@ def _record(
     prompt = row[prompt_key]
     if isinstance(prompt, list):
         prompt = [dict(m) for m in prompt]
-    return PromptRecord(prompt_id=index, prompt=prompt, label=row.get(label_key) if label_key else None,
-                        metadata=metadata)
+    return PromptRecord(
+        prompt_id=index, prompt=prompt, label=row.get(label_key) if label_key else None, metadata=metadata
+    )
 
 
 def _load_jsonl(path: Path, prompt_key: str, label_key: str | None) -> list[PromptRecord]:
@@ -126,9 +127,7 @@ def _load_parquet(path: Path, prompt_key: str, label_key: str | None) -> list[Pr
     for key in (prompt_key, label_key):
         if key is not None and key not in table.column_names:
             raise PromptDataError(path, None, f"no column {key!r} (columns: {table.column_names})")
-    return [
-        _record(row, i, path, i + 1, prompt_key, label_key, "row") for i, row in enumerate(table.to_pylist())
-    ]
+    return [_record(row, i, path, i + 1, prompt_key, label_key, "row") for i, row in enumerate(table.to_pylist())]
 
 
 def load_prompts(
@@ -285,8 +284,10 @@ class PromptIterator:
         """Resume at ``state``; refuses a state from a different dataset size, seed or shuffle setting."""
         for key, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("num_records", len(self._records))):
             if key in state and state[key] != mine:
-                raise ValueError(f"prompt iterator state has {key}={state[key]!r} but this iterator has {mine!r}: "
-                                 "the resumed order would differ")
+                raise ValueError(
+                    f"prompt iterator state has {key}={state[key]!r} but this iterator has {mine!r}: "
+                    "the resumed order would differ"
+                )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < len(self._records):
             raise ValueError(f"prompt iterator state out of range: epoch={epoch}, position={position}")

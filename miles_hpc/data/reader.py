@@ -1,4 +1,4 @@
-"""HDF5 trajectory store, reading side (stage: data; DESIGN section 7): shards -> Samples, in write order.
+"""HDF5 trajectory store, reading side (stage: data; docs/design.md section 7): shards -> Samples, in write order.
 
 Invariants:
 - Only complete ``*.h5`` shards are read, sorted by name (= write order for one prefix); ``*.h5.partial`` files

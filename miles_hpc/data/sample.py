@@ -1,4 +1,4 @@
-"""The trajectory record (stage: data; DESIGN section 7, a contract): one prompt + response, per-token facts.
+"""The trajectory record (stage: data; docs/design.md section 7, a contract): one prompt + response, per-token facts.
 
 A :class:`Sample` is what rollout produces, the buffer holds, the trainer consumes and the HDF5 store mirrors
 1:1 (see :mod:`miles_hpc.data.store`). Invariants, checked by :meth:`Sample.validate` (run on construction and
@@ -12,7 +12,7 @@ again by the writer, because the record is mutable):
 - Token ids, versions and ``train_step`` fit int32 (the on-disk dtype); ids are >= 0, versions >= -1;
   ``reward`` is finite and fits float32; log-probs are not NaN.
 - ``token_hash == token_hash(tokens)``: it is computed when left empty, and a mismatch is an error. It travels
-  with the sample so the trainer can prove it trains on exactly the generated ids (TITO, DESIGN section 4).
+  with the sample so the trainer can prove it trains on exactly the generated ids (TITO, docs/design.md section 4).
 - ``routed_experts`` is ``None`` or an integer array ``[rows, layers, top_k]`` with ``1 <= rows <= len(tokens)``
   (SGLang returns ``len(tokens) - 1`` rows). A zero-row array carries no information and is normalised to
   ``None``, so "no routing" has one representation and the store round-trips it exactly.
@@ -93,7 +93,7 @@ def _per_token(name: str, values: Any, kinds: str) -> np.ndarray:
 
 @dataclass(kw_only=True, slots=True, eq=False, repr=False)
 class Sample:
-    """One prompt + response with per-token facts; fields mirror the HDF5 datasets 1:1 (DESIGN section 7)."""
+    """One prompt + response with per-token facts; fields mirror the HDF5 datasets 1:1 (docs/design.md section 7)."""
 
     prompt_id: int
     group_id: int

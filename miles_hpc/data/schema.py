@@ -1,4 +1,4 @@
-"""The HDF5 trajectory shard layout (stage: data; DESIGN section 7, a contract) and its validation.
+"""The HDF5 trajectory shard layout (stage: data; docs/design.md section 7, a contract) and its validation.
 
 One shard = one HDF5 file, written by one writer. Layout (N samples, T tokens, T_r routing rows)::
 

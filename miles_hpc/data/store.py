@@ -1,4 +1,4 @@
-"""HDF5 trajectory store, writing side (stage: data; DESIGN section 7): batches of Samples -> rolled shards.
+"""HDF5 trajectory store, writing side (stage: data; docs/design.md section 7): batches of Samples -> rolled shards.
 
 Invariants:
 - A shard is written as ``{prefix}-{index:05d}.h5.partial`` and renamed to ``{prefix}-{index:05d}.h5`` only after

@@ -94,14 +94,30 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec(
             name="arith", answer_format="the sum as one decimal digit, e.g. '8'", max_answer_tokens=1, draw=_arith
         ),
-        TaskSpec(name="copy", answer_format=f"the 2-4 letters (from {_LETTERS!r}) after 'copy '", max_answer_tokens=4,
-                 draw=_copy),
-        TaskSpec(name="reverse", answer_format=f"the 2-4 letters (from {_LETTERS!r}) after 'reverse ', reversed",
-                 max_answer_tokens=4, draw=_reverse),
-        TaskSpec(name="echo", answer_format=f"the 1-{_ECHO_MAX} letters (from {_LETTERS!r}) after 'echo '",
-                 max_answer_tokens=_ECHO_MAX, draw=_echo),
-        TaskSpec(name="terminal", answer_format="commands over turns; the answer written to /answer.txt",
-                 max_answer_tokens=32, draw=_terminal),
+        TaskSpec(
+            name="copy",
+            answer_format=f"the 2-4 letters (from {_LETTERS!r}) after 'copy '",
+            max_answer_tokens=4,
+            draw=_copy,
+        ),
+        TaskSpec(
+            name="reverse",
+            answer_format=f"the 2-4 letters (from {_LETTERS!r}) after 'reverse ', reversed",
+            max_answer_tokens=4,
+            draw=_reverse,
+        ),
+        TaskSpec(
+            name="echo",
+            answer_format=f"the 1-{_ECHO_MAX} letters (from {_LETTERS!r}) after 'echo '",
+            max_answer_tokens=_ECHO_MAX,
+            draw=_echo,
+        ),
+        TaskSpec(
+            name="terminal",
+            answer_format="commands over turns; the answer written to /answer.txt",
+            max_answer_tokens=32,
+            draw=_terminal,
+        ),
     )
 }
 

@@ -136,8 +136,11 @@ class TerminalEnv:
             d = self._path(args[0] if args else ".")
             if d not in self._dirs():
                 raise ValueError(f"ls: {d}: no such directory")
-            names = {p[len(d.rstrip("/")) + 1 :].split("/")[0] for p in [*self.files, *self._dirs()]
-                     if p.startswith(d.rstrip("/") + "/") and p != d}  # fmt: skip
+            names = {
+                p[len(d.rstrip("/")) + 1 :].split("/")[0]
+                for p in [*self.files, *self._dirs()]
+                if p.startswith(d.rstrip("/") + "/") and p != d
+            }
             return "\n".join(sorted(names))
         if cmd == "cat":
             return self._read(args[0])
@@ -152,5 +155,6 @@ class TerminalEnv:
             root = self._path(args[0]) if args and args[0] != "-name" else self.cwd
             name = args[args.index("-name") + 1] if "-name" in args else ""
             return "\n".join(sorted(p for p in self.files if p.startswith(root.rstrip("/") + "/") and name in p))
-        return (f"error: unknown command {cmd!r} (try ls, cat, head, grep, wc -l, find, pwd, cd, echo TEXT > FILE, "
-                "submit)")
+        return (
+            f"error: unknown command {cmd!r} (try ls, cat, head, grep, wc -l, find, pwd, cd, echo TEXT > FILE, submit)"
+        )

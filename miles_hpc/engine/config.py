@@ -20,7 +20,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineConfig:
-    """Knobs of the embedded inference engine (see DESIGN section 4)."""
+    """Knobs of the embedded inference engine (see docs/design.md section 4)."""
 
     device: str = "cpu"
     """torch device of the weights and the KV cache ("cpu", "cuda", "cuda:1", ...)."""
@@ -84,8 +84,10 @@ class EngineConfig:
         for name in ("triton_kernels", "cuda_graphs", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.fused_extend_tokens, int) or isinstance(self.fused_extend_tokens, bool) or (
-            self.fused_extend_tokens < 0
+        if (
+            not isinstance(self.fused_extend_tokens, int)
+            or isinstance(self.fused_extend_tokens, bool)
+            or (self.fused_extend_tokens < 0)
         ):
             raise ValueError(f"fused_extend_tokens must be an int >= 0, got {self.fused_extend_tokens!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

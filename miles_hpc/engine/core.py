@@ -71,14 +71,24 @@ class Engine:
         bs = config.block_size
         # MLA models cache the expanded per-head keys (nope + rope) and values, not the compressed latent: simple,
         # exact, and fine at the sizes the embedded engine serves; SGLang serves the large ones.
-        geometry = dict(num_layers=mc.num_hidden_layers, block_size=bs, kv_heads=mc.num_key_value_heads,
-                        head_dim=mc.qk_head_dim, v_head_dim=mc.v_head_dim if mc.is_mla else mc.head_dim,
-                        dtype=dtype)  # fmt: skip
+        geometry = dict(
+            num_layers=mc.num_hidden_layers,
+            block_size=bs,
+            kv_heads=mc.num_key_value_heads,
+            head_dim=mc.qk_head_dim,
+            v_head_dim=mc.v_head_dim if mc.is_mla else mc.head_dim,
+            dtype=dtype,
+        )
         num_blocks = config.num_blocks or self._auto_num_blocks(geometry)
         # One block more than the allocator hands out: the scratch block that padding rows of captured decode
         # batches write to (cuda_graphs.py), so they never touch a real request's KV.
-        self.cache = KVCache(**geometry, num_blocks=num_blocks + 1, device=self.device,
-                             num_moe_layers=self.num_moe_layers, top_k=self.top_k)  # fmt: skip
+        self.cache = KVCache(
+            **geometry,
+            num_blocks=num_blocks + 1,
+            device=self.device,
+            num_moe_layers=self.num_moe_layers,
+            top_k=self.top_k,
+        )
         self.blocks = BlockManager(
             num_blocks, bs, max_rows=config.max_running_requests, max_blocks_per_seq=-(-self.max_context_len // bs)
         )
@@ -89,12 +99,23 @@ class Engine:
             enable_prefix_cache=config.enable_prefix_cache,
         )
         self.loras = AdapterSet(self.model, self.device, dtype, max_loras=config.max_loras)
-        self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device,
-                                  triton_kernels=config.triton_kernels, cuda_graphs=config.cuda_graphs,
-                                  fused_extend_tokens=config.fused_extend_tokens, loras=self.loras,
-                                  batch_invariant=config.batch_invariant)  # fmt: skip
-        self.limits = Limits(vocab_size=self.vocab_size, max_context_len=self.max_context_len,
-                             kv_capacity_tokens=num_blocks * bs, num_moe_layers=self.num_moe_layers)  # fmt: skip
+        self.runner = ModelRunner(
+            self.model,
+            self.cache,
+            self.blocks,
+            self.device,
+            triton_kernels=config.triton_kernels,
+            cuda_graphs=config.cuda_graphs,
+            fused_extend_tokens=config.fused_extend_tokens,
+            loras=self.loras,
+            batch_invariant=config.batch_invariant,
+        )
+        self.limits = Limits(
+            vocab_size=self.vocab_size,
+            max_context_len=self.max_context_len,
+            kv_capacity_tokens=num_blocks * bs,
+            num_moe_layers=self.num_moe_layers,
+        )
 
         self._lock = threading.Lock()  # inbox, live rids, paused flag; held briefly, never across a step
         self._cond = threading.Condition(self._lock)
@@ -209,14 +230,24 @@ class Engine:
         """
         validate_request(req, self.limits)
         if req.lora_path is not None and req.lora_path not in self.loras:
-            raise RequestError(f"LoRA adapter {req.lora_path!r} is not loaded (loaded: {sorted(self.loras.adapters)}; "
-                               "POST /load_lora_adapter first)")  # fmt: skip
+            raise RequestError(
+                f"LoRA adapter {req.lora_path!r} is not loaded (loaded: {sorted(self.loras.adapters)}; "
+                "POST /load_lora_adapter first)"
+            )
         sp = req.sampling
         prompt = list(req.input_ids)
         early = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
-        r = Req(req=req, on_done=on_done, seed=0, t_submit=time.monotonic(), tokens=prompt, prompt_len=len(prompt),
-                banned_early=tuple(sorted(early)), stop_ids=frozenset(sp.stop_token_ids),
-                namespace=None if req.lora_path is None else b"lora\0" + req.lora_path.encode())  # fmt: skip
+        r = Req(
+            req=req,
+            on_done=on_done,
+            seed=0,
+            t_submit=time.monotonic(),
+            tokens=prompt,
+            prompt_len=len(prompt),
+            banned_early=tuple(sorted(early)),
+            stop_ids=frozenset(sp.stop_token_ids),
+            namespace=None if req.lora_path is None else b"lora\0" + req.lora_path.encode(),
+        )
         k = req.logprob_start_len
         if req.return_logprob and k >= 0:
             r.input_logprobs = [None] * len(prompt)
@@ -317,8 +348,9 @@ class Engine:
         as a weight update's). The prefix cache is flushed: KV computed under the old adapter is never reused."""
         with self._between_steps():
             if name in self.loras and not self._paused and self._uses(name):
-                raise RequestError(f"LoRA adapter {name!r} is in use by running requests: pause generation before "
-                                   "replacing it")  # fmt: skip
+                raise RequestError(
+                    f"LoRA adapter {name!r} is in use by running requests: pause generation before replacing it"
+                )
             try:
                 self.loras.load(name, path)
             except (OSError, ValueError, KeyError) as e:
@@ -352,8 +384,11 @@ class Engine:
         """Abort the requests whose LoRA adapter is no longer loaded (unloaded during a pause)."""
         with self._between_steps():
             self._drain_inbox()
-            gone = [r for r in (*self.scheduler.running, *self.scheduler.waiting)
-                    if r.req.lora_path is not None and r.req.lora_path not in self.loras]  # fmt: skip
+            gone = [
+                r
+                for r in (*self.scheduler.running, *self.scheduler.waiting)
+                if r.req.lora_path is not None and r.req.lora_path not in self.loras
+            ]
             results = []
             for r in gone:
                 self.scheduler.remove(r.rid)
@@ -362,12 +397,12 @@ class Engine:
         _deliver(results)
 
     def checksums(self) -> dict[str, str]:
-        """HF name -> `sync.checksum.tensor_checksum` of the engine's tensor (Hub per-expert layout for MoE)."""
+        """HF name -> `sync.wire.checksum.tensor_checksum` of the engine's tensor (Hub per-expert layout for MoE)."""
         with self._between_steps():
             return checksums(self.model)
 
     def piece_checksums(self, boxes: dict[str, list[list[int]]]) -> dict[str, str]:
-        """`sync.checksum.piece_key` -> checksum of each box (``[lo0, hi0, lo1, hi1, ...]``) of each HF tensor."""
+        """`sync.wire.checksum.piece_key` -> checksum of each box (``[lo0, hi0, lo1, hi1, ...]``) of each HF tensor."""
         with self._between_steps():
             return piece_checksums(self.model, boxes)
 

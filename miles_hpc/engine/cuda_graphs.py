@@ -89,8 +89,9 @@ class DecodeRunner:
                 self.forward(*args)
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
-        log.info("captured %d decode graphs (batch %s) in %.2f s", len(self.graphs), self.sizes,
-                 time.perf_counter() - t0)  # fmt: skip
+        log.info(
+            "captured %d decode graphs (batch %s) in %.2f s", len(self.graphs), self.sizes, time.perf_counter() - t0
+        )
 
     def _args(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.idpos[0, :bs], self.idpos[1, :bs], self.tables[:bs], self.logits[:bs]

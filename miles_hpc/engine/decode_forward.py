@@ -100,10 +100,18 @@ class DecodeForward:
             qkv = F.linear(h, *self.qkv[i])
             nq, nkv = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
             q = ops.qk_norm_rope_store(
-                qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :],
-                None if qn is None else qn.weight, None if kn is None else kn.weight, 0.0 if qn is None else qn.eps,
-                cos, sin, kc, vc, slots,
-            )  # fmt: skip
+                qkv[:, :nq],
+                qkv[:, nq : nq + nkv],
+                qkv[:, nq + nkv :],
+                None if qn is None else qn.weight,
+                None if kn is None else kn.weight,
+                0.0 if qn is None else qn.eps,
+                cos,
+                sin,
+                kc,
+                vc,
+                slots,
+            )
             o = ops.attention(q, kc, vc, block_tables, context_lens, block_size=bs, scale=att.scale)
             o = att.o_proj(o.view(n, att.num_heads * att.head_dim))
             post = layer.post_attention_layernorm

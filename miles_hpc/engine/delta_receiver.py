@@ -1,7 +1,7 @@
 """The receiving side of the "delta" weight sync: ``POST /update_weights_from_delta`` (our extension).
 
-Stage: engine (weight sync, engine side). The trainer (``sync/delta.py``) writes a version directory
-(``sync/delta_manifest.py``: manifest + payload files) and names it here; `apply_version` reads it, decodes each
+Stage: engine (weight sync, engine side). The trainer (``sync/strategies/delta.py``) writes a version directory
+(``sync/codec/delta_manifest.py``: manifest + payload files) and names it here; `apply_version` reads it, decodes each
 tensor against this engine's current value of that HF tensor (the same name mapping as ``/weights_checker``:
 ``models.hf_target``, per-expert views of fused MoE tensors), and applies the results with
 ``Engine.update_weights``, the last part carrying the new ``weight_version``. A frame that codes a group of tensors
@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from miles_hpc.models import hf_target
-from miles_hpc.sync.checksum import tensor_checksums
-from miles_hpc.sync.delta_codec import DeltaError, decode
-from miles_hpc.sync.delta_manifest import Entry, Manifest, read_manifest, read_payload
+from miles_hpc.sync.codec.delta_codec import DeltaError, decode
+from miles_hpc.sync.codec.delta_manifest import Entry, Manifest, read_manifest, read_payload
+from miles_hpc.sync.wire.checksum import tensor_checksums
 
 from .core import Engine, RequestError
 
@@ -70,11 +70,15 @@ def apply_version(
         raise RequestError(f"weight_version {weight_version!r} in the request, {m.version!r} in {where}")
     if m.base_version is not None:
         if engine.weight_version != m.base_version:
-            raise RequestError(f"engine holds weight version {engine.weight_version!r}, the delta in {directory} is "
-                               f"against {m.base_version!r}: it needs the full tensors")  # fmt: skip
+            raise RequestError(
+                f"engine holds weight version {engine.weight_version!r}, the delta in {directory} is "
+                f"against {m.base_version!r}: it needs the full tensors"
+            )
         if engine.half_updated:
-            raise RequestError(f"engine weights are half-updated, not version {m.base_version!r}: a delta cannot "
-                               "apply; it needs the full tensors")  # fmt: skip
+            raise RequestError(
+                f"engine weights are half-updated, not version {m.base_version!r}: a delta cannot "
+                "apply; it needs the full tensors"
+            )
     targets, skip = _targets(engine, m, directory)
     for e in m.tensors:  # every frame readable and as described before anything is written
         read_payload(directory, e)
@@ -118,8 +122,10 @@ def _targets(engine: Engine, m: Manifest, directory: Path) -> tuple[dict[str, to
             raise RequestError(f"{where}: shape {e.shape}, the model's is {tuple(target.shape)}")
         held = str(target.dtype).removeprefix("torch.")
         if e.kind != "full" and held != e.dtype:
-            raise RequestError(f"{where}: a {e.dtype} delta, but this engine holds {held}: deltas need the engine "
-                               f"in the rollout dtype (send full tensors, or serve with --dtype {e.dtype})")  # fmt: skip
+            raise RequestError(
+                f"{where}: a {e.dtype} delta, but this engine holds {held}: deltas need the engine "
+                f"in the rollout dtype (send full tensors, or serve with --dtype {e.dtype})"
+            )
         out[e.name] = target
     return out, skip
 
@@ -159,8 +165,9 @@ def _decode_group(
     at = 0
     for e in entries:
         if e.elem_offset != at:
-            raise RequestError(f"{where}: the group's tensors do not tile it ({e.name!r} starts at {e.elem_offset}, "
-                               f"expected {at})")  # fmt: skip
+            raise RequestError(
+                f"{where}: the group's tensors do not tile it ({e.name!r} starts at {e.elem_offset}, expected {at})"
+            )
         at += math.prod(e.shape)
     payload = read_payload(directory, first)
     if payload.shape != (at,):
@@ -178,7 +185,9 @@ def _decode_group(
     got = tensor_checksums(news)
     for e, (name, _) in zip(entries, news):  # all checked before any is applied
         if got[name] != e.checksum:
-            raise RequestError(f"tensor {name!r} in {directory / e.file}: checksum mismatch after decoding its group: "
-                               f"got {got[name]}, the manifest says {e.checksum} (corrupt payload, or this engine's "
-                               "tensor is not the one the delta was made against)")  # fmt: skip
+            raise RequestError(
+                f"tensor {name!r} in {directory / e.file}: checksum mismatch after decoding its group: "
+                f"got {got[name]}, the manifest says {e.checksum} (corrupt payload, or this engine's "
+                "tensor is not the one the delta was made against)"
+            )
     yield from news

@@ -43,7 +43,7 @@ def handle_entries(model: CausalLM) -> tuple[list[tuple[str, torch.Tensor]], lis
 
 def weight_handles(model: CausalLM, instance_id: str) -> dict[str, Any]:
     """The `/weights_ipc_handles` answer: {instance, payload (base64 pickle of the parameters' handles), entries}."""
-    from miles_hpc.sync.colocated import serialize_named
+    from miles_hpc.sync.wire.tensor_pickle import serialize_named
 
     if not next(model.parameters()).is_cuda:
         raise ValueError("weight handles need an engine on a GPU (CUDA IPC)")

@@ -65,7 +65,13 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(
-        *, num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, routing_width: int,
+        *,
+        num_layers: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        routing_width: int,
         v_head_dim: int | None = None,
     ) -> int:
         """Device bytes one block costs (K + V over all layers, plus routing ids), to size the cache."""

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from miles_hpc.models.lora import LoraAdapter, adapter_modules, load_adapter, peft_name
-from miles_hpc.sync.checksum import tensor_checksums
+from miles_hpc.sync.wire.checksum import tensor_checksums
 
 __all__ = ["AdapterSet"]
 
@@ -47,8 +47,10 @@ class AdapterSet:
     def load(self, name: str, path: str) -> LoraAdapter:
         """Read the PEFT adapter at `path` and serve it as `name` (replacing an adapter of that name)."""
         if name not in self.adapters and len(self.adapters) >= self.max_loras:
-            raise ValueError(f"cannot load LoRA adapter {name!r}: {len(self.adapters)} adapters are loaded, the "
-                             f"most this engine holds (max_loras); unload one first")  # fmt: skip
+            raise ValueError(
+                f"cannot load LoRA adapter {name!r}: {len(self.adapters)} adapters are loaded, the "
+                f"most this engine holds (max_loras); unload one first"
+            )
         spec, tensors = load_adapter(path)
         modules = adapter_modules(tensors)
         for module, (out_f, in_f) in modules.items():
@@ -56,8 +58,10 @@ class AdapterSet:
             if lin is None:
                 raise ValueError(f"{path}: adapter module {module!r} is not a linear layer of this model")
             if (lin.out_features, lin.in_features) != (out_f, in_f):
-                raise ValueError(f"{path}: {peft_name(module, 'B')} adapts a [{out_f}, {in_f}] weight, the model's "
-                                 f"{module} is [{lin.out_features}, {lin.in_features}]")  # fmt: skip
+                raise ValueError(
+                    f"{path}: {peft_name(module, 'B')} adapts a [{out_f}, {in_f}] weight, the model's "
+                    f"{module} is [{lin.out_features}, {lin.in_features}]"
+                )
         adapter = LoraAdapter(spec, modules, device=self.device, dtype=self.dtype)
         adapter.load_peft_state({k: v.to(self.dtype) for k, v in tensors.items()}, source=path)
         adapter.requires_grad_(False)
@@ -82,8 +86,10 @@ class AdapterSet:
         return tensor_checksums(self.adapters[name].peft_state())
 
     def info(self) -> list[dict[str, Any]]:
-        return [{"lora_name": n, "lora_path": self.paths[n], "rank": a.spec.rank, "bytes": a.num_bytes()}
-                for n, a in self.adapters.items()]  # fmt: skip
+        return [
+            {"lora_name": n, "lora_path": self.paths[n], "rank": a.spec.rank, "bytes": a.num_bytes()}
+            for n, a in self.adapters.items()
+        ]
 
     @contextmanager
     def step(self, row_adapters: Sequence[str | None]) -> Iterator[None]:

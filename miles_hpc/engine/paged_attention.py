@@ -23,6 +23,7 @@ row's output is bit-identical to the trainer's whole-sequence computation. Costs
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -100,19 +101,27 @@ class AttentionMetadata:
         slot_mapping = tables[seq, pos // block_size] * block_size + pos % block_size
         ctx = starts_t + lens_t
 
-        q_starts = [0] * b
-        for i in range(1, b):
-            q_starts[i] = q_starts[i - 1] + lens[i - 1]
+        q_starts = list(itertools.accumulate(lens[:-1], initial=0))  # sequence i's first row in the packed step
         if batch_invariant:
             seqs = []
             for i in range(b):
                 kpos = torch.arange(starts[i] + lens[i], device=device)
                 slots = tables[i, kpos // block_size] * block_size + kpos % block_size
                 seqs.append(InvariantSeq(q_starts[i], q_starts[i] + lens[i], kpos[starts[i] :], slots))
-            return cls(positions=pos, slot_mapping=slot_mapping, query_start_loc=qsl.to(torch.int32),
-                       context_lens=ctx.to(torch.int32), block_tables=block_tables, decode_rows=None,
-                       decode_slots=None, decode_mask=None, decode_tables=None, decode_lens=None, prefills=[],
-                       invariant_seqs=seqs)  # fmt: skip
+            return cls(
+                positions=pos,
+                slot_mapping=slot_mapping,
+                query_start_loc=qsl.to(torch.int32),
+                context_lens=ctx.to(torch.int32),
+                block_tables=block_tables,
+                decode_rows=None,
+                decode_slots=None,
+                decode_mask=None,
+                decode_tables=None,
+                decode_lens=None,
+                prefills=[],
+                invariant_seqs=seqs,
+            )
         dec = [i for i in range(b) if lens[i] == 1]
         decode_rows = decode_slots = decode_mask = decode_tables = decode_lens = None
         if dec and not gather_decode:
@@ -130,23 +139,7 @@ class AttentionMetadata:
             decode_mask = (kpos[None, :] < ctx[idx][:, None])[:, None, None, :]
             decode_slots = decode_slots.masked_fill(~decode_mask[:, 0, 0], 0)
             decode_rows = qsl[:-1][idx]
-        prefills = []
-        for i in range(b):
-            if lens[i] == 1:
-                continue
-            qs, n, s = q_starts[i], lens[i], starts[i]
-            if s == 0:
-                last = prefills[-1] if prefills else None
-                if last and last.key_slots is None and last.q_end == qs and n * last.count == qs - last.q_start:
-                    last.q_end, last.count = qs + n, last.count + 1  # one more of the same length, right after
-                else:
-                    prefills.append(PrefillSeq(qs, qs + n, None, None))
-                continue
-            kpos = torch.arange(s + n, device=device)
-            slots = tables[i, kpos // block_size] * block_size + kpos % block_size
-            qpos = torch.arange(s, s + n, device=device)
-            mask = (kpos[None, :] <= qpos[:, None])[None, None]
-            prefills.append(PrefillSeq(qs, qs + n, slots, mask))
+        prefills = _prefill_seqs(starts, lens, q_starts, tables, block_size, device)
         return cls(
             positions=pos,
             slot_mapping=slot_mapping,
@@ -160,6 +153,37 @@ class AttentionMetadata:
             decode_lens=decode_lens,
             prefills=prefills,
         )
+
+
+def _prefill_seqs(
+    starts: list[int],
+    lens: list[int],
+    q_starts: list[int],
+    tables: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> list[PrefillSeq]:
+    """The prefill rows of a step (every sequence with more than one new token): fresh prompts of one length that
+    follow each other share one entry (no key slots: attention within the chunk); a prompt continued from the
+    cache gets its key slots and causal mask."""
+    prefills: list[PrefillSeq] = []
+    for i in range(len(starts)):
+        if lens[i] == 1:
+            continue
+        qs, n, s = q_starts[i], lens[i], starts[i]
+        if s == 0:
+            last = prefills[-1] if prefills else None
+            if last and last.key_slots is None and last.q_end == qs and n * last.count == qs - last.q_start:
+                last.q_end, last.count = qs + n, last.count + 1  # one more of the same length, right after
+            else:
+                prefills.append(PrefillSeq(qs, qs + n, None, None))
+            continue
+        kpos = torch.arange(s + n, device=device)
+        slots = tables[i, kpos // block_size] * block_size + kpos % block_size
+        qpos = torch.arange(s, s + n, device=device)
+        mask = (kpos[None, :] <= qpos[:, None])[None, None]
+        prefills.append(PrefillSeq(qs, qs + n, slots, mask))
+    return prefills
 
 
 class PagedAttention:

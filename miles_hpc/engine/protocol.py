@@ -4,7 +4,7 @@ Stage: engine (HTTP layer; no I/O here, so every rule is unit-testable without a
 
 Invariants:
 - A request body is a JSON object whose keys are field names of the matching SGLang request type (sglang 0.5.23
-  ``io_struct``; see /work/shared/reference/sglang_api.md). A key SGLang does not have -> :class:`BadRequest`
+  ``io_struct``; docs/engine.md, HTTP API). A key SGLang does not have -> :class:`BadRequest`
   naming it (SGLang rejects unknown fields too, so a client that passes here also passes there). A field SGLang
   has but the embedded engine does not implement is accepted only at its SGLang default; any other value is a
   400 saying it is not supported, never silently ignored. ``null`` means "the default", as in SGLang.
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from miles_hpc.sync.tensor_handles import DTYPE_NAMES
+from miles_hpc.sync.wire.tensor_handles import DTYPE_NAMES
 
 from .types import GenerateRequest, GenerateResult, SamplingParams
 
@@ -173,12 +173,15 @@ _NO_NAMESPACE = "prefix-cache namespaces are not implemented"
 UNSUPPORTED_GENERATE_FIELDS: dict[str, str] = {  # SGLang fields accepted only when absent/null
     "text": "text input is not supported: send input_ids (token-in token-out)",
     "input_embeds": "input_embeds is not supported: send input_ids",
-    "image_data": _MULTIMODAL, "video_data": _MULTIMODAL, "audio_data": _MULTIMODAL,
+    "image_data": _MULTIMODAL,
+    "video_data": _MULTIMODAL,
+    "audio_data": _MULTIMODAL,
     "token_ids_logprob": "token_ids_logprob is not implemented",
     "session_params": "sessions are not implemented",
     "custom_logit_processor": "custom logit processors are not implemented",
-    "extra_key": _NO_NAMESPACE, "cache_salt": _NO_NAMESPACE,
-}  # fmt: skip
+    "extra_key": _NO_NAMESPACE,
+    "cache_salt": _NO_NAMESPACE,
+}
 GENERATE_FIELDS: dict[str, F] = {
     "rid": F(_ANY),
     "input_ids": F(_ANY, required=True),
@@ -289,8 +292,17 @@ def parse_generate(body: Any, limits: ModelLimits, new_rid: Callable[[], str]) -
         if top["routed_experts_start_len"] > len(prompt):
             raise BadRequest(f"field `routed_experts_start_len`: {top['routed_experts_start_len']} > prompt length")
         routed = {k: top[k] for k in ("return_routed_experts", "routed_experts_start_len")}
-        requests.append(GenerateRequest(rid=rids[i], input_ids=prompt, sampling=sampling, return_logprob=logprob[i],
-                                        logprob_start_len=starts[i], lora_path=loras[i], **routed))  # fmt: skip
+        requests.append(
+            GenerateRequest(
+                rid=rids[i],
+                input_ids=prompt,
+                sampling=sampling,
+                return_logprob=logprob[i],
+                logprob_start_len=starts[i],
+                lora_path=loras[i],
+                **routed,
+            )
+        )
         skip.append(True if not isinstance(sp_items[i], dict) else sp_items[i].get("skip_special_tokens") is not False)
     return ParsedGenerate(requests=requests, batched=batched, skip_special_tokens=skip)
 
@@ -380,11 +392,14 @@ SCHEMAS: dict[str, dict[str, F]] = {
         "load_format": F(only(None, "tensors arrive as they are broadcast")),
     },
     "destroy_weights_update_group": {"rid": F(string), "group_name": F(string, "weight_update_group")},
-    "load_lora_adapter": {"lora_name": F(string, required=True), "lora_path": F(string, required=True),
-                          "pinned": F(boolean, False)},  # fmt: skip
+    "load_lora_adapter": {
+        "lora_name": F(string, required=True),
+        "lora_path": F(string, required=True),
+        "pinned": F(boolean, False),
+    },
     "unload_lora_adapter": {"lora_name": F(string, required=True)},
     "lora_adapter_checksums": {"lora_name": F(string, required=True)},  # our extension
-    "update_weights_from_p2p": {  # our extension (docs/engine.md; the p2p strategy, sync/p2p.py)
+    "update_weights_from_p2p": {  # our extension (docs/engine.md; the p2p strategy, sync/strategies/p2p.py)
         **_WEIGHT_COMMON,
         "names": F(list_of(string), required=True),
         "dtypes": F(list_of(one_of(*DTYPE_NAMES, *(f"torch.{d}" for d in DTYPE_NAMES))), required=True),
@@ -411,8 +426,9 @@ def parse_box(flat: list[int], shape: list[int] | None, path: str, name: str) ->
     """``[lo0, hi0, lo1, hi1, ...]`` -> per-dim (lo, hi), checked against ``shape`` when it is known."""
     dims = tuple(zip(flat[0::2], flat[1::2]))
     if len(flat) % 2 or (shape is not None and len(dims) != len(shape)):
-        raise BadRequest(f"field `{path}` of {name!r}: needs lo, hi for each of its {len(shape or ())} dims, "
-                         f"got {flat}")  # fmt: skip
+        raise BadRequest(
+            f"field `{path}` of {name!r}: needs lo, hi for each of its {len(shape or ())} dims, got {flat}"
+        )
     if any(not lo < hi for lo, hi in dims) or (shape is not None and any(hi > n for (_, hi), n in zip(dims, shape))):
         raise BadRequest(f"field `{path}` of {name!r}: box {flat} is empty or outside shape {shape}")
     return dims
@@ -424,14 +440,17 @@ def parse_control(endpoint: str, body: Any) -> dict[str, Any]:
     if endpoint in ("update_weights_from_distributed", "update_weights_from_p2p"):
         n = len(out["names"])
         if not n == len(out["dtypes"]) == len(out["shapes"]):
-            raise BadRequest(f"fields `names`/`dtypes`/`shapes` differ in length: {n}/{len(out['dtypes'])}/"
-                             f"{len(out['shapes'])}")
+            raise BadRequest(
+                f"fields `names`/`dtypes`/`shapes` differ in length: {n}/{len(out['dtypes'])}/{len(out['shapes'])}"
+            )
         out["dtypes"] = [d.removeprefix("torch.") for d in out["dtypes"]]
     if endpoint == "update_weights_from_p2p":
         if len(out["pieces"]) != len(out["names"]):
             raise BadRequest(f"field `pieces`: {len(out['pieces'])} entries for {len(out['names'])} names")
-        out["pieces"] = [[(p[0], parse_box(p[1:], shape, f"pieces[{i}][{j}]", name)) for j, p in enumerate(ps)]
-                         for i, (name, shape, ps) in enumerate(zip(out["names"], out["shapes"], out["pieces"]))]
+        out["pieces"] = [
+            [(p[0], parse_box(p[1:], shape, f"pieces[{i}][{j}]", name)) for j, p in enumerate(ps)]
+            for i, (name, shape, ps) in enumerate(zip(out["names"], out["shapes"], out["pieces"]))
+        ]
     if endpoint == "weights_piece_checksums":
         if len(out["boxes"]) != len(out["names"]):
             raise BadRequest(f"field `boxes`: {len(out['boxes'])} entries for {len(out['names'])} names")

@@ -88,8 +88,9 @@ class ModelRunner:
 
         ops = TritonDecodeOps()
         if model.config.is_mla:
-            log.info("MLA model: attention runs through the torch path (the Triton decode kernel takes K and V of "
-                     "one width)")  # fmt: skip
+            log.info(
+                "MLA model: attention runs through the torch path (the Triton decode kernel takes K and V of one width)"
+            )
             return
         self.decode_kernel = ops.attention
         reason = unsupported_reason(model)
@@ -163,8 +164,15 @@ class ModelRunner:
         rows = torch.tensor([s.r.row for s in batch], dtype=torch.int64)
         width = max(-(-(st + n) // bs) for st, n in zip(starts, lens))
         tables = self.bm.tables[rows, :width].to(self.device, non_blocking=True)
-        return AttentionMetadata.build(starts, lens, tables, bs, self.device, gather_decode=self.decode_kernel is None,
-                                       batch_invariant=self.batch_invariant)  # fmt: skip
+        return AttentionMetadata.build(
+            starts,
+            lens,
+            tables,
+            bs,
+            self.device,
+            gather_decode=self.decode_kernel is None,
+            batch_invariant=self.batch_invariant,
+        )
 
     def _forward(self, batch: Sequence[Scheduled], meta: AttentionMetadata) -> torch.Tensor:
         ids: list[int] = []

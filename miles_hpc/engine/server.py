@@ -30,10 +30,10 @@ import socket
 import sys
 import time
 import uuid
-from http import HTTPStatus
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +43,10 @@ from miles_hpc import __version__
 from miles_hpc.atomic import write_text_atomic
 
 from . import protocol
-from .auth import ApiKeys, AuthLevel, decide
+from .auth import ApiKeys, AuthLevel, decide, read_key
 from .config import EngineConfig
 from .core import Engine, RequestError
+from .launch import EngineLaunch
 from .protocol import BadRequest
 from .types import GenerateRequest, GenerateResult, SamplingParams
 from .weight_receiver import WeightEndpoints, WeightReceiver
@@ -105,14 +106,28 @@ class EngineServer:
     # ------------------------------------------------------------------ app
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=self.config.max_weights_request_bytes)
-        probes = {"/health": self.health, "/ready": self.health, "/health_generate": self.health_generate,
-                  "/metrics": self.metrics}  # fmt: skip
-        info = {"/get_server_info": self.server_info, "/server_info": self.server_info,
-                "/get_model_info": self.model_info, "/model_info": self.model_info}  # fmt: skip
-        admin = {"/abort_request": self.abort_request, "/pause_generation": self.pause,
-                 "/continue_generation": self.resume, "/flush_cache": self.flush_cache, **self.weights.routes(),
-                 "/load_lora_adapter": self.load_lora_adapter, "/unload_lora_adapter": self.unload_lora_adapter,
-                 "/lora_adapter_checksums": self.lora_adapter_checksums}  # the last: our extension
+        probes = {
+            "/health": self.health,
+            "/ready": self.health,
+            "/health_generate": self.health_generate,
+            "/metrics": self.metrics,
+        }
+        info = {
+            "/get_server_info": self.server_info,
+            "/server_info": self.server_info,
+            "/get_model_info": self.model_info,
+            "/model_info": self.model_info,
+        }
+        admin = {
+            "/abort_request": self.abort_request,
+            "/pause_generation": self.pause,
+            "/continue_generation": self.resume,
+            "/flush_cache": self.flush_cache,
+            **self.weights.routes(),
+            "/load_lora_adapter": self.load_lora_adapter,
+            "/unload_lora_adapter": self.unload_lora_adapter,
+            "/lora_adapter_checksums": self.lora_adapter_checksums,
+        }  # the last: our extension
         for path, handler in {**probes, **info}.items():
             app.router.add_get(path, handler, allow_head=False)
         for path, handler in {"/generate": self.generate, **admin}.items():
@@ -124,8 +139,9 @@ class EngineServer:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        status = decide(self.levels.get(request.path, AuthLevel.NORMAL), request.headers.get("Authorization"),
-                        self.config.keys)  # fmt: skip
+        status = decide(
+            self.levels.get(request.path, AuthLevel.NORMAL), request.headers.get("Authorization"), self.config.keys
+        )
         if status is not None:
             return _error(status, "Unauthorized")
         try:
@@ -199,8 +215,11 @@ class EngineServer:
             return web.Response(status=503)
         if self.engine.paused:  # paused on purpose (weight sync): a 1-token request would wait, not fail
             return web.Response(status=200)
-        probe = GenerateRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=(0,),
-                                sampling=SamplingParams(max_new_tokens=1, temperature=0.0))  # fmt: skip
+        probe = GenerateRequest(
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            input_ids=(0,),
+            sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+        )
         try:
             await asyncio.wait_for(self._run([probe]), self.config.health_timeout_s)
         except TimeoutError:
@@ -209,17 +228,29 @@ class EngineServer:
 
     async def model_info(self, request: web.Request) -> web.Response:
         path = self.engine.model_path
-        info = {"tokenizer_path": path if self._tokenizer else None, "served_model_name": path,
-                "preferred_sampling_params": None, "architectures": self._architectures,
-                **self.engine.model_info()}  # fmt: skip
+        info = {
+            "tokenizer_path": path if self._tokenizer else None,
+            "served_model_name": path,
+            "preferred_sampling_params": None,
+            "architectures": self._architectures,
+            **self.engine.model_info(),
+        }
         return web.json_response(info)
 
     async def server_info(self, request: web.Request) -> web.Response:
         keys = self.config.keys
-        info = {**self.engine.server_info(), "host": self.config.host, "port": request.url.port, "tp_size": 1,
-                "dp_size": 1, "version": __version__, "internal_states": [self.engine.stats()],
-                "weight_update_groups": self.receiver.group_names(), "api_key_set": keys.api_key is not None,
-                "admin_api_key_set": keys.admin_api_key is not None}  # fmt: skip
+        info = {
+            **self.engine.server_info(),
+            "host": self.config.host,
+            "port": request.url.port,
+            "tp_size": 1,
+            "dp_size": 1,
+            "version": __version__,
+            "internal_states": [self.engine.stats()],
+            "weight_update_groups": self.receiver.group_names(),
+            "api_key_set": keys.api_key is not None,
+            "admin_api_key_set": keys.admin_api_key is not None,
+        }
         return web.json_response(info)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -322,9 +353,11 @@ def render_metrics(stats: dict[str, float | int], weight_version: str, model_nam
         if key in stats:
             value = float(stats[key])
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value!r}"]
-    lines += ["# HELP miles:weight_version_info The weight version being served (value always 1)",
-              "# TYPE miles:weight_version_info gauge",
-              f'miles:weight_version_info{{{labels},weight_version="{_label(weight_version)}"}} 1.0']  # fmt: skip
+    lines += [
+        "# HELP miles:weight_version_info The weight version being served (value always 1)",
+        "# TYPE miles:weight_version_info gauge",
+        f'miles:weight_version_info{{{labels},weight_version="{_label(weight_version)}"}} 1.0',
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -373,8 +406,15 @@ async def run_server(engine: Engine, config: ServerConfig, model_path: str, sock
     # A wildcard bind is reachable under this machine's name, not under the wildcard address.
     host = socket.getfqdn() if config.host in ("0.0.0.0", "::", "") else config.host
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    info = {"host": host, "port": port, "pid": os.getpid(), "url": url, "model_path": model_path, "tp_size": 1,
-            "gpu_ids": _gpu_ids(str(engine.device))}  # fmt: skip
+    info = {
+        "host": host,
+        "port": port,
+        "pid": os.getpid(),
+        "url": url,
+        "model_path": model_path,
+        "tp_size": 1,
+        "gpu_ids": _gpu_ids(str(engine.device)),
+    }
     if config.rendezvous:
         write_rendezvous(config.rendezvous, info)
     print(f"[miles-hpc serve] listening on {url} (model {model_path}, pid {os.getpid()})", flush=True)
@@ -393,6 +433,34 @@ async def run_server(engine: Engine, config: ServerConfig, model_path: str, sock
                     Path(config.rendezvous).unlink()  # a stale file would name a dead server
             except (OSError, ValueError):
                 pass
+
+
+def configs_of(launch: EngineLaunch) -> tuple[EngineConfig, ServerConfig]:
+    """`miles-hpc serve`'s flags (engine/launch.py) -> the engine's and the server's configs (ValueError names the
+    field)."""
+    keys = ApiKeys(
+        api_key=read_key(launch.api_key, launch.api_key_file, "api-key"),
+        admin_api_key=read_key(launch.admin_api_key, launch.admin_api_key_file, "admin-api-key"),
+    )
+    engine_cfg = EngineConfig(
+        device=launch.device,
+        dtype=launch.dtype,
+        max_total_tokens=launch.max_total_tokens,
+        kv_cache_fraction=launch.kv_cache_fraction,
+        max_context_len=launch.max_context_len,
+        max_running_requests=launch.max_running_requests,
+        seed=launch.seed,
+        batch_invariant=launch.batch_invariant,
+    )
+    server_cfg = ServerConfig(
+        host=launch.host,
+        port=launch.port,
+        keys=keys,
+        rendezvous=launch.rendezvous,
+        max_request_bytes=int(launch.max_request_mb * (1 << 20)),
+        weight_sync_timeout_s=launch.weight_update_timeout,
+    )
+    return engine_cfg, server_cfg
 
 
 def serve(model_path: str, engine_config: EngineConfig, config: ServerConfig) -> int:

@@ -32,15 +32,27 @@ _LOG2E = 1.4426950408889634
 
 # Strides that differ between the graph path and the eager path (or step to step) are not specialised on, so both
 # paths share the kernels compiled during graph capture instead of JIT-compiling mid-run.
+# Long: one kernel (its loop state lives in registers; the formatter gives each of its arguments a line).
 @triton.jit(do_not_specialize=["stride_qb", "stride_qh", "stride_tb"])
 def _decode_stage1(
-    Q, K, V, Tables, Lens, Out, MidO, MidLse,
+    Q,
+    K,
+    V,
+    Tables,
+    Lens,
+    Out,
+    MidO,
+    MidLse,
     scale_log2,
-    stride_qb, stride_qh,
-    stride_kt, stride_kh,
-    stride_vt, stride_vh,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
     stride_tb,
-    stride_ob, stride_oh,
+    stride_ob,
+    stride_oh,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -49,7 +61,7 @@ def _decode_stage1(
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
-):  # fmt: skip
+):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,13 +134,16 @@ def _decode_stage1(
 
 @triton.jit
 def _decode_stage2(
-    MidO, MidLse, Out,
-    stride_ob, stride_oh,
+    MidO,
+    MidLse,
+    Out,
+    stride_ob,
+    stride_oh,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS: tl.constexpr,
-):  # fmt: skip
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS)
@@ -141,7 +156,7 @@ def _decode_stage2(
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -190,20 +205,46 @@ def paged_decode(
     else:
         mid_o = mid_lse = out  # unused
     _decode_stage1[(n, hkv, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        mid_o,
+        mid_lse,
         scale * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
-        PAGE=block_size, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        PAGE=block_size,
+        BLOCK_N=block_n,
+        SPLITS=splits,
+        IEEE=q.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     if splits > 1:
         _decode_stage2[(n, hq)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, SPLITS=splits, num_warps=4,
-        )  # fmt: skip
+            mid_o,
+            mid_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=hq,
+            HEAD_DIM=d,
+            BLOCK_D=block_d,
+            SPLITS=splits,
+            num_warps=4,
+        )
     return out

@@ -34,14 +34,19 @@ def _round(x, MODE: tl.constexpr):
 
 @triton.jit
 def _add_rms_norm_kernel(
-    X, Delta, W, Y,
-    stride_x, stride_d, stride_y,
+    X,
+    Delta,
+    W,
+    Y,
+    stride_x,
+    stride_d,
+    stride_y,
     eps,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     MODE: tl.constexpr,
-):  # fmt: skip
+):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -74,16 +79,34 @@ def _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, D: tl.constexpr, HAS_NORM: t
 
 @triton.jit
 def _qk_norm_rope_store_kernel(
-    Q, K, V, QW, KW, Cos, Sin, Slots, QOut, KC, VC,
-    stride_q, stride_k, stride_v, stride_cs,
-    stride_qo_t, stride_qo_h, stride_kc_t, stride_kc_h, stride_vc_t, stride_vc_h,
+    Q,
+    K,
+    V,
+    QW,
+    KW,
+    Cos,
+    Sin,
+    Slots,
+    QOut,
+    KC,
+    VC,
+    stride_q,
+    stride_k,
+    stride_v,
+    stride_cs,
+    stride_qo_t,
+    stride_qo_h,
+    stride_kc_t,
+    stride_kc_h,
+    stride_vc_t,
+    stride_vc_h,
     eps,
     HQ: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
     MODE: tl.constexpr,
-):  # fmt: skip
+):
     t = tl.program_id(0)
     h = tl.program_id(1)  # 0..HQ-1: query heads; HQ..: kv heads
     offs = tl.arange(0, BLOCK_HALF)
@@ -123,9 +146,7 @@ def _qk_norm_rope_store_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(
-    G, U, Out, stride_g, stride_u, stride_o, N: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr
-):  # fmt: skip
+def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, N: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -164,10 +185,20 @@ class TritonDecodeOps(DecodeOps):
         d = delta if delta is not None else x
         block = triton.next_power_of_2(n)
         _add_rms_norm_kernel[(t,)](
-            x, d, weight, y, x.stride(0), d.stride(0), y.stride(0), eps,
-            N=n, BLOCK=block, HAS_DELTA=delta is not None, MODE=_mode(x.dtype),
+            x,
+            d,
+            weight,
+            y,
+            x.stride(0),
+            d.stride(0),
+            y.stride(0),
+            eps,
+            N=n,
+            BLOCK=block,
+            HAS_DELTA=delta is not None,
+            MODE=_mode(x.dtype),
             num_warps=max(1, min(16, block // 256)),
-        )  # fmt: skip
+        )
         return y
 
     def qk_norm_rope_store(
@@ -193,14 +224,35 @@ class TritonDecodeOps(DecodeOps):
         has_norm = q_norm is not None and k_norm is not None
         half = d // 2
         _qk_norm_rope_store_kernel[(t, hq + hkv)](
-            q, k, v, q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, slots, q_out, k_cache, v_cache,
-            q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
-            q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1),
+            q,
+            k,
+            v,
+            q_norm if has_norm else q,
+            k_norm if has_norm else k,
+            cos,
+            sin,
+            slots,
+            q_out,
+            k_cache,
+            v_cache,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            cos.stride(0),
+            q_out.stride(0),
+            q_out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            v_cache.stride(0),
+            v_cache.stride(1),
             eps,
-            HQ=hq, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, MODE=_mode(q.dtype),
+            HQ=hq,
+            HALF=half,
+            BLOCK_HALF=triton.next_power_of_2(half),
+            HAS_NORM=has_norm,
+            MODE=_mode(q.dtype),
             num_warps=1,
-        )  # fmt: skip
+        )
         return q_out
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -209,7 +261,15 @@ class TritonDecodeOps(DecodeOps):
         out = torch.empty_like(gate)
         block = min(4096, triton.next_power_of_2(n))
         _silu_mul_kernel[(t, triton.cdiv(n, block))](
-            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), N=n, BLOCK=block, MODE=_mode(gate.dtype),
+            gate,
+            up,
+            out,
+            gate.stride(0),
+            up.stride(0),
+            out.stride(0),
+            N=n,
+            BLOCK=block,
+            MODE=_mode(gate.dtype),
             num_warps=4,
         )
         return out

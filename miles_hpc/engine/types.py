@@ -1,6 +1,6 @@
 """Request/result records between the engine core (scheduler, runner) and the HTTP server.
 
-Stage: engine. The HTTP layer turns SGLang-shaped JSON (DESIGN section 4) into a :class:`GenerateRequest` and a
+Stage: engine. The HTTP layer turns SGLang-shaped JSON (docs/design.md section 4) into a :class:`GenerateRequest` and a
 :class:`GenerateResult` back into SGLang's response shape; the core never sees JSON. Field names follow SGLang's
 so the mapping stays one-to-one.
 

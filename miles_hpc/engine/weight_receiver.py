@@ -2,7 +2,7 @@
 ``/update_weights_from_distributed``).
 
 Stage: engine (weight sync, engine side). The trainer's rank 0 creates a process group spanning itself (rank 0) and
-every engine rank (``rank_offset + tp_rank``; this engine is TP 1, so one rank) with ``sync/pg.py`` and announces
+every engine rank (``rank_offset + tp_rank``; this engine is TP 1, so one rank) with ``sync/wire/pg.py`` and announces
 each bucket over HTTP: names, dtypes, shapes. The engine allocates those tensors, receives each by broadcast from
 rank 0 in the announced order, and hands them to ``Engine.update_weights``, which applies them between steps.
 
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from miles_hpc.sync.pg import GroupSpec, open_group
-from miles_hpc.sync.tensor_handles import load_flattened_bucket, load_named_tensors
+from miles_hpc.sync.wire.pg import GroupSpec, open_group
+from miles_hpc.sync.wire.tensor_handles import load_flattened_bucket, load_named_tensors
 
 from . import protocol
 from .core import Engine, RequestError
@@ -67,7 +67,7 @@ class WeightReceiver:
 
     def __init__(self, device: str, *, timeout_s: float = 600.0, make_group: GroupFactory | None = None) -> None:
         """``device``: the engine's torch device (NCCL groups receive there; gloo groups receive on the CPU).
-        ``make_group`` builds the group (default ``sync.pg.open_group``; tests inject fakes)."""
+        ``make_group`` builds the group (default ``sync.wire.pg.open_group``; tests inject fakes)."""
         self._device = device
         self._timeout_s = timeout_s
         self._make_group: GroupFactory = make_group or (lambda spec, dev: open_group(spec, dev))
@@ -85,7 +85,7 @@ class WeightReceiver:
             self._joining.add(req.group_name)
         try:
             spec = GroupSpec(
-                backend=req.backend,  # type: ignore[arg-type]  (checked by GroupSpec)
+                backend=req.backend,  # type: ignore[arg-type]  # any string: GroupSpec checks it
                 master_address=req.master_address,
                 master_port=req.master_port,
                 rank=req.rank_offset,  # + tp_rank, which is always 0 here
@@ -133,7 +133,9 @@ class WeightReceiver:
         for name, ps in zip(names, pieces, strict=True):
             bad = [src for src, _ in ps if not 0 <= src < group.world_size]
             if bad:
-                raise ValueError(f"tensor {name!r}: piece from rank {bad[0]}, outside the {group.world_size}-rank group")
+                raise ValueError(
+                    f"tensor {name!r}: piece from rank {bad[0]}, outside the {group.world_size}-rank group"
+                )
         bucket: list[tuple[str, torch.Tensor]] = []
         recvs: list[tuple[torch.Tensor, int]] = []
         landing = []
@@ -186,8 +188,9 @@ def _check_cover(name: str, shape: Sequence[int], boxes: Sequence[tuple[tuple[in
         for lo, hi in dims:
             size *= hi - lo
         sizes.append(size)
-    overlap = any(all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(x, y))
-                  for i, x in enumerate(boxes) for y in boxes[i + 1 :])  # fmt: skip
+    overlap = any(
+        all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(x, y)) for i, x in enumerate(boxes) for y in boxes[i + 1 :]
+    )
     if overlap or sum(sizes) != total:
         raise ValueError(f"tensor {name!r}: the announced pieces do not cover shape {list(shape)} exactly once")
 
@@ -268,8 +271,9 @@ class WeightEndpoints:
         p = await self._parse("update_weights_from_disk", request)
 
         def work() -> None:
-            self.engine.update_weights_from_disk(p["model_path"], version=p["weight_version"],
-                                                 flush_cache=p["flush_cache"])  # fmt: skip
+            self.engine.update_weights_from_disk(
+                p["model_path"], version=p["weight_version"], flush_cache=p["flush_cache"]
+            )
             if p["keep_pause"]:  # SGLang pauses around a disk update; keep_pause leaves it paused (in place)
                 self.engine.pause("in_place")
 
@@ -288,8 +292,9 @@ class WeightEndpoints:
         p = await self._parse("update_weights_from_tensor", request, self._max_tensor_bytes)
         blobs = p["serialized_named_tensors"]
         if len(blobs) != 1:
-            raise protocol.BadRequest(f"field `serialized_named_tensors`: one entry per TP rank (tp_size 1), "
-                                      f"got {len(blobs)}")  # fmt: skip
+            raise protocol.BadRequest(
+                f"field `serialized_named_tensors`: one entry per TP rank (tp_size 1), got {len(blobs)}"
+            )
 
         def work() -> None:
             from safetensors import SafetensorError
@@ -350,8 +355,14 @@ class WeightEndpoints:
             sums = await asyncio.to_thread(self.engine.piece_checksums, dict(zip(p["names"], p["boxes"])))
         except (KeyError, ValueError) as e:
             return _answer({"message": f"Failed to compute piece checksums: {e}"}, False)
-        return web.json_response({"success": True, "message": f"checksums of {len(sums)} pieces",
-                                  "checksums": sums, "weight_version": self.engine.weight_version})  # fmt: skip
+        return web.json_response(
+            {
+                "success": True,
+                "message": f"checksums of {len(sums)} pieces",
+                "checksums": sums,
+                "weight_version": self.engine.weight_version,
+            }
+        )
 
     async def ipc_handles(self, request: web.Request) -> web.Response:
         """CUDA IPC handles of every parameter and where each HF tensor lies in them (direct_weights.py)."""
@@ -385,8 +396,13 @@ class WeightEndpoints:
         p = await self._parse("update_weights_from_delta", request)
 
         def work() -> None:
-            apply_version(self.engine, p["manifest_path"], base_version=p["base_version"],
-                          weight_version=p["weight_version"], flush_cache=p["flush_cache"])  # fmt: skip
+            apply_version(
+                self.engine,
+                p["manifest_path"],
+                base_version=p["base_version"],
+                weight_version=p["weight_version"],
+                flush_cache=p["flush_cache"],
+            )
 
         return await self._apply(p, work, "Succeeded to update model weights from delta.")
 
@@ -401,14 +417,23 @@ class WeightEndpoints:
 
 def checksum_response(sums: dict[str, str], weight_version: str) -> dict[str, Any]:
     """SGLang's /weights_checker answer for one TP rank (its per-rank list, hashed as SGLang hashes), plus our
-    top-level ``checksums`` (HF names -> ``sync.checksum.tensor_checksum``) and ``weight_version``."""
+    top-level ``checksums`` (HF names -> ``sync.wire.checksum.tensor_checksum``) and ``weight_version``."""
     h = hashlib.sha256()
     for name in sorted(sums):
         h.update(name.encode())
         h.update(sums[name].encode())
     per_gpu = h.hexdigest()
-    info = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
-            "rank": 0, "size": 1}  # fmt: skip
+    info = {
+        "role": "target",
+        "tp_rank": 0,
+        "tp_size": 1,
+        "dp_rank": 0,
+        "dp_size": 1,
+        "pp_rank": 0,
+        "pp_size": 1,
+        "rank": 0,
+        "size": 1,
+    }
     return {
         "success": True,
         "message": f"checksums of {len(sums)} tensors",

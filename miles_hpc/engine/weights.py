@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from miles_hpc.models import CausalLM, expected_hf_shapes, hf_target, iter_hf_tensors
 from miles_hpc.models.hf_io import checkpoint_files
-from miles_hpc.sync.checksum import piece_key, tensor_checksums
+from miles_hpc.sync.wire.checksum import piece_key, tensor_checksums
 
 from .protocol import parse_box
 from .validate import RequestError

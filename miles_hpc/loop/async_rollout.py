@@ -1,4 +1,4 @@
-"""The producer and the buffer of the fully async loop (stage: loop; DESIGN section 5, "fully async").
+"""The producer and the buffer of the fully async loop (stage: loop; docs/design.md section 5, "fully async").
 
 :class:`Producer` keeps ``max_inflight`` samples in flight across the engines: a group of ``n`` samples per prompt,
 each sample holding one slot that it frees the moment it finishes, so a slow trajectory never holds back the
@@ -29,8 +29,8 @@ from typing import Any
 from miles_hpc.config import RunConfig
 from miles_hpc.data.prompts import PromptIterator, PromptRecord
 from miles_hpc.loop.rollout_step import Rollout, sampling_params, score, to_sample
-from miles_hpc.rollout.filters import drop_zero_variance_groups
 from miles_hpc.rollout.agents import AgentContext, AgentFn
+from miles_hpc.rollout.filters import drop_zero_variance_groups
 from miles_hpc.rollout.pieces import continue_aborted
 from miles_hpc.rollout.router import Router
 
@@ -40,15 +40,17 @@ __all__ = ["GroupBuffer", "Producer", "generate_sample", "staleness"]
 def staleness(group: Sequence[Rollout], version: int) -> int:
     """``version`` minus the oldest weight version of any generated token of the group (0 for no tokens); the
     tool output and user turns inside a multi-turn sample (loss mask 0, version -1) are not generated."""
-    oldest = [min((v for v, m in zip(r.sample.policy_version, r.sample.loss_mask) if m), default=version)
-              for r in group]  # fmt: skip
+    oldest = [
+        min((v for v, m in zip(r.sample.policy_version, r.sample.loss_mask) if m), default=version) for r in group
+    ]
     return version - min(oldest, default=version)
 
 
-async def generate_sample(router: Router, record: PromptRecord, ids: list[int], params: dict[str, Any],
-                          group_id: int, tokenizer: Any) -> Rollout:  # fmt: skip
+async def generate_sample(
+    router: Router, record: PromptRecord, ids: list[int], params: dict[str, Any], group_id: int, tokenizer: Any
+) -> Rollout:
     """One sample; a generation aborted by a weight update (pause mode ``abort``) continues from its tokens."""
-    kw = {"affinity_key": group_id, "return_logprob": True}
+    kw: dict[str, Any] = {"affinity_key": group_id, "return_logprob": True}
     out = await continue_aborted(router.generate, ids, params, await router.generate(ids, params, **kw), **kw)
     text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
     return Rollout(record, to_sample(out, ids, record.prompt_id, group_id), text)
@@ -83,8 +85,9 @@ class GroupBuffer:
         async with self._changed:
             await self._changed.wait_for(lambda: len(self.groups) < self.capacity)
 
-    async def take(self, n: int, version: int, max_staleness: int,
-                   on_stale: Callable[[list[Rollout]], None]) -> list[list[Rollout]]:  # fmt: skip
+    async def take(
+        self, n: int, version: int, max_staleness: int, on_stale: Callable[[list[Rollout]], None]
+    ) -> list[list[Rollout]]:
         """``n`` groups no staler than ``max_staleness`` at ``version``, stalest first, waiting until there are;
         each staler group met on the way goes to ``on_stale`` and leaves the buffer."""
         async with self._changed:
@@ -116,13 +119,23 @@ class ProducerStats:
     since: float = field(default_factory=time.monotonic)
 
 
-
 class Producer:
     """Keeps ``max_inflight`` samples generating and feeds finished groups into ``buffer`` (module docstring)."""
 
-    def __init__(self, cfg: RunConfig, router: Router, prompts: PromptIterator, render: Callable[[PromptRecord], list[int]],
-                 tokenizer: Any, reward_fn: Any, buffer: GroupBuffer, *, first_group_id: int,
-                 version: int = 0, agent: AgentFn | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: RunConfig,
+        router: Router,
+        prompts: PromptIterator,
+        render: Callable[[PromptRecord], list[int]],
+        tokenizer: Any,
+        reward_fn: Any,
+        buffer: GroupBuffer,
+        *,
+        first_group_id: int,
+        version: int = 0,
+        agent: AgentFn | None = None,
+    ) -> None:
         self.cfg, self.router, self.prompts, self.render = cfg, router, prompts, render
         self.agent = agent  # rollout.agent: each sample is an episode its environment scores
         self.tokenizer, self.reward_fn, self.buffer = tokenizer, reward_fn, buffer
@@ -140,8 +153,11 @@ class Producer:
 
     def unconsumed(self, buffer: GroupBuffer) -> list[int]:
         """Prompt ids drawn from the data and not trained: buffered groups, groups generating, recycled ones."""
-        return ([g[0].record.prompt_id for g in buffer.groups] + [r.prompt_id for r in self.inflight.values()]
-                + [r.prompt_id for r in self.pending])  # fmt: skip
+        return (
+            [g[0].record.prompt_id for g in buffer.groups]
+            + [r.prompt_id for r in self.inflight.values()]
+            + [r.prompt_id for r in self.pending]
+        )
 
     def utilisation(self) -> float:
         """Mean fraction of the ``max_inflight`` slots that held a sample since the last call (or the start)."""
@@ -202,7 +218,10 @@ class Producer:
                 samples = []
                 for j in range(n):
                     await self.slots.acquire()
-                    seeded = {**params, "sampling_seed": (self.cfg.seed * 1_000_003 + group_id * 1_024 + j) % (2**31 - 1)}
+                    seeded = {
+                        **params,
+                        "sampling_seed": (self.cfg.seed * 1_000_003 + group_id * 1_024 + j) % (2**31 - 1),
+                    }
                     samples.append(asyncio.ensure_future(self._one(record, ids, seeded, group_id)))
                 task = asyncio.ensure_future(self._finish(group_id, samples))
                 samples = []
@@ -210,7 +229,7 @@ class Producer:
                 task.add_done_callback(self._tasks.discard)
         finally:
             # Nothing may outlive the producer: a generation left running would hit the router after it closed.
-            pending = [*self._tasks, *samples]
+            pending: list[asyncio.Future[Any]] = [*self._tasks, *samples]
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -220,9 +239,15 @@ class Producer:
         try:
             if self.agent is not None:
                 ro = self.cfg.rollout
-                ctx = AgentContext(generate_fn=self.router.generate, tokenizer=self.tokenizer, sampling=params,
-                                   session=group_id, group_id=group_id, max_turns=ro.max_turns,
-                                   max_output_chars=ro.max_tool_output_chars)  # fmt: skip
+                ctx = AgentContext(
+                    generate_fn=self.router.generate,
+                    tokenizer=self.tokenizer,
+                    sampling=params,
+                    session=group_id,
+                    group_id=group_id,
+                    max_turns=ro.max_turns,
+                    max_output_chars=ro.max_tool_output_chars,
+                )
                 return Rollout(record, await self.agent(ctx, record), "")
             return await generate_sample(self.router, record, ids, params, group_id, self.tokenizer)
         finally:

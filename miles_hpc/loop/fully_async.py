@@ -25,11 +25,21 @@ import asyncio
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 from miles_hpc.loop.async_rollout import GroupBuffer, Producer, staleness
 from miles_hpc.loop.rollout_step import Rollout
-from miles_hpc.loop.sync import (LoopContext, opd_kl, publish, rollout_metrics, save_checkpoint, teacher_scores,
-                                to_train_batch, warmup)  # fmt: skip
+from miles_hpc.loop.sync import (
+    LoopContext,
+    end_of_step,
+    opd_kl,
+    publish,
+    rollout_metrics,
+    teacher_scores,
+    to_train_batch,
+    warmup,
+)
 
 
 async def run(ctx: LoopContext, start_step: int) -> list[float]:
@@ -39,11 +49,7 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
         warmup(ctx)
     await publish(ctx, version=start_step)  # the engines start from the trainer's weights
     buffer = GroupBuffer(fa.buffer_groups)
-    producer = Producer(cfg, ctx.router, ctx.prompts, ctx.render, ctx.tokenizer, ctx.reward_fn, buffer,
-                        first_group_id=start_step * 1_000_000, version=start_step, agent=ctx.agent)  # fmt: skip
-    by_id = {r.prompt_id: r for r in ctx.records}
-    for pid in (ctx.resumed or {}).get("async_pending", []):  # prompts drawn but not trained before the restart
-        producer.pending.append(by_id[pid])
+    producer = _producer(ctx, buffer, start_step)
     stale_dropped = 0
 
     def on_stale(group: list[Rollout]) -> None:
@@ -58,12 +64,7 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
     try:
         for step in range(start_step, cfg.steps):
             t0 = time.perf_counter()
-            take = asyncio.ensure_future(buffer.take(cfg.rollout.prompts_per_step, step, fa.max_staleness, on_stale))
-            await asyncio.wait({take, running}, return_when=asyncio.FIRST_COMPLETED)
-            if not take.done():  # the producer stopped: its error says why
-                take.cancel()
-                running.result()
-            groups = take.result()
+            groups = await _take(buffer, running, cfg.rollout.prompts_per_step, step, fa.max_staleness, on_stale)
             t_wait = time.perf_counter() - t0
             stale = [staleness(g, step) for g in groups]
             samples = [r.sample for g in groups for r in g]
@@ -85,30 +86,83 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
                 ctx.store.append(samples)
             rewards.append(statistics.fmean(s.reward for s in samples))
             wall = time.perf_counter() - t0
-            hist = Counter(stale)
-            ctx.metrics.log(step, {
-                **rollout_metrics(samples), **train_metrics, **sync_metrics, "weight_version": step + 1,
-                **({} if opd is None else {"opd/reverse_kl": opd_kl(groups, cfg, opd)}),
-                "async/trainer_idle_frac": t_wait / wall, "async/engine_util": producer.utilisation(),
-                "async/buffer_depth": len(buffer), "async/dropped_stale": stale_dropped,
-                "async/dropped_zero_variance": producer.stats.dropped_zero_variance,
-                "async/staleness_mean": statistics.fmean(stale), "async/staleness_max": max(stale),
-                **{f"async/staleness_{k}": v for k, v in sorted(hist.items())},
-                "time/wait_s": t_wait, "time/train_s": t_train, "time/sync_s": t_sync,
-                "perf/samples_per_s": len(samples) / wall, "perf/tokens_per_s": batch.num_tokens / wall,
-            })  # fmt: skip
-            every, stop = cfg.train.checkpoint_interval, ctx.stop_requested()
-            if stop or step + 1 == cfg.steps or (every and (step + 1) % every == 0):
-                # Prompts drawn from the data but not trained yet (buffered, generating, recycled) go with the
-                # checkpoint and are generated first after a restart: none is skipped, none trained twice.
-                save_checkpoint(ctx, step + 1, async_pending=producer.unconsumed(buffer))
-            if stop:
-                print(f"[miles-hpc] stop requested: checkpoint after step {step + 1}, exiting", flush=True)
+            ctx.metrics.log(
+                step,
+                {
+                    **rollout_metrics(samples),
+                    **train_metrics,
+                    **sync_metrics,
+                    "weight_version": step + 1,
+                    **({} if opd is None else {"opd/reverse_kl": opd_kl(groups, cfg, opd)}),
+                    **_async_metrics(producer, buffer, stale, stale_dropped, t_wait / wall),
+                    "time/wait_s": t_wait,
+                    "time/train_s": t_train,
+                    "time/sync_s": t_sync,
+                    "perf/samples_per_s": len(samples) / wall,
+                    "perf/tokens_per_s": batch.num_tokens / wall,
+                },
+            )
+            # Prompts drawn from the data but not trained yet (buffered, generating, recycled) go with the
+            # checkpoint and are generated first after a restart: none is skipped, none trained twice.
+            if end_of_step(ctx, step, at_end=True, state=lambda: {"async_pending": producer.unconsumed(buffer)}):
                 break
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
     return rewards
+
+
+def _producer(ctx: LoopContext, buffer: GroupBuffer, start_step: int) -> Producer:
+    """The producer of groups for ``buffer``, first given the prompts drawn but not trained before a restart."""
+    producer = Producer(
+        ctx.cfg,
+        ctx.router,
+        ctx.prompts,
+        ctx.render,
+        ctx.tokenizer,
+        ctx.reward_fn,
+        buffer,
+        first_group_id=start_step * 1_000_000,
+        version=start_step,
+        agent=ctx.agent,
+    )
+    by_id = {r.prompt_id: r for r in ctx.records}
+    for pid in (ctx.resumed or {}).get("async_pending", []):
+        producer.pending.append(by_id[pid])
+    return producer
+
+
+async def _take(
+    buffer: GroupBuffer,
+    running: asyncio.Future[Any],
+    n: int,
+    step: int,
+    max_staleness: int,
+    on_stale: Callable[[list[Rollout]], None],
+) -> list[list[Rollout]]:
+    """The step's ``n`` groups from the buffer, or the producer's error if it stopped first."""
+    take = asyncio.ensure_future(buffer.take(n, step, max_staleness, on_stale))
+    await asyncio.wait({take, running}, return_when=asyncio.FIRST_COMPLETED)
+    if not take.done():  # the producer stopped: its error says why
+        take.cancel()
+        running.result()
+    return take.result()
+
+
+def _async_metrics(
+    producer: Producer, buffer: GroupBuffer, stale: list[int], stale_dropped: int, idle_frac: float
+) -> dict[str, float]:
+    hist = Counter(stale)
+    return {
+        "async/trainer_idle_frac": idle_frac,
+        "async/engine_util": producer.utilisation(),
+        "async/buffer_depth": len(buffer),
+        "async/dropped_stale": stale_dropped,
+        "async/dropped_zero_variance": producer.stats.dropped_zero_variance,
+        "async/staleness_mean": statistics.fmean(stale),
+        "async/staleness_max": max(stale),
+        **{f"async/staleness_{k}": v for k, v in sorted(hist.items())},
+    }
 
 
 def mask_old_tokens(loss_mask: list[list[int]], advantages: list[list[float]], samples: list, oldest: int) -> None:

@@ -35,19 +35,30 @@ class Rollout:
 
 def sampling_params(cfg: RolloutConfig) -> dict[str, Any]:
     """SGLang sampling_params from the rollout config (only keys SGLang knows)."""
-    return {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-            "top_k": cfg.top_k}  # fmt: skip
+    return {
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+    }
 
 
 def to_sample(out: GenerateOutput, prompt_ids: list[int], prompt_id: int, group_id: int) -> Sample:
     p, r = len(prompt_ids), len(out.output_ids)
     logprobs = out.output_logprobs if out.output_logprobs is not None else [0.0] * r
     return Sample(
-        prompt_id=prompt_id, group_id=group_id, tokens=prompt_ids + list(out.output_ids), prompt_len=p,
-        loss_mask=[0] * p + [1] * r, rollout_logprobs=[0.0] * p + list(logprobs),
-        policy_version=[-1] * p + [int(v) for v in out.token_versions()], reward=0.0,
-        status=_STATUS[out.finish_reason.type], routed_experts=out.routed_experts, metadata={},
-    )  # fmt: skip
+        prompt_id=prompt_id,
+        group_id=group_id,
+        tokens=prompt_ids + list(out.output_ids),
+        prompt_len=p,
+        loss_mask=[0] * p + [1] * r,
+        rollout_logprobs=[0.0] * p + list(logprobs),
+        policy_version=[-1] * p + [int(v) for v in out.token_versions()],
+        reward=0.0,
+        status=_STATUS[out.finish_reason.type],
+        routed_experts=out.routed_experts,
+        metadata={},
+    )
 
 
 async def generate_groups(
@@ -77,12 +88,19 @@ async def generate_groups(
         if agent is not None:
             from miles_hpc.rollout.agents import AgentContext
 
-            ctx = AgentContext(generate_fn=router.generate, tokenizer=tokenizer, sampling=seeded, session=group_id,
-                               group_id=group_id, max_turns=cfg.max_turns,
-                               max_output_chars=cfg.max_tool_output_chars)  # fmt: skip
+            ctx = AgentContext(
+                generate_fn=router.generate,
+                tokenizer=tokenizer,
+                sampling=seeded,
+                session=group_id,
+                group_id=group_id,
+                max_turns=cfg.max_turns,
+                max_output_chars=cfg.max_tool_output_chars,
+            )
             return Rollout(record, await agent(ctx, record), "")
-        out = await router.generate(ids, seeded, affinity_key=group_id, return_logprob=True,
-                                    return_routed_experts=routed_experts)  # fmt: skip
+        out = await router.generate(
+            ids, seeded, affinity_key=group_id, return_logprob=True, return_routed_experts=routed_experts
+        )
         text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
         return Rollout(record, to_sample(out, ids, record.prompt_id, group_id), text)
 
@@ -96,8 +114,16 @@ async def generate_groups(
 async def score(groups: list[list[Rollout]], reward_fn: Any, *, timeout_s: float = 60.0) -> None:
     """Fill ``sample.reward`` (and FAILED status on a reward error) for every rollout, concurrently."""
     flat = [r for g in groups for r in g]
-    inputs = [RewardInput(prompt=r.record.prompt, response=r.response_text, label=r.record.label, sample=r.sample,
-                          metadata=r.record.metadata) for r in flat]  # fmt: skip
+    inputs = [
+        RewardInput(
+            prompt=r.record.prompt,
+            response=r.response_text,
+            label=r.record.label,
+            sample=r.sample,
+            metadata=r.record.metadata,
+        )
+        for r in flat
+    ]
     outcomes = await score_samples(inputs, reward_fn, timeout_s=timeout_s)
     for r, o in zip(flat, outcomes):
         r.sample.reward = float(o.reward)

@@ -12,42 +12,66 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
 
 from miles_hpc.config import RunConfig
-from miles_hpc.data.prompts import PromptIterator
+from miles_hpc.data.prompts import PromptIterator, PromptRecord, TokenizerLike
 from miles_hpc.data.store import TrajectoryWriter
 from miles_hpc.loop.rollout_step import Rollout, generate_groups, score
-from miles_hpc.loop.trainer_ranks import RankedTrainer
 from miles_hpc.loop.warmup import warmup_batches
 from miles_hpc.metrics import MetricsLogger
+from miles_hpc.rollout.agents import AgentFn
+from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.distill import opd_advantages, teacher_logprobs
 from miles_hpc.rollout.filters import drop_zero_variance_groups
+from miles_hpc.rollout.rewards import RewardFn
 from miles_hpc.rollout.router import Router
 from miles_hpc.sync.publish import Publisher
 from miles_hpc.train.advantages import compute_advantages
 from miles_hpc.train.batch import TrainBatch
 
 
+class LoopTrainer(Protocol):
+    """The trainer verbs the loops call (the controller's `RankedTrainer`, which runs each on every rank)."""
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]: ...
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path: ...
+
+    def state_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+def _never() -> bool:
+    return False
+
+
 @dataclass(slots=True)
 class LoopContext:
+    """Everything a loop reads, built once by the controller (launch/controller.py)."""
+
     cfg: RunConfig
-    trainer: RankedTrainer
+    trainer: LoopTrainer
     router: Router
     publisher: Publisher
     prompts: PromptIterator
-    records: Any  # the prompt records (for the warm-up)
-    render: Any  # PromptRecord -> list[int]
-    tokenizer: Any
-    reward_fn: Any
+    records: Sequence[PromptRecord]  # the prompt records (for the warm-up)
+    render: Callable[[PromptRecord], list[int]]  # a record -> its prompt token ids
+    tokenizer: TokenizerLike
+    reward_fn: RewardFn
     store: TrajectoryWriter | None
     metrics: MetricsLogger
-    checkpoints: Any  # path of RUN/checkpoints
+    checkpoints: Path  # RUN/checkpoints
     resumed: dict[str, Any] | None = None  # the checkpoint's extra state when the run resumed
-    stop_requested: Any = lambda: False  # True: checkpoint after this step and return (preemption, walltime)
-    agent: Any = None  # rollout.agent, loaded (multi-turn episodes)
-    teacher: Any = None  # EngineClient of the OPD teacher (algo.opd_teacher)
+    stop_requested: Callable[[], bool] = _never  # True: checkpoint after this step and return (preemption, walltime)
+    agent: AgentFn | None = None  # rollout.agent, loaded (multi-turn episodes)
+    teacher: EngineClient | None = None  # the OPD teacher's engine (algo.opd_teacher)
 
 
 class LoopError(RuntimeError):
@@ -61,8 +85,8 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
     if start_step == 0 and cfg.train.sft_warmup_steps:
         warmup(ctx)
         await publish(ctx, version=0)
-    elif start_step == 0 and ctx.publisher.sync.name == "lora":
-        await publish(ctx, version=0)  # LoRA: the engines serve the adapter by name from the first rollout on
+    elif start_step == 0 and ctx.publisher.sync.publish_at_start:
+        await publish(ctx, version=0)  # e.g. LoRA: the engines serve the adapter by name from the first rollout on
     if start_step > 0:  # resumed: the engines loaded the base model, give them the trainer's weights
         await publish(ctx, version=start_step)
     for step in range(start_step, cfg.steps):
@@ -85,27 +109,38 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
             ctx.store.append(samples)
         step_rewards = [s.reward for s in samples]
         rewards.append(statistics.fmean(step_rewards))
-        ctx.metrics.log(step, {
-            **rollout_metrics(samples), **train_metrics, **sync_metrics, "weight_version": step + 1,
-            "rollout/rounds": rounds, **({} if opd is None else {"opd/reverse_kl": opd_kl(groups, cfg, opd)}),
-            "time/rollout_s": t_rollout, "time/train_s": t_train, "time/sync_s": t_sync,
-            "perf/tokens_per_s": batch.num_tokens / max(1e-9, time.perf_counter() - t0),
-        })  # fmt: skip
-        if ctx.stop_requested():
-            save_checkpoint(ctx, step + 1)
-            print(f"[miles-hpc] stop requested: checkpoint after step {step + 1}, exiting", flush=True)
+        ctx.metrics.log(
+            step,
+            {
+                **rollout_metrics(samples),
+                **train_metrics,
+                **sync_metrics,
+                "weight_version": step + 1,
+                "rollout/rounds": rounds,
+                **({} if opd is None else {"opd/reverse_kl": opd_kl(groups, cfg, opd)}),
+                "time/rollout_s": t_rollout,
+                "time/train_s": t_train,
+                "time/sync_s": t_sync,
+                "perf/tokens_per_s": batch.num_tokens / max(1e-9, time.perf_counter() - t0),
+            },
+        )
+        if end_of_step(ctx, step):
             break
-        if cfg.train.checkpoint_interval and (step + 1) % cfg.train.checkpoint_interval == 0:
-            save_checkpoint(ctx, step + 1)
     return rewards
 
 
 def warmup(ctx: LoopContext) -> None:
     """Supervised warm-up on the prompt data (loop/warmup.py), logged to the console only."""
     cfg = ctx.cfg
-    batches = warmup_batches(ctx.records, ctx.render, ctx.tokenizer, steps=cfg.train.sft_warmup_steps,
-                             batch_size=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
-                             shuffle_labels=cfg.train.sft_warmup_shuffle_labels, seed=cfg.seed)  # fmt: skip
+    batches = warmup_batches(
+        ctx.records,
+        ctx.render,
+        ctx.tokenizer,
+        steps=cfg.train.sft_warmup_steps,
+        batch_size=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
+        shuffle_labels=cfg.train.sft_warmup_shuffle_labels,
+        seed=cfg.seed,
+    )
     for i, batch in enumerate(batches):
         m = ctx.trainer.train_step(batch)
         # Warm-up batches carry rollout log-probs of 0, so the trainer's mean |train - rollout| log-prob difference
@@ -124,10 +159,17 @@ async def rollout(ctx: LoopContext, step: int) -> tuple[list[list[Rollout]], int
     while len(kept) < want:
         rounds += 1
         records = ctx.prompts.next_batch()
-        groups = await generate_groups(ctx.router, records, [ctx.render(r) for r in records], cfg.rollout,
-                                       ctx.tokenizer, first_group_id=step * 1_000_000 + rounds * 10_000,
-                                       seed=cfg.seed, routed_experts=cfg.algo.routing_replay,
-                                       agent=ctx.agent)  # fmt: skip
+        groups = await generate_groups(
+            ctx.router,
+            records,
+            [ctx.render(r) for r in records],
+            cfg.rollout,
+            ctx.tokenizer,
+            first_group_id=step * 1_000_000 + rounds * 10_000,
+            seed=cfg.seed,
+            routed_experts=cfg.algo.routing_replay,
+            agent=ctx.agent,
+        )
         if ctx.agent is None:  # an agent's environment has scored its episodes
             await score(groups, ctx.reward_fn)
         if not cfg.algo.dynamic_sampling:
@@ -147,8 +189,10 @@ def check_versions(groups: list[list[Rollout]], step: int) -> None:
             s = r.sample  # generated tokens only (a multi-turn sample also holds tool output, version -1)
             versions = {v for v, m in zip(s.policy_version[s.prompt_len :], s.loss_mask[s.prompt_len :]) if m}
             if versions - {step}:
-                raise LoopError(f"step {step}: sample of group {r.sample.group_id} has tokens from weight "
-                                f"versions {sorted(versions)}; the engines should hold version {step}")  # fmt: skip
+                raise LoopError(
+                    f"step {step}: sample of group {r.sample.group_id} has tokens from weight "
+                    f"versions {sorted(versions)}; the engines should hold version {step}"
+                )
 
 
 async def teacher_scores(ctx: LoopContext, groups: list[list[Rollout]]) -> list[list[float]] | None:
@@ -164,12 +208,12 @@ def opd_kl(groups: list[list[Rollout]], cfg: RunConfig, teacher: list[list[float
     return opd_advantages(zeros, samples, teacher, cfg.algo.opd_coef)[1]
 
 
-def to_train_batch(groups: list[list[Rollout]], cfg: RunConfig,
-                   teacher: list[list[float]] | None = None) -> TrainBatch:  # fmt: skip
+def to_train_batch(groups: list[list[Rollout]], cfg: RunConfig, teacher: list[list[float]] | None = None) -> TrainBatch:
     """Samples -> the trainer's batch: per-token advantages (task reward, plus the OPD term with `teacher`)."""
     samples = [r.sample for g in groups for r in g]
-    adv = compute_advantages([s.reward for s in samples], [s.group_id for s in samples],
-                             [s.response_len for s in samples], cfg.algo)  # fmt: skip
+    adv = compute_advantages(
+        [s.reward for s in samples], [s.group_id for s in samples], [s.response_len for s in samples], cfg.algo
+    )
     per_token = [[a * m for m in s.loss_mask] for a, s in zip(adv, samples)]
     if teacher is not None:
         per_token, _ = opd_advantages(per_token, samples, teacher, cfg.algo.opd_coef, only=cfg.algo.opd_only)
@@ -187,13 +231,9 @@ def to_train_batch(groups: list[list[Rollout]], cfg: RunConfig,
 async def publish(ctx: LoopContext, version: int) -> dict[str, float]:
     """Weights of the trainer -> every engine, verified against what was sent (sync/publish.py: pause mode, failed
     engines dropped, checksums); returns the sync metrics."""
-    lora = ctx.publisher.sync.name == "lora"  # adapters only (sync/lora.py)
-    named_fn = ctx.trainer.adapter_for_sync if lora else ctx.trainer.state_for_sync
-    report = await ctx.publisher.publish(named_fn, str(version))
-    out = {"sync/engines": report.engines, "sync/dropped_engines": len(report.dropped)}
-    if lora:
-        out["sync/bytes"] = float(ctx.publisher.sync.last_push_bytes)  # type: ignore[attr-defined]
-    return out
+    sync = ctx.publisher.sync
+    report = await ctx.publisher.publish(sync.source(ctx.trainer), str(version))  # what the strategy sends
+    return {"sync/engines": report.engines, "sync/dropped_engines": len(report.dropped), **sync.metrics()}
 
 
 def rollout_metrics(samples: list[Any]) -> dict[str, float]:
@@ -201,17 +241,34 @@ def rollout_metrics(samples: list[Any]) -> dict[str, float]:
     lens = [s.response_len for s in samples]
     status = [int(s.status) for s in samples]
     out = {
-        "reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
-        "response_len_mean": statistics.fmean(lens), "response_len_max": max(lens),
-        "rollout/truncated_frac": status.count(1) / len(status), "rollout/failed_frac": status.count(3) / len(status),
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards),
+        "response_len_mean": statistics.fmean(lens),
+        "response_len_max": max(lens),
+        "rollout/truncated_frac": status.count(1) / len(status),
+        "rollout/failed_frac": status.count(3) / len(status),
         "rollout/samples": len(samples),
-    }  # fmt: skip
+    }
     episodes = [s.metadata for s in samples if "turns" in s.metadata]
     if episodes:  # multi-turn: turns, and how much of what the engines prefilled came from their prefix caches
         prompt = sum(m["prompt_tokens"] for m in episodes)
         out["rollout/turns_mean"] = statistics.fmean(m["turns"] for m in episodes)
         out["prefix_cache_hit_rate"] = sum(m["cached_tokens"] for m in episodes) / prompt if prompt else 0.0
     return out
+
+
+def end_of_step(
+    ctx: LoopContext, step: int, *, at_end: bool = False, state: Callable[[], dict[str, Any]] = dict
+) -> bool:
+    """After ``step``: checkpoint when a stop was requested (preemption, walltime), every
+    ``train.checkpoint_interval`` steps, and after the last step with ``at_end``; ``state()``: what else the
+    checkpoint holds. True: the loop returns now (the stop)."""
+    every, stop = ctx.cfg.train.checkpoint_interval, ctx.stop_requested()
+    if stop or (at_end and step + 1 == ctx.cfg.steps) or (every and (step + 1) % every == 0):
+        save_checkpoint(ctx, step + 1, **state())
+    if stop:
+        print(f"[miles-hpc] stop requested: checkpoint after step {step + 1}, exiting", flush=True)
+    return stop
 
 
 def save_checkpoint(ctx: LoopContext, next_step: int, **state: Any) -> None:

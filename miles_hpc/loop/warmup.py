@@ -47,6 +47,9 @@ def warmup_batches(
             tokens.append(prompt + answer)
             masks.append([0] * len(prompt) + [1] * len(answer))
         yield TrainBatch(
-            tokens=tokens, loss_mask=masks, rollout_logprobs=[[0.0] * len(t) for t in tokens],
-            advantages=[[float(m) for m in mask] for mask in masks], token_hash=[token_hash(t) for t in tokens],
-        )  # fmt: skip
+            tokens=tokens,
+            loss_mask=masks,
+            rollout_logprobs=[[0.0] * len(t) for t in tokens],
+            advantages=[[float(m) for m in mask] for mask in masks],
+            token_hash=[token_hash(t) for t in tokens],
+        )

@@ -1,4 +1,4 @@
-"""One torch implementation per architecture family (Llama, Qwen2, Qwen3, Qwen3-MoE), shared by engine and trainer.
+"""One torch implementation per architecture family, shared by engine and trainer (SUPPORTED_MODEL_TYPES lists them).
 
 Stage: shared. Public API (a contract): `load_pretrained`, `save_pretrained`, `build_model`, `ModelConfig`,
 `CausalLM.forward(input_ids, position_ids=None, cu_seqlens=None, return_routed_experts=False,

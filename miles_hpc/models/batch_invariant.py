@@ -60,8 +60,11 @@ def cap_cpu_threads(device: torch.device) -> None:
     multithreaded CPU GEMM gives a row different bits depending on its place in a fixed-shape tile (docs/lora.md,
     Zero-KL mode), which would break the mode; 1-8 threads were invariant in every check."""
     if device.type == "cpu" and torch.get_num_threads() > MAX_CPU_THREADS:
-        log.warning("zero-KL mode: %d CPU threads capped to %d (batch invariance of the CPU GEMM)",
-                    torch.get_num_threads(), MAX_CPU_THREADS)  # fmt: skip
+        log.warning(
+            "zero-KL mode: %d CPU threads capped to %d (batch invariance of the CPU GEMM)",
+            torch.get_num_threads(),
+            MAX_CPU_THREADS,
+        )
         torch.set_num_threads(MAX_CPU_THREADS)
 
 
@@ -160,10 +163,12 @@ def _rope_forward(rot: nn.Module) -> Callable[[torch.Tensor, torch.dtype], tuple
     def forward(position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         limit = rot.config.max_position_embeddings
         if rot.dynamic and position_ids.numel() and int(position_ids.max()) >= limit:
-            raise ValueError(f"zero-KL mode: position {int(position_ids.max())} is past "
-                             f"max_position_embeddings={limit} with rope_scaling.rope_type 'dynamic', whose "
-                             "frequencies then depend on the longest sequence of each call (not batch-invariant); "
-                             "keep contexts within it")  # fmt: skip
+            raise ValueError(
+                f"zero-KL mode: position {int(position_ids.max())} is past "
+                f"max_position_embeddings={limit} with rope_scaling.rope_type 'dynamic', whose "
+                "frequencies then depend on the longest sequence of each call (not batch-invariant); "
+                "keep contexts within it"
+            )
         freqs = position_ids[..., None].float() * rot._inv_freq(position_ids)
         emb = torch.cat((freqs, freqs), dim=-1)
         r = emb.shape[-1]

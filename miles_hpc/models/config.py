@@ -39,27 +39,94 @@ SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "swish", "gelu", "gelu_pytorch
 # transformers 5.24 class defaults for keys a config.json may omit (configuration_<family>.py). Keys absent here
 # default the same for all families (see `from_hf_dict`).
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=None, head_dim=None, max_position_embeddings=2048),
-    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=32, head_dim=None, max_position_embeddings=32768),
-    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768),
-    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-                      num_attention_heads=32, num_key_value_heads=4, head_dim=None, max_position_embeddings=32768,
-                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
-    "deepseek_v3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
-                        num_attention_heads=128, num_key_value_heads=None, max_position_embeddings=4096,
-                        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
-                        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
-                        v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, first_k_dense_replace=3,
-                        norm_topk_prob=True, rope_interleave=True),
-    "glm4_moe": dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
-                     num_attention_heads=96, num_key_value_heads=8, head_dim=None, max_position_embeddings=131072,
-                     rms_norm_eps=1e-5, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408,
-                     n_shared_experts=1, routed_scaling_factor=1.0, n_group=1, topk_group=1, first_k_dense_replace=1,
-                     norm_topk_prob=True),
-}  # fmt: skip
+    "llama": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=None,
+        head_dim=None,
+        max_position_embeddings=2048,
+    ),
+    "qwen2": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=None,
+        max_position_embeddings=32768,
+    ),
+    "qwen3": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        max_position_embeddings=32768,
+    ),
+    "qwen3_moe": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=None,
+        max_position_embeddings=32768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+    "deepseek_v3": dict(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=None,
+        max_position_embeddings=4096,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        n_group=8,
+        topk_group=4,
+        first_k_dense_replace=3,
+        norm_topk_prob=True,
+        rope_interleave=True,
+    ),
+    "glm4_moe": dict(
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=10944,
+        num_hidden_layers=46,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=None,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1408,
+        n_shared_experts=1,
+        routed_scaling_factor=1.0,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+    ),
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,8 +241,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim"):  # fmt: skip
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -194,8 +268,10 @@ class ModelConfig:
         if self.model_type == "glm4_moe" and self.o_bias:
             raise ValueError("glm4_moe's attention_bias is on q/k/v only (o_bias=False)")
         if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2 or self.rotary_dim == 0:
-            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} must "
-                             f"leave an even number > 0 of rotary dims")  # fmt: skip
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} must "
+                f"leave an even number > 0 of rotary dims"
+            )
         if self.mlp_bias and self.model_type != "llama":
             raise ValueError("mlp_bias exists only in llama")
         if self.model_type in ("qwen3_moe", "deepseek_v3", "glm4_moe"):
@@ -209,8 +285,10 @@ class ModelConfig:
             raise ValueError("deepseek_v3 needs kv_lora_rank, qk_nope_head_dim, v_head_dim > 0")
         if self.group_router:
             if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
-                raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} and hold "
-                                 f"topk_group={self.topk_group}")  # fmt: skip
+                raise ValueError(
+                    f"n_group={self.n_group} must divide num_experts={self.num_experts} and hold "
+                    f"topk_group={self.topk_group}"
+                )
             if self.num_experts // self.n_group < 2:
                 raise ValueError("the group-limited router ranks groups by their top-2 scores: >= 2 experts a group")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
@@ -319,8 +397,9 @@ class ModelConfig:
                 num_hidden_layers=int(get("num_hidden_layers")),
                 num_attention_heads=heads,
                 num_key_value_heads=int(get("num_key_value_heads", heads) or heads),
-                head_dim=int(get("qk_rope_head_dim") if model_type == "deepseek_v3"
-                             else get("head_dim") or hidden // heads),  # fmt: skip
+                head_dim=int(
+                    get("qk_rope_head_dim") if model_type == "deepseek_v3" else get("head_dim") or hidden // heads
+                ),
                 hidden_act=str(get("hidden_act", "silu")),
                 rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(get("max_position_embeddings")),
@@ -369,23 +448,39 @@ class ModelConfig:
             d["attention_bias"] = self.qkv_bias
         if self.model_type == "glm4_moe":
             d.update(
-                n_routed_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                n_shared_experts=self.n_shared_experts, n_group=self.n_group, topk_group=self.topk_group,
-                routed_scaling_factor=self.routed_scaling_factor, first_k_dense_replace=self.first_k_dense_replace,
-                partial_rotary_factor=self.partial_rotary_factor, use_qk_norm=self.use_qk_norm,
-            )  # fmt: skip
+                n_routed_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                n_shared_experts=self.n_shared_experts,
+                n_group=self.n_group,
+                topk_group=self.topk_group,
+                routed_scaling_factor=self.routed_scaling_factor,
+                first_k_dense_replace=self.first_k_dense_replace,
+                partial_rotary_factor=self.partial_rotary_factor,
+                use_qk_norm=self.use_qk_norm,
+            )
         if self.is_mla:
             del d["head_dim"]  # transformers derives it (= qk_rope_head_dim)
             d.update(
-                n_routed_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
-                qk_rope_head_dim=self.head_dim, v_head_dim=self.v_head_dim, n_shared_experts=self.n_shared_experts,
-                n_group=self.n_group, topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
-                first_k_dense_replace=self.first_k_dense_replace, rope_interleave=self.rope_interleave,
-                topk_method="noaux_tc", scoring_func="sigmoid",
-            )  # fmt: skip
+                n_routed_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                q_lora_rank=self.q_lora_rank,
+                kv_lora_rank=self.kv_lora_rank,
+                qk_nope_head_dim=self.qk_nope_head_dim,
+                qk_rope_head_dim=self.head_dim,
+                v_head_dim=self.v_head_dim,
+                n_shared_experts=self.n_shared_experts,
+                n_group=self.n_group,
+                topk_group=self.topk_group,
+                routed_scaling_factor=self.routed_scaling_factor,
+                first_k_dense_replace=self.first_k_dense_replace,
+                rope_interleave=self.rope_interleave,
+                topk_method="noaux_tc",
+                scoring_func="sigmoid",
+            )
         if self.model_type == "llama":
             d["mlp_bias"] = self.mlp_bias
         elif not self.group_router:
@@ -409,8 +504,10 @@ def _group_router_fields(d: Mapping[str, Any], get: Any, *, mla: bool) -> dict[s
     """The router keys of a DeepSeek-V3 or GLM-4.5 MoE config.json, plus MLA's for DeepSeek-V3 (transformers 5.24
     DeepseekV3Config / Glm4MoeConfig defaults)."""
     if d.get("scoring_func", "sigmoid") != "sigmoid" or d.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise ValueError("only the sigmoid router with noaux_tc top-k (DeepSeek-V3, Kimi-K2, GLM-4.5) is supported, "
-                         f"got scoring_func={d.get('scoring_func')!r}, topk_method={d.get('topk_method')!r}")
+        raise ValueError(
+            "only the sigmoid router with noaux_tc top-k (DeepSeek-V3, Kimi-K2, GLM-4.5) is supported, "
+            f"got scoring_func={d.get('scoring_func')!r}, topk_method={d.get('topk_method')!r}"
+        )
     out: dict[str, Any] = dict(
         num_experts=int(d.get("n_routed_experts") or d.get("num_local_experts") or get("num_experts")),
         num_experts_per_tok=int(get("num_experts_per_tok")),

@@ -71,9 +71,14 @@ def hf_parts(config: ModelConfig, name: str, shape: Iterable[int]) -> list[tuple
         return []
     if name.endswith(".experts.gate_up_proj"):
         prefix, inter = name[: -len(".gate_up_proj")], config.moe_intermediate_size
-        return [part for j in range(next(iter(shape)))
-                for part in ((f"{prefix}.{j}.gate_proj.weight", (j, slice(0, inter))),
-                             (f"{prefix}.{j}.up_proj.weight", (j, slice(inter, 2 * inter))))]  # fmt: skip
+        return [
+            part
+            for j in range(next(iter(shape)))
+            for part in (
+                (f"{prefix}.{j}.gate_proj.weight", (j, slice(0, inter))),
+                (f"{prefix}.{j}.up_proj.weight", (j, slice(inter, 2 * inter))),
+            )
+        ]
     if name.endswith(".experts.down_proj"):
         prefix = name[: -len(".down_proj")]
         return [(f"{prefix}.{j}.down_proj.weight", (j,)) for j in range(next(iter(shape)))]

@@ -22,8 +22,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["KEY_CHUNK", "QUERY_TILE", "act_mul", "attention", "linear", "log_softmax", "rms_norm", "row_tile",
-           "silu_mul", "tiled"]  # fmt: skip
+__all__ = [
+    "KEY_CHUNK",
+    "QUERY_TILE",
+    "act_mul",
+    "attention",
+    "linear",
+    "log_softmax",
+    "rms_norm",
+    "row_tile",
+    "silu_mul",
+    "tiled",
+]
 
 MAX_TILE_ELEMENTS = 1 << 15  # one tile stays inside one parallel chunk of torch's CPU elementwise loops
 MAX_TILE_ROWS = 64
@@ -70,8 +80,9 @@ def _tiles(fn: Callable[..., torch.Tensor], x: torch.Tensor, params: tuple[torch
 
 class _RowTiled(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, fn: Callable[..., torch.Tensor], width: int | None, x: torch.Tensor,
-                *params: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, fn: Callable[..., torch.Tensor], width: int | None, x: torch.Tensor, *params: torch.Tensor
+    ) -> torch.Tensor:
         ctx.fn = fn
         ctx.save_for_backward(x, *params)
         return _tiles(fn, x, params, width)
@@ -142,8 +153,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                scale: float) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         ctx.save_for_backward(q, k, v, positions)
         ctx.scale = scale
         return _attention(q, k, v, positions, scale)

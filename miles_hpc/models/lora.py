@@ -30,8 +30,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LoraAdapter", "LoraSpec", "attach", "load_adapter", "merge_into",
-           "peft_name", "save_adapter", "target_linears"]  # fmt: skip
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "LoraAdapter",
+    "LoraSpec",
+    "attach",
+    "load_adapter",
+    "merge_into",
+    "peft_name",
+    "save_adapter",
+    "target_linears",
+]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -71,9 +81,18 @@ class LoraSpec:
         return False
 
     def peft_config(self, base_model: str = "") -> dict[str, Any]:
-        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
-                "lora_dropout": self.dropout, "target_modules": _peft_targets(self.target_modules), "bias": "none",
-                "fan_in_fan_out": False, "use_rslora": False, "base_model_name_or_path": base_model}  # fmt: skip
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": _peft_targets(self.target_modules),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "use_rslora": False,
+            "base_model_name_or_path": base_model,
+        }
 
 
 def target_linears(model: nn.Module, spec: LoraSpec) -> dict[str, nn.Linear]:
@@ -84,11 +103,15 @@ def target_linears(model: nn.Module, spec: LoraSpec) -> dict[str, nn.Linear]:
         if not name or not spec.matches(name):
             continue
         if name == "lm_head":
-            raise ValueError("LoRA target 'lm_head' is not supported: the engine runs the LM head on the sampled rows "
-                             "only, where the adapter's rows would not line up")  # fmt: skip
+            raise ValueError(
+                "LoRA target 'lm_head' is not supported: the engine runs the LM head on the sampled rows "
+                "only, where the adapter's rows would not line up"
+            )
         if not isinstance(module, nn.Linear):
-            raise ValueError(f"LoRA target {name!r} is a {type(module).__name__}, not a linear layer (MoE experts are "
-                             "fused tensors and are not adapted; target the attention or dense MLP projections)")
+            raise ValueError(
+                f"LoRA target {name!r} is a {type(module).__name__}, not a linear layer (MoE experts are "
+                "fused tensors and are not adapted; target the attention or dense MLP projections)"
+            )
         out[name] = module
     if not out:
         raise ValueError(f"LoRA target_modules {list(spec.target_modules)} match no linear layer of the model")
@@ -103,8 +126,14 @@ class LoraAdapter(nn.Module):
     """One adapter's A and B per target module (`modules`: name -> (out_features, in_features)). Parameter names are
     the module names with '.' as '__' (`A.<module>`, `B.<module>`); `peft_state` gives PEFT's names."""
 
-    def __init__(self, spec: LoraSpec, modules: Mapping[str, tuple[int, int]], *,
-                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: LoraSpec,
+        modules: Mapping[str, tuple[int, int]],
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.modules_: dict[str, tuple[int, int]] = dict(modules)
@@ -142,12 +171,15 @@ class LoraAdapter(nn.Module):
         want = dict(self.peft_state())
         missing, extra = set(want) - set(tensors), set(tensors) - set(want)
         if missing or extra:
-            raise KeyError(f"{source}: adapter tensors do not match the model's targets: missing "
-                           f"{sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}")  # fmt: skip
+            raise KeyError(
+                f"{source}: adapter tensors do not match the model's targets: missing "
+                f"{sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}"
+            )
         for name, t in tensors.items():
             if tuple(t.shape) != tuple(want[name].shape):
-                raise ValueError(f"{source}: {name} has shape {tuple(t.shape)}, the model needs "
-                                 f"{tuple(want[name].shape)}")  # fmt: skip
+                raise ValueError(
+                    f"{source}: {name} has shape {tuple(t.shape)}, the model needs {tuple(want[name].shape)}"
+                )
             want[name].copy_(t)
 
     def num_bytes(self) -> int:
@@ -163,8 +195,9 @@ def attach(model: nn.Module, adapter: LoraAdapter) -> list[torch.utils.hooks.Rem
     returned handles). Dropout applies in training mode only. The adapter's tensors are cast to the input's dtype."""
     linears = target_linears(model, adapter.spec)
     if set(linears) != set(adapter.modules_):
-        raise ValueError(f"adapter modules {sorted(set(adapter.modules_) ^ set(linears))[:4]} differ from the "
-                         "model's targets")  # fmt: skip
+        raise ValueError(
+            f"adapter modules {sorted(set(adapter.modules_) ^ set(linears))[:4]} differ from the model's targets"
+        )
     handles = []
     drop = adapter.spec.dropout
     for name, lin in linears.items():
@@ -204,8 +237,9 @@ def load_adapter(path: str | Path, *, device: torch.device | str = "cpu") -> tup
     cfg_file, weights = root / ADAPTER_CONFIG, root / ADAPTER_WEIGHTS
     for f in (cfg_file, weights):
         if not f.is_file():
-            raise FileNotFoundError(f"{f}: not found (a LoRA adapter directory holds {ADAPTER_CONFIG} and "
-                                    f"{ADAPTER_WEIGHTS})")  # fmt: skip
+            raise FileNotFoundError(
+                f"{f}: not found (a LoRA adapter directory holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
+            )
     raw = json.loads(cfg_file.read_text())
     if raw.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{cfg_file}: peft_type {raw.get('peft_type')!r}, only LORA adapters are supported")
@@ -216,8 +250,12 @@ def load_adapter(path: str | Path, *, device: torch.device | str = "cpu") -> tup
         raise ValueError(f"{cfg_file}: rsLoRA, DoRA and LoRA biases are not supported")
     targets = raw.get("target_modules") or []
     targets = ("re:" + targets,) if isinstance(targets, str) else tuple(targets)
-    spec = LoraSpec(rank=int(raw["r"]), alpha=float(raw["lora_alpha"]), dropout=float(raw.get("lora_dropout", 0.0)),
-                    target_modules=targets)  # fmt: skip
+    spec = LoraSpec(
+        rank=int(raw["r"]),
+        alpha=float(raw["lora_alpha"]),
+        dropout=float(raw.get("lora_dropout", 0.0)),
+        target_modules=targets,
+    )
     tensors: dict[str, torch.Tensor] = {}
     with safe_open(str(weights), framework="pt", device=str(device)) as f:
         for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__

@@ -21,10 +21,28 @@ assert _VOCAB >= NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)
 
 _SHAPES: dict[str, dict[str, int]] = {
     # tiny: seconds per RL step on a laptop CPU; small: a few minutes of CPU training still learn visibly.
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 intermediate_size=192, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2),
-    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-                  intermediate_size=768, moe_intermediate_size=192, num_experts=16, num_experts_per_tok=4),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=192,
+        moe_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "small": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=768,
+        moe_intermediate_size=192,
+        num_experts=16,
+        num_experts_per_tok=4,
+    ),
 }
 
 _ARCHITECTURES = {
@@ -39,11 +57,19 @@ _ARCHITECTURES = {
 # DeepSeek-V3 family (MLA + sigmoid group-limited router + one shared expert; layer 0 dense as in Kimi-K2), scaled
 # down: the latent and head widths keep DeepSeek's proportions (nope 2x rope, v = nope).
 _MLA: dict[str, dict[str, int]] = {
-    "tiny": dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=2,
-                 topk_group=1),
-    "small": dict(q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-                  n_group=4, topk_group=2),
-}  # fmt: skip
+    "tiny": dict(
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1
+    ),
+    "small": dict(
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        n_group=4,
+        topk_group=2,
+    ),
+}
 
 
 def preset_config(arch: str, size: str) -> dict[str, Any]:
@@ -91,18 +117,35 @@ def preset_config(arch: str, size: str) -> dict[str, Any]:
     if arch == "deepseek_v3":
         del cfg["head_dim"]  # transformers derives it from qk_rope_head_dim
         cfg.update(
-            _MLA[size], num_key_value_heads=s["num_attention_heads"], n_routed_experts=s["num_experts"],
-            num_experts_per_tok=s["num_experts_per_tok"], moe_intermediate_size=s["moe_intermediate_size"],
-            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-            rope_interleave=True, topk_method="noaux_tc", scoring_func="sigmoid", attention_bias=False,
-        )  # fmt: skip
+            _MLA[size],
+            num_key_value_heads=s["num_attention_heads"],
+            n_routed_experts=s["num_experts"],
+            num_experts_per_tok=s["num_experts_per_tok"],
+            moe_intermediate_size=s["moe_intermediate_size"],
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_interleave=True,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            attention_bias=False,
+        )
     if arch == "glm4_moe":  # GLM-4.5: q/k/v bias, QK-norm, half the head rotated, router as DeepSeek-V3's
         cfg.update(
-            n_routed_experts=s["num_experts"], num_experts_per_tok=s["num_experts_per_tok"],
-            moe_intermediate_size=s["moe_intermediate_size"], n_shared_experts=1, first_k_dense_replace=1,
-            n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
-            use_qk_norm=True, partial_rotary_factor=0.5,
-        )  # fmt: skip
+            n_routed_experts=s["num_experts"],
+            num_experts_per_tok=s["num_experts_per_tok"],
+            moe_intermediate_size=s["moe_intermediate_size"],
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            attention_bias=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+        )
     return cfg
 
 

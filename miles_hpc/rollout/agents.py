@@ -81,11 +81,17 @@ class AgentContext:
         self.calls += 1
         kw = {"affinity_key": self.session, "return_logprob": True}
         # A turn aborted by a weight update (fully async, pause mode abort) continues from its tokens.
-        out = await continue_aborted(self.generate_fn, conv.ids, params,
-                                     await self.generate_fn(conv.ids, params, **kw), **kw)  # fmt: skip
-        return conv.add_generated(out.output_ids, out.output_logprobs, out.token_versions(),
-                                  prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-                                  finish=out.finish_reason.type)  # fmt: skip
+        out = await continue_aborted(
+            self.generate_fn, conv.ids, params, await self.generate_fn(conv.ids, params, **kw), **kw
+        )
+        return conv.add_generated(
+            out.output_ids,
+            out.output_logprobs,
+            out.token_versions(),
+            prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens,
+            finish=out.finish_reason.type,
+        )
 
 
 AgentFn = Callable[[AgentContext, PromptRecord], Awaitable[Sample]]
@@ -95,8 +101,9 @@ async def terminal_agent(ctx: AgentContext, record: PromptRecord) -> Sample:
     """The reference agent: up to `ctx.max_turns` commands against the record's terminal task."""
     task = make_terminal_task(int(record.metadata["task_seed"]))
     env = TerminalEnv(task, max_output_chars=ctx.max_output_chars)
-    conv = Conversation.start(ctx.tokenizer, [{"role": "system", "content": TERMINAL_SYSTEM},
-                                              {"role": "user", "content": task.goal}])  # fmt: skip
+    conv = Conversation.start(
+        ctx.tokenizer, [{"role": "system", "content": TERMINAL_SYSTEM}, {"role": "user", "content": task.goal}]
+    )
     for turn in range(ctx.max_turns):
         text = await ctx.generate(conv)
         output = env.step(text)
@@ -110,8 +117,12 @@ async def terminal_agent(ctx: AgentContext, record: PromptRecord) -> Sample:
             conv.finish = "length"
             break
         conv.add_message({"role": "tool", "content": output or "(no output)"})
-    return conv.to_sample(prompt_id=record.prompt_id, group_id=ctx.group_id, reward=env.reward(),
-                          metadata={"task": task.kind, "commands": env.steps, "submitted": env.done})  # fmt: skip
+    return conv.to_sample(
+        prompt_id=record.prompt_id,
+        group_id=ctx.group_id,
+        reward=env.reward(),
+        metadata={"task": task.kind, "commands": env.steps, "submitted": env.done},
+    )
 
 
 async def check_agent(agent: AgentFn, ctx: AgentContext, record: PromptRecord) -> Sample:
@@ -121,8 +132,9 @@ async def check_agent(agent: AgentFn, ctx: AgentContext, record: PromptRecord) -
     sample = await agent(ctx, record)
     assert isinstance(sample, Sample), f"the agent returned {type(sample).__name__}, not a Sample"
     n = len(sample.tokens)
-    assert len(sample.loss_mask) == len(sample.rollout_logprobs) == len(sample.policy_version) == n, \
-        "tokens, loss_mask, rollout_logprobs and policy_version must have one entry per token"  # fmt: skip
+    assert len(sample.loss_mask) == len(sample.rollout_logprobs) == len(sample.policy_version) == n, (
+        "tokens, loss_mask, rollout_logprobs and policy_version must have one entry per token"
+    )
     assert not any(sample.loss_mask[: sample.prompt_len]), "no loss on the first prompt"
     assert sample.prompt_id == record.prompt_id and sample.group_id == ctx.group_id, "keep the record's ids"
     assert ctx.calls >= 1, "an agent generates through ctx.generate (TITO, session affinity, metrics)"

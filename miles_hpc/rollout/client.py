@@ -234,7 +234,7 @@ class EngineClient:
         await self._call(rq.ABORT, rq.abort_body(rid, abort_all=abort_all), timeout=timeout)
 
     async def pause(self, mode: rq.PauseMode = "abort") -> None:
-        """``POST /pause_generation``: abort | retract | in_place (see reference/sglang_api.md)."""
+        """``POST /pause_generation``: abort | retract | in_place (SGLang's modes; docs/engine.md)."""
         await self._call(rq.PAUSE, rq.pause_body(mode))
 
     async def continue_generation(self) -> None:
@@ -355,7 +355,7 @@ class EngineClient:
         abort_all_requests: bool | None = None,
         timeout: float | None = None,
     ) -> str:
-        """One update part by tensor handles or bytes, one entry per TP rank (``sync/colocated.py`` builds them)."""
+        """One update part by tensor handles or bytes, one entry per TP rank (``sync/strategies/colocated.py`` builds them)."""
         body = rq.update_weights_from_tensor_body(
             serialized_named_tensors,
             load_format=load_format,
@@ -375,7 +375,7 @@ class EngineClient:
         timeout: float | None = None,
     ) -> str:
         """Our extension (embedded engine only): apply the version written under ``manifest_path`` by the delta
-        strategy (``sync/delta.py``); ``base_version`` None for a manifest of full tensors."""
+        strategy (``sync/strategies/delta.py``); ``base_version`` None for a manifest of full tensors."""
         body = rq.update_weights_from_delta_body(
             str(manifest_path), base_version=base_version, weight_version=weight_version, flush_cache=flush_cache
         )
@@ -393,15 +393,16 @@ class EngineClient:
         flush_cache: bool | None = None,
     ) -> str:
         """Our extension (embedded engine only): announce one bucket the trainer ranks send point-to-point (the
-        p2p strategy, ``sync/p2p.py``); returns when the engine has received and applied it."""
-        body = rq.update_weights_from_p2p_body(names, dtypes, shapes, pieces, group_name=group_name,
-                                               weight_version=weight_version, flush_cache=flush_cache)  # fmt: skip
+        p2p strategy, ``sync/strategies/p2p.py``); returns when the engine has received and applied it."""
+        body = rq.update_weights_from_p2p_body(
+            names, dtypes, shapes, pieces, group_name=group_name, weight_version=weight_version, flush_cache=flush_cache
+        )
         return _message(await self._call(rq.EXTENSIONS["update_weights_from_p2p"], body))
 
     async def weights_piece_checksums(
         self, names: Sequence[str], boxes: Sequence[Sequence[Sequence[int]]]
     ) -> dict[str, str]:
-        """Our extension: ``sync.checksum.piece_key`` -> checksum of each box of each named tensor."""
+        """Our extension: ``sync.wire.checksum.piece_key`` -> checksum of each box of each named tensor."""
         obj = await self._call(rq.EXTENSIONS["weights_piece_checksums"], rq.weights_piece_checksums_body(names, boxes))
         sums = obj.get("checksums") if isinstance(obj, dict) else None
         if not isinstance(sums, dict):
@@ -413,8 +414,9 @@ class EngineClient:
             await self._call(rq.DESTROY_WEIGHTS_UPDATE_GROUP, rq.destroy_weights_update_group_body(group_name))
         )
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str | Path, *,
-                                pinned: bool | None = None) -> dict[str, str]:  # fmt: skip
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str | Path, *, pinned: bool | None = None
+    ) -> dict[str, str]:
         """Serve the PEFT adapter at `lora_path` (on the engine's file system) as `lora_name`; returns the adapters
         loaded now (name -> path). A refusal raises `EngineProtocolError` with the engine's message."""
         body = rq.load_lora_adapter_body(lora_name, str(lora_path), pinned=pinned)
@@ -446,8 +448,9 @@ class EngineClient:
             raise EngineProtocolError(self.url, "POST /weights_direct_begin", f"no instance in {str(obj)[:200]}")
         return obj["instance"]
 
-    async def weights_direct_commit(self, *, weight_version: str | None, flush_cache: bool = True,
-                                    timeout: float | None = None) -> str:  # fmt: skip
+    async def weights_direct_commit(
+        self, *, weight_version: str | None, flush_cache: bool = True, timeout: float | None = None
+    ) -> str:
         """Our engine's extension: the direct write is complete; name the weights `weight_version`."""
         body: dict[str, Any] = {"flush_cache": flush_cache}
         if weight_version is not None:

@@ -84,9 +84,19 @@ def load_examples(path: str | Path) -> list[RewardInput]:
 def _snapshot(inp: RewardInput) -> tuple[Any, ...]:
     s = inp.sample
     return (
-        list(s.tokens), s.prompt_len, list(s.loss_mask), list(s.rollout_logprobs), list(s.policy_version),
-        s.reward, s.status, s.token_hash, copy.deepcopy(s.metadata), s.train_step,
-        copy.deepcopy(inp.metadata), copy.deepcopy(inp.label), copy.deepcopy(inp.prompt),
+        list(s.tokens),
+        s.prompt_len,
+        list(s.loss_mask),
+        list(s.rollout_logprobs),
+        list(s.policy_version),
+        s.reward,
+        s.status,
+        s.token_hash,
+        copy.deepcopy(s.metadata),
+        s.train_step,
+        copy.deepcopy(inp.metadata),
+        copy.deepcopy(inp.label),
+        copy.deepcopy(inp.prompt),
     )
 
 
@@ -115,8 +125,10 @@ async def _check(fn: AnyRewardFn, examples: Sequence[RewardInput], reward_range:
         except Exception as e:  # raised, or returned a non-number / non-finite value
             raise ContractError(f"{where} failed: {type(e).__name__}: {e}") from e
         if reward_range is not None and not reward_range[0] <= first <= reward_range[1]:
-            raise ContractError(f"{where} returned {first}, outside the range {list(reward_range)} "
-                                "(pass reward_range=... / MILES_REWARD_RANGE if yours documents another)")
+            raise ContractError(
+                f"{where} returned {first}, outside the range {list(reward_range)} "
+                "(pass reward_range=... / MILES_REWARD_RANGE if yours documents another)"
+            )
         if _snapshot(inp) != before or not inp.sample.hash_ok():
             raise ContractError(f"{where} mutated its input (sample, metadata or label); reward functions must not")
         second = await call_reward_fn(fn, inp)

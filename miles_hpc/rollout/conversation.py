@@ -59,9 +59,16 @@ class Conversation:
         """Turn 1: the template's rendering of `messages` with the generation prompt (e.g. `tools=` goes to it)."""
         ids = _encode(tokenizer, _render(tokenizer, messages, True, template_kwargs))
         n = len(ids)
-        return cls(tokenizer=tokenizer, messages=[dict(m) for m in messages], ids=ids, prompt_len=n,
-                   loss_mask=[0] * n, logprobs=[0.0] * n, versions=[-1] * n,
-                   template_kwargs=dict(template_kwargs))  # fmt: skip
+        return cls(
+            tokenizer=tokenizer,
+            messages=[dict(m) for m in messages],
+            ids=ids,
+            prompt_len=n,
+            loss_mask=[0] * n,
+            logprobs=[0.0] * n,
+            versions=[-1] * n,
+            template_kwargs=dict(template_kwargs),
+        )
 
     def add_generated(
         self,
@@ -78,8 +85,9 @@ class Conversation:
         renderings."""
         n = len(output_ids)
         if logprobs is not None and len(logprobs) != n or len(versions) != n:
-            raise ValueError(f"generation of {n} ids came with {len(logprobs or [])} log-probs, {len(versions)} "
-                             "versions")  # fmt: skip
+            raise ValueError(
+                f"generation of {n} ids came with {len(logprobs or [])} log-probs, {len(versions)} versions"
+            )
         self.ids += list(output_ids)
         self.loss_mask += [1] * n
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
@@ -125,14 +133,28 @@ class Conversation:
     def cache_hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    def to_sample(self, *, prompt_id: int, group_id: int, reward: float = 0.0,
-                  metadata: dict[str, Any] | None = None) -> Sample:  # fmt: skip
+    def to_sample(
+        self, *, prompt_id: int, group_id: int, reward: float = 0.0, metadata: dict[str, Any] | None = None
+    ) -> Sample:
         """The conversation as one training sample (all turns; loss only on generated ids)."""
         by_finish = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED}
         status = by_finish.get(self.finish, SampleStatus.ABORTED)
-        meta = {"turns": self.turns, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                **(metadata or {})}  # fmt: skip
-        return Sample(prompt_id=prompt_id, group_id=group_id, tokens=list(self.ids), prompt_len=self.prompt_len,
-                      loss_mask=list(self.loss_mask), rollout_logprobs=list(self.logprobs),
-                      policy_version=list(self.versions), reward=reward, status=status, metadata=meta,
-                      token_hash=token_hash(self.ids))  # fmt: skip
+        meta = {
+            "turns": self.turns,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            **(metadata or {}),
+        }
+        return Sample(
+            prompt_id=prompt_id,
+            group_id=group_id,
+            tokens=list(self.ids),
+            prompt_len=self.prompt_len,
+            loss_mask=list(self.loss_mask),
+            rollout_logprobs=list(self.logprobs),
+            policy_version=list(self.versions),
+            reward=reward,
+            status=status,
+            metadata=meta,
+            token_hash=token_hash(self.ids),
+        )

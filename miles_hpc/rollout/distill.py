@@ -25,8 +25,7 @@ async def teacher_logprobs(teacher: EngineClient, samples: Sequence[Sample]) -> 
     """Per sample, the teacher's log-prob of each token (0.0 at the first token, which has none)."""
 
     async def one(s: Sample) -> list[float]:
-        out = await teacher.generate(list(s.tokens), {"max_new_tokens": 0}, return_logprob=True,
-                                     logprob_start_len=0)  # fmt: skip
+        out = await teacher.generate(list(s.tokens), {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
         lps = out.input_logprobs or []
         if len(lps) != len(s.tokens):
             raise ValueError(f"teacher {teacher.url} scored {len(lps)} of the {len(s.tokens)} tokens of a sample")
@@ -36,8 +35,12 @@ async def teacher_logprobs(teacher: EngineClient, samples: Sequence[Sample]) -> 
 
 
 def opd_advantages(
-    task_adv: Sequence[Sequence[float]], samples: Sequence[Sample], teacher: Sequence[Sequence[float]],
-    coef: float, *, only: bool = False,
+    task_adv: Sequence[Sequence[float]],
+    samples: Sequence[Sample],
+    teacher: Sequence[Sequence[float]],
+    coef: float,
+    *,
+    only: bool = False,
 ) -> tuple[list[list[float]], float]:
     """Per-token advantages with the OPD term on loss tokens, and the mean reverse KL (student - teacher) there."""
     out, kl_sum, n = [], 0.0, 0

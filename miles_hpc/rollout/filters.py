@@ -35,9 +35,7 @@ def is_zero_variance(group: Sequence[HasReward], tol: float = 0.0) -> bool:
     return max(rewards) - min(rewards) <= tol
 
 
-def drop_zero_variance_groups(
-    groups: Sequence[Sequence[S]], tol: float = 0.0
-) -> tuple[list[Sequence[S]], int]:
+def drop_zero_variance_groups(groups: Sequence[Sequence[S]], tol: float = 0.0) -> tuple[list[Sequence[S]], int]:
     """Return (the groups with some reward variance, in order; how many were dropped)."""
     kept = [g for g in groups if not is_zero_variance(g, tol)]
     return kept, len(groups) - len(kept)

@@ -123,8 +123,13 @@ class Pieces:
         )
 
 
-async def continue_aborted(generate_fn: Callable[..., Awaitable[GenerateOutput]], ids: list[int],
-                           params: Mapping[str, Any], out: GenerateOutput, **kw: Any) -> GenerateOutput:  # fmt: skip
+async def continue_aborted(
+    generate_fn: Callable[..., Awaitable[GenerateOutput]],
+    ids: list[int],
+    params: Mapping[str, Any],
+    out: GenerateOutput,
+    **kw: Any,
+) -> GenerateOutput:
     """`out`, or, when a weight update aborted it (pause mode ``abort``) after some tokens, those tokens continued
     until the generation finishes otherwise: one output, as if never interrupted (its later tokens carry the new
     weight version). `kw` goes to every call of `generate_fn` (``Router.generate``'s signature)."""

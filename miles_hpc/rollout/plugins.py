@@ -1,4 +1,4 @@
-"""Plug-ins named by dotted path in the config (stage: rollout; DESIGN section 1, STYLE 10).
+"""Plug-ins named by dotted path in the config (stage: rollout; docs/design.md section 1, STYLE 10).
 
 ``load_object("pkg.mod:attr", kind="reward function")`` imports ``pkg.mod`` and returns ``attr`` (which may itself
 be dotted: ``pkg.mod:Class.method``); ``pkg.mod.attr`` (no colon) splits at the last dot. Every failure raises

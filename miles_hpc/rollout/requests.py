@@ -72,7 +72,7 @@ CONTINUE = Endpoint("POST", "/continue_generation", admin=True, idempotent=True)
 FLUSH_CACHE = Endpoint("POST", "/flush_cache", admin=True, idempotent=True)
 HEALTH = Endpoint("GET", "/health", admin=False, idempotent=True)
 HEALTH_GENERATE = Endpoint("GET", "/health_generate", admin=False, idempotent=True)
-# The /get_* spellings: DESIGN's contract for our engine; SGLang 0.5.23 serves them too (deprecated aliases of
+# The /get_* spellings: docs/design.md's contract for our engine; SGLang 0.5.23 serves them too (deprecated aliases of
 # /server_info and /model_info, with a log line per call).
 SERVER_INFO = Endpoint("GET", "/get_server_info", admin=False, idempotent=True)
 MODEL_INFO = Endpoint("GET", "/get_model_info", admin=False, idempotent=True)
@@ -309,8 +309,9 @@ def update_weights_from_p2p_body(
     """``POST /update_weights_from_p2p`` (our extension, docs/engine.md): one bucket that the trainer ranks send
     point-to-point; ``pieces[i]`` lists what arrives of ``names[i]``, each ``[trainer rank, lo0, hi0, lo1, ...]``,
     in the order the sends are posted."""
-    body = update_weights_from_distributed_body(names, dtypes, shapes, group_name=group_name,
-                                                weight_version=weight_version, flush_cache=flush_cache)  # fmt: skip
+    body = update_weights_from_distributed_body(
+        names, dtypes, shapes, group_name=group_name, weight_version=weight_version, flush_cache=flush_cache
+    )
     if len(pieces) != len(names):
         raise ValueError(f"pieces has {len(pieces)} entries for {len(names)} names")
     body["pieces"] = [[_ints(p, f"piece of {n}") for p in ps] for n, ps in zip(names, pieces)]
@@ -322,8 +323,10 @@ def weights_piece_checksums_body(names: Sequence[str], boxes: Sequence[Sequence[
     ``[lo0, hi0, lo1, hi1, ...]`` of ``names[i]``."""
     if len(boxes) != len(names):
         raise ValueError(f"boxes has {len(boxes)} entries for {len(names)} names")
-    return {"names": [str(n) for n in names], "boxes": [[_ints(b, f"box of {n}") for b in bs]
-                                                         for n, bs in zip(names, boxes)]}  # fmt: skip
+    return {
+        "names": [str(n) for n in names],
+        "boxes": [[_ints(b, f"box of {n}") for b in bs] for n, bs in zip(names, boxes)],
+    }
 
 
 def update_weights_from_delta_body(

@@ -1,6 +1,6 @@
 """Typed results of the SGLang HTTP API, parsed from JSON (stage: rollout, client side).
 
-The client-side mirror of what an engine answers (our embedded engine or real SGLang; DESIGN section 4). Parsing is
+The client-side mirror of what an engine answers (our embedded engine or real SGLang; docs/design.md section 4). Parsing is
 strict where RL correctness depends on it and lenient where SGLang versions differ:
 
 Invariants of a :class:`GenerateOutput`:

@@ -1,4 +1,4 @@
-"""Reward functions and concurrent scoring (stage: rollout, after generation; DESIGN section 1).
+"""Reward functions and concurrent scoring (stage: rollout, after generation; docs/design.md section 1).
 
 A reward function takes one :class:`RewardInput` and returns a float; it may be ``async def`` or a plain function
 (run in a worker thread so it cannot stall the event loop). It is named by dotted path in ``RewardConfig.fn`` and
@@ -86,7 +86,7 @@ class RewardOutcome:
 
 def _is_async(fn: Any) -> bool:
     # inspect unwraps functools.partial; a callable object is async when its __call__ is.
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or (callable(fn) and inspect.iscoroutinefunction(fn.__call__))
 
 
 def _fn_name(fn: Any) -> str:
@@ -268,7 +268,7 @@ def _replace_frac(s: str) -> str:
         b = group(a[1]) if a else None
         if a is None or b is None:
             break
-        s = f"{s[:k]}({_replace_frac(a[0])})/({_replace_frac(b[0])}){s[b[1]:]}"
+        s = f"{s[:k]}({_replace_frac(a[0])})/({_replace_frac(b[0])}){s[b[1] :]}"
     return s
 
 

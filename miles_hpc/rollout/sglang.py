@@ -1,7 +1,7 @@
 """Launching real SGLang engines and the engine rendezvous files (stage: rollout, process side).
 
 :class:`SGLangLaunchSpec` renders the ``python -m sglang.launch_server ...`` command line that a rollout worker runs
-(DESIGN section 3); the rendezvous functions are how an engine (SGLang or ours) announces itself and how the
+(docs/design.md section 3); the rendezvous functions are how an engine (SGLang or ours) announces itself and how the
 controller waits for all of them. Standard library only: ``tests/sglang_schema_check.py`` imports this module in
 SGLang's own venv and parses our command line with SGLang's argparse.
 
@@ -26,9 +26,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from miles_hpc.atomic import write_text_atomic
-from typing import Any
 
 # Flags the spec sets itself: extra_args may not repeat them (argparse would silently keep the last one).
 _MANAGED_FLAGS = frozenset(
@@ -171,7 +171,7 @@ class SGLangLaunchSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineRecord:
-    """What an engine announces when it is listening (DESIGN section 3)."""
+    """What an engine announces when it is listening (docs/design.md section 3)."""
 
     index: int
     host: str

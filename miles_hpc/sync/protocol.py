@@ -8,7 +8,7 @@ Contract of a strategy:
 - `connect(clients)` (re)builds whatever the transfer needs to reach exactly these engines (a process group, a
   directory); called again when the set of engines changes; `clients` says the current set.
 - `push(named, version)` consumes the whole iterator (trainer-side iterators are collectives: every rank steps
-  through them), sends, and returns the checksum (`sync.checksum.tensor_checksum`) of each tensor as the engines
+  through them), sends, and returns the checksum (`sync.wire.checksum.tensor_checksum`) of each tensor as the engines
   must now hold it. The last part of the update carries `version`; an engine that received only part of it
   refuses to continue generation (engine/core.py `resume`), so a trainer that dies mid-push never leaves a
   half-updated engine serving.
@@ -16,6 +16,8 @@ Contract of a strategy:
   `push` an empty iterator instead of building the gathered one.
 - `verify(clients, expected)` checks that every engine holds what `push` returned (`verify_checksums`: one
   checksum per tensor; p2p: one per held piece, `verify_pieces`).
+- What it knows of itself (strategies/base.py `Strategy`): `sends` and `source(trainer)` (full state or the
+  adapter), `publish_at_start`, `engine_needs`, `check_placement`, and `metrics()` of the last push.
 - Failures raise `EngineSyncError` naming the engines that failed when the strategy can tell (the publisher then
   takes them out of the fleet and retries with the others), `WeightSyncError` otherwise (the run stops).
 """
@@ -23,13 +25,14 @@ Contract of a strategy:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from miles_hpc.planner.transfer import Box
 from miles_hpc.rollout.client import EngineClient
-from miles_hpc.sync.plan import Box
+from miles_hpc.sync.strategies.base import Sends, SyncSource
 
 __all__ = ["EngineSyncError", "WeightSync", "WeightSyncError", "verify_checksums", "verify_pieces"]
 
@@ -50,8 +53,10 @@ class EngineSyncError(WeightSyncError):
 class WeightSync(Protocol):
     """One weight-update strategy (broadcast, p2p, delta, colocated, lora): see the module docstring."""
 
-    name: str
-    takes_named: bool
+    name: ClassVar[str]
+    sends: ClassVar[Sends]
+    takes_named: ClassVar[bool]
+    publish_at_start: ClassVar[bool]
 
     @property
     def clients(self) -> Sequence[EngineClient]: ...
@@ -63,6 +68,10 @@ class WeightSync(Protocol):
     async def verify(self, clients: Sequence[EngineClient], expected: dict[str, str]) -> None: ...
 
     async def close(self) -> None: ...
+
+    def source(self, trainer: SyncSource) -> Callable[[], Iterable[tuple[str, torch.Tensor]]]: ...
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 async def verify_checksums(clients: Sequence[EngineClient], expected: dict[str, str]) -> None:
@@ -81,8 +90,9 @@ async def verify_checksums(clients: Sequence[EngineClient], expected: dict[str, 
                 )
 
 
-async def verify_pieces(clients: Sequence[EngineClient], pieces: Mapping[str, Sequence[Box]],
-                        expected: dict[str, str]) -> None:  # fmt: skip
+async def verify_pieces(
+    clients: Sequence[EngineClient], pieces: Mapping[str, Sequence[Box]], expected: dict[str, str]
+) -> None:
     """As `verify_checksums`, per piece: each engine hashes the given boxes of its tensors (`piece_key` names);
     the boxes partition each tensor, so equal piece checksums mean equal tensors."""
     names = list(pieces)
@@ -91,5 +101,7 @@ async def verify_pieces(clients: Sequence[EngineClient], pieces: Mapping[str, Se
     for client, got in zip(clients, answers):
         for key, want in expected.items():
             if got.get(key) != want:
-                raise WeightSyncError(f"weight checksum mismatch on {client.url} for tensor piece {key!r}: "
-                                      f"trainer {want}, engine {got.get(key, 'missing')}")  # fmt: skip
+                raise WeightSyncError(
+                    f"weight checksum mismatch on {client.url} for tensor piece {key!r}: "
+                    f"trainer {want}, engine {got.get(key, 'missing')}"
+                )

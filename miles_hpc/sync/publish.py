@@ -68,8 +68,9 @@ class Publisher:
         finally:
             self.router.paused = False
 
-    async def _publish(self, named_fn: NamedFn, version: str, targets: list[EngineClient], dropped: list[str],
-                       t0: float) -> PublishReport:  # fmt: skip
+    async def _publish(
+        self, named_fn: NamedFn, version: str, targets: list[EngineClient], dropped: list[str], t0: float
+    ) -> PublishReport:
         answers = await asyncio.gather(*(c.pause(self.pause_mode) for c in targets), return_exceptions=True)
         for c, a in zip(targets, answers):
             if isinstance(a, BaseException):
@@ -107,8 +108,9 @@ class Publisher:
             await self.sync.verify(targets, sent)
             self.version = version
         finally:
-            await asyncio.gather(*(c.continue_generation() for c in paused if c.url not in dropped),
-                                 return_exceptions=True)  # fmt: skip
+            await asyncio.gather(
+                *(c.continue_generation() for c in paused if c.url not in dropped), return_exceptions=True
+            )
         return PublishReport(version, len(targets), tuple(dropped), len(sent), time.perf_counter() - t0)
 
     def _drop(self, client: EngineClient, error: BaseException, dropped: list[str]) -> None:
@@ -123,8 +125,10 @@ class Publisher:
         """The router's re-admission hook: an engine serves again only with the published weights."""
         info = await client.model_info()
         if self.version is not None and str(info.get("weight_version")) != self.version:
-            raise WeightSyncError(f"{client.url} holds weight version {info.get('weight_version')!r}, the trainer "
-                                  f"published {self.version!r}: it gets the weights at the next publish")  # fmt: skip
+            raise WeightSyncError(
+                f"{client.url} holds weight version {info.get('weight_version')!r}, the trainer "
+                f"published {self.version!r}: it gets the weights at the next publish"
+            )
 
     async def _targets(self) -> list[EngineClient]:
         """Available engines, plus quarantined ones that are alive again, in the router's order."""

@@ -44,8 +44,10 @@ class TrainBatch:
                 raise ValueError(f"TrainBatch.routed_experts: {len(self.routed_experts)} rows for {n} samples")
             for i, (r, toks) in enumerate(zip(self.routed_experts, self.tokens)):
                 if r is not None and (r.ndim != 3 or r.shape[0] > len(toks)):
-                    raise ValueError(f"TrainBatch.routed_experts[{i}]: shape {r.shape} for {len(toks)} tokens "
-                                     "(expected [<= tokens, moe_layers, top_k])")  # fmt: skip
+                    raise ValueError(
+                        f"TrainBatch.routed_experts[{i}]: shape {r.shape} for {len(toks)} tokens "
+                        "(expected [<= tokens, moe_layers, top_k])"
+                    )
 
     def __len__(self) -> int:
         return len(self.tokens)

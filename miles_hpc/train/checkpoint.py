@@ -1,6 +1,6 @@
 """Trainer checkpoints: sharded model + optimizer (torch.distributed.checkpoint), LR schedule, RNG, loop state.
 
-Stage: train. Layout of one checkpoint (DESIGN section 3: ``RUN/checkpoints/step_N/``):
+Stage: train. Layout of one checkpoint (docs/design.md section 3: ``RUN/checkpoints/step_N/``):
 
     step_N/dcp/            FSDP: DCP shards of {"model", "optim"} (each rank writes its own shards; resharding on
                            load to another world size is DCP's job)
@@ -35,8 +35,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path", "read_checkpoint",
-           "write_checkpoint", "save_adapter_checkpoint", "load_adapter_checkpoint", "CHECKPOINT_FORMAT"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "checkpoint_path",
+    "read_checkpoint",
+    "write_checkpoint",
+    "save_adapter_checkpoint",
+    "load_adapter_checkpoint",
+    "CHECKPOINT_FORMAT",
+]
 
 CHECKPOINT_FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -156,8 +165,10 @@ def read_checkpoint(path: str | Path, backend: str) -> tuple[Path, dict[str, Any
         raise ValueError(f"{root}: checkpoint format {meta.get('format')}, this code reads {CHECKPOINT_FORMAT}")
     saved = meta.get("backend", "fsdp")  # checkpoints before the megatron backend are FSDP's
     if saved != backend:
-        raise ValueError(f"{root}: written by the {saved} backend, this run uses train.backend={backend} (export it "
-                         "to HF format with `miles-hpc export` and start from that instead)")  # fmt: skip
+        raise ValueError(
+            f"{root}: written by the {saved} backend, this run uses train.backend={backend} (export it "
+            "to HF format with `miles-hpc export` and start from that instead)"
+        )
     rng_file = root / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seed
         rng = torch.load(rng_file, weights_only=True)

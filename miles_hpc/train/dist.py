@@ -22,8 +22,16 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorldInfo", "world_from_env", "init_trainer_world", "broadcast_object", "all_reduce_floats", "group_size",
-           "teardown", "leave"]
+__all__ = [
+    "WorldInfo",
+    "world_from_env",
+    "init_trainer_world",
+    "broadcast_object",
+    "all_reduce_floats",
+    "group_size",
+    "teardown",
+    "leave",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,8 +78,9 @@ def world_from_env(env: Mapping[str, str] | None = None, *, device: str | None =
     port = _int_env(env, "MASTER_PORT", 29500)
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
-    return WorldInfo(rank=rank, world_size=world_size, local_rank=local_rank, master_addr=addr, master_port=port,
-                     device=dev)
+    return WorldInfo(
+        rank=rank, world_size=world_size, local_rank=local_rank, master_addr=addr, master_port=port, device=dev
+    )
 
 
 def init_trainer_world(info: WorldInfo, *, timeout_s: float = 1800.0) -> None:

@@ -1,4 +1,4 @@
-"""FSDP2 training backend (stage: train; DESIGN section 5): `FSDPTrainer` implements the `Trainer` protocol.
+"""FSDP2 training backend (stage: train; docs/design.md section 5): `FSDPTrainer` implements the `Trainer` protocol.
 
 Topology: one process per device, all in the default process group (:mod:`miles_hpc.train.dist`); every rank
 receives the WHOLE `TrainBatch` from the controller. Parameters are sharded with `fully_shard` per decoder layer
@@ -70,8 +70,10 @@ class FSDPTrainer(PackedTrainer):
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainer needs the trainer process group: call dist.init_trainer_world first")
         if zero_kl and ((lora is not None and lora.enabled) or train_cfg.compile):
-            raise ValueError("zero_kl: not with lora.rank > 0 (adapter hooks are not batch-invariant) nor with "
-                             "train.compile (fused kernels change the bits)")  # fmt: skip
+            raise ValueError(
+                "zero_kl: not with lora.rank > 0 (adapter hooks are not batch-invariant) nor with "
+                "train.compile (fused kernels change the bits)"
+            )
         self.zero_kl = zero_kl
         self.train_cfg, self.algo_cfg, self.loss_fn = train_cfg, algo_cfg, loss_fn
         self.device = torch.device(device)
@@ -145,8 +147,9 @@ class FSDPTrainer(PackedTrainer):
         if mb.routing is not None:
             stats = self.model.replay_stats()
             self._r3 = stats if self._r3 is None else self._r3 + stats
-        return token_logprobs(logits, mb, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                              batch_invariant=self.zero_kl)  # fmt: skip
+        return token_logprobs(
+            logits, mb, with_entropy=with_entropy, entropy_grad=entropy_grad, batch_invariant=self.zero_kl
+        )
 
     def _clip_and_step(self) -> torch.Tensor:
         """Clip the global grad norm, step AdamW and the schedule; returns the pre-clip norm as a device scalar
@@ -170,8 +173,9 @@ class FSDPTrainer(PackedTrainer):
         # Reuse the one place that maps our names to HF names by handing it a view whose state_dict gathers
         # lazily: each DTensor is all-gathered only when iter_hf_tensors reaches it.
         # With LoRA: the merged weights (base + scaling * B @ A), which the engines then serve without adapters.
-        view = types.SimpleNamespace(config=self.config,
-                                     state_dict=lambda: _GatheredStateDict(self.model, self.adapter))  # fmt: skip
+        view = types.SimpleNamespace(
+            config=self.config, state_dict=lambda: _GatheredStateDict(self.model, self.adapter)
+        )
         yield from iter_hf_tensors(view)  # type: ignore[arg-type]
 
     def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -199,8 +203,15 @@ class FSDPTrainer(PackedTrainer):
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
         if self.adapter is not None:  # LoRA: the frozen base stays where it was loaded from
-            return ckpt.save_adapter_checkpoint(path, self.adapter, self.optimizer, self.scheduler, step=self._step,
-                                                extra=extra or {}, base_model=str(self._model_path))  # fmt: skip
+            return ckpt.save_adapter_checkpoint(
+                path,
+                self.adapter,
+                self.optimizer,
+                self.scheduler,
+                step=self._step,
+                extra=extra or {},
+                base_model=str(self._model_path),
+            )
         return ckpt.save_checkpoint(
             path, self.model, self.optimizer, self.scheduler, step=self._step, extra=extra or {}
         )
@@ -282,4 +293,4 @@ def _checkpoint_forward(layer: torch.nn.Module) -> None:
             return inner(*args, **kwargs)
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
-    layer.forward = forward  # type: ignore[method-assign]
+    layer.forward = forward

@@ -56,9 +56,20 @@ def _fwd_kernel(Z, stride_z, T, LSE, LP, ENT, V, WITH_ENT: tl.constexpr, BLOCK: 
 
 @triton.jit
 def _bwd_kernel(
-    Z, stride_z, G, stride_g, T, LSE, ENT, GLP, GENT, V,
-    HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    Z,
+    stride_z,
+    G,
+    stride_g,
+    T,
+    LSE,
+    ENT,
+    GLP,
+    GENT,
+    V,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     base = Z + row.to(tl.int64) * stride_z
     out = G + row.to(tl.int64) * stride_g
@@ -93,8 +104,18 @@ def forward(
     lp = torch.empty_like(lse)
     ent = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
     if n:
-        _fwd_kernel[(n,)](logits, logits.stride(0), target, lse, lp, ent if with_entropy else lse, vocab,
-                          WITH_ENT=with_entropy, BLOCK=_BLOCK, num_warps=8)  # fmt: skip
+        _fwd_kernel[(n,)](
+            logits,
+            logits.stride(0),
+            target,
+            lse,
+            lp,
+            ent if with_entropy else lse,
+            vocab,
+            WITH_ENT=with_entropy,
+            BLOCK=_BLOCK,
+            num_warps=8,
+        )
     return lse, lp, ent
 
 
@@ -112,7 +133,20 @@ def backward(
     if n:
         glp = g_lp.float().contiguous() if g_lp is not None else lse
         gent = g_ent.float().contiguous() if g_ent is not None else lse
-        _bwd_kernel[(n,)](logits, logits.stride(0), grad, grad.stride(0), target, lse, ent if g_ent is not None else lse,
-                          glp, gent, vocab, HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, BLOCK=_BLOCK,
-                          num_warps=8)  # fmt: skip
+        _bwd_kernel[(n,)](
+            logits,
+            logits.stride(0),
+            grad,
+            grad.stride(0),
+            target,
+            lse,
+            ent if g_ent is not None else lse,
+            glp,
+            gent,
+            vocab,
+            HAS_GLP=g_lp is not None,
+            HAS_GENT=g_ent is not None,
+            BLOCK=_BLOCK,
+            num_warps=8,
+        )
     return grad

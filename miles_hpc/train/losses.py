@@ -151,7 +151,8 @@ def policy_loss(
     num_seqs: int | None = None,
     total_tokens: int | None = None,
 ) -> tuple[torch.Tensor, Mapping[str, float]]:
-    """The policy loss of one packed micro-batch and its metrics.
+    """The policy loss of one packed micro-batch and its metrics. Long: the formula below term by term, each with
+    its metric beside it (split, the terms would hand a dozen tensors between helpers).
 
     Per token (r = ratio, A = advantage, eps_l/eps_h = ``clip_low``/``clip_high``, c = ``dual_clip``):
       ppo_clip: r_t = exp(logp_t - old_t)                                  (Schulman et al. 2017, PPO)
@@ -244,6 +245,16 @@ def policy_loss(
                 _masked_mean(kl_penalty(logprobs.detach(), old, "k3"), mask, n_masked),
             ]
         )
-    names = ("pg_loss", "clip_frac", "dual_clip_frac", "ratio_mean", "ratio_max", "kl", "entropy", "tis_mean",
-             "mis_masked_frac", "approx_kl")
+    names = (
+        "pg_loss",
+        "clip_frac",
+        "dual_clip_frac",
+        "ratio_mean",
+        "ratio_max",
+        "kl",
+        "entropy",
+        "tis_mean",
+        "mis_masked_frac",
+        "approx_kl",
+    )
     return loss, DeviceMetrics(names, values)

@@ -23,10 +23,14 @@ def check_same_model(root: Path, saved: dict[str, Any] | None, cfg: ModelConfig)
     say, another RoPE base), naming each differing field with both values."""
     ours = json.loads(json.dumps(cfg.to_hf_dict()))  # as saved: tuples become lists
     if saved is None:
-        raise ValueError(f"{root}: megatron.json records no model config (an older checkpoint); this run's model is "
-                         f"{ours}")  # fmt: skip
-    diff = [f"{k}={saved.get(k)!r} in the checkpoint, {ours.get(k)!r} in this run"
-            for k in sorted(saved.keys() | ours.keys()) if saved.get(k) != ours.get(k)]  # fmt: skip
+        raise ValueError(
+            f"{root}: megatron.json records no model config (an older checkpoint); this run's model is {ours}"
+        )
+    diff = [
+        f"{k}={saved.get(k)!r} in the checkpoint, {ours.get(k)!r} in this run"
+        for k in sorted(saved.keys() | ours.keys())
+        if saved.get(k) != ours.get(k)
+    ]
     if diff:
         raise ValueError(f"{root}: written for another model config: {'; '.join(diff)}")
 
@@ -80,8 +84,9 @@ def load_distributed_optimizer(optimizer: Any, loaded: dict[str, Any]) -> None:
     steps set aside, then each parameter's step back as its own tensor (torch's Adam increments each in place)."""
     kind = loaded.pop("param_state_sharding_type")
     if kind != "fully_reshardable":
-        raise ValueError(f"megatron optimizer state in the {kind!r} layout; this trainer writes and reads "
-                         "'fully_reshardable'")  # fmt: skip
+        raise ValueError(
+            f"megatron optimizer state in the {kind!r} layout; this trainer writes and reads 'fully_reshardable'"
+        )
     param_state = loaded.pop("param_state")
     optimizer.load_state_dict(loaded)  # without param_state: hyperparameters, grad scaler, torch Adam's step
     state = optimizer.optimizer.state

@@ -32,34 +32,46 @@ def mla_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     rs = cfg.rope_scaling
     if rs is not None:
         if rs.rope_type != "yarn":
-            raise NotImplementedError(f"megatron backend: rope_scaling {rs.rope_type!r} with MLA (megatron's MLA "
-                                      "has plain and yarn RoPE)")  # fmt: skip
-        unmapped = {"rope_scaling.factor (derived from the lengths)": rs.factor is None,
-                    "rope_scaling.attention_factor": rs.attention_factor is not None,
-                    "rope_scaling.truncate=False (megatron's MLA rounds the yarn range)": rs.truncate is False,
-                    "rope_scaling.mscale_all_dim without mscale": bool(rs.mscale_all_dim) and not rs.mscale,
-                    }  # fmt: skip
+            raise NotImplementedError(
+                f"megatron backend: rope_scaling {rs.rope_type!r} with MLA (megatron's MLA has plain and yarn RoPE)"
+            )
+        unmapped = {
+            "rope_scaling.factor (derived from the lengths)": rs.factor is None,
+            "rope_scaling.attention_factor": rs.attention_factor is not None,
+            "rope_scaling.truncate=False (megatron's MLA rounds the yarn range)": rs.truncate is False,
+            "rope_scaling.mscale_all_dim without mscale": bool(rs.mscale_all_dim) and not rs.mscale,
+        }
         for field, bad in unmapped.items():
             if bad:
                 raise NotImplementedError(f"megatron backend: {field} is not mapped yet")
         rope = dict(
-            rope_type="yarn", rotary_scaling_factor=rs.factor,
+            rope_type="yarn",
+            rotary_scaling_factor=rs.factor,
             original_max_position_embeddings=rs.original_max_position_embeddings,
-            beta_fast=rs.beta_fast or 32, beta_slow=rs.beta_slow or 1,
+            beta_fast=rs.beta_fast or 32,
+            beta_slow=rs.beta_slow or 1,
             # without mscale_all_dim the model scales cos/sin by mscale(factor, 1) and leaves the softmax alone
-            mscale=rs.mscale if rs.mscale_all_dim else 1.0, mscale_all_dim=rs.mscale_all_dim or 0.0,
-        )  # fmt: skip
+            mscale=rs.mscale if rs.mscale_all_dim else 1.0,
+            mscale_all_dim=rs.mscale_all_dim or 0.0,
+        )
     return dict(
-        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_nope_head_dim,
-        qk_pos_emb_head_dim=cfg.head_dim, v_head_dim=cfg.v_head_dim, rotary_base=cfg.rope_theta, **rope,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_head_dim=cfg.qk_nope_head_dim,
+        qk_pos_emb_head_dim=cfg.head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rotary_base=cfg.rope_theta,
+        **rope,
         # every head has its own key (from the shared latent); the local attention's output width is
         # heads x kv_channels, i.e. the value heads
-        num_query_groups=cfg.num_attention_heads, kv_channels=cfg.v_head_dim, add_qkv_bias=False,
+        num_query_groups=cfg.num_attention_heads,
+        kv_channels=cfg.v_head_dim,
+        add_qkv_bias=False,
         # the latent norms come from the spec (`local_mla_spec`); qk_layernorm would make finalize_model_grads
         # sum the q_layernorm gradients over TP, which every rank already has whole (the q up projection
         # all-reduces its input gradient)
         qk_layernorm=False,
-    )  # fmt: skip
+    )
 
 
 def local_mla_spec(spec: Any, cfg: ModelConfig) -> Any:
@@ -70,8 +82,12 @@ def local_mla_spec(spec: Any, cfg: ModelConfig) -> Any:
 
     def mla_layer(layer: ModuleSpec) -> ModuleSpec:
         attention = layer.submodules.self_attention
-        parts = dataclasses.replace(attention.submodules, core_attention=_MLACoreAttention, kv_layernorm=norm,
-                                    q_layernorm=norm if cfg.q_lora_rank is not None else IdentityOp)  # fmt: skip
+        parts = dataclasses.replace(
+            attention.submodules,
+            core_attention=_MLACoreAttention,
+            kv_layernorm=norm,
+            q_layernorm=norm if cfg.q_lora_rank is not None else IdentityOp,
+        )
         attention = dataclasses.replace(attention, module=_MLASelfAttention, submodules=parts)
         return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
 
@@ -92,8 +108,9 @@ class KVDownGather:
     def __init__(self, kv_lora_rank: int) -> None:
         self.kv_lora_rank = kv_lora_rank
 
-    def __call__(self, module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, Any]
-                 ) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    def __call__(
+        self, module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, Any]
+    ) -> tuple[torch.Tensor, Any]:
         local, bias = output
         full = gather_from_tensor_model_parallel_region(local)  # backward: this rank's columns of the gradient
         latent, rope = full.split([self.kv_lora_rank, full.shape[-1] - self.kv_lora_rank], dim=-1)
@@ -134,9 +151,9 @@ class _MLACoreAttention(DotProductAttention):
     already reads the q/k width from the tensors, and the v width is `config.kv_channels` (= v_head_dim,
     `mla_kwargs`). The softmax scale is MLA's (passed)."""
 
-    def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if v_channels not in (None, self.hidden_size_per_attention_head):
-            raise ValueError(f"MLA's v head width {v_channels} != config.kv_channels "
-                             f"{self.hidden_size_per_attention_head}")  # fmt: skip
+            raise ValueError(
+                f"MLA's v head width {v_channels} != config.kv_channels {self.hidden_size_per_attention_head}"
+            )

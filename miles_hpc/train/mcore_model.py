@@ -1,4 +1,4 @@
-"""megatron-core's `GPTModel` for our HF model configs (stage: train; DESIGN section 5): parallel state, the
+"""megatron-core's `GPTModel` for our HF model configs (stage: train; docs/design.md section 5): parallel state, the
 `TransformerConfig` and layer spec, HF weights into each rank's shards and back, packed micro-batches, R3's replay
 hook. `train/megatron.py`'s `MegatronTrainer` trains it.
 
@@ -46,9 +46,22 @@ from miles_hpc.train.mcore_mla import KVDownGather, local_mla_spec, mla_kwargs
 from miles_hpc.train.mcore_pipeline import StageLayout
 from miles_hpc.train.mcore_weights import Rule, iter_full_hf, mcore_rules, padded_vocab_size, to_mcore
 
-__all__ = ["R3Replay", "build_gpt", "expert_layout", "finalize_grads", "full_hf_state", "init_model_parallel",
-           "load_hf_weights", "meta_model", "moe_router", "packed_logits", "pipeline_stage", "stage_layout",
-           "transformer_config", "wrap_ddp"]  # fmt: skip
+__all__ = [
+    "R3Replay",
+    "build_gpt",
+    "expert_layout",
+    "finalize_grads",
+    "full_hf_state",
+    "init_model_parallel",
+    "load_hf_weights",
+    "meta_model",
+    "moe_router",
+    "packed_logits",
+    "pipeline_stage",
+    "stage_layout",
+    "transformer_config",
+    "wrap_ddp",
+]
 
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu}
@@ -65,25 +78,28 @@ def init_model_parallel(
         raise RuntimeError("megatron needs the trainer process group: call dist.init_trainer_world first")
     world = torch.distributed.get_world_size()
     if world % (tensor_parallel * pipeline_parallel):
-        raise ValueError(f"megatron.tensor_parallel={tensor_parallel} x megatron.pipeline_parallel="
-                         f"{pipeline_parallel} does not divide the {world} trainer ranks")  # fmt: skip
+        raise ValueError(
+            f"megatron.tensor_parallel={tensor_parallel} x megatron.pipeline_parallel="
+            f"{pipeline_parallel} does not divide the {world} trainer ranks"
+        )
     dp = world // (tensor_parallel * pipeline_parallel)
     if dp % expert_parallel:
-        raise ValueError(f"megatron.expert_parallel={expert_parallel} does not divide the {dp} data-parallel "
-                         "ranks")  # fmt: skip
+        raise ValueError(f"megatron.expert_parallel={expert_parallel} does not divide the {dp} data-parallel ranks")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                             pipeline_model_parallel_size=pipeline_parallel,
-                                             expert_model_parallel_size=expert_parallel,
-                                             expert_tensor_parallel_size=1)  # fmt: skip
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=1,
+    )
     if torch.cuda.is_available():
         model_parallel_cuda_manual_seed(seed)
 
 
 def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> TransformerConfig:
     """megatron's `TransformerConfig` for our model config (after `init_model_parallel`). Raises, naming the
-    field, for what the mapping does not cover yet."""
+    field, for what the mapping does not cover yet. Long: a field-by-field map, one entry per megatron field."""
     mcore_rules(cfg)  # the family check, with its message
     if cfg.rope_scaling is not None and not cfg.is_mla:  # MLA's yarn: `mla_kwargs`
         raise NotImplementedError(f"megatron backend: rope_scaling {cfg.rope_scaling.rope_type!r} is not mapped yet")
@@ -98,8 +114,10 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
     moe: dict[str, Any] = {}
     if cfg.moe_layer_ids():  # (a deepseek_v3 config may have experts configured and only dense layers)
         if tp > 1:
-            raise NotImplementedError("megatron backend: MoE with megatron.tensor_parallel > 1 needs megatron's "
-                                      "sequence parallelism, not wired yet; split the experts with expert_parallel")
+            raise NotImplementedError(
+                "megatron backend: MoE with megatron.tensor_parallel > 1 needs megatron's "
+                "sequence parallelism, not wired yet; split the experts with expert_parallel"
+            )
         if cfg.num_experts % parallel_state.get_expert_model_parallel_world_size():
             raise ValueError(f"megatron.expert_parallel does not divide num_experts={cfg.num_experts}")
         # Qwen3-MoE routing: softmax over all experts then top-k, renormalised when norm_topk_prob; megatron's
@@ -109,49 +127,82 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
             # GLM-4.5: sigmoid scores, top-k of scores + the (frozen) correction bias within the best groups, gate =
             # the scores at those ids, renormalised, times routed_scaling_factor; shared experts beside.
             if not cfg.norm_topk_prob:
-                raise NotImplementedError("megatron backend: a sigmoid router without norm_topk_prob (megatron "
-                                          "always renormalises sigmoid gates)")  # fmt: skip
+                raise NotImplementedError(
+                    "megatron backend: a sigmoid router without norm_topk_prob (megatron "
+                    "always renormalises sigmoid gates)"
+                )
             if cfg.n_group > 1 and cfg.num_experts_per_tok // cfg.topk_group != 2:
-                raise NotImplementedError(f"megatron backend: groups scored by their top {cfg.num_experts_per_tok} "
-                                          f"// {cfg.topk_group} experts, where the model sums its top 2")  # fmt: skip
+                raise NotImplementedError(
+                    f"megatron backend: groups scored by their top {cfg.num_experts_per_tok} "
+                    f"// {cfg.topk_group} experts, where the model sums its top 2"
+                )
             group = dict(
-                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                moe_router_bias_update_rate=0.0, moe_router_topk_scaling_factor=cfg.routed_scaling_factor,
+                moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True,
+                moe_router_bias_update_rate=0.0,
+                moe_router_topk_scaling_factor=cfg.routed_scaling_factor,
                 moe_router_num_groups=cfg.n_group if cfg.n_group > 1 else None,
                 moe_router_group_topk=cfg.topk_group if cfg.n_group > 1 else None,
                 moe_shared_expert_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts or None,
-            )  # fmt: skip
+            )
         moe = dict(
-            num_moe_experts=cfg.num_experts, moe_router_topk=cfg.num_experts_per_tok,
-            moe_ffn_hidden_size=cfg.moe_intermediate_size, moe_router_pre_softmax=not cfg.norm_topk_prob,
+            num_moe_experts=cfg.num_experts,
+            moe_router_topk=cfg.num_experts_per_tok,
+            moe_ffn_hidden_size=cfg.moe_intermediate_size,
+            moe_router_pre_softmax=not cfg.norm_topk_prob,
             # router logits in the activations' dtype, as transformers computes them (softmax in fp32 after)
-            moe_router_load_balancing_type="none", **{"moe_router_score_function": "softmax", **group},
+            moe_router_load_balancing_type="none",
+            **{"moe_router_score_function": "softmax", **group},
             # all-to-all: data-parallel ranks hold packed micro-batches of different lengths, which the all-gather
             # dispatcher (equal shapes on every rank) cannot take
             moe_token_dispatcher_type="alltoall",
-            moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
             moe_layer_freq=[int(cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)],
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-        )  # fmt: skip
-    attention = mla_kwargs(cfg) if cfg.is_mla else dict(
-        num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim, add_qkv_bias=cfg.qkv_bias,
-        qk_layernorm=cfg.qk_norm,
-    )  # fmt: skip
+        )
+    attention = (
+        mla_kwargs(cfg)
+        if cfg.is_mla
+        else dict(
+            num_query_groups=cfg.num_key_value_heads,
+            kv_channels=cfg.head_dim,
+            add_qkv_bias=cfg.qkv_bias,
+            qk_layernorm=cfg.qk_norm,
+        )
+    )
     return (MLATransformerConfig if cfg.is_mla else TransformerConfig)(
-        **moe, **attention,
-        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_attention_heads, normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps,
-        gated_linear_unit=True, activation_func=_ACTIVATIONS[cfg.hidden_act], add_bias_linear=cfg.o_bias,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, **_pipeline_kwargs(cfg, dtype),
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        **moe,
+        **attention,
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=_ACTIVATIONS[cfg.hidden_act],
+        add_bias_linear=cfg.o_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        **_pipeline_kwargs(cfg, dtype),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         # Initialisation also sets the TP attributes of each parameter (`tensor_model_parallel`, which grad-norm
         # and checkpointing read): without it megatron takes every TP shard for a replica. The values are then
         # overwritten with the checkpoint's.
-        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=True,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=True,
         # the fused kernels are CUDA-only; off, the same math runs in torch
-        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, bias_activation_fusion=False,
-    )  # fmt: skip
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+    )
 
 
 def _pipeline_kwargs(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -168,8 +219,9 @@ def _pipeline_kwargs(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def stage_layout(cfg: ModelConfig) -> StageLayout:
-    return StageLayout(parallel_state.get_pipeline_model_parallel_world_size(), cfg.num_hidden_layers,
-                       cfg.tie_word_embeddings)  # fmt: skip
+    return StageLayout(
+        parallel_state.get_pipeline_model_parallel_world_size(), cfg.num_hidden_layers, cfg.tie_word_embeddings
+    )
 
 
 def pipeline_stage() -> int:
@@ -180,22 +232,31 @@ def build_gpt(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> GPTMod
     """A randomly initialised `GPTModel` (this rank's TP shard; on the current GPU, else the CPU) for `cfg`; fill it
     with `load_hf_weights`."""
     tcfg = transformer_config(cfg, dtype=dtype)
-    spec = get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=tcfg.qk_layernorm, multi_latent_attention=cfg.is_mla,
-                                    normalization="RMSNorm")  # fmt: skip
+    spec = get_gpt_layer_local_spec(
+        num_experts=tcfg.num_moe_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=tcfg.qk_layernorm,
+        multi_latent_attention=cfg.is_mla,
+        normalization="RMSNorm",
+    )
     if tcfg.num_moe_experts:  # dense and MoE layers mixed (`moe_layer_freq`): one spec per layer
         spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
     if cfg.is_mla:
         spec = local_mla_spec(spec, cfg)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     model = GPTModel(
-        config=tcfg, transformer_layer_spec=spec, vocab_size=padded_vocab_size(cfg.vocab_size, tp),
-        max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",
-        rotary_base=int(cfg.rope_theta), rotary_percent=cfg.partial_rotary_factor,
+        config=tcfg,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(cfg.vocab_size, tp),
+        max_sequence_length=cfg.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rope_theta),
+        rotary_percent=cfg.partial_rotary_factor,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         parallel_output=False,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-    )  # fmt: skip
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
     if cfg.is_mla and tp > 1:
         for layer in model.decoder.layers:
             layer.self_attention.linear_kv_down_proj.register_forward_hook(KVDownGather(cfg.kv_lora_rank))
@@ -222,8 +283,10 @@ def load_hf_weights(model: GPTModel, cfg: ModelConfig, path: str | Path) -> None
                 raise KeyError(f"megatron model has no {name} (from {', '.join(rule.hf)})")
             target = tensors[name]
             if target.shape != shard.shape:
-                raise ValueError(f"{name}: megatron shard {tuple(target.shape)} vs mapped {tuple(shard.shape)} "
-                                 f"from {', '.join(rule.hf)}")  # fmt: skip
+                raise ValueError(
+                    f"{name}: megatron shard {tuple(target.shape)} vs mapped {tuple(shard.shape)} "
+                    f"from {', '.join(rule.hf)}"
+                )
             with torch.no_grad():
                 target.copy_(shard)
             filled.add(name)
@@ -304,8 +367,9 @@ def full_hf_state(model: GPTModel, cfg: ModelConfig, *, grads: bool = False) -> 
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     device = next(model.parameters()).device
     metas: list[Any] = [None] * layout.pp
-    torch.distributed.all_gather_object(metas, {n: (tuple(t.shape), local(n).dtype) for n, t in
-                                                {**buffers, **params}.items()}, group=pp_group)  # fmt: skip
+    torch.distributed.all_gather_object(
+        metas, {n: (tuple(t.shape), local(n).dtype) for n, t in {**buffers, **params}.items()}, group=pp_group
+    )
 
     def gather(rule: Rule) -> list[torch.Tensor]:
         name = rule.mcore_name(cfg.num_experts, ep)
@@ -352,9 +416,13 @@ class R3Replay(RouterReplay):
         self.stats: torch.Tensor | None = None
 
     def get_replay_topk(  # megatron's signature
-        self, scores: torch.Tensor, topk: int, num_groups: int | None = None, group_topk: int | None = None,
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
         default_compute_topk: Any = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         probs, live = default_compute_topk(scores, topk, num_groups, group_topk)
         if self.record is None:
             return probs, live

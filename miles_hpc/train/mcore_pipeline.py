@@ -43,8 +43,10 @@ class StageLayout:
 
     def __post_init__(self) -> None:
         if self.num_layers % self.pp:
-            raise ValueError(f"megatron.pipeline_parallel={self.pp} does not divide num_hidden_layers="
-                             f"{self.num_layers} (stages hold equal numbers of layers)")  # fmt: skip
+            raise ValueError(
+                f"megatron.pipeline_parallel={self.pp} does not divide num_hidden_layers="
+                f"{self.num_layers} (stages hold equal numbers of layers)"
+            )
 
     @property
     def per_stage(self) -> int:
@@ -101,9 +103,15 @@ def run_schedule(
         return forward(m, mb), partial(loss_func, mb)
 
     schedule = get_forward_backward_func()
-    kwargs = dict(forward_step_func=step, data_iterator=it, model=[model], num_microbatches=n,
-                  seq_length=max(mb.num_tokens for mb in mbs), micro_batch_size=1,
-                  forward_only=forward_only)  # fmt: skip
+    kwargs = dict(
+        forward_step_func=step,
+        data_iterator=it,
+        model=[model],
+        num_microbatches=n,
+        seq_length=max(mb.num_tokens for mb in mbs),
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
     if forward_only:
         with torch.no_grad():
             schedule(**kwargs)

@@ -59,10 +59,20 @@ from typing import Literal
 import torch
 
 from miles_hpc.models import CausalLM, ModelConfig, iter_hf_tensors
-from miles_hpc.sync.plan import Box
+from miles_hpc.planner.transfer import Box
 
-__all__ = ["MCORE_FAMILIES", "Rule", "from_mcore", "hf_order", "iter_full_hf", "local_hf_parts", "mcore_boxes",
-           "mcore_rules", "padded_vocab_size", "to_mcore"]
+__all__ = [
+    "MCORE_FAMILIES",
+    "Rule",
+    "from_mcore",
+    "hf_order",
+    "iter_full_hf",
+    "local_hf_parts",
+    "mcore_boxes",
+    "mcore_rules",
+    "padded_vocab_size",
+    "to_mcore",
+]
 
 # Families whose megatron mapping exists (deepseek_v3 includes Kimi-K2, model_type alias kimi_k2).
 MCORE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
@@ -109,8 +119,10 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
             "mapped yet: use train.backend=fsdp"
         )
     if cfg.is_mla and cfg.qkv_bias:
-        raise NotImplementedError("megatron backend: deepseek_v3 with attention_bias=True (megatron's MLA has no bias "
-                                  "on its q/kv down projections)")  # fmt: skip
+        raise NotImplementedError(
+            "megatron backend: deepseek_v3 with attention_bias=True (megatron's MLA has no bias "
+            "on its q/kv down projections)"
+        )
     rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
     for i in range(cfg.num_hidden_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -119,8 +131,9 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
         if cfg.is_mla:
             rules.extend(_mla_rules(cfg, att, mc + "self_attention."))
         else:
-            rules.append(Rule(mc + "self_attention.linear_qkv.weight",
-                              tuple(f"{att}{p}_proj.weight" for p in "qkv"), "qkv"))  # fmt: skip
+            rules.append(
+                Rule(mc + "self_attention.linear_qkv.weight", tuple(f"{att}{p}_proj.weight" for p in "qkv"), "qkv")
+            )
         if cfg.qkv_bias:
             qkv_bias = tuple(f"{att}{p}_proj.bias" for p in "qkv")
             rules.append(Rule(mc + "self_attention.linear_qkv.bias", qkv_bias, "qkv"))
@@ -134,16 +147,23 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
         if cfg.is_moe_layer(i):
             rules.append(Rule(mc + "mlp.router.weight", (hf + "mlp.gate.weight",), "replicated"))
             if cfg.group_router:  # GLM-4.5: sigmoid router with a score correction bias, shared experts
-                rules.append(Rule(mc + "mlp.router.expert_bias", (hf + "mlp.gate.e_score_correction_bias",),
-                                  "replicated"))  # fmt: skip
+                rules.append(
+                    Rule(mc + "mlp.router.expert_bias", (hf + "mlp.gate.e_score_correction_bias",), "replicated")
+                )
                 shared = f"{hf}mlp.shared_experts."
-                rules.append(Rule(mc + "mlp.shared_experts.linear_fc1.weight",
-                                  (shared + "gate_proj.weight", shared + "up_proj.weight"), "fc1"))  # fmt: skip
+                rules.append(
+                    Rule(
+                        mc + "mlp.shared_experts.linear_fc1.weight",
+                        (shared + "gate_proj.weight", shared + "up_proj.weight"),
+                        "fc1",
+                    )
+                )
                 rules.append(Rule(mc + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), "cols"))
             for e in range(cfg.num_experts):
                 src, dst = f"{hf}mlp.experts.{e}.", f"{mc}mlp.experts.local_experts.{e}."
-                rules.append(Rule(dst + "linear_fc1.weight", (src + "gate_proj.weight", src + "up_proj.weight"),
-                                  "expert_fc1", e))  # fmt: skip
+                rules.append(
+                    Rule(dst + "linear_fc1.weight", (src + "gate_proj.weight", src + "up_proj.weight"), "expert_fc1", e)
+                )
                 rules.append(Rule(dst + "linear_fc2.weight", (src + "down_proj.weight",), "expert_fc2", e))
             continue
         gate_up = (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
@@ -164,12 +184,17 @@ def _mla_rules(cfg: ModelConfig, att: str, mc: str) -> list[Rule]:
     if cfg.q_lora_rank is None:
         q = [Rule(mc + "linear_q_proj.weight", (att + "q_proj.weight",), "q_heads")]
     else:
-        q = [Rule(mc + "linear_q_down_proj.weight", (att + "q_a_proj.weight",), "rows"),
-             Rule(mc + "q_layernorm.weight", (att + "q_a_layernorm.weight",), "replicated"),
-             Rule(mc + "linear_q_up_proj.weight", (att + "q_b_proj.weight",), "q_heads")]  # fmt: skip
-    return [*q, Rule(mc + "linear_kv_down_proj.weight", (att + "kv_a_proj_with_mqa.weight",), "kv_down"),
-            Rule(mc + "kv_layernorm.weight", (att + "kv_a_layernorm.weight",), "replicated"),
-            Rule(mc + "linear_kv_up_proj.weight", (att + "kv_b_proj.weight",), "rows")]  # fmt: skip
+        q = [
+            Rule(mc + "linear_q_down_proj.weight", (att + "q_a_proj.weight",), "rows"),
+            Rule(mc + "q_layernorm.weight", (att + "q_a_layernorm.weight",), "replicated"),
+            Rule(mc + "linear_q_up_proj.weight", (att + "q_b_proj.weight",), "q_heads"),
+        ]
+    return [
+        *q,
+        Rule(mc + "linear_kv_down_proj.weight", (att + "kv_a_proj_with_mqa.weight",), "kv_down"),
+        Rule(mc + "kv_layernorm.weight", (att + "kv_a_layernorm.weight",), "replicated"),
+        Rule(mc + "linear_kv_up_proj.weight", (att + "kv_b_proj.weight",), "rows"),
+    ]
 
 
 def to_mcore(rule: Rule, hf: Mapping[str, torch.Tensor], cfg: ModelConfig, tp_rank: int, tp: int) -> torch.Tensor:
@@ -241,8 +266,9 @@ def iter_full_hf(cfg: ModelConfig, gather: Callable[[Rule], list[torch.Tensor]])
 
 
 # ---------------------------------------------------------------- what each rank holds (p2p sync)
-def mcore_boxes(rule: Rule, shapes: Mapping[str, tuple[int, ...]], cfg: ModelConfig, tp_rank: int, tp: int,
-                ep_rank: int, ep: int) -> dict[str, Box]:  # fmt: skip
+def mcore_boxes(
+    rule: Rule, shapes: Mapping[str, tuple[int, ...]], cfg: ModelConfig, tp_rank: int, tp: int, ep_rank: int, ep: int
+) -> dict[str, Box]:
     """The part of each of `rule`'s HF tensors (global `shapes`) that the rank at (tp_rank, ep_rank) holds: a box,
     empty where it holds nothing. Every TP layout above holds contiguous rows (or columns) of each HF tensor: the
     fused QKV's groups are whole query groups, i.e. contiguous heads of q, k and v."""
@@ -308,8 +334,10 @@ def _row_perm(rule: Rule, cfg: ModelConfig, tp: int) -> torch.Tensor | None:
     rank = cfg.kv_lora_rank
     step = (rank + d) // tp
     if rank // step != (rank + d - 1) // step:
-        raise NotImplementedError(f"{rule.mcore}: rope_interleave=False with tensor parallel {tp}: the rotary rows "
-                                  f"{rank}..{rank + d - 1} of kv_a_proj_with_mqa straddle two TP ranks")  # fmt: skip
+        raise NotImplementedError(
+            f"{rule.mcore}: rope_interleave=False with tensor parallel {tp}: the rotary rows "
+            f"{rank}..{rank + d - 1} of kv_a_proj_with_mqa straddle two TP ranks"
+        )
     return torch.cat([torch.arange(rank), rank + rope])
 
 

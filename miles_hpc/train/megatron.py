@@ -1,4 +1,4 @@
-"""megatron-core training backend (stage: train; DESIGN section 5): `MegatronTrainer` implements the `Trainer`
+"""megatron-core training backend (stage: train; docs/design.md section 5): `MegatronTrainer` implements the `Trainer`
 protocol on megatron-core's `GPTModel` (`train/mcore_model.py`): the step from `train/step.PackedTrainer`,
 megatron's DDP, `finalize_model_grads` and optimizer (distributed or not), tensor, pipeline (megatron's 1F1B
 schedule, `train/mcore_pipeline.py`), expert and data parallelism, R3 through megatron's router-replay hook, and
@@ -23,14 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-import miles_hpc.train.mcore_model  # noqa: F401  first: without megatron-core it raises the ImportError that says so
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+import miles_hpc.train.mcore_model  # noqa: F401  first: without megatron-core it raises the ImportError that says so
 from miles_hpc.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_hpc.models import iter_hf_tensors, read_config
-from miles_hpc.sync.plan import Box
+from miles_hpc.planner.transfer import Box
 from miles_hpc.train import checkpoint as ckpt
 from miles_hpc.train.logprobs import PackedMicroBatch, token_logprobs
 from miles_hpc.train.losses import policy_loss
@@ -64,8 +63,17 @@ from miles_hpc.train.shards import ShardMap
 from miles_hpc.train.step import LossFn, PackedTrainer
 
 # the model-level functions are re-exported: tests and scripts use them through this module
-__all__ = ["MegatronTrainer", "build_gpt", "finalize_grads", "full_hf_state", "init_model_parallel",
-           "load_hf_weights", "packed_logits", "transformer_config", "wrap_ddp"]  # fmt: skip
+__all__ = [
+    "MegatronTrainer",
+    "build_gpt",
+    "finalize_grads",
+    "full_hf_state",
+    "init_model_parallel",
+    "load_hf_weights",
+    "packed_logits",
+    "transformer_config",
+    "wrap_ddp",
+]
 
 
 class MegatronTrainer(PackedTrainer):
@@ -86,19 +94,26 @@ class MegatronTrainer(PackedTrainer):
         loss_fn: LossFn = policy_loss,
     ) -> None:
         if megatron_cfg.context_parallel != 1:
-            raise NotImplementedError(f"megatron.context_parallel={megatron_cfg.context_parallel}: megatron's context "
-                                      "parallelism needs Transformer Engine's attention, which this backend does "
-                                      "not build yet")  # fmt: skip
+            raise NotImplementedError(
+                f"megatron.context_parallel={megatron_cfg.context_parallel}: megatron's context "
+                "parallelism needs Transformer Engine's attention, which this backend does "
+                "not build yet"
+            )
         if train_cfg.activation_checkpointing or train_cfg.compile:
-            raise NotImplementedError("train.activation_checkpointing / train.compile: not with the megatron backend "
-                                      "yet")  # fmt: skip
+            raise NotImplementedError(
+                "train.activation_checkpointing / train.compile: not with the megatron backend yet"
+            )
         if not torch.distributed.is_initialized():
             raise RuntimeError("MegatronTrainer needs the trainer process group: call dist.init_trainer_world first")
         self.train_cfg, self.algo_cfg, self.loss_fn = train_cfg, algo_cfg, loss_fn
         self.device = torch.device(device)
         self._rank, self._world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        init_model_parallel(megatron_cfg.tensor_parallel, megatron_cfg.expert_parallel,
-                            pipeline_parallel=megatron_cfg.pipeline_parallel, seed=seed)  # fmt: skip
+        init_model_parallel(
+            megatron_cfg.tensor_parallel,
+            megatron_cfg.expert_parallel,
+            pipeline_parallel=megatron_cfg.pipeline_parallel,
+            seed=seed,
+        )
         self._dp_rank = parallel_state.get_data_parallel_rank()
         self._dp_world = parallel_state.get_data_parallel_world_size()
         self._dp_group = parallel_state.get_data_parallel_group()
@@ -106,8 +121,11 @@ class MegatronTrainer(PackedTrainer):
         last_stage = parallel_state.is_pipeline_last_stage()
         self._gathers_logprobs = parallel_state.get_tensor_model_parallel_rank() == 0 and last_stage
         # every rank's (TP rank, EP rank, pipeline stage): what each holds, for the p2p sync's shard map
-        coords = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank(),
-                  pipeline_stage())  # fmt: skip
+        coords = (
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_expert_model_parallel_rank(),
+            pipeline_stage(),
+        )
         self._coords: list[tuple[int, int, int]] = [coords] * self._world
         if self._world > 1:
             torch.distributed.all_gather_object(self._coords, coords)
@@ -124,33 +142,47 @@ class MegatronTrainer(PackedTrainer):
         bf16 = train_cfg.mixed_precision and self.device.type == "cuda"
         model = build_gpt(self.config, dtype=torch.bfloat16 if bf16 else torch.float32)
         load_hf_weights(model, self.config, model_path)
-        # R3: every MoE layer's router consults its replay (megatron's hook); `_replay_ids`: each one's index among
-        # the model's MoE layers (the records' layer axis), counting the layers of earlier pipeline stages
-        moe_index = {i: j for j, i in enumerate(i for i in range(self.config.num_hidden_layers)
-                                                if self.config.is_moe_layer(i))}  # fmt: skip
-        routed = [layer for layer in model.decoder.layers if moe_router(layer)]
-        self._replays = [R3Replay(self.config.num_experts) for _ in routed]
-        self._replay_ids = [moe_index[layer.layer_number - 1] for layer in routed]  # layer_number: global, from 1
-        for layer, replay in zip(routed, self._replays):
-            moe_router(layer).router_replay = replay
+        self._install_replays(model)
         self.model = wrap_ddp(model.to(self.device), distributed_optimizer=megatron_cfg.distributed_optimizer)
         self.model.train()
         self._lr_at = lr_lambda(train_cfg, total_steps)
+        self.optimizer: Any = self._optimizer(megatron_cfg.distributed_optimizer, bf16)
+
+    def _install_replays(self, model: Any) -> None:
+        """R3: every MoE layer's router consults its replay (megatron's hook); ``_replay_ids``: each one's index
+        among the model's MoE layers (the records' layer axis), counting the layers of earlier pipeline stages."""
+        cfg = self.config
+        moe_index = {i: j for j, i in enumerate(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))}
+        routed = [layer for layer in model.decoder.layers if moe_router(layer)]
+        self._replays = [R3Replay(cfg.num_experts) for _ in routed]
+        self._replay_ids = [moe_index[layer.layer_number - 1] for layer in routed]  # layer_number: global, from 1
+        for layer, replay in zip(routed, self._replays):
+            moe_router(layer).router_replay = replay
+
+    def _optimizer(self, distributed: bool, bf16: bool) -> Any:
+        train_cfg = self.train_cfg
         if self.device.type == "cuda":
             opt = OptimizerConfig(
-                optimizer="adam", lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
-                adam_beta1=train_cfg.adam_betas[0], adam_beta2=train_cfg.adam_betas[1], adam_eps=train_cfg.adam_eps,
-                clip_grad=train_cfg.grad_clip, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                use_distributed_optimizer=megatron_cfg.distributed_optimizer,
-            )  # fmt: skip
-            self.optimizer: Any = get_megatron_optimizer(opt, [self.model])
-        else:
-            # megatron's optimizers are CUDA-only (CUDA tensor type checks, CUDA scalars): on the CPU (tests) the
-            # same AdamW as the FSDP backend over this rank's shards, fed megatron's reduced gradients.
-            if megatron_cfg.distributed_optimizer:
-                raise ValueError("megatron.distributed_optimizer needs CUDA (megatron's optimizer is CUDA-only); "
-                                 "set megatron.distributed_optimizer=false on the CPU")  # fmt: skip
-            self.optimizer = build_optimizer(train_cfg, self.model.module.named_parameters(), self.device)
+                optimizer="adam",
+                lr=train_cfg.lr,
+                weight_decay=train_cfg.weight_decay,
+                adam_beta1=train_cfg.adam_betas[0],
+                adam_beta2=train_cfg.adam_betas[1],
+                adam_eps=train_cfg.adam_eps,
+                clip_grad=train_cfg.grad_clip,
+                bf16=bf16,
+                params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                use_distributed_optimizer=distributed,
+            )
+            return get_megatron_optimizer(opt, [self.model])
+        # megatron's optimizers are CUDA-only (CUDA tensor type checks, CUDA scalars): on the CPU (tests) the same
+        # AdamW as the FSDP backend over this rank's shards, fed megatron's reduced gradients.
+        if distributed:
+            raise ValueError(
+                "megatron.distributed_optimizer needs CUDA (megatron's optimizer is CUDA-only); "
+                "set megatron.distributed_optimizer=false on the CPU"
+            )
+        return build_optimizer(train_cfg, self.model.module.named_parameters(), self.device)
 
     @property
     def lr(self) -> float:
@@ -213,8 +245,9 @@ class MegatronTrainer(PackedTrainer):
             return []
         box = [merged]
         pp_group = parallel_state.get_pipeline_model_parallel_group()
-        torch.distributed.broadcast_object_list(box, src=torch.distributed.get_global_rank(pp_group, self._pp - 1),
-                                                group=pp_group)  # fmt: skip
+        torch.distributed.broadcast_object_list(
+            box, src=torch.distributed.get_global_rank(pp_group, self._pp - 1), group=pp_group
+        )
         return box[0] if self._rank == 0 else []
 
     def _clip_and_step(self) -> torch.Tensor:
@@ -285,8 +318,11 @@ class MegatronTrainer(PackedTrainer):
                     layout[hf_name].append(box if stages.stage_of(name) == s else box.with_dim(0, 0, 0))
             if stages.stage_of(name) == stage and (rule.expert is None or rule.owner(cfg.num_experts, ep) == ep_rank):
                 mine = params[stages.local_name(name)].detach()
-                local.update((n, t) for n, t in local_hf_parts(rule, mine, cfg, tp_rank, tp).items()
-                             if not layout[n][self._rank].empty)  # fmt: skip
+                local.update(
+                    (n, t)
+                    for n, t in local_hf_parts(rule, mine, cfg, tp_rank, tp).items()
+                    if not layout[n][self._rank].empty
+                )
         return ShardMap(shapes, {n: tuple(b) for n, b in layout.items()}, local)
 
     # ------------------------------------------------------------------ checkpoints
@@ -302,14 +338,19 @@ class MegatronTrainer(PackedTrainer):
             (tmp / "mcore").mkdir(exist_ok=True)  # every rank: no rank waits on a directory another makes
             dist_checkpointing.save(self._sharded_state(), str(tmp / "mcore"))
             if self._rank == 0:
-                layout = {"step": self._step, "model": self.config.to_hf_dict(), "data_parallel": self._dp_world,
-                          "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
-                          "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
-                          "expert_parallel": expert_layout()[0]}  # fmt: skip
+                layout = {
+                    "step": self._step,
+                    "model": self.config.to_hf_dict(),
+                    "data_parallel": self._dp_world,
+                    "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+                    "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
+                    "expert_parallel": expert_layout()[0],
+                }
                 (tmp / "megatron.json").write_text(json.dumps(layout) + "\n")
 
-        return ckpt.write_checkpoint(path, step=self._step, extra=extra or {}, backend="megatron",
-                                     write_state=write_state)  # fmt: skip
+        return ckpt.write_checkpoint(
+            path, step=self._step, extra=extra or {}, backend="megatron", write_state=write_state
+        )
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore what `save` wrote, on any data-parallel size and tensor/expert-parallel layout: weights, optimizer
@@ -342,8 +383,9 @@ class MegatronTrainer(PackedTrainer):
         if isinstance(self.optimizer, torch.optim.Optimizer):
             optim_sd = adamw_sharded_state(self.optimizer, model_sd)
         else:
-            optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                         metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+            optim_sd = self.optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+            )
         return {"model": model_sd, "optimizer": optim_sd}
 
     def _megatron_optimizers(self) -> list[Any]:

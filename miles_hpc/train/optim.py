@@ -42,9 +42,13 @@ def build_optimizer(
     ]
     cuda = device is not None and device.type == "cuda"
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
-        foreach=False if not cuda else None, fused=True if cuda else None,
-    )  # fmt: skip
+        [g for g in groups if g["params"]],
+        lr=cfg.lr,
+        betas=cfg.adam_betas,
+        eps=cfg.adam_eps,
+        foreach=False if not cuda else None,
+        fused=True if cuda else None,
+    )
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int | None) -> Callable[[int], float]:

@@ -1,4 +1,4 @@
-"""The `Trainer` protocol (stage: train; DESIGN section 5): the five verbs the loop and weight sync use.
+"""The `Trainer` protocol (stage: train; docs/design.md section 5): the five verbs the loop and weight sync use.
 
 Every trainer rank runs the same object; the controller (rank 0) broadcasts each rank its command and the
 `TrainBatch` (see :mod:`miles_hpc.train.dist`), then every rank calls the same method. Invariants:

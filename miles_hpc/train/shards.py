@@ -1,4 +1,4 @@
-"""What each trainer rank holds of every HF-named tensor, for the p2p weight sync (stage: train; DESIGN section 6).
+"""What each trainer rank holds of every HF-named tensor, for the p2p weight sync (stage: train; docs/design.md section 6).
 
 FSDP2 shards every parameter along dim 0 like ``torch.chunk``: with ``c = ceil(n / world)`` rank ``r`` holds rows
 ``[r*c, (r+1)*c)`` clipped to ``n`` (the last ranks may hold fewer rows, or none). Our HF names carve some
@@ -13,24 +13,13 @@ collective). A test checks the two against the gathered tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from miles_hpc.models.hf_io import hf_parts
-from miles_hpc.sync.plan import Box
+from miles_hpc.planner.transfer import Box, ShardMap
 
 __all__ = ["ShardMap", "local_shards", "shard_layout", "shard_map"]
-
-
-@dataclass(frozen=True, slots=True)
-class ShardMap:
-    """HF name -> global shape, the box every rank holds, and this rank's data (absent where it holds nothing)."""
-
-    shapes: dict[str, tuple[int, ...]]
-    layout: dict[str, tuple[Box, ...]]
-    local: dict[str, torch.Tensor]
 
 
 def _rows(n: int, world: int) -> list[tuple[int, int]]:
@@ -91,4 +80,3 @@ def local_shards(model: torch.nn.Module, rank: int, world: int) -> dict[str, tor
 def shard_map(model: torch.nn.Module, rank: int, world: int) -> ShardMap:
     shapes, layout = shard_layout(model, world)
     return ShardMap(shapes, layout, local_shards(model, rank, world))
-

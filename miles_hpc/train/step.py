@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from miles_hpc.config import AlgoConfig, TrainConfig
 from miles_hpc.data.sample import token_hash
-from miles_hpc.sync.checksum import tensor_checksum
+from miles_hpc.sync.wire.checksum import tensor_checksum
 from miles_hpc.train.batch import TrainBatch
 from miles_hpc.train.dist import all_reduce_floats, group_size
 from miles_hpc.train.logprobs import PackedMicroBatch, dummy_microbatch, pack_samples
@@ -204,10 +204,18 @@ class PackedTrainer:
                     return lp.sum() * 0.0 + (ent.sum() * 0.0 if ent is not None else 0.0)
                 old_lp = lp.detach() if single_update else torch.cat([old[i] for i in mb.sample_ids])
                 loss, stats = self.loss_fn(
-                    lp, old_lp, mb.advantages, mb.loss_mask, mb.seq_ids, self.algo_cfg,
-                    rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
-                    entropy=ent if want_entropy else None, num_seqs=num_seqs, total_tokens=total_tokens,
-                )  # fmt: skip
+                    lp,
+                    old_lp,
+                    mb.advantages,
+                    mb.loss_mask,
+                    mb.seq_ids,
+                    self.algo_cfg,
+                    rollout_logprobs=mb.rollout_logprobs,
+                    ref_logprobs=mb.ref_logprobs,
+                    entropy=ent if want_entropy else None,
+                    num_seqs=num_seqs,
+                    total_tokens=total_tokens,
+                )
                 assert ent is not None
                 pending.append((mb, loss.detach(), ent.detach(), stats, old_lp if single_update else None))
                 return loss

@@ -12,8 +12,8 @@ import torch
 from common import payloads, report
 from mpi4py import MPI
 
-from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.mpi import MPIGroup, MPIOptions
+from miles_hpc.sync.wire.checksum import tensor_checksum
+from miles_hpc.sync.wire.mpi import MPIGroup, MPIOptions
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--device", default="cpu")
@@ -26,8 +26,9 @@ device = args.device
 if device == "cuda":
     torch.cuda.set_device(world.Get_rank() % torch.cuda.device_count())
 gpu_aware = {"auto": None, "yes": True, "no": False}[args.gpu_aware]
-group = MPIGroup.from_world(range(world.Get_size()), options=MPIOptions(chunk_bytes=args.chunk_bytes,
-                            gpu_aware=gpu_aware), device=device)  # fmt: skip
+group = MPIGroup.from_world(
+    range(world.Get_size()), options=MPIOptions(chunk_bytes=args.chunk_bytes, gpu_aware=gpu_aware), device=device
+)
 sums = []
 for i, want in enumerate(payloads()):
     if group.rank == 0:

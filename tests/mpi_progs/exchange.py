@@ -13,7 +13,7 @@ import torch
 from common import piece, report, same_bits
 from mpi4py import MPI
 
-from miles_hpc.sync.mpi import MPIGroup, MPIOptions
+from miles_hpc.sync.wire.mpi import MPIGroup, MPIOptions
 
 PIECES = 5
 SENDERS, RECEIVERS = (0, 1), (2, 3)

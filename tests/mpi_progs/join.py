@@ -14,8 +14,8 @@ import torch
 from common import payloads, report
 from mpi4py import MPI
 
-from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.mpi import MPIGroup, MPIOptions
+from miles_hpc.sync.wire.checksum import tensor_checksum
+from miles_hpc.sync.wire.mpi import MPIGroup, MPIOptions
 
 directory, name, job, jobs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 alone = sys.argv[5:] == ["self"]
@@ -23,8 +23,9 @@ if alone and MPI.COMM_WORLD.Get_rank() > 0:
     report(job=job, job_rank=MPI.COMM_WORLD.Get_rank(), member=False)
     sys.exit(0)
 try:
-    group = MPIGroup.join(directory, name, job=job, jobs=jobs, comm=MPI.COMM_SELF if alone else None,
-                          options=MPIOptions(timeout_s=50))  # fmt: skip
+    group = MPIGroup.join(
+        directory, name, job=job, jobs=jobs, comm=MPI.COMM_SELF if alone else None, options=MPIOptions(timeout_s=50)
+    )
 except RuntimeError as e:  # the missing-ompi-server case: report the message, exit non-zero without hanging
     report(job=job, error=str(e))
     sys.exit(3)

@@ -14,8 +14,8 @@ import torch
 from common import payloads, report
 from mpi4py import MPI
 
-from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.mpi import MPIGroup
+from miles_hpc.sync.wire.checksum import tensor_checksum
+from miles_hpc.sync.wire.mpi import MPIGroup
 
 ORDER = [0, 3, 2]
 role = sys.argv[1]

@@ -1,7 +1,7 @@
 """mpirun --ompi-server file:URI -np 2 python publish.py MODEL_DIR PORT_DIR ADMIN_KEY URL [URL ...]
 
 The trainer side of weight sync over MPI, against real `miles-hpc serve` engines started by their own mpirun (same
-ompi-server): every process is its own MPI job, joined by connect/accept (sync/pg.py open_group, backend "mpi").
+ompi-server): every process is its own MPI job, joined by connect/accept (sync/wire/pg.py open_group, backend "mpi").
 1. broadcast: trainer rank 0 publishes two versions to every engine through the Publisher (pause, push, verify
    per-tensor checksums, continue);
 2. p2p: both ranks are trainer ranks, each holding dim-0 chunks of the weights; rank 0 drives P2PSync, rank 1
@@ -20,14 +20,15 @@ import torch
 from common import report
 from mpi4py import MPI
 
-from miles_hpc.cluster.local import free_port
+from miles_hpc.launch.local import free_port
 from miles_hpc.models import iter_hf_tensors, load_pretrained
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.router import Router, RouterConfig
-from miles_hpc.sync.broadcast import BroadcastSpec, BroadcastSync
-from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.p2p import P2PSpec, P2PSync, ThreadedRanks, rank_action
 from miles_hpc.sync.publish import Publisher
+from miles_hpc.sync.strategies.base import GroupSyncSpec
+from miles_hpc.sync.strategies.broadcast import BroadcastSync
+from miles_hpc.sync.strategies.p2p import P2PSync, PushShards, ThreadedRanks
+from miles_hpc.sync.wire.checksum import tensor_checksum
 
 model_dir, port_dir, admin, urls = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 world = MPI.COMM_WORLD
@@ -52,9 +53,9 @@ class MPIRanks:
     def shard_map(self) -> Any:
         return self.ranks.rank_view(0).shard_map()
 
-    def p2p(self, action: str, args: dict[str, Any]) -> list[dict[str, Any]]:
-        world.bcast((action, args), root=0)
-        return world.gather(rank_action(self.ranks.rank_view(0), action, args), root=0)
+    def on_every_rank(self, action: Any) -> list[Any]:
+        world.bcast(action, root=0)
+        return world.gather(action(self.ranks.rank_view(0)), root=0)
 
 
 async def engine_sums(clients: list[EngineClient]) -> list[dict[str, str]]:
@@ -66,7 +67,7 @@ async def drive() -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with Router(clients, RouterConfig(health_interval_s=60), owns_clients=True) as router:
         spec = dict(master_address=port_dir, next_port=free_port, backend="mpi", bucket_bytes=1 << 16, timeout_s=60)
-        bsync = BroadcastSync(BroadcastSpec(**spec, group_name="bcast"))  # type: ignore[arg-type]
+        bsync = BroadcastSync(GroupSyncSpec(**spec, group_name="bcast"))  # type: ignore[arg-type]
         try:
             for version in ("1", "2"):
                 named = weights(int(version))
@@ -76,7 +77,7 @@ async def drive() -> dict[str, Any]:
         finally:
             await bsync.close()
         ranks = ThreadedRanks(weights(3), world.Get_size())
-        psync = P2PSync(P2PSpec(**spec, group_name="p2p", rollout_dtype=torch.bfloat16), MPIRanks(ranks))
+        psync = P2PSync(GroupSyncSpec(**spec, group_name="p2p", rollout_dtype=torch.bfloat16), MPIRanks(ranks))
         try:
             report_ = await Publisher(psync, router, pause_mode="in_place").publish(lambda: iter(()), "3")
             want = {n: tensor_checksum(t) for n, t in ranks.named.items()}
@@ -97,8 +98,7 @@ if rank == 0:
 else:
     ranks = ThreadedRanks(weights(3), world.Get_size())
     sent = 0
-    while (cmd := world.bcast(None, root=0)) is not None:
-        action, args = cmd
-        world.gather(rank_action(ranks.rank_view(rank), action, args), root=0)
-        sent += action == "push"
+    while (action := world.bcast(None, root=0)) is not None:
+        world.gather(action(ranks.rank_view(rank)), root=0)
+        sent += isinstance(action, PushShards)
     report(rank=rank, pushes=sent)

@@ -13,8 +13,8 @@ import torch
 from common import payloads, report
 from mpi4py import MPI
 
-from miles_hpc.sync.checksum import tensor_checksum
-from miles_hpc.sync.mpi import MPIGroup
+from miles_hpc.sync.wire.checksum import tensor_checksum
+from miles_hpc.sync.wire.mpi import MPIGroup
 
 a = MPIGroup.from_world([0, 1, 2], tag=1)
 b = MPIGroup.from_world([0, 2, 1], tag=2)
@@ -42,7 +42,12 @@ def run_b() -> bool:
 with ThreadPoolExecutor(max_workers=2) as pool:
     fa, fb = pool.submit(run_a), pool.submit(run_b)
     sums, ring_ok = fa.result(timeout=50), fb.result(timeout=50)
-report(rank=MPI.COMM_WORLD.Get_rank(), a_rank=a.rank, sums=sums, ring_ok=ring_ok,
-       thread_multiple=MPI.Query_thread() == MPI.THREAD_MULTIPLE)  # fmt: skip
+report(
+    rank=MPI.COMM_WORLD.Get_rank(),
+    a_rank=a.rank,
+    sums=sums,
+    ring_ok=ring_ok,
+    thread_multiple=MPI.Query_thread() == MPI.THREAD_MULTIPLE,
+)
 a.destroy()
 b.destroy()

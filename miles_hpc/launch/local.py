@@ -1,0 +1,234 @@
+"""Processes of a run on one machine (stage: cluster; docs/design.md section 3, "On one machine").
+
+`miles-hpc run` starts the same workers Slurm would, as local subprocesses: one engine server per engine
+(`miles-hpc serve`, which writes `RUN/rendezvous/engine-<i>.json` when it listens) and trainer ranks 1..W-1
+(`miles-hpc worker --role train`); the calling process is trainer rank 0, the controller.
+
+Invariants: every process is started and stopped by handle (never by name: nodes may be shared); API keys are
+generated per run into `RUN/keys/` with mode 0600 and passed as files, never on a command line; `stop()` is
+idempotent and always runs (context manager), so no engine outlives the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles_hpc.config import ConfigError, RunConfig
+from miles_hpc.engine.launch import EngineLaunch
+from miles_hpc.sync.factory import strategy_class
+
+SHARED_KV_FRACTION = 0.25  # an engine's default KV share of free GPU memory when a trainer rank uses its GPU too
+ALONE_KV_FRACTION = 0.85
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPlan:
+    """Which GPU each trainer rank and each engine of `miles-hpc run` uses (empty: that side is on the CPU)."""
+
+    trainer: tuple[int, ...]
+    engines: tuple[int, ...]
+
+    def shares_trainer_gpu(self, engine: int) -> bool:
+        return bool(self.engines) and self.engines[engine] in self.trainer
+
+
+def gpu_plan(cfg: RunConfig, num_gpus: int) -> GpuPlan:
+    """Trainer rank r on GPU r; engines on the GPUs after the trainer's, wrapping around when there are fewer (one
+    GPU: every engine shares GPU 0 with the trainer). Raises ConfigError for what cannot run on `num_gpus` GPUs,
+    or what the weight sync cannot reach (checked before any process starts)."""
+    t, r = cfg.train, cfg.rollout
+    if t.device == "cuda" and t.world_size > num_gpus:
+        raise ConfigError(
+            f"train.device: cuda puts each of train.world_size={t.world_size} ranks on its own GPU; "
+            f"this machine has {num_gpus}"
+        )
+    if r.device == "cuda" and num_gpus == 0:
+        raise ConfigError("rollout.device: cuda, but this machine has no GPU torch can use")
+    trainer = tuple(range(t.world_size)) if t.device == "cuda" else ()
+    first = len(trainer)
+    engines = tuple((first + i) % num_gpus for i in range(r.num_engines)) if r.device == "cuda" else ()
+    plan = GpuPlan(trainer, engines)
+    strategy_class(cfg).check_placement(cfg, plan.trainer, plan.engines)
+    return plan
+
+
+def engine_launch(
+    cfg: RunConfig, model_dir: Path, keys: Path, rendezvous: Path, index: int, **placement: Any
+) -> EngineLaunch:
+    """Engine ``index`` of a run (`miles-hpc run` and `miles-hpc worker --role rollout`): keys as files, a free
+    port, its rendezvous record, its own seed; ``placement``: host, device, KV share."""
+    return EngineLaunch(
+        model_dir=str(model_dir),
+        port=0,
+        rendezvous=str(rendezvous),
+        seed=cfg.seed + index,
+        api_key_file=str(keys / "api_key"),
+        admin_api_key_file=str(keys / "admin_api_key"),
+        dtype=cfg.model.dtype,
+        weight_update_timeout=cfg.sync.timeout_s,
+        batch_invariant=cfg.zero_kl,
+        **placement,
+    )
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the OS picks it; a tiny race with other binders is accepted locally)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_key(path: Path) -> str:
+    """A fresh random key in a 0600 file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_hex(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
+
+
+class LocalCluster:
+    """Engine servers and extra trainer ranks of one run, as subprocesses of this one."""
+
+    def __init__(
+        self, cfg: RunConfig, run_dir: Path, model_dir: Path, config_path: Path, gpus: GpuPlan | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.gpus = gpus or GpuPlan((), ())
+        self.run_dir = run_dir
+        self.model_dir = model_dir
+        self.config_path = config_path
+        self.rendezvous = run_dir / "rendezvous"
+        self.logs = run_dir / "logs"
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.api_key = ""
+        self.admin_key = ""
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        log = open(self.logs / f"{name}.log", "ab")
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+        )
+        log.close()  # the child holds its own descriptor
+        self.procs.append((name, proc))
+        return proc
+
+    def start_engines(self, timeout_s: float = 300.0) -> list[str]:
+        """Start `rollout.num_engines` servers; return their URLs once every one is listening."""
+        self.rendezvous.mkdir(parents=True, exist_ok=True)
+        keys = self.run_dir / "keys"
+        self.api_key = write_key(keys / "api_key")
+        self.admin_key = write_key(keys / "admin_api_key")
+        n = self.cfg.rollout.num_engines
+        for i in range(n):
+            (self.rendezvous / f"engine-{i}.json").unlink(missing_ok=True)
+            placement: dict[str, Any] = {}
+            if self.gpus.engines:
+                share = self.cfg.rollout.kv_cache_fraction or (
+                    SHARED_KV_FRACTION if self.gpus.shares_trainer_gpu(i) else ALONE_KV_FRACTION
+                )
+                placement = {"device": f"cuda:{self.gpus.engines[i]}", "kv_cache_fraction": share}
+            argv = engine_launch(
+                self.cfg, self.model_dir, keys, self.rendezvous / f"engine-{i}.json", i, **placement
+            ).argv()
+            self._spawn(f"engine-{i}", argv)
+        return self._wait_engines(n, timeout_s)
+
+    def start_teacher(self, model_dir: Path, timeout_s: float = 300.0) -> str:
+        """The on-policy-distillation teacher: one more engine serving `model_dir` (never sent weight updates);
+        returns its URL once it listens. Call after `start_engines` (it shares their keys)."""
+        rdv = self.rendezvous / "teacher.json"
+        rdv.unlink(missing_ok=True)
+        keys = self.run_dir / "keys"
+        # never sent weight updates; full precision of its own checkpoint, no zero-KL kernels
+        argv = EngineLaunch(
+            model_dir=str(model_dir),
+            port=0,
+            rendezvous=str(rdv),
+            seed=self.cfg.seed,
+            api_key_file=str(keys / "api_key"),
+            admin_api_key_file=str(keys / "admin_api_key"),
+        ).argv()
+        proc = self._spawn("teacher", argv)
+        deadline = time.monotonic() + timeout_s
+        while not rdv.is_file():
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"the OPD teacher engine ({model_dir}) exited with code {proc.returncode}; see "
+                    f"{self.logs / 'teacher.log'}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the OPD teacher engine ({model_dir}) did not listen within {timeout_s:.0f} s")
+            time.sleep(0.1)
+        return str(json.loads(rdv.read_text())["url"])
+
+    def _wait_engines(self, n: int, timeout_s: float) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        urls: dict[int, str] = {}
+        while len(urls) < n:
+            for i in range(n):
+                f = self.rendezvous / f"engine-{i}.json"
+                if i not in urls and f.is_file():
+                    urls[i] = json.loads(f.read_text())["url"]
+            for name, proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{name} exited with code {proc.returncode} before it was ready; "
+                        f"see {self.logs / (name + '.log')}"
+                    )
+            if len(urls) < n and time.monotonic() > deadline:
+                missing = ", ".join(f"engine {i} (localhost)" for i in range(n) if i not in urls)
+                raise TimeoutError(f"engines not ready after {timeout_s:.0f} s: {missing}; see {self.logs}")
+            time.sleep(0.1)
+        return [urls[i] for i in range(n)]
+
+    def start_trainer_ranks(self, master_port: int) -> None:
+        """Trainer ranks 1..W-1 (rank 0 is this process): `miles-hpc worker --role train RUN/config.yaml`."""
+        world = self.cfg.train.world_size
+        for rank in range(1, world):
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master_port),
+            }
+            argv = [sys.executable, "-m", "miles_hpc.cli", "worker", "--role", "train", str(self.config_path)]
+            self._spawn(f"trainer-{rank}", argv, env)
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}; see {self.logs / (name + '.log')}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process we started, then SIGKILL what is left after `grace_s`."""
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()

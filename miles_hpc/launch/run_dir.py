@@ -1,0 +1,81 @@
+"""The run directory (docs/design.md section 3, a contract): layout, resolved config, and the starting model.
+
+``RUN/config.yaml`` holds the resolved config (file + overrides + defaults), so ``miles-hpc run RUN/config.yaml``
+repeats the run. The other paths are created by the stages that own them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_hpc.atomic import write_text_atomic
+from miles_hpc.config import RunConfig, dump_config
+
+
+@dataclass(frozen=True, slots=True)
+class RunPaths:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def rendezvous(self) -> Path:
+        return self.root / "rendezvous"
+
+    @property
+    def trajectories(self) -> Path:
+        return self.root / "trajectories"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tb"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def init_model(self) -> Path:
+        """Where a random-init starting model is written when ``model.path`` is not set."""
+        return self.root / "model"
+
+
+def prepare_run_dir(cfg: RunConfig) -> RunPaths:
+    """Create RUN/ and write the resolved config."""
+    paths = RunPaths(Path(cfg.run_dir))
+    paths.root.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(paths.config, dump_config(cfg))
+    return paths
+
+
+def resolve_model(cfg: RunConfig, paths: RunPaths) -> Path:
+    """The starting checkpoint: ``model.path``, or a random-init one created once under RUN/model."""
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path: {path} has no config.json (expected an HF-format checkpoint)")
+        return path
+    target = paths.init_model
+    if not (target / "config.json").is_file():
+        import shutil
+
+        from miles_hpc.models.presets import init_model
+
+        # Build beside the target and rename, so an interrupted init never looks like a finished checkpoint.
+        tmp = Path(tempfile.mkdtemp(dir=paths.root, prefix=".model-"))
+        try:
+            init_model(cfg.model.init_arch, cfg.model.init_size, tmp, seed=cfg.seed)
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,232 @@
+"""The processes of a run launched by a scheduler (stage: loop; docs/design.md section 3): what `miles-hpc prepare` and
+`miles-hpc worker --role train|rollout` do under srun (or mpirun, torchrun).
+
+A Slurm heterogeneous job runs, in its batch script:
+
+    miles-hpc prepare CONFIG [overrides]            # run dir, resolved config, starting model, keys; once
+    srun --het-group=1 miles-hpc worker --role rollout RUN/config.yaml --het-group 1 &
+    srun --het-group=0 miles-hpc worker --role train RUN/config.yaml --het-group 0
+    miles-hpc worker --role shutdown RUN/config.yaml # whatever happened to training: the rollout step ends
+
+Files in ``RUN/rendezvous/`` are the only coordination (a shared file system, no Ray): ``engine-<i>.json`` when
+engine ``i`` listens (``.starting.json`` with its node when it begins), ``trainer.json`` with the master port
+rank 0 chose (cluster/bootstrap.py), and ``shutdown`` once training has ended, for any reason, which stops every
+rollout worker (so rollout nodes never idle until the walltime).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from miles_hpc.atomic import write_text_atomic
+from miles_hpc.cluster.bootstrap import Placement, bootstrap, master_port
+from miles_hpc.config import RunConfig
+from miles_hpc.launch.local import engine_launch, write_key
+from miles_hpc.launch.run_dir import RunPaths, prepare_run_dir, resolve_model
+
+SHUTDOWN = "shutdown"
+KEYS = ("api_key", "admin_api_key")
+
+
+def prepare(cfg: RunConfig) -> RunPaths:
+    """Once per job, before any worker: the run directory, the resolved config, the starting model, the API keys
+    (kept across requeues: engines and trainer of one run share them), and no rendezvous left from before."""
+    paths = prepare_run_dir(cfg)
+    resolve_model(cfg, paths)
+    for name in KEYS:
+        if not (paths.root / "keys" / name).is_file():
+            write_key(paths.root / "keys" / name)
+    paths.rendezvous.mkdir(parents=True, exist_ok=True)
+    for stale in paths.rendezvous.iterdir():  # a requeued job must not find the previous attempt's engines
+        if stale.is_file():
+            stale.unlink()
+    return paths
+
+
+def _read_key(paths: RunPaths, name: str) -> str:
+    path = paths.root / "keys" / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run `miles-hpc prepare` (the batch script's first line) first")
+    return path.read_text().strip()
+
+
+def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
+    """One engine per task: ``miles-hpc serve`` for the run's model, index = the task's rank in its step; returns
+    when ``RUN/rendezvous/shutdown`` appears (or the engine dies, or Slurm signals us)."""
+    from miles_hpc.rollout.sglang import mark_engine_starting
+
+    paths = RunPaths(Path(cfg.run_dir))
+    place = bootstrap(het_group=het_group)
+    index = place.rank
+    _read_key(paths, "api_key")  # fail here, with the fix, rather than in the engine
+    model_dir = resolve_model(cfg, paths) if cfg.model.path else paths.init_model
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json: run `miles-hpc prepare` first")
+    mark_engine_starting(paths.rendezvous, index, node=place.node)
+    if cfg.rollout.backend == "sglang":
+        child = _start_sglang(cfg, paths, model_dir, index, place)
+    else:
+        placement = {"host": "0.0.0.0"}
+        if place.source != "single" and _cuda_available():
+            placement["device"] = f"cuda:{place.local_rank}"
+        argv = engine_launch(
+            cfg, model_dir, paths.root / "keys", paths.rendezvous / f"engine-{index}.json", index, **placement
+        ).argv()
+        child = subprocess.Popen(argv)
+    signal.signal(signal.SIGTERM, lambda sig, _frame: child.send_signal(sig))  # scancel/walltime: engine first
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # preemption is the trainer's business (it checkpoints); we go on
+    try:
+        while child.poll() is None:
+            if (paths.rendezvous / SHUTDOWN).exists():
+                child.send_signal(signal.SIGTERM)
+                child.wait(60)
+                return 0
+            time.sleep(0.5)
+        return child.returncode
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def _start_sglang(
+    cfg: RunConfig, paths: RunPaths, model_dir: Path, index: int, place: Placement
+) -> subprocess.Popen[bytes]:
+    """A real SGLang server for engine ``index`` on this node: keys through a 0600 ``--config`` file, a port free
+    here; once it answers ``/health`` its record goes to ``RUN/rendezvous/engine-<i>.json`` (SGLang writes none)."""
+    import socket
+    import urllib.request
+
+    from miles_hpc.rollout.sglang import EngineRecord, SGLangLaunchSpec, write_engine_record
+    from miles_hpc.sync.factory import strategy_class
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = int(s.getsockname()[1])
+    keys = paths.root / "keys"
+    needs = strategy_class(cfg).engine_needs(cfg)  # e.g. LoRA sync: SGLang serves adapters only when started for them
+    spec = SGLangLaunchSpec(
+        model_path=str(model_dir),
+        tp_size=cfg.rollout.engine_tp,
+        host="0.0.0.0",
+        port=port,
+        api_key_file=str(keys / "api_key"),
+        admin_api_key_file=str(keys / "admin_api_key"),
+        secrets_config_file=str(keys / f"sglang-{index}.yaml"),
+        random_seed=cfg.seed + index,
+        weight_version="0",
+        python=cfg.rollout.sglang_python,
+        base_gpu_id=0 if place.source == "single" else place.local_rank * cfg.rollout.engine_tp,
+        enable_lora=needs.lora_rank is not None,
+        max_lora_rank=needs.lora_rank,
+        lora_target_modules=needs.lora_target_modules,
+        extra_args=tuple(cfg.rollout.sglang_args),
+    )
+    spec.write_secrets_config()
+    child = subprocess.Popen(spec.command())
+    deadline = time.monotonic() + cfg.rollout.engine_timeout_s
+    while True:
+        if child.poll() is not None:
+            raise RuntimeError(
+                f"SGLang engine {index} on {place.node} exited with code {child.returncode} before "
+                f"it answered /health: {' '.join(spec.command())}"
+            )
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            child.kill()
+            raise TimeoutError(
+                f"SGLang engine {index} on {place.node}: no /health after {cfg.rollout.engine_timeout_s:.0f} s"
+            )
+        time.sleep(1.0)
+    write_engine_record(
+        paths.rendezvous,
+        EngineRecord(
+            index=index,
+            host=socket.gethostname(),
+            port=port,
+            pid=child.pid,
+            tp_size=cfg.rollout.engine_tp,
+            node=place.node,
+            backend="sglang",
+        ),
+    )
+    return child
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def train_placement(cfg: RunConfig, het_group: int | None = None) -> tuple[Placement, dict[str, str]]:
+    """This trainer rank's placement and its torchrun-style world variables (rank 0 picks the master port)."""
+    place = bootstrap(het_group=het_group)
+    if place.world_size != cfg.train.world_size:
+        raise ValueError(
+            f"train.world_size is {cfg.train.world_size} but the launcher started {place.world_size} "
+            f"trainer tasks ({place.source}): make them agree (sbatch --ntasks of the training "
+            "component)"
+        )
+    place = master_port(place, RunPaths(Path(cfg.run_dir)).rendezvous, name="trainer")
+    return place, place.env()
+
+
+def run_scheduled_train_worker(cfg: RunConfig, het_group: int | None = None) -> dict[str, Any] | None:
+    """A trainer rank under srun/mpirun: rank 0 waits for the engines and runs the loop (then says ``shutdown``);
+    the others follow it. Returns rank 0's summary."""
+    from miles_hpc.launch.controller import controller, follow_controller
+    from miles_hpc.rollout.sglang import wait_for_engines
+
+    paths = RunPaths(Path(cfg.run_dir))
+    place, world_env = train_placement(cfg, het_group)
+    model_dir = resolve_model(cfg, paths) if cfg.model.path else paths.init_model
+    if place.rank != 0:
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # rank 0 decides when to stop; the others follow it
+        follow_controller(cfg, model_dir, world_env)
+        return None
+    # A USR2 sent to the tasks (`--signal=USR2@N` without `B:`) asks for the same as the batch script's handler.
+    signal.signal(signal.SIGUSR2, lambda _sig, _frame: request_preempt(paths, "USR2 to the trainer task"))
+    try:
+        records = wait_for_engines(paths.rendezvous, cfg.rollout.num_engines, timeout=cfg.rollout.engine_timeout_s)
+        return controller(
+            cfg,
+            paths,
+            model_dir,
+            [r.url for r in records],
+            _read_key(paths, "api_key"),
+            _read_key(paths, "admin_api_key"),
+            world_env,
+        )
+    finally:
+        request_shutdown(paths)
+
+
+def request_preempt(paths: RunPaths, why: str = "preempted") -> None:
+    """Ask the controller to checkpoint at the end of its current step and return (the batch script's USR2
+    handler; the job is then requeued and resumes from that checkpoint)."""
+    paths.rendezvous.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(paths.rendezvous / "preempt", json.dumps({"why": why, "time": time.time()}) + "\n")
+
+
+def request_shutdown(paths: RunPaths, why: str = "training ended") -> None:
+    """Tell every rollout worker of the run to stop (idempotent: the first reason given stays)."""
+    paths.rendezvous.mkdir(parents=True, exist_ok=True)
+    if (paths.rendezvous / SHUTDOWN).exists():
+        return
+    write_text_atomic(
+        paths.rendezvous / SHUTDOWN, json.dumps({"why": why, "time": time.time(), "pid": os.getpid()}) + "\n"
+    )
