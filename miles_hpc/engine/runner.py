@@ -226,11 +226,12 @@ class ModelRunner:
         idx = [i for i, s in enumerate(batch) if s.sample]
         if not idx:
             return tokens, logprobs
-        sb = sb if sb is not None else self._sampling_batch(batch)
+        batch_sb = sb if sb is not None else self._sampling_batch(batch)
+        assert batch_sb is not None  # some row samples (idx is not empty)
         if self.batch_invariant:
-            tok_t, lp_t = sample(logits, sb, log_softmax=invariant.log_softmax)
+            tok_t, lp_t = sample(logits, batch_sb, log_softmax=invariant.log_softmax)
         else:
-            tok_t, lp_t = sample(logits, sb)
+            tok_t, lp_t = sample(logits, batch_sb)
         for i, t, lp in zip(idx, tok_t.tolist(), lp_t.tolist()):
             tokens[i], logprobs[i] = t, lp
         return tokens, logprobs

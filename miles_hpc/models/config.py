@@ -351,7 +351,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], *, source: str = "config.json") -> ModelConfig:
         """Parse an HF config dict; `source` (the file) is named in every error."""
-        model_type = MODEL_TYPE_ALIASES.get(d.get("model_type"), d.get("model_type"))
+        raw_type: Any = d.get("model_type")
+        model_type = MODEL_TYPE_ALIASES.get(raw_type, raw_type)
         if model_type is None:
             by_arch = {arch: mt for mt, arch in ARCHITECTURES.items()}
             archs = [a for a in d.get("architectures") or () if a in by_arch]
@@ -536,7 +537,8 @@ def _partial_rotary(d: Mapping[str, Any]) -> float:
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
     value = d.get("partial_rotary_factor", params.get("partial_rotary_factor"))
     if value is None:
-        return 0.5 if MODEL_TYPE_ALIASES.get(d.get("model_type"), d.get("model_type")) == "glm4_moe" else 1.0
+        raw_type: Any = d.get("model_type")
+        return 0.5 if MODEL_TYPE_ALIASES.get(raw_type, raw_type) == "glm4_moe" else 1.0
     return float(value)
 
 

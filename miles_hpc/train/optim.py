@@ -30,7 +30,9 @@ def build_optimizer(
 ) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; on a CUDA `device` the fused (single-kernel) implementation, elsewhere
     the plain loop (DTensor params of FSDP2 on gloo take it reliably; the cost is negligible at CPU sizes)."""
-    decay, plain, seen = [], [], set()
+    decay: list[nn.Parameter] = []
+    plain: list[nn.Parameter] = []
+    seen: set[int] = set()
     for name, p in named_params:
         if not p.requires_grad or id(p) in seen:  # tied weights appear once
             continue
