@@ -152,12 +152,16 @@ def leave(code: int = 0) -> NoReturn:
     exception": seen on a trainer rank after a resumed run, and on a 2-rank test worker in CI), and srun
     --kill-on-bad-exit then fails a job whose results are complete. Child processes still alive are ended first
     (what multiprocessing's own exit hook would do; megatron's checkpoint writer keeps a spawned queue manager):
-    by now nothing of the run is left in them."""
+    by now nothing of the run is left in them. Under an MPI launcher MPI is finalized first (exiting without it is
+    an abnormal termination to mpirun)."""
     for child in multiprocessing.active_children():
         child.terminate()
         child.join(5.0)
         if child.is_alive():
             child.kill()
+    mpi = sys.modules.get("mpi4py.MPI")  # bootstrap read an MPI launcher's ranks: mpirun wants MPI_Finalize
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
