@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import select
 import socket
 import subprocess
+import time
 import traceback
 from pathlib import Path
 
@@ -163,6 +165,7 @@ SGLANG_VENV = Path(os.environ.get("SGLANG_VENV", REPO / ".venv-sglang"))
 _SGLANG_SIDE = """
 import datetime, sys, torch, torch.distributed as dist
 from sglang.srt.utils.common import init_custom_process_group
+print("IMPORTED", flush=True)  # importing SGLang takes a minute on a busy 2-core machine: the join starts after it
 port, rank = int(sys.argv[1]), int(sys.argv[2])
 pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank,
                                group_name="weight_update_group", timeout=datetime.timedelta(seconds=90))
@@ -170,6 +173,23 @@ t = torch.arange(6, dtype=torch.bfloat16) + 1 if rank == 0 else torch.zeros(6, d
 dist.broadcast(t, src=0, group=pg)
 print("SGLANG", t.tolist(), flush=True)
 """
+
+
+def _read_until(proc: subprocess.Popen[bytes], marker: bytes, timeout_s: float) -> bytes:
+    """``proc``'s (unbuffered) stdout up to and with ``marker``; fails with what it printed if it exits or stays
+    silent past ``timeout_s``."""
+    assert proc.stdout is not None
+    fd, seen = proc.stdout.fileno(), b""
+    deadline = time.monotonic() + timeout_s
+    while marker not in seen and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 65536) if ready else b""
+        if not chunk:  # EOF (it exited) or the deadline
+            break
+        seen += chunk
+    if marker not in seen:
+        raise AssertionError(f"the SGLang side never printed {marker!r}: {seen.decode(errors='replace')[-3000:]}")
+    return seen
 
 
 @pytest.mark.sglang
@@ -185,10 +205,11 @@ def test_wire_compatible_with_sglang(sglang_rank: int) -> None:
         [str(python), "-c", _SGLANG_SIDE, str(port), str(sglang_rank)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
+        bufsize=0,
         env=env,
     )
     try:
+        head = _read_until(other, b"IMPORTED\n", timeout_s=600)
         group = CustomGroup(
             GroupSpec(
                 backend="gloo",
@@ -201,8 +222,13 @@ def test_wire_compatible_with_sglang(sglang_rank: int) -> None:
         )
         t = torch.arange(6, dtype=torch.bfloat16) + 1 if sglang_rank == 1 else torch.zeros(6, dtype=torch.bfloat16)
         group.broadcast(t, src=0)
-        out, _ = other.communicate(timeout=120)
+        rest, _ = other.communicate(timeout=120)
+        out = (head + rest).decode(errors="replace")
         group.destroy()
+    except Exception as e:  # the join or the broadcast failed: what the other side said is the diagnosis
+        other.kill()
+        said, _ = other.communicate()
+        raise AssertionError(f"{e}\n--- the SGLang side:\n{said.decode(errors='replace')[-3000:]}") from e
     finally:
         if other.poll() is None:
             other.kill()  # our own child, by handle
