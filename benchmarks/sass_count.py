@@ -41,7 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     args = ap.parse_args()
-    words_per_thread = checksum_kernels.BLOCK / (4 * 32)  # Triton's default 4 warps
+    words_per_thread = checksum_kernels.BLOCK * checksum_kernels.ROWS / (checksum_kernels.WARPS * 32)
     for copy in (False, True):
         for aligned in (False, True):
             kernel = checksum_kernels.compile_for(args.arch, copy, aligned)
@@ -51,12 +51,13 @@ def main() -> None:
                 json.dumps(
                     {
                         "bench": "sass_count",
-                        "kernel": "checksum_kernels._many_lane_sums",
+                        "kernel": "checksum_kernels._lane_sums_by_position",
                         "copy": copy,
                         "aligned_16": aligned,
                         "arch": args.arch,
                         "block_words": checksum_kernels.BLOCK,
-                        # static counts cover both the whole-block and the masked path
+                        # static counts: the multipliers (made once per program), the whole-block loop
+                        # and the masked one, per word of one step; the loop alone is a part of it
                         "instructions_per_word": round(sum(ops.values()) / words_per_thread, 1),
                         "imad_per_word": round(ops["IMAD"] / words_per_thread, 1),
                         "global_memory_ops": dict(ptx),

@@ -107,7 +107,7 @@ def _checksum_s(named: list[tuple[str, torch.Tensor]], device: str) -> float:
 def _direct_copy_s(sync: Any, named: list[tuple[str, torch.Tensor]]) -> tuple[float, float] | None:
     """Seconds the copies of a direct write take alone (every tensor into the engine's own view of it, through the
     handles the strategy opened, one torch copy each), and the same copies as the push makes them, hashing what
-    they write (`colocated_direct.write_and_hash`, 512 MB batches, one host read). The values are the
+    they write (`colocated_direct.write_and_hash` in the push's launches, one host read). The values are the
     ones just published, so the engine's weights do not change."""
     targets = list(sync._direct._targets.values())
     if not targets:
@@ -119,7 +119,7 @@ def _direct_copy_s(sync: Any, named: list[tuple[str, torch.Tensor]]) -> tuple[fl
             views[name].copy_(t)
 
     def copy_hash() -> None:
-        write_and_hash(((t, [views[name]]) for name, t in named), 512 << 20).cpu()
+        write_and_hash(((t, [views[name]], False) for name, t in named), 512 << 20).cpu()
 
     out = []
     for fn in (copy_all, copy_hash):

@@ -23,22 +23,27 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import megatron_cpu_shims  # noqa: E402
+if __name__ == "__main__":
+    # Only here, not where this file is imported as `__mp_main__`: megatron's checkpoint writer starts a spawned
+    # helper (a multiprocessing Manager), which re-imports this file and needs none of it. On a GPU machine whose
+    # Python writes no bytecode (PYTHONDONTWRITEBYTECODE) importing megatron-core from source took ~20 s per
+    # process there, and the GPU resume test imported it three times (save, its helper, resume).
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import megatron_cpu_shims
 
-megatron_cpu_shims()
+    megatron_cpu_shims()
 
-from megatron.core import parallel_state  # noqa: E402
-from test_megatron import TRAIN_LENGTHS  # noqa: E402
-from test_train_fsdp import STEP_ALGO, STEP_CFG, make_batch  # noqa: E402
+    from megatron.core import parallel_state
+    from test_megatron import TRAIN_LENGTHS
+    from test_train_fsdp import STEP_ALGO, STEP_CFG, make_batch
 
-from miles_hpc.config import MegatronConfig  # noqa: E402
-from miles_hpc.train import dist as tdist  # noqa: E402
-from miles_hpc.train import megatron as mg  # noqa: E402
-from miles_hpc.train.mcore_weights import Rule, iter_full_hf  # noqa: E402
+    from miles_hpc.config import MegatronConfig
+    from miles_hpc.train import dist as tdist
+    from miles_hpc.train import megatron as mg
+    from miles_hpc.train.mcore_weights import Rule, iter_full_hf
 
-# a warm-up, so that the lr of the next step depends on the restored step
-CKPT_CFG = dataclasses.replace(STEP_CFG, mixed_precision=False, warmup_steps=8)
+    # a warm-up, so that the lr of the next step depends on the restored step
+    CKPT_CFG = dataclasses.replace(STEP_CFG, mixed_precision=False, warmup_steps=8)
 EXTRA = {"next_step": 1, "weight_version": 1, "prompts": {"epoch": 0, "position": 3}}
 
 

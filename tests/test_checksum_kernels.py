@@ -1,4 +1,4 @@
-"""`sync.checksum_kernels` (the fingerprint's Triton kernels) against the torch definition, run in Triton's
+"""`sync.wire.checksum_kernels` (the fingerprint's Triton kernels) against the torch definition, run in Triton's
 interpreter on the CPU (CI) and compiled on a GPU (`-m gpu`): many tensors in one launch from one base pointer
 (separate allocations, views at odd offsets, empty tensors, several chunks, every word width), and the copy that
 hashes what it writes. Run as a script (``python test_checksum_kernels.py``) this file is the interpreter check:
@@ -66,15 +66,29 @@ def reference(ws: list[torch.Tensor]) -> torch.Tensor:
 def check(device: str) -> None:
     from miles_hpc.sync.wire import checksum_kernels as ck
 
-    g = torch.Generator().manual_seed(0)
     powers = checksum.power_table(8, torch.device(device))
-    for ws in groups(device, g):
-        got = ck.lanes_many(ws, SMALL_CHUNK, powers)
-        assert got is not None and torch.equal(got.cpu(), reference(ws)), [w.numel() for w in ws]
-        dsts = [torch.full_like(w, 7) for w in ws]
-        lanes = ck.copy_lanes_many(ws, dsts, SMALL_CHUNK, powers)
-        assert lanes is not None and torch.equal(lanes.cpu(), reference(ws))
-        assert all(torch.equal(d, w) for d, w in zip(dsts, ws))
+    # the default layout, one chunk per step with each position block's chunks split over many programs, and
+    # four chunks per step over smaller blocks (partial steps, chunks ending inside a block, every split)
+    for layout in (
+        {},
+        {"ROWS": 1, "MIN_CHUNKS": 1, "PREFETCH": False},
+        {"ROWS": 4, "BLOCK": 1024, "MIN_CHUNKS": 1, "PROGRAMS": 1 << 20, "PREFETCH": True},
+    ):
+        saved_layout = {k: getattr(ck, k) for k in layout}
+        for k, v in layout.items():
+            setattr(ck, k, v)
+        try:
+            g = torch.Generator().manual_seed(0)
+            for ws in groups(device, g):
+                got = ck.lanes_many(ws, SMALL_CHUNK, powers)
+                assert got is not None and torch.equal(got.cpu(), reference(ws)), (layout, [w.numel() for w in ws])
+                dsts = [torch.full_like(w, 7) for w in ws]
+                lanes = ck.copy_lanes_many(ws, dsts, SMALL_CHUNK, powers)
+                assert lanes is not None and torch.equal(lanes.cpu(), reference(ws)), layout
+                assert all(torch.equal(d, w) for d, w in zip(dsts, ws))
+        finally:
+            for k, v in saved_layout.items():
+                setattr(ck, k, v)
     # The check every process makes once per GPU before it trusts the kernels (checksum.self_check), here on
     # this device with the small chunk (the definition reads checksum.CHUNK).
     saved, checksum.CHUNK = checksum.CHUNK, SMALL_CHUNK

@@ -74,6 +74,23 @@ def _run(
     return torch.load(out, weights_only=False)
 
 
+def test_the_checkpoint_writers_spawned_helper_imports_no_megatron() -> None:
+    """megatron's checkpoint writer starts a spawned Manager, which re-imports the worker as `__mp_main__`: that
+    must not import megatron (on a GPU machine that writes no bytecode, ~20 s of the GPU resume test per import)."""
+    code = (
+        f"import runpy, sys; runpy.run_path({str(WORKER)!r}, run_name='__mp_main__'); "
+        "assert not [m for m in sys.modules if m.startswith(('megatron', 'miles_hpc.train'))], 'imported'"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def dense_ckpt(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """Written by 2 data-parallel ranks (TP 1) after one train step; the run then took the next step."""

@@ -78,6 +78,25 @@ def test_many_at_once_equal_one_by_one() -> None:
     assert tensor_checksums([]) == {}
 
 
+def test_a_multipliers_table_cached_at_a_smaller_chunk_is_not_reused(monkeypatch) -> None:
+    """The per-device table of multipliers is cached; a process that hashed once with a small `CHUNK` (the
+    kernel tests and `self_check` run with one) must still hash with the real one: the table grows, and the
+    lanes equal those from a fresh table. (On an H200, `-m gpu` failed 10 tests so: "size of tensor a (262144)
+    must match the size of tensor b (16384)".)"""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randint(-(2**62), 2**62, (3000,), dtype=torch.int64, generator=g)
+    monkeypatch.setattr(checksum, "CHUNK", 1024)
+    monkeypatch.setattr(checksum, "_tables", {})
+    fresh = checksum._torch_lanes(w)
+    monkeypatch.setattr(checksum, "_tables", {})
+    monkeypatch.setattr(checksum, "CHUNK", 64)
+    small = checksum._torch_lanes(w)  # caches a table 64 wide
+    monkeypatch.setattr(checksum, "CHUNK", 1024)
+    assert torch.equal(checksum._torch_lanes(w), fresh)
+    assert not torch.equal(small, fresh)  # (the chunk size is part of the value: the check above is not trivial)
+    assert checksum.multipliers(torch.device("cpu"), 1024).shape[1] >= 1024
+
+
 class DefinitionKernels:
     """Stands in for `checksum_kernels` with the definition itself; subclasses break one thing each."""
 

@@ -66,6 +66,29 @@ def test_write_and_hash_writes_every_destination_and_hashes_what_it_wrote() -> N
     assert write_and_hash(iter(()), 1).shape == (0, 2)
 
 
+def test_write_and_hash_batches_bound_temporaries_and_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`batch_bytes` bounds the cast temporaries a batch holds, `launch_bytes` the sources per launch: sources that
+    are the caller's own tensors (third field False) fill launches up to `launch_bytes` (on an H200, 2 GiB
+    launches wrote a 7B push in 13.2 ms, 512 MB ones in 20.4 ms)."""
+    from miles_hpc.sync.strategies import colocated_direct
+
+    launches: list[int] = []
+    real = colocated_direct.copy_with_lanes
+    monkeypatch.setattr(colocated_direct, "copy_with_lanes", lambda pairs: launches.append(len(pairs)) or real(pairs))
+    srcs = [torch.randn(100) for _ in range(6)]  # 400 bytes each
+    dsts = [[torch.empty_like(s)] for s in srcs]
+    lanes = write_and_hash(((s, d, False) for s, d in zip(srcs, dsts)), batch_bytes=400, launch_bytes=1200)
+    assert launches == [3, 3] and torch.equal(lanes, lanes_of(srcs))
+    launches.clear()
+    write_and_hash(
+        ((s, d, i % 2 == 0) for i, (s, d) in enumerate(zip(srcs, dsts))), batch_bytes=800, launch_bytes=1 << 20
+    )
+    assert launches == [3, 3]  # temporaries at 0 and 2 fill the first batch
+    launches.clear()
+    write_and_hash(zip(srcs, dsts), batch_bytes=800)  # pairs: every source counts as held
+    assert launches == [2, 2, 2]
+
+
 def test_cpu_engine_refuses_a_direct_write(tmp_path: Path) -> None:
     engine = Engine.from_pretrained(str(init_model("qwen3", "tiny", tmp_path / "m")), EngineConfig())
     with pytest.raises(RequestError, match="need an engine on a GPU"):

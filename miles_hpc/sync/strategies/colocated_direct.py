@@ -120,7 +120,7 @@ class DirectWriter:
         heads: list[tuple[str, bytes]] = []
         t0 = time.perf_counter()
 
-        def items() -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+        def items() -> Iterator[tuple[torch.Tensor, list[torch.Tensor], bool]]:
             for name, t in named:  # stepped on the caller's thread: trainer-side iterators run collectives
                 src = t.detach()
                 dsts = []
@@ -143,9 +143,10 @@ class DirectWriter:
                 if len(dtypes) != 1:
                     raise WeightSyncError(f"tensor {name!r}: the engines hold it in dtypes {sorted(map(str, dtypes))}")
                 want = dtypes.pop()
-                src = src if src.dtype == want else src.to(want)  # torch's cast: what the engines' checksums expect
+                cast = src.dtype != want
+                src = src.to(want) if cast else src  # torch's cast: what the engines' checksums expect
                 heads.append((name, head(src)))
-                yield src, dsts
+                yield src, dsts, cast
 
         lanes = write_and_hash(items(), self._hash_bytes)
         sums = dict(zip([n for n, _ in heads], digests([h for _, h in heads], lanes)))
@@ -169,15 +170,26 @@ class DirectWriter:
         return sums
 
 
-def write_and_hash(items: Iterable[tuple[torch.Tensor, list[torch.Tensor]]], batch_bytes: int) -> torch.Tensor:
+LAUNCH_BYTES = 2 << 30
+"""Sources per copy-and-hash launch of a direct write. On an H200 (7B shape, 310 bf16 tensors, 2026-12-03) the
+write took 20.4 ms in 512 MB launches, 13.2 ms in 2 GiB ones and 14.7 ms in one launch (whose host work all comes
+before it); docs/benchmarks.md."""
+
+
+def write_and_hash(
+    items: Iterable[tuple[torch.Tensor, list[torch.Tensor]] | tuple[torch.Tensor, list[torch.Tensor], bool]],
+    batch_bytes: int,
+    launch_bytes: int = LAUNCH_BYTES,
+) -> torch.Tensor:
     """Write each source into each of its destinations (same dtype and shape) and return the lanes of what was
-    written, int64 [n, 2] on the sources' device (no host read). Sources go in batches of about `batch_bytes`:
-    one pass copies a batch into the first destinations and hashes what it wrote (`checksum.copy_with_lanes`,
-    one Triton launch on a GPU); further destinations get plain copies. A batch's sources stay referenced until
-    it is written."""
+    written, int64 [n, 2] on the sources' device (no host read). Sources go in batches: one pass copies a batch
+    into the first destinations and hashes what it wrote (`checksum.copy_with_lanes`, one Triton launch on a
+    GPU); further destinations get plain copies. An item may say whether its source is a temporary (a cast made
+    for this write; a 2-tuple is one): a batch holds at most about `batch_bytes` of temporaries, which stay
+    referenced until it is written, and about `launch_bytes` of sources in all."""
     lanes: list[torch.Tensor] = []
     batch: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
-    held = 0
+    held = size = 0
 
     def flush() -> None:
         lanes.append(copy_with_lanes([(src, dsts[0]) for src, dsts in batch]))
@@ -186,12 +198,15 @@ def write_and_hash(items: Iterable[tuple[torch.Tensor, list[torch.Tensor]]], bat
                 dst.copy_(src)
         batch.clear()
 
-    for src, dsts in items:
+    for item in items:
+        src, dsts = item[0], item[1]
         batch.append((src, dsts))
-        held += src.numel() * src.element_size()
-        if held >= batch_bytes:
+        nbytes = src.numel() * src.element_size()
+        held += nbytes if len(item) < 3 or item[2] else 0
+        size += nbytes
+        if held >= batch_bytes or size >= launch_bytes:
             flush()
-            held = 0
+            held = size = 0
     if batch:
         flush()
     return torch.cat(lanes) if lanes else torch.zeros(0, 2, dtype=torch.int64)

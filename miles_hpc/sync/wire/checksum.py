@@ -49,12 +49,16 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def multipliers(device: torch.device) -> torch.Tensor:
-    """The two lanes' odd multipliers, int64 [2, CHUNK] on `device` (built once per device)."""
+def multipliers(device: torch.device, width: int | None = None) -> torch.Tensor:
+    """The two lanes' odd multipliers m_l[j] for j < `width` (default `CHUNK`), int64 [2, >= width] on `device`.
+    m_l[j] depends on j alone, so one table per device serves every chunk size: it is cached and rebuilt wider
+    when a caller needs more columns (a table cached at a smaller `CHUNK`, as the tests set it, is never used
+    for a larger one)."""
+    width = CHUNK if width is None else width
     with _lock:
         table = _tables.get(device)
-        if table is None:
-            j = np.arange(CHUNK, dtype=np.uint64)
+        if table is None or table.shape[1] < width:
+            j = np.arange(max(width, CHUNK), dtype=np.uint64)
             lanes = np.stack([_splitmix64(j), _splitmix64(j + np.uint64(1 << 32))]) | np.uint64(1)
             table = torch.from_numpy(lanes.view(np.int64)).to(device)
             _tables[device] = table
@@ -149,7 +153,7 @@ def copy_with_lanes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch
 def _torch_lanes(w: torch.Tensor) -> torch.Tensor:
     """The two lanes of the flat integer tensor `w`, int64 [2] on its device (torch ops, the definition)."""
     n = w.numel()
-    table = multipliers(w.device)
+    table = multipliers(w.device, min(n, CHUNK))
     p = torch.tensor(_P, dtype=torch.int64, device=w.device)
     f = torch.zeros(2, dtype=torch.int64, device=w.device)
     for a in range(0, n, CHUNK):
@@ -188,7 +192,7 @@ _kernel_module: object | None = None
 
 
 def _kernels() -> Any:
-    """`sync.checksum_kernels` where Triton imports (CUDA machines), else None (the torch path)."""
+    """`sync.wire.checksum_kernels` where Triton imports (CUDA machines), else None (the torch path)."""
     global _kernel_module
     if _kernel_module is None:
         try:

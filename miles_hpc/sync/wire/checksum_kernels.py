@@ -1,18 +1,23 @@
 """The fingerprint of `sync.wire.checksum` as Triton kernels (stage: sync; pure).
 
 Same value as `checksum.fingerprint`'s torch path, bit for bit (tests check it on the GPU and in Triton's
-interpreter on the CPU). Each program takes `BLOCK` words of one chunk of one tensor, makes the two lanes'
-multipliers from the word's index in its chunk with splitmix64 in registers (the torch path reads them from a table:
-16 bytes per 8-byte word), multiplies its two wrap-around sums by its chunk's fold power
-P_l^(C-1-c) and adds them to its tensor's lanes atomically (wrap-around addition: any order, same bits).
+interpreter on the CPU). The work is laid out by position in the chunk, not by address: the multipliers m_l[j]
+depend on a word's index j in its chunk alone, so a program owns one block of `BLOCK` positions j, makes their two
+lanes' multipliers once with splitmix64 in registers, and then walks a list of chunks (of any of the tensors),
+loading the block of words at those positions in each, multiplying, summing, and adding each chunk's two sums,
+times that chunk's fold power P_l^(C-1-c), to its tensor's lanes atomically (wrap-around addition: any order, same
+bits). Per word that leaves a load, two 64-bit products and their sums: the splitmix64 rounds (four 64-bit
+products and the shifts, ~70 of the ~80 instructions per word of a kernel that made them per word) are paid once
+per program, not per word, so the pass runs at the speed of the memory rather than of the integer units.
 
-Many tensors go in one launch (`lanes_many`): their words are addressed from one base pointer (the lowest address
-of the group) plus a per-tensor offset, and a program finds its tensor by binary search over the tensors' first
-block numbers. One weight sync of a 7B model is ~300 tensors; five launches per tensor (buffer, kernel, chunk sum,
-fold, lane sum) cost more than reading the bytes. `copy_lanes_many` also copies each source into its
-destination (the same words: casts stay with torch, whose rounding is the contract) while it hashes what it wrote:
-a direct weight write and its checksums in one pass over the bytes. Whole blocks load without a mask, 16 bytes at
-a time where every tensor is 16-byte aligned (`ALIGN`).
+The chunks of a launch (every tensor's, from one base pointer plus per-tensor offsets) are listed longest first,
+so the chunks that reach position block b are a prefix of the list (its length per block is a table); the programs
+of block b split that prefix in `split` equal parts (enough programs to fill the GPU, each with enough chunks to pay
+for its multipliers). One weight sync of a 7B model is ~300 tensors in one launch (per-tensor launches cost more
+than reading the bytes). `copy_lanes_many` also copies each source into its destination (the same words: casts
+stay with torch, whose rounding is the contract) while it hashes what it wrote: a direct weight write and its
+checksums in one pass over the bytes. Whole blocks load without a mask, 16 bytes at a time where every tensor is
+16-byte aligned (`ALIGN`).
 """
 
 from __future__ import annotations
@@ -21,12 +26,18 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048  # words (16 KiB) per program; divides checksum.CHUNK, so no program straddles two chunks
-_META = tl.constexpr(5)  # per tensor: source offset, destination offset, words, first block, chunks
+BLOCK = 2048  # positions (words) per program; a power of two, at most the chunk (which it then divides)
+WARPS = 4  # warps per program
+ROWS = 1  # chunks per step of a program (their loads in flight together)
+PREFETCH = True  # each step's loads issued before the previous step's sums
+PROGRAMS = 8192  # about how many programs a large launch is spread over (each position block's chunks split so)
+MIN_CHUNKS = 4  # ... but no program gets fewer chunks than this (each makes its block's multipliers once)
+_ENTRY = tl.constexpr(5)  # per chunk: source offset, destination offset, words, tensor, fold power index
 
 
 @triton.jit
@@ -38,52 +49,84 @@ def _splitmix64(x):
 
 
 @triton.jit
-def _many_lane_sums(
+def _lane_sums_by_position(
     src_ptr,
     dst_ptr,
-    meta_ptr,
-    first_ptr,
+    entry_ptr,
+    whole_ptr,
+    reach_ptr,
     pow_ptr,
     out_ptr,
-    T,
-    CHUNK: tl.constexpr,
+    split,
     BLOCK: tl.constexpr,
-    STEPS: tl.constexpr,
+    ROWS: tl.constexpr,
+    PREFETCH: tl.constexpr,
     ALIGN: tl.constexpr,
     COPY: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    lo = pid * 0  # the tensor: the last i with first[i] <= pid (first[T] = all blocks, first[0] = 0)
-    hi = lo + T
-    for _ in tl.static_range(STEPS):
-        mid = (lo + hi) // 2
-        go = tl.load(first_ptr + mid) <= pid
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid)
-    i = lo
-    src_off = tl.multiple_of(tl.load(meta_ptr + _META * i), ALIGN)
-    n = tl.load(meta_ptr + _META * i + 2)
-    chunks = tl.load(meta_ptr + _META * i + 4)
-    local = pid - tl.load(first_ptr + i)
-    idx = local * BLOCK + tl.arange(0, BLOCK)
-    if (local + 1) * BLOCK <= n:  # a whole block (all but a tensor's last): unmasked, so loads can be vectors
-        y = tl.load(src_ptr + src_off + idx)
-        if COPY:
-            tl.store(dst_ptr + tl.multiple_of(tl.load(meta_ptr + _META * i + 1), ALIGN) + idx, y)
+    b = tl.program_id(0).to(tl.int64)  # this program's block of positions in a chunk
+    part = tl.program_id(1).to(tl.int64)
+    whole = tl.load(whole_ptr + b)  # chunks (the first listed) holding all these positions
+    reach = tl.load(reach_ptr + b)  # chunks holding some of them (the next ones end inside the block)
+    j = b * BLOCK + tl.arange(0, BLOCK)
+    ju = j.to(tl.uint64)
+    m0 = (_splitmix64(ju) | 1)[None, :]
+    m1 = (_splitmix64(ju + 4294967296) | 1)[None, :]
+    rows = tl.arange(0, ROWS).to(tl.int64)
+    # whole blocks, ROWS chunks at a time: unmasked along the row, so loads and stores can be vectors; with
+    # PREFETCH the next step's loads are issued before this step's sums (its data in flight meanwhile)
+    first = whole * part // split
+    last = whole * (part + 1) // split
+    if PREFETCH:
+        ok = first + rows < last
+        src_off = tl.multiple_of(tl.load(entry_ptr + _ENTRY * (first + rows), mask=ok, other=0), ALIGN)
+        y = tl.load(src_ptr + src_off[:, None] + j[None, :], mask=ok[:, None], other=0)
+        for e0 in range(first, last, ROWS):
+            e = e0 + rows
+            ok = e < last
+            ahead = e + ROWS < last
+            src_off = tl.multiple_of(tl.load(entry_ptr + _ENTRY * (e + ROWS), mask=ahead, other=0), ALIGN)
+            y_next = tl.load(src_ptr + src_off[:, None] + j[None, :], mask=ahead[:, None], other=0)
+            if COPY:
+                dst_off = tl.multiple_of(tl.load(entry_ptr + _ENTRY * e + 1, mask=ok, other=0), ALIGN)
+                tl.store(dst_ptr + dst_off[:, None] + j[None, :], y, mask=ok[:, None])
+            x = y.to(tl.uint64, bitcast=True)
+            _add_lanes(entry_ptr, pow_ptr, out_ptr, e, ok, tl.sum(x * m0, axis=1), tl.sum(x * m1, axis=1))
+            y = y_next
     else:
-        mask = idx < n
-        y = tl.load(src_ptr + src_off + idx, mask=mask, other=0)
+        for e0 in range(first, last, ROWS):
+            e = e0 + rows
+            ok = e < last
+            src_off = tl.multiple_of(tl.load(entry_ptr + _ENTRY * e, mask=ok, other=0), ALIGN)
+            y = tl.load(src_ptr + src_off[:, None] + j[None, :], mask=ok[:, None], other=0)
+            if COPY:
+                dst_off = tl.multiple_of(tl.load(entry_ptr + _ENTRY * e + 1, mask=ok, other=0), ALIGN)
+                tl.store(dst_ptr + dst_off[:, None] + j[None, :], y, mask=ok[:, None])
+            x = y.to(tl.uint64, bitcast=True)
+            _add_lanes(entry_ptr, pow_ptr, out_ptr, e, ok, tl.sum(x * m0, axis=1), tl.sum(x * m1, axis=1))
+    # chunks that end inside the block: masked by position, one at a time (a few per block)
+    first = whole + (reach - whole) * part // split
+    last = whole + (reach - whole) * (part + 1) // split
+    for f in range(first, last):
+        n = tl.load(entry_ptr + _ENTRY * f + 2)
+        keep = j < n
+        z = tl.load(src_ptr + tl.load(entry_ptr + _ENTRY * f) + j, mask=keep, other=0)
         if COPY:
-            tl.store(dst_ptr + tl.multiple_of(tl.load(meta_ptr + _META * i + 1), ALIGN) + idx, y, mask=mask)
-    x = y.to(tl.uint64, bitcast=True)
-    j = (idx % CHUNK).to(tl.uint64)
-    s0 = tl.sum(x * (_splitmix64(j) | 1), axis=0)
-    s1 = tl.sum(x * (_splitmix64(j + 4294967296) | 1), axis=0)
-    k = chunks - 1 - (local * BLOCK) // CHUNK  # this chunk's fold power
-    p0 = tl.load(pow_ptr + 2 * k).to(tl.uint64, bitcast=True)
-    p1 = tl.load(pow_ptr + 2 * k + 1).to(tl.uint64, bitcast=True)
-    tl.atomic_add(out_ptr + 2 * i, (s0 * p0).to(tl.int64, bitcast=True))
-    tl.atomic_add(out_ptr + 2 * i + 1, (s1 * p1).to(tl.int64, bitcast=True))
+            tl.store(dst_ptr + tl.load(entry_ptr + _ENTRY * f + 1) + j, z, mask=keep)
+        xz = z.to(tl.uint64, bitcast=True)[None, :]
+        one = f + tl.zeros([1], dtype=tl.int64)
+        _add_lanes(entry_ptr, pow_ptr, out_ptr, one, one >= 0, tl.sum(xz * m0, axis=1), tl.sum(xz * m1, axis=1))
+
+
+@triton.jit
+def _add_lanes(entry_ptr, pow_ptr, out_ptr, e, ok, s0, s1):
+    """Add the chunk sums `s0`, `s1` of entries `e` (where `ok`), times their fold powers, to their tensors' lanes."""
+    i = tl.load(entry_ptr + _ENTRY * e + 3, mask=ok, other=0)
+    k = tl.load(entry_ptr + _ENTRY * e + 4, mask=ok, other=0)
+    p0 = tl.load(pow_ptr + 2 * k, mask=ok, other=0).to(tl.uint64, bitcast=True)
+    p1 = tl.load(pow_ptr + 2 * k + 1, mask=ok, other=0).to(tl.uint64, bitcast=True)
+    tl.atomic_add(out_ptr + 2 * i, (s0 * p0).to(tl.int64, bitcast=True), mask=ok, sem="relaxed")
+    tl.atomic_add(out_ptr + 2 * i + 1, (s1 * p1).to(tl.int64, bitcast=True), mask=ok, sem="relaxed")
 
 
 def _base(ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int], bool] | None:
@@ -98,6 +141,37 @@ def _base(ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int], bool] | 
     return base, [g // size for g in gaps], aligned
 
 
+def plan(
+    sizes: Sequence[int], src_offs: Sequence[int], dst_offs: Sequence[int], chunk: int, block: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A launch's chunk list for tensors of `sizes` words (all non-empty) at these word offsets: int64 entries
+    [E, 5] (source offset, destination offset, words, tensor, fold power index), longest chunk first; per block b
+    of positions ([b * block, (b + 1) * block)), how many entries hold all of it (whole) and some of it (reach);
+    and the split (programs per position block)."""
+    n = np.asarray(sizes, dtype=np.int64)
+    chunks = -(-n // chunk)
+    tensor = np.repeat(np.arange(len(n), dtype=np.int64), chunks)
+    c = np.arange(int(chunks.sum()), dtype=np.int64) - np.repeat(np.cumsum(chunks) - chunks, chunks)
+    words = np.minimum(chunk, n[tensor] - c * chunk)
+    order = np.argsort(-words, kind="stable")
+    entries = np.stack(
+        [
+            np.asarray(src_offs, dtype=np.int64)[tensor] + c * chunk,
+            np.asarray(dst_offs, dtype=np.int64)[tensor] + c * chunk,
+            words,
+            tensor,
+            chunks[tensor] - 1 - c,
+        ],
+        axis=1,
+    )[order]
+    starts = np.arange(-(-int(words.max()) // block), dtype=np.int64) * block
+    desc = -entries[:, 2]  # ascending
+    whole = np.searchsorted(desc, -(starts + block), side="right")  # words >= (b + 1) * block
+    reach = np.searchsorted(desc, -starts, side="left")  # words > b * block
+    split = max(1, min(-(-PROGRAMS // len(starts)), int(reach[0]) // (MIN_CHUNKS * ROWS) or 1))
+    return np.ascontiguousarray(entries), whole, reach, split
+
+
 def _launch(
     srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor] | None, chunk: int, powers: torch.Tensor
 ) -> torch.Tensor | None:
@@ -105,32 +179,35 @@ def _launch(
     live = [i for i, t in enumerate(srcs) if t.numel()]
     if not live:
         return torch.zeros(len(srcs), 2, dtype=torch.int64, device=device)
+    block = min(BLOCK, chunk)
+    if chunk % block:
+        return None
     src = _base([srcs[i] for i in live])
     dst = _base([dsts[i] for i in live]) if dsts is not None else src
     if src is None or dst is None:
         return None
-    meta, first, blocks = [], [], 0
-    for i, s_off, d_off in zip(live, src[1], dst[1]):
-        n = srcs[i].numel()
-        meta += [s_off, d_off, n, blocks, triton.cdiv(n, chunk)]
-        first.append(blocks)
-        blocks += triton.cdiv(n, BLOCK)
-    table = torch.tensor(meta + first + [blocks], dtype=torch.int64).to(device, non_blocking=True)
+    entries, whole, reach, split = plan([srcs[i].numel() for i in live], src[1], dst[1], chunk, block)
+    host = torch.from_numpy(np.concatenate([entries.reshape(-1), whole, reach]))
+    # from pinned memory: a copy from pageable memory waits for the stream (the batches of a direct write, each
+    # one launch, would run one after the other with the host's work between them instead of overlapping it)
+    table = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
     sums = torch.zeros(len(live), 2, dtype=torch.int64, device=device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # launch where they live
-        _many_lane_sums[(blocks,)](
+        _lane_sums_by_position[(len(reach), split)](
             src[0],
             dst[0],
             table,
-            table[len(meta) :],
+            table[entries.size :],
+            table[entries.size + len(whole) :],
             powers,
             sums,
-            len(live),
-            CHUNK=chunk,
-            BLOCK=BLOCK,
-            STEPS=max(1, len(live).bit_length()),
+            split,
+            BLOCK=block,
+            ROWS=ROWS,
+            PREFETCH=PREFETCH,
             ALIGN=2 if src[2] and dst[2] else 1,
             COPY=dsts is not None,
+            num_warps=WARPS,
         )
     if len(live) == len(srcs):
         return sums
@@ -155,23 +232,23 @@ def copy_lanes_many(
 
 
 def compile_for(arch: int, copy: bool, aligned: bool) -> Any:
-    """`_many_lane_sums` compiled ahead of time for CUDA compute capability `arch` (x10, e.g. 90), no GPU needed
-    (Triton's bundled ptxas): its `asm` holds the PTX and the cubin (tests check it compiles; sass_count.py counts
-    its instructions)."""
+    """`_lane_sums_by_position` compiled ahead of time for CUDA compute capability `arch` (x10, e.g. 90), no GPU
+    needed (Triton's bundled ptxas): its `asm` holds the PTX and the cubin (tests check it compiles;
+    sass_count.py counts its instructions)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    pointers = ("src_ptr", "dst_ptr", "meta_ptr", "first_ptr", "pow_ptr", "out_ptr")
+    pointers = ("src_ptr", "dst_ptr", "entry_ptr", "whole_ptr", "reach_ptr", "pow_ptr", "out_ptr")
     signature = {
         **dict.fromkeys(pointers, "*i64"),
-        "T": "i32",
-        **dict.fromkeys(("CHUNK", "BLOCK", "STEPS", "ALIGN", "COPY"), "constexpr"),
+        "split": "i32",
+        **dict.fromkeys(("BLOCK", "ROWS", "PREFETCH", "ALIGN", "COPY"), "constexpr"),
     }
-    constants = {"CHUNK": 1 << 22, "BLOCK": BLOCK, "STEPS": 9, "ALIGN": 2 if aligned else 1, "COPY": copy}
+    constants = {"BLOCK": BLOCK, "ROWS": ROWS, "PREFETCH": PREFETCH, "ALIGN": 2 if aligned else 1, "COPY": copy}
     source = ASTSource(
-        fn=_many_lane_sums,
+        fn=_lane_sums_by_position,
         signature=signature,
         constexprs=constants,
         attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))},
     )
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": WARPS})
