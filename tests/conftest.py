@@ -54,6 +54,9 @@ def run_interpreted(code: str, timeout: int = 600) -> None:
 
 
 PROCESS_MARKERS = ("process", "slurm", "mpi", "sglang")
+# The gpu tier is never in the fast tier, and on a GPU every Triton kernel's first launch runs the compiler (ptxas)
+# as a subprocess: its tests are not asked to say so.
+_GUARD_EXEMPT = (*PROCESS_MARKERS, "gpu")
 _current: list[pytest.Item] = []  # the test being set up, run or torn down
 
 
@@ -64,7 +67,7 @@ class ProcessGuardError(RuntimeError):
 def _guarded(what: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         item = _current[-1] if _current else None
-        if item is not None and not any(item.get_closest_marker(m) for m in PROCESS_MARKERS):
+        if item is not None and not any(item.get_closest_marker(m) for m in _GUARD_EXEMPT):
             raise ProcessGuardError(
                 f"{item.nodeid} starts {what} but carries none of the markers "
                 f"{', '.join(PROCESS_MARKERS)}: mark it @pytest.mark.process (the fast tier "
