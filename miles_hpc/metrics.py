@@ -2,17 +2,26 @@
 ``reward_mean``, ``weight_version``), TensorBoard scalars under ``RUN/tb/``, and a live console progress line.
 
 Invariants: a line is appended and flushed per step, so a killed run keeps every finished step; values that are
-not finite numbers are written to JSON as null and skipped in TensorBoard, never crash the run.
+not finite numbers are written to JSON as null and skipped in TensorBoard, never crash the run. Opening the logger
+drops a torn last line (a kill mid-write), and with ``resume_step`` every row of a step >= it (those steps run
+again) by an atomic rewrite, and TensorBoard purges its events from that step on: a resumed run never repeats a
+step. Rows are kept byte for byte, and lines that do not parse are kept where they are (only a torn last one goes).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
+
+# (metric key, label): shown in the progress line as "LABEL N" when the step's value is > 0.
+COUNTS: tuple[tuple[str, str], ...] = (("rollout/failed", "failed"), ("rollout/skipped_prompts", "skipped"))
 
 
 def _number(v: Any) -> float | None:
@@ -21,15 +30,68 @@ def _number(v: Any) -> float | None:
     return float(v) if math.isfinite(v) else None
 
 
+def truncate_metrics(path: str | Path, resume_step: int | None) -> int:
+    """Drop a torn last line of the JSONL file at ``path`` and, with ``resume_step``, every row whose ``step`` is
+    >= it; rewrite atomically (temp file, fsync, rename) when anything goes. Returns the number of lines dropped."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    data = path.read_bytes()  # bytes: every kept line goes back exactly as it was, whatever it holds
+    lines = data.splitlines(keepends=True)
+    before = len(lines)
+    if lines and not lines[-1].endswith(b"\n"):
+        if _step(lines[-1]) is None:
+            lines.pop()  # torn by a kill mid-write: appending after it would corrupt the next row too
+        else:
+            lines[-1] += b"\n"  # whole, only its newline missing
+    if resume_step is not None:
+        lines = [line for line in lines if (s := _step(line)) is None or s < resume_step]
+    kept = b"".join(lines)
+    if kept != data:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, path.stat().st_mode & 0o7777)  # mkstemp's 0600 would hide the file from the team
+            with os.fdopen(fd, "wb") as f:
+                f.write(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return before - len(lines)
+
+
+def _step(line: bytes) -> int | None:
+    try:
+        row = json.loads(line)
+    except ValueError:  # also UnicodeDecodeError
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, *, total_steps: int, console: IO[str] | None = sys.stdout) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        total_steps: int,
+        console: IO[str] | None = sys.stdout,
+        resume_step: int | None = None,
+        counts: Sequence[tuple[str, str]] = COUNTS,
+    ) -> None:
+        """``resume_step``: the step this run starts at (a checkpoint's next_step; 0 on a fresh start over a crashed
+        attempt); rows and TensorBoard events from it on are removed. ``counts``: see :data:`COUNTS`."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self.console = console
+        self.counts = tuple(counts)
+        truncate_metrics(self.run_dir / "metrics.jsonl", resume_step)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
-        self._tb = SummaryWriter(str(self.run_dir / "tb"))
+        self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=resume_step)
         self._t0 = time.monotonic()
         self._first_step: int | None = None
 
@@ -63,6 +125,10 @@ class MetricsLogger:
         ):
             if r.get(key) is not None:
                 parts.append(fmt.format(r[key]))
+        for key, label in self.counts:
+            n = _number(r.get(key))
+            if n is not None and n > 0:
+                parts.append(f"{label} {n:.0f}")
         parts.append(f"eta {eta:.0f}s")
         return "[miles-hpc] " + " | ".join(parts)
 

@@ -425,3 +425,21 @@ def test_a_write_that_fails_half_way_keeps_the_shard_partial(tmp_path: Path, mon
     w.close()  # closes the file but never renames a torn shard
     assert [p.name for p in tmp_path.iterdir()] == ["traj-00000.h5.partial"]
     assert len(TrajectoryReader(tmp_path)) == 0
+
+
+def test_extra_attrs_abort_and_checksums(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="run_id"):
+        writer(tmp_path, attrs={"run_id": "x"})
+    with writer(tmp_path, prefix="a", attrs={"reconciled_from": "t-00000.h5", "n": 3}) as w:
+        w.append([sample(0)])
+    with h5py.File(w.paths[0]) as f:
+        assert (f.attrs["reconciled_from"], f.attrs["n"], f.attrs["run_id"]) == ("t-00000.h5", 3, "r1")
+        checksummed = {n for n in f["samples"] if f["samples"][n].fletcher32}
+        assert checksummed == {*f["samples"]} - {"metadata"}  # HDF5 refuses the filter on vlen strings
+    aborted = writer(tmp_path, prefix="b")
+    aborted.append([sample(1)])
+    aborted.abort()
+    with pytest.raises(ValueError, match="closed"):
+        aborted.append([sample(2)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-00000.h5", "b-00000.h5.partial"]
+    assert len(TrajectoryReader(tmp_path)) == 1

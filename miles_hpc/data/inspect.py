@@ -1,11 +1,15 @@
 """Summaries of trajectory shards for ``miles-hpc inspect PATH`` (stage: data; docs/design.md sections 7 and 8).
 
 :func:`summarize` reads the flat datasets directly (no Sample objects), so it is cheap on large runs; it validates
-every shard with the same checks as the reader and raises :class:`TrajectoryFileError` for bad input.
+every shard with the same checks as the reader, reads every chunk once (so a chunk failing its fletcher32 checksum
+fails it) and raises :class:`TrajectoryFileError` for bad input. Values are not checked one by one (no hashes):
+that is :mod:`miles_hpc.data.verify` (``inspect --verify``).
 Invariants of the returned dict (JSON-serialisable; keys are stable for scripts and tests):
 
 - token counts split ``tokens = prompt_tokens + response_tokens``; ``loss_tokens`` counts loss_mask == 1.
-- ``reward_std`` is the population standard deviation (ddof=0); mean/std are None with no samples.
+- ``reward_std`` is the population standard deviation (ddof=0); mean/std are over the finite rewards only, None
+  when there are none. ``reward_nonfinite`` counts the others: the writer never stores one, so any is damage
+  (``miles-hpc inspect`` warns and exits 1; ``--verify`` names the samples, :mod:`miles_hpc.data.verify`).
 - ``status_counts`` lists every status name, zeros included, in enum order.
 - ``policy_version_min/max`` range over generated tokens only (version >= 0); None when there are none.
 - ``routing.coverage`` = samples with routing / samples (0.0 with no samples).
@@ -16,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import h5py
 import numpy as np
 
 from miles_hpc.data.sample import SampleStatus
@@ -68,10 +73,12 @@ def summarize(path: str | Path) -> dict[str, Any]:
                 num_experts.add(int(r.attrs.get("num_experts", -1)))
                 models.add(str(f.attrs["model"]))
                 run_ids.add(str(f.attrs["run_id"]))
+                _read_the_rest(f)
         except (OSError, KeyError, ValueError, TypeError) as e:
             raise TrajectoryFileError(shard, f"cannot summarise ({type(e).__name__}: {e})") from e
     reward = np.concatenate(rewards) if rewards else np.zeros(0)
     n_samples = int(reward.size)
+    finite = reward[np.isfinite(reward)]
     known_experts = sorted(k for k in num_experts if k >= 0)
     return {
         "path": str(path),
@@ -85,8 +92,9 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "response_tokens": response,
         "loss_tokens": loss,
-        "reward_mean": float(reward.mean()) if n_samples else None,
-        "reward_std": float(reward.std()) if n_samples else None,
+        "reward_mean": float(finite.mean()) if finite.size else None,
+        "reward_std": float(finite.std()) if finite.size else None,
+        "reward_nonfinite": n_samples - int(finite.size),
         "status_counts": {st.name: int(statuses[st.value]) for st in SampleStatus},
         "policy_version_min": vmin,
         "policy_version_max": vmax,
@@ -103,6 +111,16 @@ def summarize(path: str | Path) -> dict[str, Any]:
     }
 
 
+def _read_the_rest(f: h5py.File) -> None:
+    """Read the datasets the summary does not use, so that a chunk failing its checksum (bytes changed on disk)
+    fails ``inspect`` too, not only ``inspect --verify``."""
+    for name in ("tokens", "rollout_logprobs", "token_offsets", "group_id", "train_step", "prompt_id", "token_hash"):
+        if name in f["samples"]:
+            f["samples"][name][()]
+    if f["routing/experts"].size:
+        f["routing/experts"][()]
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """Human-readable text for a :func:`summarize` result (what ``miles-hpc inspect`` prints)."""
     s = summary
@@ -117,6 +135,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         reward = "-"
     else:
         reward = f"mean {s['reward_mean']:.4f}  std {s['reward_std']:.4f}"
+    if s["reward_nonfinite"]:
+        reward += f"  (WARNING: {s['reward_nonfinite']} not finite, left out: damaged, see inspect --verify)"
     if s["policy_version_min"] is None:
         versions = "-"
     else:

@@ -7,6 +7,8 @@ Invariants:
   file fails early; each read Sample is re-validated (lengths, prompt conventions, token hash), so bytes that
   changed on disk after writing cannot reach the trainer silently.
 - Any failure is a :class:`TrajectoryFileError` naming the file (and the sample index when it is one sample).
+- A shard without an optional dataset (``prompt_id``, ``token_hash``, ``metadata``; docs/formats.md) reads with
+  prompt_id -1, the token hash computed from the tokens, and empty metadata.
 - Values come back exactly as stored: float32 log-probs and rewards as the Python floats equal to them,
   ``routed_experts`` in the on-disk dtype (uint8/int16/int32; cast before using as torch indices).
 """
@@ -85,9 +87,10 @@ def _read_range(f: h5py.File, path: Path, a: int, b: int) -> list[Sample]:
         logprobs = s["rollout_logprobs"][t0:t1]
         versions = s["policy_version"][t0:t1]
         per_sample = {name: s[name][a:b] for name in ("reward", "prompt_len", "group_id", "status", "train_step")}
-        prompt_ids = s["prompt_id"][a:b]
-        hashes = s["token_hash"][a:b]
-        metadata = s["metadata"].asstr()[a:b]
+        # The optional datasets (schema.OPTIONAL): prompt_id -1 = unknown, "" = hash computed from the tokens.
+        prompt_ids = s["prompt_id"][a:b] if "prompt_id" in s else np.full(b - a, -1, dtype=np.int64)
+        hashes = s["token_hash"][a:b] if "token_hash" in s else np.full(b - a, b"", dtype="S32")
+        metadata = s["metadata"].asstr()[a:b] if "metadata" in s else np.full(b - a, "{}", dtype=object)
         r_off = r["offsets"][a : b + 1]
         experts = r["experts"][int(r_off[0]) : int(r_off[-1])]
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:

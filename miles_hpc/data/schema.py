@@ -8,7 +8,8 @@ One shard = one HDF5 file, written by one writer. Layout (N samples, T tokens, T
              train_step int32[N]  prompt_id int64[N]  token_hash S32[N]  metadata vlen-utf8-JSON[N]
     /routing/experts uint8|int16|int32[T_r, layers, top_k]  offsets int64[N+1]   attrs: num_experts (-1 = unknown)
 
-Invariants checked by :func:`open_shard` before anything is read: every dataset present with its dtype,
+The datasets in :data:`OPTIONAL` (``prompt_id``, ``token_hash``, ``metadata``) may be absent; the others must be
+there. Invariants checked by :func:`open_shard` before anything is read: every dataset present with its dtype,
 ``token_offsets`` and ``routing/offsets`` start at 0, never decrease and end at the length of the data they index,
 and every per-sample dataset has N rows. A file that breaks any of them raises :class:`TrajectoryFileError`
 naming the file; h5py's own exceptions never reach the user unwrapped.
@@ -27,12 +28,15 @@ from miles_hpc.data.sample import SCHEMA_VERSION
 
 __all__ = [
     "FILE_ATTRS",
+    "OPTIONAL",
     "PER_SAMPLE",
+    "QUARANTINE_DIR",
     "PER_TOKEN",
     "ROUTING_DTYPES",
     "TrajectoryFileError",
     "expert_dtype",
     "find_shards",
+    "list_shards",
     "open_shard",
 ]
 
@@ -53,11 +57,15 @@ PER_SAMPLE: dict[str, np.dtype] = {
     "token_hash": np.dtype("S32"),
     "metadata": h5py.string_dtype("utf-8"),
 }
+# Per-sample datasets a shard may lack (docs/formats.md marks them +): without them a Sample still reads, with
+# prompt_id -1 (unknown), the token hash computed from the tokens (nothing to check it against) and metadata {}.
+OPTIONAL: frozenset[str] = frozenset({"prompt_id", "token_hash", "metadata"})
 OFFSETS_DTYPE = np.dtype("<i8")
 ROUTING_DTYPES = (np.dtype("u1"), np.dtype("<i2"), np.dtype("<i4"))
 FILE_ATTRS = ("schema_version", "model", "run_id", "writer")
 SHARD_SUFFIX = ".h5"
 PARTIAL_SUFFIX = ".h5.partial"
+QUARANTINE_DIR = "quarantine"  # under a trajectories directory: shards moved aside by the reconciler, never read
 
 
 class TrajectoryFileError(Exception):
@@ -89,7 +97,8 @@ def find_shards(path: str | Path) -> tuple[list[Path], list[Path]]:
     """``(complete shards, partial shards)`` under ``path``, each sorted by name.
 
     ``path`` is a shard file, a directory of shards, or a run directory (whose ``trajectories/`` is used).
-    Partial shards (``*.h5.partial``) are never read: they are being written, or their writer crashed.
+    Partial shards (``*.h5.partial``) are never read: they are being written, or their writer crashed. Only the
+    directory itself is listed: ``quarantine/`` (and any other subdirectory) is never descended into.
     """
     p = Path(path)
     if p.is_file():
@@ -98,8 +107,13 @@ def find_shards(path: str | Path) -> tuple[list[Path], list[Path]]:
         raise TrajectoryFileError(p, "no such file or directory")
     if not any(p.glob(f"*{SHARD_SUFFIX}*")) and (p / "trajectories").is_dir():
         p = p / "trajectories"
-    shards = sorted(q for q in p.glob(f"*{SHARD_SUFFIX}") if q.is_file())
-    partials = sorted(q for q in p.glob(f"*{PARTIAL_SUFFIX}") if q.is_file())
+    return list_shards(p)
+
+
+def list_shards(directory: Path) -> tuple[list[Path], list[Path]]:
+    """``(complete, partial)`` shard files directly in ``directory`` (no subdirectory), each sorted by name."""
+    shards = sorted(q for q in directory.glob(f"*{SHARD_SUFFIX}") if q.is_file())
+    partials = sorted(q for q in directory.glob(f"*{PARTIAL_SUFFIX}") if q.is_file())
     return shards, partials
 
 
@@ -149,7 +163,8 @@ def _validate(f: h5py.File, path: Path) -> int:
         raise bad(f"schema_version is {shown}, this reader understands {SCHEMA_VERSION}")
     samples = f["samples"]
     for name, dtype in {**PER_TOKEN, **PER_SAMPLE, "token_offsets": OFFSETS_DTYPE}.items():
-        _check_dataset(samples, name, dtype, 1, bad)
+        if name not in OPTIONAL or name in samples:
+            _check_dataset(samples, name, dtype, 1, bad)
     offsets = samples["token_offsets"][()]
     n = len(offsets) - 1
     _check_offsets(offsets, "samples/token_offsets", bad)
@@ -157,7 +172,7 @@ def _validate(f: h5py.File, path: Path) -> int:
         if samples[name].shape[0] != offsets[-1]:
             raise bad(f"samples/{name} has {samples[name].shape[0]} rows, token_offsets ends at {offsets[-1]}")
     for name in PER_SAMPLE:
-        if samples[name].shape[0] != n:
+        if name in samples and samples[name].shape[0] != n:
             raise bad(f"samples/{name} has {samples[name].shape[0]} rows, expected {n} (one per sample)")
     if "routing" not in f:
         raise bad("missing group /routing")

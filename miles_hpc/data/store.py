@@ -10,6 +10,8 @@ Invariants:
 - Index numbering continues after any shard (complete or partial) of the same prefix already in the directory,
   so a requeued job never overwrites what an earlier attempt wrote. Files are opened with mode ``w-``.
 - One writer owns its prefix; routing (layers, top_k) and the expert-id dtype are fixed for the whole writer.
+- Every chunked dataset carries HDF5's fletcher32 checksum filter, so a corrupted chunk fails its read; shards
+  written before the filter (no checksum) still read.
 
 The layout and its validation live in :mod:`miles_hpc.data.schema`; reading in :mod:`miles_hpc.data.reader`.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -32,6 +34,7 @@ from miles_hpc import __version__
 from miles_hpc.data.reader import TrajectoryReader
 from miles_hpc.data.sample import SCHEMA_VERSION, Sample, SampleError
 from miles_hpc.data.schema import (
+    FILE_ATTRS,
     OFFSETS_DTYPE,
     PARTIAL_SUFFIX,
     PER_SAMPLE,
@@ -81,6 +84,7 @@ class TrajectoryWriter:
         max_shard_bytes: int = 256 << 20,
         num_experts: int | None = None,
         compression: str | None = None,
+        attrs: Mapping[str, str | int] | None = None,
     ) -> None:
         if not prefix or "/" in prefix or os.sep in prefix:
             raise ValueError(f"prefix must be a non-empty file-name prefix, got {prefix!r}")
@@ -90,12 +94,16 @@ class TrajectoryWriter:
             raise ValueError(f"compression must be one of {_COMPRESSIONS}, got {compression!r}")
         if num_experts is not None and num_experts < 1:
             raise ValueError(f"num_experts must be >= 1 or None, got {num_experts}")
+        clash = sorted(set(attrs or ()) & set(FILE_ATTRS))
+        if clash:
+            raise ValueError(f"attrs may not set the writer's own file attributes {clash}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.prefix, self.model, self.run_id = prefix, model, run_id
         self.max_shard_bytes = max_shard_bytes
         self.num_experts = num_experts
         self.compression = None if compression == "none" else compression
+        self.attrs = dict(attrs or {})  # extra file attributes of every shard (the reconciler records its source)
         self.paths: list[Path] = []  # completed shards, in order
         self.num_samples = 0
         self._routing_shape: tuple[int, int] | None = None
@@ -157,6 +165,14 @@ class TrajectoryWriter:
             self._file = None
         else:
             self._finish_shard()
+
+    def abort(self) -> None:
+        """Close without finishing: the open shard stays ``.partial`` (never read; the reconciler quarantines it).
+        For a caller that failed half-way through something that must land whole or not at all."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._closed = True
 
     def __enter__(self) -> TrajectoryWriter:
         return self
@@ -232,6 +248,9 @@ class TrajectoryWriter:
             dtype=dtype,
             chunks=chunk,
             compression=self.compression,
+            # A per-chunk checksum: bytes changed on disk fail the read instead of returning wrong values. HDF5
+            # refuses it on variable-length strings (metadata: its chunks hold heap references, not the text).
+            fletcher32=not _vlen(dtype),
         )
 
     def _open_next(self) -> None:
@@ -246,6 +265,8 @@ class TrajectoryWriter:
         f.attrs["model"] = self.model
         f.attrs["run_id"] = self.run_id
         f.attrs["writer"] = f"miles_hpc {__version__} host={socket.gethostname()} pid={os.getpid()}"
+        for key, value in self.attrs.items():
+            f.attrs[key] = value
         samples = f.create_group("samples")
         for name_, dtype in PER_TOKEN.items():
             self._dataset(samples, name_, dtype, (_TOKEN_CHUNK,))
@@ -284,16 +305,21 @@ class TrajectoryWriter:
             # No routed sample in this shard: an empty dataset keeps the layout complete.
             dtype = self._expert_dtype or expert_dtype(self.num_experts)
             self._file["routing"].create_dataset(
-                "experts", shape=(0, 0, 0), maxshape=(None, None, None), chunks=(1, 1, 1), dtype=dtype
+                "experts", shape=(0, 0, 0), maxshape=(None, None, None), chunks=(1, 1, 1), dtype=dtype, fletcher32=True
             )
         self._file.close()
         self._file = None
-        _fsync(self._partial)
+        fsync_path(self._partial)
         final = self._partial.with_name(self._partial.name.removesuffix(PARTIAL_SUFFIX) + SHARD_SUFFIX)
         os.replace(self._partial, final)
-        _fsync(self.directory)  # make the rename itself durable
+        fsync_path(self.directory)  # make the rename itself durable
         self.paths.append(final)
         self._partial = None
+
+
+def _vlen(dtype: Any) -> bool:
+    string = h5py.check_string_dtype(np.dtype(dtype))
+    return string is not None and string.length is None
 
 
 def _extend(ds: h5py.Dataset, values: np.ndarray) -> None:
@@ -305,7 +331,8 @@ def _extend(ds: h5py.Dataset, values: np.ndarray) -> None:
     ds[start:] = values
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory: so that a rename in it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
