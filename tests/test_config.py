@@ -126,3 +126,57 @@ def test_apply_overrides_does_not_mutate_input() -> None:
     out = apply_overrides(data, ["rollout.top_k=2", "train.lr=0.1"])
     assert data == {"rollout": {"top_k": 1}}
     assert out == {"rollout": {"top_k": 2}, "train": {"lr": 0.1}}
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        (bytes(range(256)) * 4, "a binary file (a NUL byte at offset 0)"),
+        (b"\x89PNG\r\n\x1a\n" + b"\xff" * 64, "not UTF-8 text (byte 0x89 at offset 0)"),
+        (b"rollout:\n  temperature: \xff\xfe\n", "not UTF-8 text (byte 0xff at offset 24)"),
+        ("steps: 3\n".encode("utf-16"), "UTF-16 or UTF-32 text"),
+        (b"- a\n- b\n", "top level must be a mapping, got list"),
+        (b"just a string\n", "top level must be a mapping, got str"),
+        (b"a: " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested too deeply for the YAML parser"),
+        (b"".join(b"  " * i + b"k%d:\n" % i for i in range(70)) + b"  " * 70 + b"1\n", "nested more than 64 levels"),
+        (b"rollout: &r\n  x: *r\n", "a YAML alias refers to a value that contains it"),
+        (b"steps: " + b"9" * 5000 + b"\n", "Exceeds the limit (4300 digits)"),
+        (b"steps: 3\nrollout: {}\nsteps: 4\n", "key 'steps' is given twice (first on line 1)"),
+        (b"a: !!python/object:os.system ls\n", "not valid YAML"),
+    ],
+)
+def test_malformed_files_name_the_file_and_the_problem(tmp_path: Path, data: bytes, needle: str) -> None:
+    p = tmp_path / "cfg.yaml"
+    p.write_bytes(data)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(e.value).startswith(f"{p}: ") and needle in str(e.value), str(e.value)[:300]
+
+
+def test_a_directory_and_a_huge_file_are_not_configs(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=f"{tmp_path}: cannot read config: it is a directory"):
+        load_config(tmp_path)
+    big = tmp_path / "model.safetensors"
+    with big.open("wb") as f:
+        f.truncate((16 << 20) + 1)  # sparse: a checkpoint passed by mistake
+    with pytest.raises(ConfigError, match="larger than 16 MB"):
+        load_config(big)
+
+
+def test_what_strictness_still_allows(tmp_path: Path) -> None:
+    # a UTF-8 byte-order mark, anchors merged in and overridden, an alias used many times ("billion laughs")
+    text = "\ufeffrollout: &r\n  temperature: 0.5\n  top_k: 3\nsync: {timeout_s: 7}\n"
+    p = tmp_path / "ok.yaml"
+    p.write_text(text, encoding="utf-8")
+    cfg = load_config(p, ["rollout={<<: {temperature: 0.7, top_k: 2}, top_k: 5}"])
+    assert (cfg.rollout.temperature, cfg.rollout.top_k, cfg.sync.timeout_s) == (0.7, 5, 7.0)
+    laughs = "x0: &a0 [a, a]\n" + "".join(f"x{i}: &a{i} [*a{i - 1}, *a{i - 1}]\n" for i in range(1, 40))
+    with pytest.raises(ConfigError, match="unknown key 'x0'"):  # parsed and checked at once, not expanded
+        load_config(write(tmp_path, laughs))
+
+
+def test_bad_override_values_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match=r"override 'rollout.top_k=\[1,': the value: not valid YAML"):
+        load_config(None, ["rollout.top_k=[1,"])
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(None, ["rollout.top_k=" + "[" * 3000])

@@ -36,6 +36,7 @@ def _non_defaults() -> EngineLaunch:
         "max_request_mb": 8.5,
         "rendezvous": "/run/rdv/engine-3.json",
         "weight_update_timeout": 12.5,
+        "pause_lease": 3.5,
     }
     assert set(values) == {f.name for f in dataclasses.fields(EngineLaunch)}, "a new flag needs a value here"
     launch = EngineLaunch(**values)  # type: ignore[arg-type]

@@ -119,6 +119,34 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(
     assert generate(server.url, [1, 2], 2)["meta_info"]["completion_tokens"] == 2
 
 
+BAD_BODIES = [  # (body, what the 400 says): each used to be a 500 or never reached the parser's own checks
+    (b"[" * 5000 + b"]" * 5000, "malformed JSON body: nested too deeply"),
+    (b'{"input_ids": ' + b"[" * 5000 + b"]" * 5000 + b"}", "malformed JSON body: nested too deeply"),
+    (b'{"input_ids": [' + b"9" * 5000 + b"]}", "malformed JSON body: Exceeds the limit (4300 digits)"),
+    (b'{"rid": "\xff\xfe"}', "malformed JSON body: 'utf-8' codec can't decode byte 0xff"),
+    (b"\x00\x01\x02", "malformed JSON body"),
+]
+
+
+@pytest.mark.parametrize("body, needle", BAD_BODIES)
+def test_bodies_the_parser_refuses_are_400_on_every_endpoint(server: Server, body: bytes, needle: str) -> None:
+    """Every endpoint that reads a JSON body (/generate and each control/weight schema) answers 400 naming it."""
+    from miles_hpc.engine.protocol import SCHEMAS
+
+    for path in ["/generate", *(f"/{name}" for name in SCHEMAS)]:
+        r = call("POST", server.url + path, data=body)
+        assert r.status == 400, (path, r.text[:300])
+        assert needle in r.body["error"]["message"] and "set_int_max_str_digits" not in r.text, (path, r.text[:300])
+    assert generate(server.url, [1, 2], 2)["meta_info"]["completion_tokens"] == 2
+    assert call("GET", server.url + "/health").status == 200
+
+
+def test_flush_cache_refuses_an_endless_timeout(server: Server) -> None:
+    for bad in ("inf", "nan", "soon"):
+        r = call("POST", server.url + f"/flush_cache?timeout={bad}")
+        assert r.status == 400 and "query `timeout`" in r.body["error"]["message"], r.text
+
+
 def test_info_endpoints(server: Server, model: Path) -> None:
     for path in ("/get_model_info", "/model_info"):
         info = call("GET", server.url + path).body

@@ -163,10 +163,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, sep, raw = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r}: expected key.sub=value")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+        value = parse_yaml(raw, f"override {item!r}: the value") if raw != "" else ""
         node = out
         parts = key.split(".")
         for depth, part in enumerate(parts[:-1]):
@@ -182,17 +179,99 @@ def _deepcopy(d: dict[str, Any]) -> dict[str, Any]:
     return {k: _deepcopy(v) if isinstance(v, dict) else v for k, v in d.items()}
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The mapping at the top of a YAML file (an empty file is ``{}``); errors name the file."""
-    source = str(path)
+MAX_CONFIG_BYTES = 16 << 20  # a config is a few KB; anything this big is the wrong file (a checkpoint, a shard)
+MAX_DEPTH = 64  # sections nest 2-3 deep; deeper (or a YAML alias that contains itself) is not a config
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently, so a
+    second ``rollout:`` section would replace the first whole). Keys merged in with ``<<`` may be overridden."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} is given twice (first on line {first.start_mark.line + 1})",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """YAML text -> plain data (strictly: no key twice, at most MAX_DEPTH levels); ConfigError names `source`."""
     try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"{source}: cannot read config: {e.strerror}") from None
-    try:
-        loaded = yaml.safe_load(text)
+        loaded = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: not a config: nested too deeply for the YAML parser") from None
+    except ValueError as e:  # a constructor's conversion, e.g. an integer of more than 4300 digits
+        raise ConfigError(f"{source}: not valid YAML: {str(e).split(';')[0]}") from None
+    _check_depth(loaded, source)
+    return loaded
+
+
+def _check_depth(data: Any, source: str) -> None:
+    """No value nests more than MAX_DEPTH levels and none contains itself (a YAML alias inside its own anchor).
+    Iterative depth-first, each container measured once, so aliases repeated many times over cost nothing."""
+    height: dict[int, int] = {}  # id of a container -> levels below and with it
+    path: set[int] = set()  # containers entered and not yet left: the ancestors of what is popped next
+    stack: list[tuple[Any, bool]] = [(data, False)]
+    while stack:
+        value, leaving = stack.pop()
+        if not isinstance(value, (dict, list)):
+            continue
+        kids = list(value.values() if isinstance(value, dict) else value)
+        if leaving:
+            path.discard(id(value))
+            height[id(value)] = 1 + max((height[id(k)] for k in kids if isinstance(k, (dict, list))), default=0)
+            if height[id(value)] > MAX_DEPTH:
+                raise ConfigError(f"{source}: not a config: nested more than {MAX_DEPTH} levels deep")
+        elif id(value) in path:
+            raise ConfigError(f"{source}: not a config: a YAML alias refers to a value that contains it")
+        elif id(value) not in height:
+            path.add(id(value))
+            stack.append((value, True))
+            stack.extend((k, False) for k in kids)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping at the top of a YAML file (an empty file is ``{}``); errors name the file and what is wrong
+    (unreadable, a directory, binary or not UTF-8, too large, not YAML, not a mapping)."""
+    source = str(path)
+    p = Path(path)
+    try:
+        if p.is_dir():
+            raise ConfigError(f"{source}: cannot read config: it is a directory")
+        with p.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{source}: cannot read config: {e.strerror or e}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source}: not a config: larger than {MAX_CONFIG_BYTES >> 20} MB")
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ConfigError(f"{source}: not a config: UTF-16 or UTF-32 text (its byte-order mark); save it as UTF-8")
+    nul = raw.find(b"\0")
+    if nul >= 0:  # no text config has one (PyYAML refuses it too, with a less helpful message)
+        raise ConfigError(f"{source}: not a config: a binary file (a NUL byte at offset {nul})")
+    try:
+        text = raw.decode("utf-8-sig" if raw.startswith(b"\xef\xbb\xbf") else "utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{source}: not a config: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); save it as UTF-8"
+        ) from None
+    loaded = parse_yaml(text, source)
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):

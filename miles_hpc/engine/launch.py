@@ -51,6 +51,12 @@ class EngineLaunch:
     max_request_mb: float = _flag(64.0, "largest request body (413 beyond)", float)
     rendezvous: str | None = _flag(None, "write {host, port, pid, url, ...} JSON here once listening")
     weight_update_timeout: float = _flag(600.0, "seconds a weight-update group join or broadcast may take", float)
+    pause_lease: float | None = _flag(
+        None,
+        "seconds a pause may last with no /continue_generation or weight-sync call before generation continues by "
+        "itself (default: --weight-update-timeout; 0: no lease)",
+        float,
+    )
 
     def argv(self, python: str = sys.executable) -> list[str]:
         """The command that starts this engine (flags at their default are left out)."""

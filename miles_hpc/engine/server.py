@@ -10,13 +10,19 @@ Invariants:
   `resume`, stats/info); what waits for a step (abort, pause, weight updates, checksums, flush) runs in a worker
   thread, and results come back through `loop.call_soon_threadsafe`.
 - Every request gets an answer and the server keeps serving: bad input -> 4xx JSON `{"error": {"message", "type",
-  "code"}}` naming the field; an unexpected exception -> 500 with the same shape; weight endpoints answer
-  SGLang's `{"success", "message"}` (400 on failure).
+  "code"}}` naming the field (a body that is not JSON, invalid UTF-8, nested deeper than the parser goes or with
+  a number of more than 4300 digits: a 400 naming that); an unexpected exception -> 500 with the same shape;
+  weight endpoints answer SGLang's `{"success", "message"}` (400 on failure).
+- Pause lease (pause_lease.py): every admin call renews it; a pause that nothing continues or follows with a
+  weight-sync call within `pause_lease_s` ends by itself (a warning, then generation continues), unless the
+  weights are half-updated: then `/health` and `/health_generate` answer 503 naming that. While paused within the
+  lease `/health_generate` answers 200 saying so (a paused engine cannot generate its probe token).
 - A client that disconnects from `/generate` has its requests aborted (aiohttp handler cancellation).
 - Weight endpoints (weight_receiver.WeightEndpoints) run one at a time, in arrival order.
 - `serve()` listens only once the engine is loaded and started, then writes the rendezvous file (tmp + rename),
   so a rendezvous file always names a ready server; SIGTERM/SIGINT abort in-flight requests, close the port,
-  stop the engine and remove the rendezvous file.
+  stop the engine and remove the rendezvous file. Started by a launcher (``MILES_PARENT_PID``), it ends the same
+  way when the launcher dies, even by SIGKILL (cluster/lease.py).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -41,12 +48,14 @@ from aiohttp import web
 
 from miles_hpc import __version__
 from miles_hpc.atomic import write_text_atomic
+from miles_hpc.cluster.lease import parent_pid_from_env, watch_parent
 
 from . import protocol
 from .auth import ApiKeys, AuthLevel, decide, read_key
 from .config import EngineConfig
 from .core import Engine, RequestError
 from .launch import EngineLaunch
+from .pause_lease import PauseLease
 from .protocol import BadRequest
 from .types import GenerateRequest, GenerateResult, SamplingParams
 from .weight_receiver import WeightEndpoints, WeightReceiver
@@ -71,6 +80,9 @@ class ServerConfig:
     """/health_generate answers 503 when its 1-token generation takes longer."""
     weight_sync_timeout_s: float = 600.0
     """Joining a weight-update group and each broadcast in it fail after this long."""
+    pause_lease_s: float | None = None
+    """A pause with no admin call for this long ends by itself (pause_lease.py); None: `weight_sync_timeout_s`,
+    0: no lease (a pause lasts until /continue_generation)."""
     shutdown_timeout_s: float = 10.0
     """On SIGTERM, how long open connections may take to finish after requests were aborted."""
     rendezvous: str | None = None
@@ -81,6 +93,14 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if min(self.max_request_bytes, self.max_weights_request_bytes) <= 0:
             raise ValueError("max_request_bytes and max_weights_request_bytes must be > 0")
+        if self.pause_lease_s is not None and not 0 <= self.pause_lease_s < float("inf"):
+            raise ValueError(f"pause_lease_s must be >= 0 seconds (0: no lease), got {self.pause_lease_s}")
+
+    def lease_s(self) -> float | None:
+        """The pause lease in seconds, None for none (see `pause_lease_s`)."""
+        if self.pause_lease_s is None:
+            return self.weight_sync_timeout_s
+        return self.pause_lease_s or None
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -97,7 +117,11 @@ class EngineServer:
         self.receiver = receiver or WeightReceiver(str(engine.device), timeout_s=config.weight_sync_timeout_s)
         self.closing = False
         self.limits = protocol.ModelLimits(vocab_size=engine.vocab_size, max_context_len=engine.max_context_len)
-        self.weights = WeightEndpoints(engine, self.receiver, self._json, config.max_weights_request_bytes)
+        self.lease = PauseLease(config.lease_s())
+        self.pausing = asyncio.Lock()  # pause, continue and the lease's own continue: one at a time
+        self.weights = WeightEndpoints(
+            engine, self.receiver, self._json, config.max_weights_request_bytes, lease=self.lease
+        )
         self._tokenizer = _load_tokenizer(engine.model_path)
         hf_config = Path(engine.model_path or "") / "config.json"
         self._architectures = json.loads(hf_config.read_text()).get("architectures") if hf_config.is_file() else None
@@ -144,6 +168,12 @@ class EngineServer:
         )
         if status is not None:
             return _error(status, "Unauthorized")
+        if self.levels.get(request.path) is AuthLevel.ADMIN:
+            with self.lease.hold():  # the controller is alive: a pause it made may last (pause_lease.py)
+                return await self._answer(request, handler)
+        return await self._answer(request, handler)
+
+    async def _answer(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except (BadRequest, RequestError) as e:
@@ -169,8 +199,10 @@ class EngineServer:
             return None
         try:
             return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(f"malformed JSON body: {e}") from e
+        except RecursionError:  # the C scanner stops near the interpreter's recursion limit (~1000 levels)
+            raise BadRequest("malformed JSON body: nested too deeply") from None
+        except (ValueError, UnicodeDecodeError) as e:  # invalid UTF-8 and numbers of > 4300 digits included
+            raise BadRequest(f"malformed JSON body: {str(e).split(';')[0]}") from None
 
     # ------------------------------------------------------------------ generation
     async def generate(self, request: web.Request) -> web.Response:
@@ -208,13 +240,27 @@ class EngineServer:
 
     # ------------------------------------------------------------------ health and info
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=503 if self.closing else 200)
+        if self.closing:
+            return web.Response(status=503)
+        stuck = self.lease.stuck_reason(self.engine)
+        return _error(503, stuck) if stuck else web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         if self.closing:
             return web.Response(status=503)
+        stuck = self.lease.stuck_reason(self.engine)
+        if stuck:
+            return _error(503, stuck)
         if self.engine.paused:  # paused on purpose (weight sync): a 1-token request would wait, not fail
-            return web.Response(status=200)
+            left = self.lease.remaining_s()
+            message = "generation is paused" + (
+                " (weights half-updated: an update is in progress)" if self.engine.half_updated else ""
+            )
+            if left is not None and self.engine.half_updated:
+                message += f"; with no weight-sync call in {left:.0f} s this engine is reported unhealthy"
+            elif left is not None:
+                message += f"; the pause ends by itself in {left:.0f} s unless continued or sent weights first"
+            return web.json_response({"status": "paused", "message": message, "lease_remaining_s": left})
         probe = GenerateRequest(
             rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
             input_ids=(0,),
@@ -266,12 +312,14 @@ class EngineServer:
 
     async def pause(self, request: web.Request) -> web.Response:
         p = protocol.parse_control("pause_generation", await self._json(request))
-        await asyncio.to_thread(self.engine.pause, p["mode"])
+        async with self.pausing:
+            await asyncio.to_thread(self.engine.pause, p["mode"])
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(self, request: web.Request) -> web.Response:
         protocol.parse_control("continue_generation", await self._json(request))
-        await asyncio.to_thread(self.engine.resume)  # may abort requests whose LoRA adapter was unloaded
+        async with self.pausing:
+            await asyncio.to_thread(self.engine.resume)  # may abort requests whose LoRA adapter was unloaded
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     # ------------------------------------------------------------------ LoRA adapters (engine/lora.py)
@@ -300,9 +348,12 @@ class EngineServer:
         timeout = protocol.parse_control("flush_cache", await self._json(request))["timeout_s"]
         if "timeout" in request.query:
             try:
-                timeout = max(0.0, float(request.query["timeout"]))
+                timeout = float(request.query["timeout"])
             except ValueError:
-                raise BadRequest(f"query `timeout`: expected seconds, got {request.query['timeout']!r}") from None
+                timeout = math.nan
+            if not math.isfinite(timeout):  # inf and nan too: a wait without end
+                raise BadRequest(f"query `timeout`: expected seconds, got {request.query['timeout']!r}")
+            timeout = max(0.0, timeout)
         deadline = time.monotonic() + timeout
         while not (ok := await asyncio.to_thread(self.engine.flush_cache)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -402,6 +453,7 @@ async def run_server(engine: Engine, config: ServerConfig, model_path: str, sock
     await runner.setup()
     sock.listen(1024)
     await web.SockSite(runner, sock).start()
+    lease_watch = asyncio.create_task(server.lease.watch(server.engine, server.pausing, lambda: server.closing))
     port = int(sock.getsockname()[1])
     # A wildcard bind is reachable under this machine's name, not under the wildcard address.
     host = socket.getfqdn() if config.host in ("0.0.0.0", "::", "") else config.host
@@ -423,6 +475,7 @@ async def run_server(engine: Engine, config: ServerConfig, model_path: str, sock
     finally:
         print("[miles-hpc serve] shutting down", flush=True)
         server.closing = True
+        lease_watch.cancel()
         # Finish every in-flight /generate (finish_reason abort) so open handlers return before the port closes.
         await asyncio.to_thread(engine.abort, None)
         await runner.cleanup()
@@ -459,6 +512,7 @@ def configs_of(launch: EngineLaunch) -> tuple[EngineConfig, ServerConfig]:
         rendezvous=launch.rendezvous,
         max_request_bytes=int(launch.max_request_mb * (1 << 20)),
         weight_sync_timeout_s=launch.weight_update_timeout,
+        pause_lease_s=launch.pause_lease,
     )
     return engine_cfg, server_cfg
 
@@ -467,6 +521,11 @@ def serve(model_path: str, engine_config: EngineConfig, config: ServerConfig) ->
     """`miles-hpc serve`: bind, load the model, start the engine, listen, serve until a signal; the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:  # started by a launcher (MILES_PARENT_PID): end with it, even during the load, even after its SIGKILL
+        watch_parent(parent_pid_from_env(), grace_s=config.shutdown_timeout_s + 20)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:  # bound before the (maybe minutes-long) load so a taken port fails at once; listening only once ready

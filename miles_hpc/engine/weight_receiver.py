@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import logging
 import threading
@@ -42,6 +43,7 @@ from . import protocol
 from .core import Engine, RequestError
 from .delta_receiver import apply_version
 from .direct_weights import weight_handles
+from .pause_lease import PauseLease
 
 log = logging.getLogger(__name__)
 
@@ -206,11 +208,21 @@ def _answer(body: dict[str, Any], success: bool = True) -> web.Response:
 class WeightEndpoints:
     """Handlers of the weight routes (all admin-level, see auth.py), over one engine and its WeightReceiver."""
 
-    def __init__(self, engine: Engine, receiver: WeightReceiver, read_json: ReadJson, max_tensor_bytes: int) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        receiver: WeightReceiver,
+        read_json: ReadJson,
+        max_tensor_bytes: int,
+        *,
+        lease: PauseLease | None = None,
+    ) -> None:
+        """``lease``: held while an update runs, also past its client's disconnect (see ``_apply``)."""
         self.engine = engine
         self.receiver = receiver
         self._json = read_json
         self._max_tensor_bytes = max_tensor_bytes
+        self._lease = lease
         self._lock = asyncio.Lock()  # weight changes one at a time, in arrival order
 
     def routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.Response]]]:
@@ -240,15 +252,17 @@ class WeightEndpoints:
         end holding the lock; otherwise the next update (say, the trainer's retry) would overlap a receive."""
 
         async def locked() -> web.Response:
-            async with self._lock:
-                if p.get("abort_all_requests"):
-                    await asyncio.to_thread(self.engine.abort, None)
-                try:
-                    await asyncio.to_thread(work)
-                except (RequestError, ValueError, KeyError, OSError, RuntimeError) as e:
-                    log.warning("weight update failed: %s", e)
-                    return _answer({"message": f"Failed to update weights: {e}", **extra}, False)
-            return _answer({"message": ok, **extra})
+            # A pause must not end by its lease while an update runs (the middleware's hold ends with the request).
+            with self._lease.hold() if self._lease is not None else contextlib.nullcontext():
+                async with self._lock:
+                    if p.get("abort_all_requests"):
+                        await asyncio.to_thread(self.engine.abort, None)
+                    try:
+                        await asyncio.to_thread(work)
+                    except (RequestError, ValueError, KeyError, OSError, RuntimeError) as e:
+                        log.warning("weight update failed: %s", e)
+                        return _answer({"message": f"Failed to update weights: {e}", **extra}, False)
+                return _answer({"message": ok, **extra})
 
         return await asyncio.shield(asyncio.ensure_future(locked()))
 

@@ -1,13 +1,13 @@
 """A torch.distributed process group between processes that do NOT share one default world.
 
-Stage: weight sync (shared by the engine's weight receiver and the trainer's senders; imports nothing of ours but,
-for backend "mpi" in ``open_group``, ``sync/wire/mpi.py``). Trainer rank 0 already lives in the trainer's own world (FSDP, gloo/NCCL); each engine process lives in its
+Stage: weight sync (shared by the engine's weight receiver and the trainer's senders; imports nothing of ours but
+``sync/wire/store.py`` and, for backend "mpi" in ``open_group``, ``sync/wire/mpi.py``). Trainer rank 0 already lives in the trainer's own world (FSDP, gloo/NCCL); each engine process lives in its
 own. The weight-update group spans trainer rank 0 (rank 0 here) and every engine rank (``rank_offset + tp_rank``),
 exactly as SGLang's ``init_weights_update_group`` builds it, so our trainer can drive real SGLang engines and real
 SGLang-style trainers can drive our engine.
 
-How: rank 0 hosts a ``TCPStore`` at ``master_address:master_port``; the others connect to it; each process then
-constructs ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` directly on that store. Nothing is registered with
+How: rank 0 hosts a ``TCPStore`` at ``master_address:master_port``, listening on that address only (store.py);
+the others connect to it; each process then constructs ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` directly on that store. Nothing is registered with
 ``torch.distributed``'s global state, so ``dist.broadcast(..., group=...)`` does not know the group: use the methods
 of :class:`CustomGroup`.
 
@@ -18,6 +18,8 @@ Invariants:
   number the other ranks wait for. Change neither without checking against SGLang.
 - Gloo moves CPU tensors, NCCL CUDA tensors; a dtype gloo cannot reduce or copy (float8) travels as its raw bytes,
   which is exact for broadcast/send/recv (pure copies).
+- Listening sockets: the store on the master address only; gloo's pairs on loopback when that address is a loopback
+  one, else on gloo's default device (store.py).
 - Creation blocks until every rank has joined (gloo connects its full mesh in the constructor; NCCL connects
   lazily at the first collective); a missing rank fails after ``timeout_s`` with the group named.
 """
@@ -31,6 +33,8 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
+from miles_hpc.sync.wire.store import client_store, gloo_device, master_store
 
 Backend = Literal["gloo", "nccl", "mpi"]
 
@@ -111,24 +115,26 @@ class CustomGroup:
             if self._device.index is None:  # "cuda" -> "cuda:N", so tensor.device compares equal
                 self._device = torch.device("cuda", torch.cuda.current_device())
         timeout = datetime.timedelta(seconds=spec.timeout_s)
-        # The store of rank 0 must outlive the group: peers read keys from it during every (re)connect.
-        self._store: dist.Store | None = dist.TCPStore(
-            spec.master_address,
-            spec.master_port,
-            spec.world_size,
-            spec.rank == 0,
-            timeout,
-            # As torch's tcp:// rendezvous (SGLang's side) does: each client counts itself in, and rank 0 waits
-            # until all have. A client that skipped the count would leave an SGLang-hosted store waiting forever.
-            wait_for_workers=True,
-        )
+        # The store of rank 0 must outlive the group: peers read keys from it during every (re)connect. As torch's
+        # tcp:// rendezvous (SGLang's side) does, each client counts itself in and rank 0 waits until all have (a
+        # client that skipped the count would leave an SGLang-hosted store waiting forever); rank 0's server
+        # listens on the master address only (store.py), not on every interface as torch's would.
+        self._store: dist.Store | None
+        if spec.rank == 0:
+            self._store = master_store(spec.master_address, spec.master_port, spec.world_size, spec.timeout_s)
+        else:
+            self._store = client_store(spec.master_address, spec.master_port, spec.world_size, spec.timeout_s)
         kind = self._device.type
         # Same key nesting as SGLang's init_custom_process_group: PrefixStore(group_name) there, then
         # PrefixStore(f"{group_name}/") and PrefixStore(f"{device}/") inside torch's _new_process_group_helper.
         store = dist.PrefixStore(spec.group_name, self._store)
         store = dist.PrefixStore(f"{kind}/", dist.PrefixStore(f"{spec.group_name}/", store))
         if spec.backend == "gloo":
-            self._pg = dist.ProcessGroupGloo(store, spec.rank, spec.world_size, timeout)
+            opts = dist.ProcessGroupGloo._Options()  # private, but the only way to pick the device (store.py)
+            opts._timeout = timeout
+            device = gloo_device(spec.master_address)
+            opts._devices = [device if device is not None else dist.ProcessGroupGloo.create_default_device()]
+            self._pg = dist.ProcessGroupGloo(store, spec.rank, spec.world_size, opts)
         else:
             with torch.cuda.device(self._device):
                 self._pg = _new_nccl(store, spec.rank, spec.world_size, timeout, spec.group_name)
