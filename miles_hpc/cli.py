@@ -7,6 +7,7 @@ or 1 (data); tracebacks are for bugs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +19,7 @@ from miles_hpc.config import ConfigError
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from miles_hpc.config import load_config
-    from miles_hpc.launch.controller import preflight, run_local
+    from miles_hpc.launch.controller import preflight
     from miles_hpc.launch.run_dir import prepare_run_dir, resolve_model
     from miles_hpc.launch.smoke import model_smoke_check
 
@@ -29,11 +30,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(cfg, paths)
     print(f"[miles-hpc] starting model: {model_dir}")
     print(f"[miles-hpc] {model_smoke_check(model_dir, cfg.model.dtype)}")
-    _print_summary(run_local(cfg, gpus), cfg.steps)
-    return 0
+    return _run_reported(cfg, gpus, paths.root / "logs")
+
+
+def _run_reported(cfg: Any, gpus: Any, logs: Path) -> int:
+    """`run_local`, its summary printed; a failure as one message (launch/failure.py), never a bare traceback."""
+    from miles_hpc.launch.controller import run_local
+    from miles_hpc.launch.failure import report_failure
+    from miles_hpc.rollout.plugins import PluginError
+
+    try:
+        summary = run_local(cfg, gpus)
+    except (ConfigError, FileNotFoundError, FileExistsError, PluginError):
+        raise  # main() prints these (exit 2)
+    except BaseException as e:  # noqa: BLE001 (every failure becomes one message and an exit code)
+        return report_failure(e, logs)
+    _print_summary(summary, cfg.steps)
+    return int(summary.get("exit_code", 0))
 
 
 def _print_summary(summary: dict[str, Any], steps: int | None = None) -> None:
+    if summary.get("stopped"):
+        print(
+            f"[miles-hpc] stopped by {summary['stopped']} after {summary['steps']} steps (checkpoint saved): "
+            "run the same command again to resume"
+        )
     first, last = summary["reward_first"], summary["reward_last"]
     if first is not None:
         print(
@@ -47,10 +68,12 @@ def _print_summary(summary: dict[str, Any], steps: int | None = None) -> None:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
+    from miles_hpc.cluster.lease import parent_pid_from_env, watch_parent
     from miles_hpc.config import load_config
     from miles_hpc.launch import workers
     from miles_hpc.launch.run_dir import RunPaths
 
+    watch_parent(parent_pid_from_env())  # started by `miles-hpc run`: end with it, even after its SIGKILL
     cfg = load_config(args.config, args.overrides)
     if args.role == "rollout":
         return workers.run_rollout_worker(cfg, args.het_group)
@@ -60,12 +83,19 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if args.role == "preempt":
         workers.request_preempt(RunPaths(Path(cfg.run_dir)), "signal from the batch script (walltime, preemption)")
         return 0
-    summary = workers.run_scheduled_train_worker(cfg, args.het_group)
-    if summary is not None:
-        _print_summary(summary)
+    from miles_hpc.launch.failure import report_failure
     from miles_hpc.train.dist import leave
 
-    leave(0)  # everything is saved and torn down: skip the exit destructors that can abort (see leave)
+    try:
+        summary = workers.run_scheduled_train_worker(cfg, args.het_group)
+    except (ConfigError, FileNotFoundError, FileExistsError):
+        raise
+    except BaseException as e:  # noqa: BLE001 (one message per rank, then out: never a hang at exit)
+        rank = os.environ.get("RANK", "?")
+        leave(report_failure(e, Path(cfg.run_dir) / "logs", role=f"trainer-rank-{rank}"))
+    if summary is not None:
+        _print_summary(summary)
+    leave(int((summary or {}).get("exit_code", 0)))  # all saved and torn down: skip exit destructors (see leave)
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
@@ -144,14 +174,12 @@ def _cmd_sweep_task(args: argparse.Namespace) -> int:
     import json
 
     from miles_hpc.config import load_config
-    from miles_hpc.launch.controller import run_local
 
     plan = json.loads(Path(args.plan).read_text())
     task = plan["tasks"][args.index]
     cfg = load_config(plan["config"], task["overrides"])
     print(f"[miles-hpc] sweep task {args.index}: {task['point']} -> {task['run_dir']}", flush=True)
-    _print_summary(run_local(cfg), cfg.steps)
-    return 0
+    return _run_reported(cfg, None, Path(cfg.run_dir) / "logs")
 
 
 def _cmd_sweep_report(args: argparse.Namespace) -> int:
@@ -188,14 +216,35 @@ def _cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    """Exit 0: readable and nothing wrong seen; 1: a bad file, a non-finite reward, or (``--verify``) any problem."""
     from miles_hpc.data import TrajectoryFileError, format_summary, summarize
+    from miles_hpc.data.schema import find_shards
+    from miles_hpc.data.verify import verify_shards
 
     try:
-        summary = summarize(args.path)
+        if args.verify:
+            problems = verify_shards(args.path)
+            shards = len(find_shards(args.path)[0])
+        else:
+            summary = summarize(args.path)
     except TrajectoryFileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.verify:
+        for p in problems:
+            print(p)
+        damaged = len({p.path for p in problems})
+        verdict = f"{len(problems)} problem(s) in {damaged} of {shards} shard(s)" if problems else "no problems"
+        print(f"verified {shards} shard(s) under {args.path}: {verdict}", file=sys.stderr if problems else sys.stdout)
+        return 1 if problems else 0
     print(format_summary(summary))
+    if summary["reward_nonfinite"]:
+        print(
+            f"error: {summary['reward_nonfinite']} sample(s) with a non-finite reward (damaged data; "
+            f"`miles-hpc inspect --verify {args.path}` names them)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -393,6 +442,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     insp = sub.add_parser("inspect", help="summarise HDF5 trajectory shards (a file, a directory or a run dir)")
     insp.add_argument("path")
+    insp.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every value of every shard (hashes, offsets, finite values, "
+        "samples stored twice); print each problem and exit 1 on any",
+    )
     insp.set_defaults(func=_cmd_inspect)
     exp = sub.add_parser("export", help="a run's trained weights (latest checkpoint) as an HF-format checkpoint")
     exp.add_argument("run_dir")

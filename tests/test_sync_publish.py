@@ -85,7 +85,9 @@ def test_publish_drops_a_dead_engine_and_readmits_it_with_current_weights(engine
                 out = await router.generate([5, 6, 7], {"max_new_tokens": 3})
                 assert out.weight_versions[0].version == "2"
 
-                # Restarted with the base weights (version 0): alive, but kept out until it holds version 2.
+                # The trainer trains on (its weights are past version 2): an engine restarted with the base weights
+                # (version 0) is alive, but kept out until the next publish gives it version 3.
+                publisher.note_trained()
                 await asyncio.to_thread(lambda: engines[2].start().wait_ready())
                 await asyncio.sleep(1.0)  # many health checks: each re-admission attempt is refused
                 assert urls[2] in router.stats().quarantined
@@ -98,6 +100,24 @@ def test_publish_drops_a_dead_engine_and_readmits_it_with_current_weights(engine
                         break
                     await asyncio.sleep(0.05)
                 assert router.stats().quarantined == {}
+
+                # Between a publish and the next train step, a restarted engine is caught up at once: the trainer
+                # still holds the published weights, which it gets (verified) before it is re-admitted.
+                engines[1].kill(signal.SIGKILL)
+                await asyncio.to_thread(lambda: engines[1].start().wait_ready())
+                for _ in range(200):
+                    if urls[1] in router.stats().quarantined:
+                        break
+                    await asyncio.sleep(0.05)
+                for _ in range(400):
+                    if not router.stats().quarantined:
+                        break
+                    await asyncio.sleep(0.05)
+                assert router.stats().quarantined == {}
+                assert (await router.clients[1].model_info())["weight_version"] == "3"
+                sums = {n: tensor_checksum(t.to(torch.float32)) for n, t in w3}
+                got = (await router.clients[1].weights_checksums()).ranks[0].checksums
+                assert {n: got[n] for n in sums} == sums
             finally:
                 await sync.close()
 

@@ -50,10 +50,26 @@ class RewardConfig:
     fn: str = field(default="miles_hpc.rollout.rewards:exact_match", metadata=_help("dotted path module:function"))
     overlong_buffer: int = field(default=0, metadata=_help("DAPO overlong penalty ramp length in tokens (0 = off)"))
     overlong_penalty: float = field(default=1.0, metadata=_help("penalty at max_new_tokens, ramped over the buffer"))
+    train_on_failed: bool = field(
+        default=False,
+        metadata=_help(
+            "a sample whose reward function raised or returned no finite float is stored (status failed) but left "
+            "out of the loss and of its group's advantages; true: trained on with reward 0"
+        ),
+    )
+    max_failed_frac: float = field(
+        default=0.5,
+        metadata=_help(
+            "a step in which more than this fraction of samples failed their reward stops the run (1 = never)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         _require(":" in self.fn or "." in self.fn, "fn", f"must be a dotted path like pkg.mod:func, got {self.fn!r}")
         _require(self.overlong_buffer >= 0, "overlong_buffer", f"must be >= 0, got {self.overlong_buffer}")
+        _require(
+            0.0 <= self.max_failed_frac <= 1.0, "max_failed_frac", f"must be in [0, 1], got {self.max_failed_frac}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,6 +137,14 @@ class RolloutConfig:
         default=600.0, metadata=_help("how long the controller waits for the engines to listen (names the missing)")
     )
     engine_tp: int = field(default=1, metadata=_help("GPUs per engine (SGLang --tp-size); one rollout task each"))
+    engine_restarts: int = field(
+        default=3,
+        metadata=_help("times a dead engine is started again (each with a longer backoff) before it stays out"),
+    )
+    engine_down_timeout_s: float = field(
+        default=300.0,
+        metadata=_help("with no engine serving, how long the run waits for one to come back before it fails"),
+    )
     agent: str | None = field(
         default=None,
         metadata=_help(
@@ -149,6 +173,8 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_engines >= 1, "num_engines", f"must be >= 1, got {self.num_engines}")
+        _require(self.engine_restarts >= 0, "engine_restarts", f"must be >= 0, got {self.engine_restarts}")
+        _require(self.engine_down_timeout_s > 0, "engine_down_timeout_s", "must be > 0")
         _require(self.max_turns >= 1, "max_turns", f"must be >= 1, got {self.max_turns}")
         _require(self.max_tool_output_chars >= 1, "max_tool_output_chars", "must be >= 1")
         _require(
@@ -193,6 +219,13 @@ class TrainConfig:
         default=0, metadata=_help("save RUN/checkpoints/step_N every N steps (0 = end only)")
     )
     sft_warmup_steps: int = field(default=0, metadata=_help("supervised steps on prompt labels before RL"))
+    collective_timeout_s: float = field(
+        default=1800.0,
+        metadata=_help(
+            "a collective of the trainer ranks that waits this long fails the run (a hang, a lost rank); "
+            "ranks idle during rollout are kept alive by a heartbeat, so long rollouts are not collectives"
+        ),
+    )
     sft_warmup_shuffle_labels: bool = field(
         default=False, metadata=_help("warm up on other prompts' labels: teach the answer format, not the answers")
     )
@@ -202,6 +235,7 @@ class TrainConfig:
         _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
         _require(self.checkpoint_interval >= 0, "checkpoint_interval", "must be >= 0")
         _require(self.sft_warmup_steps >= 0, "sft_warmup_steps", "must be >= 0")
+        _require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0")
         _require(self.world_size >= 1, "world_size", f"must be >= 1, got {self.world_size}")
         _require(self.lr > 0.0, "lr", f"must be > 0, got {self.lr}")
         _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,8 @@ from miles_hpc.launch.run_dir import RunPaths, prepare_run_dir, resolve_model
 if TYPE_CHECKING:  # imported where used, as the functions below do: importing this module stays cheap
     from miles_hpc.data.prompts import PromptIterator
     from miles_hpc.data.store import TrajectoryWriter
+    from miles_hpc.launch.signals import StopControl
+    from miles_hpc.launch.supervisor import EngineSupervisor
     from miles_hpc.launch.trainer_ranks import RankedTrainer
 
 
@@ -63,6 +66,7 @@ def preflight(cfg: RunConfig) -> GpuPlan:
     from miles_hpc.sync.factory import check_strategy
 
     load_object(cfg.reward.fn, kind="reward function")
+    _check_data(cfg)
     if cfg.rollout.agent:
         load_object(cfg.rollout.agent, kind="agent function")
     teacher = cfg.algo.opd_teacher
@@ -76,11 +80,33 @@ def preflight(cfg: RunConfig) -> GpuPlan:
     return gpu_plan(cfg, _gpu_count() if "cuda" in (cfg.train.device, cfg.rollout.device) else 0)
 
 
+def _check_data(cfg: RunConfig) -> None:
+    """The prompt source exists (its rows are checked as they load, naming file and line)."""
+    from miles_hpc.data.tasks import task_spec
+
+    if cfg.data.prompts is not None:
+        if not Path(cfg.data.prompts).is_file():
+            raise ConfigError(f"data.prompts: {cfg.data.prompts} is not a file")
+        return
+    try:
+        task_spec(cfg.data.task)
+    except ValueError as e:
+        raise ConfigError(f"data.task: {e}") from None
+
+
 def run_local(cfg: RunConfig, gpus: GpuPlan | None = None) -> dict[str, Any]:
-    """The whole run on this machine; returns a summary (reward at start and end, where the outputs are)."""
+    """The whole run on this machine; returns a summary (reward at start and end, where the outputs are, and
+    ``stopped``: the signal or request that ended it early). Signals, dead children and failures: launch/signals.py,
+    launch/supervisor.py."""
+    from miles_hpc.launch.signals import StopControl
+    from miles_hpc.launch.supervisor import watch_trainer_ranks
+
     gpus = gpus or preflight(cfg)
     paths = prepare_run_dir(cfg)
     model_dir = resolve_model(cfg, paths)
+    if (paths.rendezvous / "preempt").exists():  # asked of an earlier run of this directory, which honoured it
+        print(f"[miles-hpc] removing the stale stop request {paths.rendezvous / 'preempt'}", flush=True)
+        (paths.rendezvous / "preempt").unlink()
     master_port = free_port()
     # This process is trainer rank 0; its world is passed explicitly (the process environment stays untouched).
     world_env = {
@@ -91,14 +117,48 @@ def run_local(cfg: RunConfig, gpus: GpuPlan | None = None) -> dict[str, Any]:
         "MASTER_PORT": str(master_port),
     }
     with LocalCluster(cfg, paths.root, model_dir, paths.config, gpus) as cluster:
-        urls = cluster.start_engines()
-        teacher = cfg.algo.opd_teacher
-        if teacher is not None and not teacher.startswith(("http://", "https://")):
-            teacher = cluster.start_teacher(Path(teacher))  # preflight checked it is a checkpoint
-        cluster.start_trainer_ranks(master_port)
-        return controller(
-            cfg, paths, model_dir, urls, cluster.api_key, cluster.admin_key, world_env, teacher_url=teacher
-        )
+        control = StopControl(paths.rendezvous, on_hard_exit=lambda: cluster.stop(grace_s=2.0)).install()
+        try:
+            urls = cluster.start_engines()
+            teacher = cfg.algo.opd_teacher
+            if teacher is not None and not teacher.startswith(("http://", "https://")):
+                teacher = cluster.start_teacher(Path(teacher))  # preflight checked it is a checkpoint
+            cluster.start_trainer_ranks(master_port)
+            watching = watch_trainer_ranks(cluster, control)
+            try:
+                return controller(
+                    cfg,
+                    paths,
+                    model_dir,
+                    urls,
+                    cluster.api_key,
+                    cluster.admin_key,
+                    world_env,
+                    teacher_url=teacher,
+                    control=control,
+                    cluster=cluster,
+                )
+            except Exception as e:
+                lost = None if control.ranks_told else _lost_rank(cluster)  # told ranks exit on purpose
+                raise lost or e from e
+            finally:
+                watching.set()  # from here on the trainer ranks exit by design
+        finally:
+            control.restore()
+
+
+def _lost_rank(cluster: LocalCluster, wait_s: float = 2.0) -> RuntimeError | None:
+    """After a failure: the trainer rank whose death caused it, if one died (a broken collective's own error names
+    only a socket)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while not (exited := cluster.trainer_exits()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not exited:
+        return None
+    name, code = exited[0]
+    return RuntimeError(f"{name.replace('-', ' rank ')} exited with code {code}; see {cluster.logs / name}.log")
 
 
 def follow_controller(cfg: RunConfig, model_dir: Path, world_env: dict[str, str] | None) -> None:
@@ -107,11 +167,13 @@ def follow_controller(cfg: RunConfig, model_dir: Path, world_env: dict[str, str]
     from miles_hpc.launch.trainer_ranks import follow
     from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
 
-    init_trainer_world(world_from_env(world_env, device=cfg.train.device))
+    init_trainer_world(world_from_env(world_env, device=cfg.train.device), timeout_s=cfg.train.collective_timeout_s)
+    ok = False
     try:
         follow(build_trainer(cfg, model_dir))
+        ok = True
     finally:
-        teardown()
+        teardown(ok)
 
 
 def _prompts(cfg: RunConfig) -> PromptIterator:
@@ -186,58 +248,101 @@ def controller(
     admin_key: str,
     world_env: dict[str, str],
     teacher_url: str | None = None,
+    control: StopControl | None = None,
+    cluster: LocalCluster | None = None,
 ) -> dict[str, Any]:
     """Trainer rank 0: resume or start, run the loop over the engines at ``urls``, checkpoint the last step, release
-    the other ranks; returns the run's summary (rewards at start and end, where its outputs are)."""
-    from transformers import AutoTokenizer
-
+    the other ranks; returns the run's summary (rewards at start and end, where its outputs are). ``control``: how
+    the run is stopped (signals, the preempt marker); ``cluster``: the local processes, whose engines are restarted
+    when they die. On any failure the other ranks are told (``abort``) when they can hear it, never waited for."""
+    from miles_hpc.launch.signals import StopControl
     from miles_hpc.launch.trainer_ranks import RankedTrainer
-    from miles_hpc.metrics import MetricsLogger
     from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
 
-    init_trainer_world(world_from_env(world_env, device=cfg.train.device))
-    trainer = RankedTrainer(build_trainer(cfg, model_dir))
+    control = control or StopControl(paths.rendezvous)
+    timeout = cfg.train.collective_timeout_s
+    init_trainer_world(world_from_env(world_env, device=cfg.train.device), timeout_s=timeout)
+    ok = False
+    trainer: RankedTrainer | None = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        prompts = _prompts(cfg)
-        extra = _resume(cfg, paths, trainer, prompts)
-        start_step = 0 if extra is None else int(extra["next_step"])
-        store = _store(cfg, paths, model_dir, start_step)
-        metrics = MetricsLogger(paths.root, total_steps=cfg.steps)
-        try:
-            rewards = asyncio.run(
-                _run_async(
-                    cfg,
-                    trainer,
-                    urls,
-                    api_key,
-                    admin_key,
-                    prompts,
-                    tokenizer,
-                    store,
-                    metrics,
-                    paths,
-                    start_step,
-                    extra,
-                    teacher_url,
-                )
-            )
-        finally:
-            metrics.close()
-            if store is not None:
-                store.close()
+        trainer = RankedTrainer(build_trainer(cfg, model_dir), heartbeat_s=min(60.0, timeout / 4))
+        rewards, start_step, prompts = _train(
+            cfg, paths, model_dir, trainer, urls, api_key, admin_key, teacher_url, control, cluster
+        )
         done = start_step + len(rewards)  # fewer than cfg.steps when a stop was requested (preemption)
         if done > start_step and not (paths.checkpoints / f"step_{done}").exists():
             trainer.save(
                 paths.checkpoints / f"step_{done}",
                 {"next_step": done, "weight_version": done, "prompts": prompts.state_dict()},
             )
-        # Release the other ranks only on success: after a failure they may sit in a collective that a shutdown
-        # broadcast would wait on forever; LocalCluster (or srun's --kill-on-bad-exit) stops them instead.
+        stopped = control.why() if done < cfg.steps else None
+        if stopped is not None:
+            control.consume_marker()
         trainer.shutdown()
-        return _summary(rewards, paths)
+        ok = True
+        return {**_summary(rewards, paths), "stopped": stopped, "exit_code": control.exit_code() if stopped else 0}
+    except BaseException as e:
+        if trainer is not None:
+            control.ranks_told = trainer.abort(f"{type(e).__name__}: {e}")
+        raise
     finally:
-        teardown()
+        teardown(ok)
+
+
+def _train(
+    cfg: RunConfig,
+    paths: RunPaths,
+    model_dir: Path,
+    trainer: RankedTrainer,
+    urls: list[str],
+    api_key: str,
+    admin_key: str,
+    teacher_url: str | None,
+    control: StopControl,
+    cluster: LocalCluster | None,
+) -> tuple[list[float], int, PromptIterator]:
+    """Resume, reconcile the stored trajectories and metrics with the checkpoint, run the loop: (step rewards, the
+    first step, the prompt iterator)."""
+    from transformers import AutoTokenizer
+
+    from miles_hpc.data.reconcile import reconcile_trajectories
+    from miles_hpc.metrics import MetricsLogger
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = _prompts(cfg)
+    extra = _resume(cfg, paths, trainer, prompts)
+    start_step = 0 if extra is None else int(extra["next_step"])
+    if paths.trajectories.is_dir():  # what a crash left after the checkpoint is regenerated: never stored twice
+        report = reconcile_trajectories(paths.trajectories, start_step)
+        print(f"[miles-hpc] trajectories: {report.describe()}", flush=True)
+    store = _store(cfg, paths, model_dir, start_step)
+    metrics = MetricsLogger(paths.root, total_steps=cfg.steps, resume_step=start_step)
+    try:
+        rewards = asyncio.run(
+            _run_async(
+                cfg,
+                trainer,
+                urls,
+                api_key,
+                admin_key,
+                prompts,
+                tokenizer,
+                store,
+                metrics,
+                paths,
+                model_dir,
+                start_step,
+                extra,
+                teacher_url,
+                control,
+                cluster,
+            )
+        )
+    finally:
+        metrics.close()
+        if store is not None:
+            store.close()
+    return rewards, start_step, prompts
 
 
 async def _run_async(
@@ -251,16 +356,21 @@ async def _run_async(
     store: Any,
     metrics: Any,
     paths: RunPaths,
+    model_dir: Path,
     start_step: int,
     resumed: dict[str, Any] | None,
-    teacher_url: str | None = None,
+    teacher_url: str | None,
+    control: StopControl,
+    cluster: LocalCluster | None,
 ) -> list[float]:
+    """The loop's context (router, supervisor, publisher, sync) over the engines at ``urls``; the loop, run."""
     from miles_hpc.data.prompts import render_prompt
+    from miles_hpc.launch.supervisor import EngineSupervisor
     from miles_hpc.loop import fully_async
     from miles_hpc.loop.sync import LoopContext, run
     from miles_hpc.rollout.client import EngineClient
     from miles_hpc.rollout.plugins import load_object
-    from miles_hpc.rollout.router import Router
+    from miles_hpc.rollout.router import Router, RouterConfig
     from miles_hpc.sync.factory import build_sync, strategy_class
     from miles_hpc.sync.publish import Publisher
     from miles_hpc.sync.wire.pg import Backend
@@ -270,8 +380,13 @@ async def _run_async(
     sync = build_sync(cfg, paths.root, "127.0.0.1", free_port, backend=backend, trainer=trainer)
     # e.g. LoRA sync: the engines serve the trained adapter by name, so every generation names it
     lora_path = strategy_class(cfg).engine_needs(cfg).adapter_name
+    r = cfg.rollout  # generations wait for a restarted engine a little longer than the supervisor (names each)
     router = Router(
-        clients, owns_clients=True, on_readmit=lambda i, c: publisher.readmit_check(i, c), lora_path=lora_path
+        clients,
+        RouterConfig(all_down_grace_s=r.engine_down_timeout_s + 30.0),
+        owns_clients=True,
+        on_readmit=lambda i, c: publisher.readmit_check(i, c),
+        lora_path=lora_path,
     )
     publisher = Publisher(sync, router, pause_mode=cfg.sync.pause_mode)
     d = cfg.data
@@ -293,15 +408,55 @@ async def _run_async(
         metrics=metrics,
         checkpoints=paths.checkpoints,
         resumed=resumed,
-        stop_requested=lambda: (paths.rendezvous / "preempt").exists(),  # `miles-hpc worker --role preempt`
+        stop_requested=control.stop_requested,  # signals, `miles-hpc worker --role preempt`
+        max_prompt_len=await _max_prompt_len(cfg, clients[0], model_dir),
     )
     async with router:
         try:
-            return await (fully_async.run if cfg.mode == "fully_async" else run)(ctx, start_step)
+            loop_run = (fully_async.run if cfg.mode == "fully_async" else run)(ctx, start_step)
+            factory = lambda url: EngineClient(url, api_key=api_key, admin_api_key=admin_key)  # noqa: E731
+            return await _supervised(cfg, loop_run, EngineSupervisor(router, paths.rendezvous, factory, owner=cluster))
         finally:
             await sync.close()
             if ctx.teacher is not None:
                 await ctx.teacher.close()
+
+
+async def _supervised(
+    cfg: RunConfig, loop_run: Coroutine[Any, Any, list[float]], supervisor: EngineSupervisor
+) -> list[float]:
+    """The loop, with the engine supervisor beside it (its limits from ``cfg.rollout``): the first to fail ends both."""
+    supervisor.max_restarts = cfg.rollout.engine_restarts
+    supervisor.down_timeout_s = cfg.rollout.engine_down_timeout_s
+    loop = asyncio.ensure_future(loop_run)
+    watch = asyncio.ensure_future(supervisor.run())
+    await asyncio.wait({loop, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if not loop.done():  # the supervisor found the fleet gone: its error ends the run
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        watch.result()
+    watch.cancel()
+    await asyncio.gather(watch, return_exceptions=True)
+    return loop.result()
+
+
+async def _max_prompt_len(cfg: RunConfig, client: Any, model_dir: Path) -> int | None:
+    """The longest prompt the engines take with ``rollout.max_new_tokens`` more (engine 0's server info, else the
+    model's config)."""
+    import json
+
+    from miles_hpc.loop.rollout_step import max_prompt_len
+    from miles_hpc.rollout.errors import EngineError
+
+    try:
+        info = await client.server_info()
+    except EngineError:
+        info = {}
+    try:
+        positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        positions = None
+    return max_prompt_len(info, positions if isinstance(positions, int) else None, cfg.rollout.max_new_tokens)
 
 
 def _gpu_count() -> int:

@@ -6,7 +6,9 @@
 
 Invariants: every process is started and stopped by handle (never by name: nodes may be shared); API keys are
 generated per run into `RUN/keys/` with mode 0600 and passed as files, never on a command line; `stop()` is
-idempotent and always runs (context manager), so no engine outlives the run.
+idempotent and always runs (context manager), so no engine outlives the run; every child is told this process's
+PID (``MILES_PARENT_PID``) and exits when this process dies, even by SIGKILL (cluster/lease.py). An engine that
+dies is started again by `restart_engine` with the same flags (launch/supervisor.py decides when).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles_hpc.cluster.lease import PARENT_PID_ENV
 from miles_hpc.config import ConfigError, RunConfig
 from miles_hpc.engine.launch import EngineLaunch
 from miles_hpc.sync.factory import strategy_class
@@ -112,6 +115,8 @@ class LocalCluster:
         self.rendezvous = run_dir / "rendezvous"
         self.logs = run_dir / "logs"
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.engines: dict[int, subprocess.Popen[bytes]] = {}  # the current process of each engine
+        self._engine_argv: dict[int, list[str]] = {}
         self.api_key = ""
         self.admin_key = ""
 
@@ -124,9 +129,8 @@ class LocalCluster:
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = open(self.logs / f"{name}.log", "ab")
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
-        )
+        env = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()  # the child holds its own descriptor
         self.procs.append((name, proc))
         return proc
@@ -149,8 +153,29 @@ class LocalCluster:
             argv = engine_launch(
                 self.cfg, self.model_dir, keys, self.rendezvous / f"engine-{i}.json", i, **placement
             ).argv()
-            self._spawn(f"engine-{i}", argv)
+            self._engine_argv[i] = argv
+            self.engines[i] = self._spawn(f"engine-{i}", argv)
         return self._wait_engines(n, timeout_s)
+
+    def engine_exit(self, i: int) -> int | None:
+        """Engine ``i``'s exit code, or None while it runs."""
+        return self.engines[i].poll()
+
+    def restart_engine(self, i: int) -> None:
+        """Start engine ``i`` again with its flags (a new port: its rendezvous record names the new URL once it
+        listens). The old process must have exited."""
+        if self.engines[i].poll() is None:
+            raise RuntimeError(f"engine {i} is still running (pid {self.engines[i].pid})")
+        (self.rendezvous / f"engine-{i}.json").unlink(missing_ok=True)
+        self.procs = [(n, p) for n, p in self.procs if p is not self.engines[i]]
+        self.engines[i] = self._spawn(f"engine-{i}", self._engine_argv[i])
+
+    def engine_log(self, i: int) -> Path:
+        return self.logs / f"engine-{i}.log"
+
+    def trainer_exits(self) -> list[tuple[str, int]]:
+        """Trainer ranks > 0 that have exited: (name, exit code)."""
+        return [(n, p.returncode) for n, p in self.procs if n.startswith("trainer-") and p.poll() is not None]
 
     def start_teacher(self, model_dir: Path, timeout_s: float = 300.0) -> str:
         """The on-policy-distillation teacher: one more engine serving `model_dir` (never sent weight updates);

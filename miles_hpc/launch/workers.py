@@ -58,7 +58,8 @@ def _read_key(paths: RunPaths, name: str) -> str:
 
 def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
     """One engine per task: ``miles-hpc serve`` for the run's model, index = the task's rank in its step; returns
-    when ``RUN/rendezvous/shutdown`` appears (or the engine dies, or Slurm signals us)."""
+    when ``RUN/rendezvous/shutdown`` appears (or Slurm signals us). An engine that dies is started again, at most
+    ``rollout.engine_restarts`` times (its record is removed first; the controller follows the new one)."""
     from miles_hpc.rollout.sglang import mark_engine_starting
 
     paths = RunPaths(Path(cfg.run_dir))
@@ -69,26 +70,41 @@ def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: run `miles-hpc prepare` first")
     mark_engine_starting(paths.rendezvous, index, node=place.node)
-    if cfg.rollout.backend == "sglang":
-        child = _start_sglang(cfg, paths, model_dir, index, place)
-    else:
+
+    def start() -> subprocess.Popen[bytes]:
+        if cfg.rollout.backend == "sglang":
+            return _start_sglang(cfg, paths, model_dir, index, place)
         placement = {"host": "0.0.0.0"}
         if place.source != "single" and _cuda_available():
             placement["device"] = f"cuda:{place.local_rank}"
         argv = engine_launch(
             cfg, model_dir, paths.root / "keys", paths.rendezvous / f"engine-{index}.json", index, **placement
         ).argv()
-        child = subprocess.Popen(argv)
+        return subprocess.Popen(argv)
+
+    child = start()
     signal.signal(signal.SIGTERM, lambda sig, _frame: child.send_signal(sig))  # scancel/walltime: engine first
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # preemption is the trainer's business (it checkpoints); we go on
+    restarts = 0
     try:
-        while child.poll() is None:
+        while True:
             if (paths.rendezvous / SHUTDOWN).exists():
-                child.send_signal(signal.SIGTERM)
-                child.wait(60)
+                if child.poll() is None:
+                    child.send_signal(signal.SIGTERM)
+                    child.wait(60)
                 return 0
+            code = child.poll()
+            if code is not None:
+                if restarts >= cfg.rollout.engine_restarts:
+                    print(f"[miles-hpc] engine {index} on {place.node} exited with code {code}: no restart left")
+                    return code
+                restarts += 1
+                # The controller follows engine-<i>.json: it must never see the dead engine's URL again.
+                (paths.rendezvous / f"engine-{index}.json").unlink(missing_ok=True)
+                print(f"[miles-hpc] engine {index} on {place.node} exited with code {code}: restart {restarts}")
+                time.sleep(min(30.0, 2.0**restarts))
+                child = start()
             time.sleep(0.5)
-        return child.returncode
     finally:
         if child.poll() is None:
             child.kill()
@@ -189,17 +205,18 @@ def run_scheduled_train_worker(cfg: RunConfig, het_group: int | None = None) -> 
     """A trainer rank under srun/mpirun: rank 0 waits for the engines and runs the loop (then says ``shutdown``);
     the others follow it. Returns rank 0's summary."""
     from miles_hpc.launch.controller import controller, follow_controller
+    from miles_hpc.launch.signals import StopControl
     from miles_hpc.rollout.sglang import wait_for_engines
 
     paths = RunPaths(Path(cfg.run_dir))
     place, world_env = train_placement(cfg, het_group)
     model_dir = resolve_model(cfg, paths) if cfg.model.path else paths.init_model
     if place.rank != 0:
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # rank 0 decides when to stop; the others follow it
+        _follower_signals()
         follow_controller(cfg, model_dir, world_env)
         return None
-    # A USR2 sent to the tasks (`--signal=USR2@N` without `B:`) asks for the same as the batch script's handler.
-    signal.signal(signal.SIGUSR2, lambda _sig, _frame: request_preempt(paths, "USR2 to the trainer task"))
+    # SIGTERM/SIGINT/USR2 to the task (scancel, `--signal=USR2@N` without `B:`): checkpoint after this step.
+    control = StopControl(paths.rendezvous).install()
     try:
         records = wait_for_engines(paths.rendezvous, cfg.rollout.num_engines, timeout=cfg.rollout.engine_timeout_s)
         return controller(
@@ -210,9 +227,33 @@ def run_scheduled_train_worker(cfg: RunConfig, het_group: int | None = None) -> 
             _read_key(paths, "api_key"),
             _read_key(paths, "admin_api_key"),
             world_env,
+            control=control,
         )
     finally:
+        control.restore()
         request_shutdown(paths)
+
+
+def _follower_signals() -> None:
+    """Trainer ranks > 0: rank 0 decides when to stop, so a USR2 is ignored, and under a scheduler (which signals
+    every task at once) so is the first SIGTERM/SIGINT: the ranks must live to take part in rank 0's checkpoint. A
+    second one ends the rank. A rank that `miles-hpc run` started is only ever signalled by it: it obeys at once."""
+    from miles_hpc.cluster.lease import PARENT_PID_ENV
+
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    if os.environ.get(PARENT_PID_ENV):
+        return
+    seen: set[int] = set()
+
+    def on_signal(sig: int, _frame: object) -> None:
+        if sig in seen:
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        seen.add(sig)
+        print(f"[miles-hpc] trainer rank: {signal.Signals(sig).name} left to rank 0 (again to stop now)", flush=True)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
 
 
 def request_preempt(paths: RunPaths, why: str = "preempted") -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from miles_hpc.config import RunConfig
 from miles_hpc.data.prompts import PromptIterator, PromptRecord
-from miles_hpc.loop.rollout_step import Rollout, sampling_params, score, to_sample
+from miles_hpc.loop.rollout_step import Rollout, fits, sampling_params, score, to_sample
 from miles_hpc.rollout.agents import AgentContext, AgentFn
 from miles_hpc.rollout.filters import drop_zero_variance_groups
 from miles_hpc.rollout.pieces import continue_aborted
@@ -115,6 +115,7 @@ class ProducerStats:
     started_groups: int = 0
     finished_groups: int = 0
     dropped_zero_variance: int = 0
+    skipped_prompts: int = 0  # too long for the engines: drawn, never generated
     busy_slot_seconds: float = 0.0  # integral of samples in flight over time
     since: float = field(default_factory=time.monotonic)
 
@@ -135,9 +136,12 @@ class Producer:
         first_group_id: int,
         version: int = 0,
         agent: AgentFn | None = None,
+        max_prompt_len: int | None = None,
     ) -> None:
         self.cfg, self.router, self.prompts, self.render = cfg, router, prompts, render
         self.agent = agent  # rollout.agent: each sample is an episode its environment scores
+        self.max_prompt_len = max_prompt_len  # longer prompts are skipped (counted in stats), never sent
+        self.reward_traces: list[str] = []  # the first reward failures' tracebacks (a few), for the stop message
         self.tokenizer, self.reward_fn, self.buffer = tokenizer, reward_fn, buffer
         self.slots = asyncio.Semaphore(cfg.fully_async.max_inflight)
         self.pending: collections.deque[PromptRecord] = collections.deque()  # recycled first, then the iterator's
@@ -210,11 +214,15 @@ class Producer:
                 await self.buffer.wait_for_room()
                 async with self._admission:
                     await self._admission.wait_for(self._admissible)
-                record, group_id = self._next_record(), self._next_group
+                record = self._next_record()
+                ids = self.render(record) if self.agent is None else []  # an agent renders its own conversation
+                if not fits(ids, self.max_prompt_len):
+                    self.stats.skipped_prompts += 1
+                    continue
+                group_id = self._next_group
                 self._next_group += 1
                 self.inflight[group_id] = record
                 self.stats.started_groups += 1
-                ids = self.render(record) if self.agent is None else []  # an agent renders its own conversation
                 samples = []
                 for j in range(n):
                     await self.slots.acquire()
@@ -267,7 +275,8 @@ class Producer:
             await self.buffer.fail(e)
             return
         if self.agent is None:  # an agent's environment has scored its episodes
-            await score([group], self.reward_fn)
+            traces = await score([group], self.reward_fn)
+            self.reward_traces += traces[: max(0, 4 - len(self.reward_traces))]
         self.stats.finished_groups += 1
         if self.cfg.algo.dynamic_sampling and not drop_zero_variance_groups([[r.sample for r in group]])[0]:
             self.stats.dropped_zero_variance += 1  # consumed: DAPO's dynamic sampling uses up the prompt

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles_hpc.loop.async_rollout import GroupBuffer, Producer, staleness
-from miles_hpc.loop.rollout_step import Rollout
+from miles_hpc.loop.rollout_step import Rollout, check_reward_failures
 from miles_hpc.loop.sync import (
     LoopContext,
     end_of_step,
@@ -38,6 +38,8 @@ from miles_hpc.loop.sync import (
     rollout_metrics,
     teacher_scores,
     to_train_batch,
+    train,
+    trainable,
     warmup,
 )
 
@@ -68,13 +70,15 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
             t_wait = time.perf_counter() - t0
             stale = [staleness(g, step) for g in groups]
             samples = [r.sample for g in groups for r in g]
+            failed = check_reward_failures(samples, cfg.reward.max_failed_frac, step, producer.reward_traces)
             opd = await teacher_scores(ctx, groups)  # the teacher scores while the engines keep generating
             batch = to_train_batch(groups, cfg, opd)
-            if fa.mask_tokens_older_than is not None:
-                mask_old_tokens(batch.loss_mask, batch.advantages, samples, step - fa.mask_tokens_older_than)
+            if batch is not None and fa.mask_tokens_older_than is not None:
+                trained = [s for s in samples if trainable(s, cfg)]
+                mask_old_tokens(batch.loss_mask, batch.advantages, trained, step - fa.mask_tokens_older_than)
             t1 = time.perf_counter()
             # In a worker thread: the event loop keeps scheduling generations while the trainer computes.
-            train_metrics = await asyncio.to_thread(ctx.trainer.train_step, batch)
+            train_metrics = await asyncio.to_thread(train, ctx, batch, step)
             t_train = time.perf_counter() - t1
             t2 = time.perf_counter()
             sync_metrics = await publish(ctx, version=step + 1)
@@ -93,13 +97,15 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
                     **train_metrics,
                     **sync_metrics,
                     "weight_version": step + 1,
+                    "rollout/failed": failed,
+                    "rollout/skipped_prompts": producer.stats.skipped_prompts,
                     **({} if opd is None else {"opd/reverse_kl": opd_kl(groups, cfg, opd)}),
                     **_async_metrics(producer, buffer, stale, stale_dropped, t_wait / wall),
                     "time/wait_s": t_wait,
                     "time/train_s": t_train,
                     "time/sync_s": t_sync,
                     "perf/samples_per_s": len(samples) / wall,
-                    "perf/tokens_per_s": batch.num_tokens / wall,
+                    "perf/tokens_per_s": (0 if batch is None else batch.num_tokens) / wall,
                 },
             )
             # Prompts drawn from the data but not trained yet (buffered, generating, recycled) go with the
@@ -125,6 +131,7 @@ def _producer(ctx: LoopContext, buffer: GroupBuffer, start_step: int) -> Produce
         first_group_id=start_step * 1_000_000,
         version=start_step,
         agent=ctx.agent,
+        max_prompt_len=ctx.max_prompt_len,
     )
     by_id = {r.prompt_id: r for r in ctx.records}
     for pid in (ctx.resumed or {}).get("async_pending", []):

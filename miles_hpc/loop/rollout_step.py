@@ -6,7 +6,11 @@ Invariants:
   from the engine per token.
 - Every sample of a prompt shares a ``group_id`` and goes to one engine (router affinity), so the prompt's KV is
   computed once.
-- A reward function that fails marks only its sample FAILED (reward 0, error in ``metadata["reward_error"]``).
+- A reward function that fails marks only its sample FAILED (reward 0, error in ``metadata["reward_error"]``); the
+  loops count such samples, leave them out of the loss (``reward.train_on_failed``) and stop the run when more than
+  ``reward.max_failed_frac`` of a step failed (:func:`check_reward_failures`, with the first traceback).
+- A prompt that cannot fit the engines' context with ``max_new_tokens`` is skipped and counted (:func:`fits`), never
+  sent: an engine refuses it, which would end the run.
 """
 
 from __future__ import annotations
@@ -111,8 +115,55 @@ async def generate_groups(
     return [list(await asyncio.gather(*group)) for group in tasks]
 
 
-async def score(groups: list[list[Rollout]], reward_fn: Any, *, timeout_s: float = 60.0) -> None:
-    """Fill ``sample.reward`` (and FAILED status on a reward error) for every rollout, concurrently."""
+class RewardFailures(RuntimeError):
+    """Too many samples of a step failed their reward function (the message holds the first traceback)."""
+
+
+def reward_failed(sample: Sample) -> bool:
+    return sample.status == SampleStatus.FAILED and "reward_error" in sample.metadata
+
+
+def check_reward_failures(samples: Sequence[Sample], max_failed_frac: float, step: int, traces: list[str]) -> int:
+    """The number of samples whose reward failed; raises RewardFailures when they are more than ``max_failed_frac``
+    of the step (``traces``: the tracebacks :func:`score` returned, the first is shown)."""
+    failed = [s for s in samples if reward_failed(s)]
+    if failed and len(failed) > max_failed_frac * len(samples):
+        first = failed[0]
+        trace = f"\n{traces[0].rstrip()}" if traces else ""
+        raise RewardFailures(
+            f"step {step}: {len(failed)} of {len(samples)} samples failed their reward function (more than "
+            f"reward.max_failed_frac={max_failed_frac:g}); the first (prompt {first.prompt_id}): "
+            f"{first.metadata['reward_error']}{trace}"
+        )
+    return len(failed)
+
+
+def fits(prompt_ids: Sequence[int], max_prompt_len: int | None) -> bool:
+    """Whether a prompt may be sent (``max_prompt_len``: the engines' context minus ``max_new_tokens``)."""
+    return max_prompt_len is None or len(prompt_ids) <= max_prompt_len
+
+
+def max_prompt_len(server_info: dict[str, Any], model_max_positions: int | None, max_new_tokens: int) -> int | None:
+    """The longest prompt an engine takes with ``max_new_tokens`` more: its context length (our engine's
+    ``max_context_len``, SGLang's ``context_length``, else the model's ``max_position_embeddings``) and its KV
+    capacity (``max_total_num_tokens``), whichever is smaller. None when nothing says."""
+    limits = [
+        v
+        for v in (
+            server_info.get("max_context_len"),
+            server_info.get("context_length"),
+            server_info.get("max_total_num_tokens"),
+        )
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0
+    ]
+    if not any(isinstance(server_info.get(k), int) for k in ("max_context_len", "context_length")):
+        limits += [model_max_positions] if model_max_positions else []
+    return min(limits) - max_new_tokens if limits else None
+
+
+async def score(groups: list[list[Rollout]], reward_fn: Any, *, timeout_s: float = 60.0) -> list[str]:
+    """Fill ``sample.reward`` (and FAILED status on a reward error) for every rollout, concurrently; returns the
+    tracebacks of the failures, in sample order."""
     flat = [r for g in groups for r in g]
     inputs = [
         RewardInput(
@@ -125,8 +176,11 @@ async def score(groups: list[list[Rollout]], reward_fn: Any, *, timeout_s: float
         for r in flat
     ]
     outcomes = await score_samples(inputs, reward_fn, timeout_s=timeout_s)
+    traces = []
     for r, o in zip(flat, outcomes):
         r.sample.reward = float(o.reward)
         if o.failed:
             r.sample.status = SampleStatus.FAILED
             r.sample.metadata["reward_error"] = o.error
+            traces.append(o.traceback or str(o.error))
+    return traces

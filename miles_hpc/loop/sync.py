@@ -22,7 +22,15 @@ import torch
 from miles_hpc.config import RunConfig
 from miles_hpc.data.prompts import PromptIterator, PromptRecord, TokenizerLike
 from miles_hpc.data.store import TrajectoryWriter
-from miles_hpc.loop.rollout_step import Rollout, generate_groups, score
+from miles_hpc.faults import crash_point
+from miles_hpc.loop.rollout_step import (
+    Rollout,
+    check_reward_failures,
+    fits,
+    generate_groups,
+    reward_failed,
+    score,
+)
 from miles_hpc.loop.warmup import warmup_batches
 from miles_hpc.metrics import MetricsLogger
 from miles_hpc.rollout.agents import AgentFn
@@ -72,6 +80,7 @@ class LoopContext:
     stop_requested: Callable[[], bool] = _never  # True: checkpoint after this step and return (preemption, walltime)
     agent: AgentFn | None = None  # rollout.agent, loaded (multi-turn episodes)
     teacher: EngineClient | None = None  # the OPD teacher's engine (algo.opd_teacher)
+    max_prompt_len: int | None = None  # longer prompts are skipped (the engines' context minus max_new_tokens)
 
 
 class LoopError(RuntimeError):
@@ -91,13 +100,13 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
         await publish(ctx, version=start_step)
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
-        groups, rounds = await rollout(ctx, step)
+        groups, rounds, counts = await rollout(ctx, step)
         t_rollout = time.perf_counter() - t0
         check_versions(groups, step)
         opd = await teacher_scores(ctx, groups)
         batch = to_train_batch(groups, cfg, opd)
         t1 = time.perf_counter()
-        train_metrics = ctx.trainer.train_step(batch)
+        train_metrics = train(ctx, batch, step)
         t_train = time.perf_counter() - t1
         t2 = time.perf_counter()
         sync_metrics = await publish(ctx, version=step + 1)
@@ -107,6 +116,7 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
             s.train_step = step
         if ctx.store is not None:
             ctx.store.append(samples)
+        crash_point("step:stored")
         step_rewards = [s.reward for s in samples]
         rewards.append(statistics.fmean(step_rewards))
         ctx.metrics.log(
@@ -115,13 +125,14 @@ async def run(ctx: LoopContext, start_step: int) -> list[float]:
                 **rollout_metrics(samples),
                 **train_metrics,
                 **sync_metrics,
+                **counts,
                 "weight_version": step + 1,
                 "rollout/rounds": rounds,
                 **({} if opd is None else {"opd/reverse_kl": opd_kl(groups, cfg, opd)}),
                 "time/rollout_s": t_rollout,
                 "time/train_s": t_train,
                 "time/sync_s": t_sync,
-                "perf/tokens_per_s": batch.num_tokens / max(1e-9, time.perf_counter() - t0),
+                "perf/tokens_per_s": (batch.num_tokens if batch else 0) / max(1e-9, time.perf_counter() - t0),
             },
         )
         if end_of_step(ctx, step):
@@ -150,19 +161,42 @@ def warmup(ctx: LoopContext) -> None:
             print(f"[miles-hpc] warm-up {i + 1}/{cfg.train.sft_warmup_steps} | answer nll {nll:.3f}", flush=True)
 
 
-async def rollout(ctx: LoopContext, step: int) -> tuple[list[list[Rollout]], int]:
-    """Groups for one step; with dynamic sampling, drop zero-variance groups and generate more until full."""
+def train(ctx: LoopContext, batch: TrainBatch | None, step: int) -> dict[str, float]:
+    """One train step on every rank (none when every sample was left out); the publisher learns the trainer moved."""
+    if batch is None:
+        print(f"[miles-hpc] step {step}: no sample to train on (every one failed its reward)", flush=True)
+        return {}
+    out = ctx.trainer.train_step(batch)
+    ctx.publisher.note_trained()
+    return out
+
+
+async def rollout(ctx: LoopContext, step: int) -> tuple[list[list[Rollout]], int, dict[str, float]]:
+    """Groups for one step, rounds of generation, counts (failed rewards, skipped prompts); with dynamic sampling,
+    drop zero-variance groups and generate more until full. Prompts too long for the engines are skipped."""
     cfg = ctx.cfg
     want = cfg.rollout.prompts_per_step
     kept: list[list[Rollout]] = []
-    rounds = 0
+    rounds = skipped = 0
+    traces: list[str] = []
     while len(kept) < want:
         rounds += 1
-        records = ctx.prompts.next_batch()
+        drawn = ctx.prompts.next_batch()
+        rendered = [(r, ctx.render(r)) for r in drawn]
+        fitting = [(r, ids) for r, ids in rendered if fits(ids, ctx.max_prompt_len)]
+        skipped += len(rendered) - len(fitting)
+        if not fitting:
+            if rounds >= cfg.algo.max_sampling_rounds:
+                raise LoopError(
+                    f"step {step}: every prompt drawn in {rounds} rounds is longer than the engines take "
+                    f"({ctx.max_prompt_len} tokens = context - rollout.max_new_tokens)"
+                )
+            continue
+        records = [r for r, _ in fitting]
         groups = await generate_groups(
             ctx.router,
             records,
-            [ctx.render(r) for r in records],
+            [ids for _, ids in fitting],
             cfg.rollout,
             ctx.tokenizer,
             first_group_id=step * 1_000_000 + rounds * 10_000,
@@ -171,15 +205,20 @@ async def rollout(ctx: LoopContext, step: int) -> tuple[list[list[Rollout]], int
             agent=ctx.agent,
         )
         if ctx.agent is None:  # an agent's environment has scored its episodes
-            await score(groups, ctx.reward_fn)
+            traces += await score(groups, ctx.reward_fn)
         if not cfg.algo.dynamic_sampling:
-            return groups, rounds
+            kept = groups
+            break
         useful, _ = drop_zero_variance_groups([[r.sample for r in g] for g in groups])
         useful_ids = {g[0].group_id for g in useful}
         kept += [g for g in groups if g[0].sample.group_id in useful_ids]
         if rounds >= cfg.algo.max_sampling_rounds and len(kept) < want:
             kept += [g for g in groups if g[0].sample.group_id not in useful_ids][: want - len(kept)]
-    return kept[:want], rounds
+    kept = kept[:want]
+    failed = check_reward_failures([r.sample for g in kept for r in g], cfg.reward.max_failed_frac, step, traces)
+    if skipped:
+        print(f"[miles-hpc] step {step}: skipped {skipped} prompts longer than {ctx.max_prompt_len} tokens", flush=True)
+    return kept, rounds, {"rollout/failed": failed, "rollout/skipped_prompts": skipped}
 
 
 def check_versions(groups: list[list[Rollout]], step: int) -> None:
@@ -208,9 +247,23 @@ def opd_kl(groups: list[list[Rollout]], cfg: RunConfig, teacher: list[list[float
     return opd_advantages(zeros, samples, teacher, cfg.algo.opd_coef)[1]
 
 
-def to_train_batch(groups: list[list[Rollout]], cfg: RunConfig, teacher: list[list[float]] | None = None) -> TrainBatch:
-    """Samples -> the trainer's batch: per-token advantages (task reward, plus the OPD term with `teacher`)."""
+def trainable(sample: Any, cfg: RunConfig) -> bool:
+    """Whether ``sample`` goes into the train batch (a failed reward keeps it out unless reward.train_on_failed)."""
+    return cfg.reward.train_on_failed or not reward_failed(sample)
+
+
+def to_train_batch(
+    groups: list[list[Rollout]], cfg: RunConfig, teacher: list[list[float]] | None = None
+) -> TrainBatch | None:
+    """Samples -> the trainer's batch: per-token advantages (task reward, plus the OPD term with `teacher`). Samples
+    whose reward failed are left out (and out of their group's advantages) unless ``reward.train_on_failed``; None
+    when none is left."""
     samples = [r.sample for g in groups for r in g]
+    keep = [i for i, s in enumerate(samples) if trainable(s, cfg)]
+    samples = [samples[i] for i in keep]
+    teacher = None if teacher is None else [teacher[i] for i in keep]
+    if not samples:
+        return None
     adv = compute_advantages(
         [s.reward for s in samples], [s.group_id for s in samples], [s.response_len for s in samples], cfg.algo
     )
@@ -276,4 +329,6 @@ def save_checkpoint(ctx: LoopContext, next_step: int, **state: Any) -> None:
     extra = {"next_step": next_step, "weight_version": next_step, "prompts": ctx.prompts.state_dict(), **state}
     if ctx.store is not None:
         ctx.store.roll()  # the trajectories of every step before the checkpoint survive a crash after it
+    crash_point("checkpoint:rolled")  # a crash here: the resume discards the rolled shard's uncovered samples
     ctx.trainer.save(ctx.checkpoints / f"step_{next_step}", extra)
+    crash_point("checkpoint:saved")

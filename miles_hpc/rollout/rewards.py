@@ -23,12 +23,15 @@ import inspect
 import math
 import numbers
 import re
+import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
 from miles_hpc.data.sample import Sample
 from miles_hpc.rollout.plugins import load_object
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 __all__ = [
     "AnyRewardFn",
@@ -79,6 +82,7 @@ class RewardOutcome:
     reward: float
     failed: bool = False
     error: str | None = None
+    traceback: str | None = None  # of the exception, when the function raised
 
 
 # -- calling --------------------------------------------------------------------------------------------------------
@@ -101,6 +105,10 @@ def check_reward_value(value: Any, fn: Any) -> float:
     out = float(value)
     if not math.isfinite(out):
         raise ValueError(f"reward function {_fn_name(fn)} returned non-finite {out}")
+    if abs(out) > _FLOAT32_MAX:  # stored as float32 (docs/formats.md): it would become inf there
+        raise ValueError(
+            f"reward function {_fn_name(fn)} returned {out:g}, outside the float32 range of stored rewards"
+        )
     return out
 
 
@@ -140,7 +148,8 @@ async def score_samples(
             error = f"reward function {_fn_name(fn)} timed out after {timeout_s} s"
             return RewardOutcome(reward=0.0, failed=True, error=error)
         except Exception as e:  # the user's code: any error is this sample's failure, not the batch's
-            return RewardOutcome(reward=0.0, failed=True, error=f"{type(e).__name__}: {e}")
+            trace = "".join(traceback.format_exception(e))
+            return RewardOutcome(reward=0.0, failed=True, error=f"{type(e).__name__}: {e}", traceback=trace)
         return RewardOutcome(reward=reward)
 
     return list(await asyncio.gather(*(one(inp) for inp in inputs)))

@@ -429,6 +429,18 @@ class Router:
         err = error if isinstance(error, EngineError) else EngineError(self.clients[i].url, "", str(error))
         eng.failed.set_result(err)
 
+    def replace_client(self, i: int, client: EngineClient) -> None:
+        """Engine ``i`` now answers at ``client``'s URL (it was restarted): it stays quarantined, with its old work
+        failed over, until the health checks re-admit it (``on_readmit`` included). The old client is closed when
+        the router owns it."""
+        self.quarantine(i, EngineError(self.clients[i].url, "", f"replaced by {client.url}"))
+        old, self.clients[i] = self.clients[i], client
+        self._engines[i].good_checks = 0
+        if self._owns_clients:
+            task = asyncio.ensure_future(old.close())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
     def _readmit(self, i: int) -> None:
         eng = self._engines[i]
         eng.quarantined = False

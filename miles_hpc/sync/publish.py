@@ -12,10 +12,16 @@
    the trainer's iterator is drained (it is a collective on every trainer rank), and the push is retried once
    with the remaining engines from a fresh iterator; anything else stops the run. Engines still blocked in the
    broken group free themselves after their own receive timeout (`miles-hpc serve --weight-update-timeout`,
-   set from `sync.timeout_s`), so a retry can wait up to that long;
+   set from `sync.timeout_s`), so a retry can wait up to that long; when no engine is left (none could be paused,
+   or every one died), the version is recorded as published and engines catch up when they return (below);
 5. verify every target's per-tensor checksums against what was sent (a mismatch stops the run, naming the tensor);
 6. continue generation on the updated engines (also after a failure, so nothing stays paused by accident; an
    engine left half-updated refuses to continue, engine/core.py, and stays out of the fleet).
+
+Catch-up: an engine that comes back without the published weights (restarted by launch/supervisor.py) gets them
+from the router's re-admission hook at once, through the same cycle with it as the only target, unless the trainer
+has trained since the last publish (`note_trained`): the publish due next includes it. Publishes and catch-ups take
+turns (one lock), so a run whose only engine died serves again as soon as its restart listens.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_hpc.rollout.client import EngineClient
+from miles_hpc.faults import crash_point
+from miles_hpc.rollout.client import EngineClient, EngineHTTPError
 from miles_hpc.rollout.requests import PauseMode
 from miles_hpc.rollout.router import Router
 from miles_hpc.sync.protocol import EngineSyncError, WeightSync, WeightSyncError
@@ -55,18 +62,41 @@ class Publisher:
     def __init__(self, sync: WeightSync, router: Router, *, pause_mode: PauseMode = "retract") -> None:
         self.sync, self.router, self.pause_mode = sync, router, pause_mode
         self.version: str | None = None  # the last version every live engine verified
+        self._named_fn: NamedFn | None = None  # what that version was read from
+        self._trained_since = False  # the trainer moved past `version`: a catch-up would send newer weights
+        self._turn = asyncio.Lock()
+
+    def note_trained(self) -> None:
+        """The loops call this after each train step: until the next publish, the trainer holds weights newer than
+        `version`, so a returning engine waits for that publish instead of a catch-up."""
+        self._trained_since = True
 
     async def publish(self, named_fn: NamedFn, version: str) -> PublishReport:
-        t0 = time.perf_counter()
-        targets = await self._targets()
-        if not targets:
-            raise WeightSyncError(f"no engine to publish weight version {version} to: every engine is out")
-        dropped: list[str] = []
-        self.router.paused = True  # aborts and health answers while paused are the pause's doing (router.py)
-        try:
-            return await self._publish(named_fn, version, targets, dropped, t0)
-        finally:
-            self.router.paused = False
+        async with self._turn:
+            t0 = time.perf_counter()
+            targets = await self._targets()
+            dropped: list[str] = []
+            self.router.paused = True  # aborts and health answers while paused are the pause's doing (router.py)
+            try:
+                report = await self._publish(named_fn, version, targets, dropped, t0)
+            finally:
+                self.router.paused = False
+            if not report.engines:
+                # Every engine is out (dead, restarting): the version is the trainer's all the same; an engine that
+                # comes back gets it from `catch_up` before it serves. launch/supervisor.py bounds the wait.
+                log.warning("weight sync: no engine took weight version %s; returning engines catch up", version)
+                self.version = version
+            self._named_fn, self._trained_since = named_fn, False
+            return report
+
+    async def catch_up(self, client: EngineClient) -> bool:
+        """Give ``client`` the published weights (verified); False when there is nothing to give it now."""
+        async with self._turn:
+            if self.version is None or self._named_fn is None or self._trained_since:
+                return False
+            log.warning("weight sync: catching %s up to weight version %s", client.url, self.version)
+            await self._publish(self._named_fn, self.version, [client], [], time.perf_counter())
+            return True
 
     async def _publish(
         self, named_fn: NamedFn, version: str, targets: list[EngineClient], dropped: list[str], t0: float
@@ -76,8 +106,8 @@ class Publisher:
             if isinstance(a, BaseException):
                 self._drop(c, a, dropped)
         targets = paused = [c for c in targets if c.url not in dropped]
-        if not targets:
-            raise WeightSyncError(f"no engine to publish weight version {version} to: none could be paused")
+        if not targets:  # none could be paused: all are out (the caller decides what that means)
+            return PublishReport(version, 0, tuple(dropped), 0, time.perf_counter() - t0)
         try:
             sent: dict[str, str] = {}
             for attempt in (0, 1):
@@ -85,6 +115,7 @@ class Publisher:
                 try:
                     if list(self.sync.clients) != targets:
                         await self.sync.connect(targets)
+                    crash_point("sync:paused")  # engines paused, no tensor sent yet
                     sent = await self.sync.push(it, version)
                     break
                 except EngineSyncError as e:
@@ -99,7 +130,9 @@ class Publisher:
                         if c.url in failed:
                             self._drop(c, e, dropped)
                     targets = [c for c in targets if c.url not in failed]
-                    if attempt == 1 or not targets:
+                    if not targets:  # every member died during the update: nothing holds it (see publish)
+                        return PublishReport(version, 0, tuple(dropped), 0, time.perf_counter() - t0)
+                    if attempt == 1:
                         raise WeightSyncError(f"weight version {version}: {e}") from e
                     log.warning("weight sync: retrying with %d engines", len(targets))
                 except BaseException:
@@ -122,8 +155,12 @@ class Publisher:
         log.warning("weight sync: dropped %s: %s", client.url, error)
 
     async def readmit_check(self, i: int, client: EngineClient) -> None:
-        """The router's re-admission hook: an engine serves again only with the published weights."""
+        """The router's re-admission hook: an engine serves again only with the published weights (given to it
+        here when the trainer still holds them: `catch_up`)."""
         info = await client.model_info()
+        if self.version is not None and str(info.get("weight_version")) != self.version:
+            if await self.catch_up(client):
+                info = await client.model_info()
         if self.version is not None and str(info.get("weight_version")) != self.version:
             raise WeightSyncError(
                 f"{client.url} holds weight version {info.get('weight_version')!r}, the trainer "
@@ -139,8 +176,12 @@ class Publisher:
 
     @staticmethod
     async def _alive(client: EngineClient) -> bool:
+        """Whether ``client`` can take weights: it answers /health, or says its weights are half-updated (a 503
+        that only a full update cures)."""
         try:
             await client.health(timeout=5.0, retries=0)
+        except EngineHTTPError as e:
+            return e.status == 503 and "weights are half-updated" in str(e)
         except Exception:  # noqa: BLE001 (any failure means: not a target this time)
             return False
         return True

@@ -22,6 +22,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from miles_hpc.sync.wire.store import process_group_kwargs
+
 __all__ = [
     "WorldInfo",
     "world_from_env",
@@ -94,14 +96,24 @@ def init_trainer_world(info: WorldInfo, *, timeout_s: float = 1800.0) -> None:
         return
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
+    if info.world_size == 1:  # nobody to meet: an in-memory store, no port
+        where: dict[str, Any] = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent serves the store on the port
+        where = {
+            "init_method": f"tcp://{info.master_addr}:{info.master_port}",
+            "rank": info.rank,
+            "world_size": info.world_size,
+        }
+    else:  # rank 0 serves the store on the master address only, never on every interface
+        where = process_group_kwargs(
+            info.master_addr, info.master_port, rank=info.rank, world_size=info.world_size, timeout_s=timeout_s
+        )
     dist.init_process_group(
         backend=info.backend,
-        init_method=f"tcp://{info.master_addr}:{info.master_port}",
-        rank=info.rank,
-        world_size=info.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
         # NCCL: bind the group to this rank's GPU so collectives need no guess.
         device_id=info.device if info.device.type == "cuda" else None,
+        **where,
     )
 
 
@@ -134,15 +146,23 @@ def all_reduce_floats(
     return t.tolist()
 
 
-def teardown() -> None:
-    """Destroy the default process group if this process created one (safe to call twice)."""
-    if dist.is_initialized():
-        if dist.get_world_size() > 1:
-            try:
-                dist.barrier()  # no rank tears the group down while another still uses it
-            except RuntimeError:
-                pass  # a peer is already gone (a failure elsewhere): tear down anyway
+def teardown(ok: bool = True) -> None:
+    """Destroy the default process group if this process created one (safe to call twice).
+
+    ``ok``: the run ended as planned, so every rank reaches this barrier. After a failure there is no barrier: the
+    other ranks may sit in a collective (or a command broadcast) that never comes, and a barrier would hang this rank
+    with them; they learn of the failure from the controller's abort command or from its exit."""
+    if not dist.is_initialized():
+        return
+    if ok and dist.get_world_size() > 1:
+        try:
+            dist.barrier()  # no rank tears the group down while another still uses it
+        except RuntimeError:
+            pass  # a peer is already gone (a failure elsewhere): tear down anyway
+    try:
         dist.destroy_process_group()
+    except RuntimeError:  # after a failure the group may be broken; the process exits next
+        pass
 
 
 def leave(code: int = 0) -> NoReturn:

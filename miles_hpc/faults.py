@@ -1,0 +1,34 @@
+"""Crash points for the fault campaign (tests/faults/, docs/reliability.md): a named instant where a test can make the
+process die as a power cut would (SIGKILL, nothing flushed, no handler run).
+
+``MILES_CRASH_AT=name`` (or ``name:n``, names hold colons too: ``checkpoint:rolled:2``, the n-th time the point is reached, 1-based) in the environment of a process
+kills it at that point; unset, :func:`crash_point` costs one dict lookup. Points are placed at the instants where a
+crash used to lose or duplicate data: between a shard's roll and its checkpoint, after a checkpoint, after a step's
+samples are stored, in the middle of a weight update.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections import Counter
+
+ENV = "MILES_CRASH_AT"
+_reached: Counter[str] = Counter()
+
+
+def crash_point(name: str) -> None:
+    """Die here (SIGKILL) when ``MILES_CRASH_AT`` names this point (and this is its n-th time)."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    point, _, nth = spec.rpartition(":")
+    if not nth.isdigit():  # no count: the first time
+        point, nth = spec, "1"
+    if point != name:
+        return
+    _reached[name] += 1
+    if _reached[name] == int(nth):
+        print(f"[miles-hpc] crash point {name} (#{_reached[name]}): SIGKILL", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)

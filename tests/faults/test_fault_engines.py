@@ -1,0 +1,55 @@
+"""Engines that die under a real run (docs/reliability.md, "Engines"): a dead engine is restarted, caught up with the
+current weights and re-admitted, the run loses no sample and stores none twice; with no restart left and no engine
+serving, the run fails within the bounded wait with a message naming the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from fault_support import assert_exactly_once, engine_pids, no_orphans, output, start, steps_logged, wait_for
+
+pytestmark = [pytest.mark.process, pytest.mark.faults]
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+def test_a_killed_engine_is_restarted_and_nothing_is_lost(tmp_path: Path, engines: int) -> None:
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "steps=8", f"rollout.num_engines={engines}", "rollout.max_new_tokens=24")
+    try:
+        wait_for("step 2", lambda: len(steps_logged(run_dir)) >= 2, proc=proc)
+        victim = engine_pids(run_dir)[0]
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(timeout=240) == 0, output(run_dir)[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = output(run_dir)
+    assert "engine 0" in out and "exited with code -9" in out and "restarting engine 0 (1/3)" in out, out[-3000:]
+    assert_exactly_once(run_dir, 8)
+    no_orphans(run_dir)
+
+
+def test_no_engine_and_no_restart_left_fails_clearly(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start(
+        run_dir, "steps=50", "rollout.engine_restarts=0", "rollout.engine_down_timeout_s=5", "train.world_size=2"
+    )
+    try:
+        wait_for("step 1", lambda: len(steps_logged(run_dir)) >= 1, proc=proc)
+        os.kill(engine_pids(run_dir)[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = output(run_dir)
+    assert code == 1, out[-3000:]
+    assert "no rollout engine has served" in out and "engine 0" in out and "exited with code -9" in out, out[-3000:]
+    assert took < 60, f"the run took {took:.0f} s to fail"
+    assert "Traceback" not in out
+    no_orphans(run_dir)
