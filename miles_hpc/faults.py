@@ -4,7 +4,9 @@ process die as a power cut would (SIGKILL, nothing flushed, no handler run).
 ``MILES_CRASH_AT=name`` (or ``name:n``, names hold colons too: ``checkpoint:rolled:2``, the n-th time the point is reached, 1-based) in the environment of a process
 kills it at that point; unset, :func:`crash_point` costs one dict lookup. Points are placed at the instants where a
 crash used to lose or duplicate data: between a shard's roll and its checkpoint, after a checkpoint, after a step's
-samples are stored, in the middle of a weight update.
+samples are stored, in the middle of a weight update (the controller's `sync:paused`, an engine's
+`engine:receiving`). With ``MILES_CRASH_ONCE=PATH`` a point fires only while PATH does not exist (it is created first):
+once per run, not in every restarted process that inherits the environment.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from collections import Counter
 
 ENV = "MILES_CRASH_AT"
+ONCE_ENV = "MILES_CRASH_ONCE"
 _reached: Counter[str] = Counter()
 
 
@@ -30,5 +33,11 @@ def crash_point(name: str) -> None:
         return
     _reached[name] += 1
     if _reached[name] == int(nth):
+        once = os.environ.get(ONCE_ENV)
+        if once:
+            try:
+                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return  # fired already, in an earlier process of this run
         print(f"[miles-hpc] crash point {name} (#{_reached[name]}): SIGKILL", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -31,6 +31,10 @@ def test_first_signal_requests_a_stop_and_the_second_interrupts(tmp_path: Path) 
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.5)
         assert info.value.signum == signal.SIGINT
+        copy = type(info.value)(*info.value.args)  # what copies and pickles do
+        assert (
+            copy.signum == signal.SIGINT and str(copy) == str(info.value) == "SIGINT (second signal): stopped at once"
+        )
     finally:
         control.restore()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from miles_hpc.faults import crash_point
 from miles_hpc.sync.wire.pg import GroupSpec, open_group
 from miles_hpc.sync.wire.tensor_handles import load_flattened_bucket, load_named_tensors
 
@@ -114,6 +115,7 @@ class WeightReceiver:
             t = torch.empty(tuple(shape), dtype=TORCH_DTYPES[dtype], device=group.device)
             group.broadcast(t, src=0)
             bucket.append((name, t))
+            crash_point("engine:receiving")  # a tensor of an update received, the update unfinished
         return bucket
 
     def receive_pieces(

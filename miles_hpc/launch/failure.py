@@ -1,7 +1,7 @@
 """How a failed run is reported (stage: launch; docs/reliability.md): one message naming the cause, a traceback file.
 
 A run's failure reaches the user as ``error: <what> (traceback: RUN/logs/<role>.traceback)`` on stderr, exit 1; a
-stop by signal exits 128 + its number. The full traceback goes to the file, so the terminal shows the cause, not
+stop by a second signal exits 128 + its number. The full traceback goes to the file, so the terminal shows the cause, not
 forty frames of asyncio.
 """
 

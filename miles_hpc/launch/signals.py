@@ -8,7 +8,8 @@
 - A failure seen by another thread (a trainer rank died, no engine left): :meth:`StopControl.fail` raises
   :class:`RunAborted` with its reason in the main thread, with the same hard-exit backstop.
 
-Exit codes: 128 + signal number after a signal (also when the stop checkpointed), 1 after a failure.
+Exit codes: 128 + signal number after SIGTERM/SIGINT (also when the stop checkpointed), 0 after SIGUSR2 (Slurm's
+preemption/walltime notice: a checkpointed stop the job requeues from) or the marker, 1 after a failure.
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ _ABORT_SIGNAL = signal.SIGUSR1  # internal: how another thread interrupts the ma
 class RunInterrupted(KeyboardInterrupt):
     """A second stop signal: the run ends now. A KeyboardInterrupt, so no ``except Exception`` swallows it."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"{signal.Signals(signum).name} (second signal): stopped at once")
+    def __init__(self, signum: int, message: str | None = None) -> None:
+        # Both in args: whatever re-creates the exception from them (copies, pickles) gets the same one back.
+        super().__init__(signum, message or f"{signal.Signals(signum).name} (second signal): stopped at once")
         self.signum = signum
+
+    def __str__(self) -> str:
+        return str(self.args[1])
 
 
 class RunAborted(KeyboardInterrupt):
@@ -78,7 +83,9 @@ class StopControl:
             self.marker.unlink(missing_ok=True)
 
     def exit_code(self) -> int:
-        return 128 + self.signum if self.signum is not None else 0
+        """0 after a stop request (the marker) or SIGUSR2 (Slurm's preemption and walltime notice: the job is
+        requeued and resumes); 128 + the signal after SIGTERM/SIGINT."""
+        return 128 + self.signum if self.signum not in (None, signal.SIGUSR2) else 0
 
     # -- signals --------------------------------------------------------------------------------------------
 

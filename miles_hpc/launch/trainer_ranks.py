@@ -44,7 +44,9 @@ class RankedTrainer:
         if trainer.rank != 0:
             raise ValueError("RankedTrainer runs on trainer rank 0; other ranks call follow()")
         self.trainer = trainer
-        self._lock = threading.RLock()  # one verb at a time, whichever thread issues it
+        # One verb at a time, whichever thread issues it. Not an RLock: a collective generator (state_for_sync) may be
+        # stepped in a worker thread and drained in another after a failure, and its release must work from there.
+        self._lock = threading.Lock()
         self._busy = 0  # > 0 while a verb runs: the other ranks may then be inside its collectives
         self._last = time.monotonic()
         self._closed = False
@@ -73,6 +75,9 @@ class RankedTrainer:
                 self._last = time.monotonic()
 
     def _beat(self, every_s: float) -> None:
+        device = getattr(self.trainer, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL broadcasts from this thread run on the rank's own GPU
         while not self._stop.wait(min(every_s, 5.0)):
             if time.monotonic() - self._last < every_s or not self._lock.acquire(timeout=0.1):
                 continue

@@ -53,3 +53,20 @@ def test_no_engine_and_no_restart_left_fails_clearly(tmp_path: Path) -> None:
     assert took < 60, f"the run took {took:.0f} s to fail"
     assert "Traceback" not in out
     no_orphans(run_dir)
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+def test_an_engine_killed_mid_weight_update_is_restarted_and_nothing_is_lost(tmp_path: Path, engines: int) -> None:
+    run_dir = tmp_path / "run"
+    env = {"MILES_CRASH_AT": "engine:receiving:5", "MILES_CRASH_ONCE": str(tmp_path / "crashed")}
+    proc = start(run_dir, "steps=6", f"rollout.num_engines={engines}", env=env)
+    try:
+        assert proc.wait(timeout=240) == 0, output(run_dir)[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (tmp_path / "crashed").exists(), "the crash point was never reached"
+    out = output(run_dir)
+    assert "exited with code -9" in out and "restarting engine" in out, out[-3000:]
+    assert_exactly_once(run_dir, 6)
+    no_orphans(run_dir)

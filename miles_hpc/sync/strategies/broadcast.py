@@ -16,7 +16,7 @@ fresh port: a TCPStore port is not reused). An engine whose announce fails makes
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -133,7 +133,7 @@ class BroadcastSync(Strategy):
             )
             for c in self._clients
         ]
-        results = await asyncio.gather(asyncio.to_thread(send), *announces, return_exceptions=True)
+        results = await _all_or_break(asyncio.to_thread(send), announces, group, self.spec.timeout_s)
         failed = [(c.url, r) for c, r in zip(self._clients, results[1:]) if isinstance(r, BaseException)]
         span = f"{names[0]}..{names[-1]}"
         if failed:
@@ -151,3 +151,25 @@ class BroadcastSync(Strategy):
         self.group.destroy()
         self.group = None
         self._clients = []
+
+
+async def _all_or_break(
+    send: Awaitable[None], announces: Sequence[Awaitable[Any]], group: Any, timeout_s: float
+) -> list[Any]:
+    """The trainer's broadcast and every engine's announce of one bucket, as results or exceptions. When one of them
+    fails (an engine died mid-bucket), the group is destroyed on this side at once: the engines still waiting in the
+    broadcast then fail on the closed connection instead of waiting out their receive timeout."""
+    tasks = [asyncio.ensure_future(send), *(asyncio.ensure_future(a) for a in announces)]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    if pending and any(not t.cancelled() and t.exception() is not None for t in done):
+        await asyncio.to_thread(group.destroy)
+        await asyncio.wait(pending, timeout=timeout_s)
+        for t in pending:
+            t.cancel()
+    results: list[Any] = []
+    for t in tasks:
+        if t.cancelled():
+            results.append(asyncio.CancelledError("the bucket's broadcast broke"))
+        else:
+            results.append(t.exception() or t.result())
+    return results
