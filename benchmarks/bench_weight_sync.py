@@ -400,6 +400,7 @@ def main() -> None:
     t.add_argument("--trainer-ranks", type=int, default=2, help="p2p: trainer ranks (threads of this process)")
     t.add_argument("--reps", type=int, default=3, help="timed publishes per setting (median reported)")
     t.add_argument("--bucket-mb", type=int, default=512, help="broadcast bucket size")
+    t.add_argument("--first-launch-mb", type=int, help="colocated direct writes: MiB of the first launch")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -51,6 +51,7 @@ from miles_hpc.rollout.router import Router, RouterConfig
 from miles_hpc.rollout.sglang import wait_for_engines
 from miles_hpc.sync.protocol import WeightSync
 from miles_hpc.sync.publish import Publisher
+from miles_hpc.sync.strategies import colocated_direct
 from miles_hpc.sync.strategies.base import GroupSyncSpec
 from miles_hpc.sync.strategies.broadcast import BroadcastSync
 from miles_hpc.sync.strategies.colocated import ColocatedSpec, ColocatedSync
@@ -138,6 +139,8 @@ def _sync(device: str) -> None:
 
 
 def bench_transfer(args: argparse.Namespace, sizes: dict[str, dict[str, int]]) -> Iterator[dict[str, Any]]:
+    if getattr(args, "first_launch_mb", None) is not None:  # the direct write's first launch (A/B of its size)
+        colocated_direct.FIRST_LAUNCH_BYTES = args.first_launch_mb << 20
     if os.environ.get("MILES_SYNC_DEBUG"):  # per-bucket timings of the strategies on stderr
         logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
         logging.getLogger("miles_hpc.sync").setLevel(logging.DEBUG)
@@ -265,6 +268,8 @@ async def _one(
         g = torch.Generator(args.device).manual_seed(args.seed)
         pushes: list[float] = []
         cycles: list[float] = []
+        phases: list[dict[str, float]] = []  # direct writes: the push's phases (DirectWriter.last)
+        verifies: list[float] = []  # the engines' checksums, fetched and compared (part of the cycle)
         async with Router([EngineClient(u) for u in urls], RouterConfig(health_interval_s=30), owns_clients=True) as r:
             publisher = Publisher(sync, r, pause_mode="in_place")
             inner = sync.push
@@ -273,9 +278,19 @@ async def _one(
                 t0 = time.perf_counter()
                 out = await inner(it, version)
                 pushes.append(time.perf_counter() - t0)
+                phases.append(dict(getattr(getattr(sync, "_direct", None), "last", {})))
                 return out
 
             sync.push = timed_push  # type: ignore[method-assign]
+            inner_verify = sync.verify
+
+            async def timed_verify(targets, sent):  # type: ignore[no-untyped-def]
+                t0 = time.perf_counter()
+                out = await inner_verify(targets, sent)
+                verifies.append(time.perf_counter() - t0)
+                return out
+
+            sync.verify = timed_verify  # type: ignore[method-assign]
             try:
                 for rep in range(args.reps + 1):  # the first publish also builds the group: not timed
                     for _, t in named:
@@ -284,11 +299,26 @@ async def _one(
                     t0 = time.perf_counter()
                     await publisher.publish(lambda: iter(named), str(rep + 1))
                     cycles.append(time.perf_counter() - t0)
+                if os.environ.get("MILES_BENCH_PROFILE"):  # one more publish under cProfile, its top rows on stderr
+                    import cProfile
+                    import pstats
+
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    await publisher.publish(lambda: iter(named), str(args.reps + 2))
+                    prof.disable()
+                    rows = int(os.environ["MILES_BENCH_PROFILE"])
+                    pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(rows)
+                    pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(rows)
+                    for timings in (pushes, cycles, phases, verifies):
+                        del timings[args.reps + 1 :]  # (the profiled publish is not one of the timed ones)
                 direct = strategy == "colocated" and args.device.startswith("cuda")
                 copy_s = _direct_copy_s(sync, named) if direct else None
             finally:
                 await sync.close()
         push_s, cycle_s = statistics.median(pushes[1:]), statistics.median(cycles[1:])
+        timed = [p for p in phases[1:] if p]
+        phase = {f"push_{k}": round(statistics.median(p[k] for p in timed), 5) for k in (timed[0] if timed else {})}
         moved = nbytes
         if strategy == "delta":  # what the last publish actually wrote
             moved = json.loads((work / "weights" / f"v{args.reps + 1}" / "manifest.json").read_text())["total_bytes"]
@@ -307,7 +337,10 @@ async def _one(
             "push_gbps": round(nbytes / push_s / 1e9, 3),
             "bytes_delivered_gbps": round(n * nbytes / push_s / 1e9, 3),
             "cycle_s": round(cycle_s, 4),
+            "verify_s": round(statistics.median(verifies[1:]), 4) if len(verifies) > 1 else None,
             "moved_bytes": moved,
+            **phase,
+            **({"first_launch_bytes": colocated_direct.FIRST_LAUNCH_BYTES} if phase else {}),
             "memcpy_gbps": round(memcpy_gbps(nbytes, args.device), 2),
             "trainer_checksums_s": round(_checksum_s(named, args.device), 4),
             **(

@@ -89,6 +89,24 @@ def check(device: str) -> None:
         finally:
             for k, v in saved_layout.items():
                 setattr(ck, k, v)
+    # `lanes_into`, what the checksum API launches: tensors of any dtype read in place, into any rows of `out`
+    g = torch.Generator().manual_seed(1)
+    ts = [
+        torch.randn(4000, generator=g).to(torch.bfloat16).to(device),
+        torch.randn(SMALL_CHUNK + 6, generator=g).to(device),
+        torch.randint(0, 2, (64,), generator=g).bool().to(device),
+    ]
+    want = reference([checksum.words(t) for t in ts])
+    for copy in (False, True, False, True):  # (the second time from the kept tables: `launch`'s cache)
+        out = torch.zeros(5, 2, dtype=torch.int64, device=device)
+        dsts = [torch.empty_like(t) for t in ts] if copy else None
+        assert ck.lanes_into(out, [4, 0, 2], ts, dsts, SMALL_CHUNK, powers)
+        assert torch.equal(out.cpu()[[4, 0, 2]], want) and not out[[1, 3]].any()
+        assert dsts is None or all(torch.equal(checksum.words(d), checksum.words(t)) for d, t in zip(dsts, ts))
+    out = torch.zeros(1, 2, dtype=torch.int64, device=device)
+    assert not ck.lanes_into(out, [0], [ts[0][1:]], None, SMALL_CHUNK, powers)  # 2 bytes off: not in place
+    assert not ck.lanes_into(out, [0], [ts[0][:3]], None, SMALL_CHUNK, powers)  # 6 bytes: not a whole word
+    assert not out.any()
     # The check every process makes once per GPU before it trusts the kernels (checksum.self_check), here on
     # this device with the small chunk (the definition reads checksum.CHUNK).
     saved, checksum.CHUNK = checksum.CHUNK, SMALL_CHUNK

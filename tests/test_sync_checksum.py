@@ -100,38 +100,39 @@ def test_a_multipliers_table_cached_at_a_smaller_chunk_is_not_reused(monkeypatch
 class DefinitionKernels:
     """Stands in for `checksum_kernels` with the definition itself; subclasses break one thing each."""
 
-    def lanes_many(self, ws, chunk, powers):  # type: ignore[no-untyped-def]
-        return torch.stack([checksum._torch_lanes(w) for w in ws])
-
-    def copy_lanes_many(self, srcs, dsts, chunk, powers):  # type: ignore[no-untyped-def]
-        for s, d in zip(srcs, dsts):
-            d.copy_(s)
-        return self.lanes_many(srcs, chunk, powers)
+    def lanes_into(self, out, rows, srcs, dsts, chunk, powers):  # type: ignore[no-untyped-def]
+        for k, (r, s) in enumerate(zip(rows, srcs)):
+            if dsts is not None:
+                dsts[k].copy_(s)
+            out[r] += checksum._torch_lanes(checksum.words(s))
+        return True
 
 
 class OffByOne(DefinitionKernels):
-    def lanes_many(self, ws, chunk, powers):  # type: ignore[no-untyped-def]
-        return super().lanes_many(ws, chunk, powers) + torch.tensor([0, 1])
+    def lanes_into(self, out, rows, srcs, dsts, chunk, powers):  # type: ignore[no-untyped-def]
+        super().lanes_into(out, rows, srcs, dsts, chunk, powers)
+        out[list(rows)[0]] += torch.tensor([0, 1])
+        return True
 
 
 class CopiesWrong(DefinitionKernels):
-    def copy_lanes_many(self, srcs, dsts, chunk, powers):  # type: ignore[no-untyped-def]
-        lanes = super().copy_lanes_many(srcs, dsts, chunk, powers)
-        dsts[0][-1] += 1
-        return lanes
+    def lanes_into(self, out, rows, srcs, dsts, chunk, powers):  # type: ignore[no-untyped-def]
+        super().lanes_into(out, rows, srcs, dsts, chunk, powers)
+        if dsts is not None:
+            dsts[0].view(-1)[-1] += 1
+        return True
 
 
 class Raises(DefinitionKernels):
-    def copy_lanes_many(self, srcs, dsts, chunk, powers):  # type: ignore[no-untyped-def]
-        raise RuntimeError("no kernel image is available for execution on the device")
+    def lanes_into(self, out, rows, srcs, dsts, chunk, powers):  # type: ignore[no-untyped-def]
+        if dsts is not None:
+            raise RuntimeError("no kernel image is available for execution on the device")
+        return super().lanes_into(out, rows, srcs, dsts, chunk, powers)
 
 
-class Declines(DefinitionKernels):  # the kernels' own refusal (no common base pointer): nothing to compare
-    def lanes_many(self, ws, chunk, powers):  # type: ignore[no-untyped-def]
-        return None
-
-    def copy_lanes_many(self, srcs, dsts, chunk, powers):  # type: ignore[no-untyped-def]
-        return None
+class Declines(DefinitionKernels):  # the kernels' own refusal (a tensor they cannot read in place): nothing to compare
+    def lanes_into(self, out, rows, srcs, dsts, chunk, powers):  # type: ignore[no-untyped-def]
+        return False
 
 
 @pytest.mark.parametrize(

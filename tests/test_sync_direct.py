@@ -89,6 +89,46 @@ def test_write_and_hash_batches_bound_temporaries_and_launches(monkeypatch: pyte
     assert launches == [2, 2, 2]
 
 
+class _CommitOnly:
+    """An engine client that only commits (DirectWriter.push's one call), counting the calls."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.commits = url, 0
+
+    async def weights_direct_commit(self, **kw: object) -> str:
+        self.commits += 1
+        return "ok"
+
+
+def test_direct_push_resolves_names_once_per_engine_instance() -> None:
+    """A push writes every tensor into every target and returns the checksums of what it wrote (a cast to the
+    engine's dtype included); the views, dtype and head of each name are looked up once per engine instance
+    (later pushes: a shape check), a shape that changed is still refused naming the engine, and a new instance
+    (a restarted engine) is looked up afresh."""
+    from miles_hpc.sync.strategies.colocated_direct import DirectTarget, DirectWriter
+
+    g = torch.Generator().manual_seed(5)
+    named = [("a", torch.randn(4, 6, generator=g)), ("b", torch.randn(10, generator=g).bfloat16())]
+    views = {"a": torch.zeros(4, 6, dtype=torch.bfloat16), "b": torch.zeros(10, dtype=torch.bfloat16)}
+    writer = DirectWriter()
+    clients = [_CommitOnly("http://e0")]
+
+    def push(targets: list[DirectTarget], w: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+        return asyncio.run(writer.push(iter(w), targets, clients, "1", 5.0))  # type: ignore[arg-type]
+
+    targets = [DirectTarget("http://e0", "i0", views, [])]
+    for _ in range(2):
+        sums = push(targets, named)
+        assert sums == {n: tensor_checksum(t.to(torch.bfloat16)) for n, t in named}
+        assert all(torch.equal(views[n], t.to(torch.bfloat16)) for n, t in named)
+    assert clients[0].commits == 2 and set(writer._known[1]) == {"a", "b"}
+    with pytest.raises(EngineSyncError, match=r"trainer shape \(24,\), engine http://e0 holds \(4, 6\)"):
+        push(targets, [("a", named[0][1].reshape(-1))])
+    moved = {"a": torch.zeros(4, 6, dtype=torch.float32), "b": torch.zeros(10, dtype=torch.bfloat16)}
+    sums = push([DirectTarget("http://e0", "i1", moved, [])], named)  # restarted: another dtype now
+    assert torch.equal(moved["a"], named[0][1]) and sums["a"] == tensor_checksum(named[0][1])
+
+
 def test_cpu_engine_refuses_a_direct_write(tmp_path: Path) -> None:
     engine = Engine.from_pretrained(str(init_model("qwen3", "tiny", tmp_path / "m")), EngineConfig())
     with pytest.raises(RequestError, match="need an engine on a GPU"):

@@ -93,10 +93,11 @@ def rice_plans(vs: list[torch.Tensor], widths: list[int]) -> list[tuple[int, int
     live = [i for i, v in enumerate(vs) if v.numel()]
     if not live:
         return plans
-    means = torch.stack([vs[i].double().mean() for i in live]).tolist()
+    sums = torch.stack([vs[i].sum(dtype=torch.int64) for i in live]).tolist()  # exact: any device, any order
     candidates, rows = [], []
-    for i, mean in zip(live, means):
-        guess = max(0, int(math.log2(max(mean * math.log(2), 1.0))))
+    for i, total in zip(live, sums):
+        # floor(log2(max(mean * ln 2, 1))) from correctly rounded operations (frexp is exact): the same on every CPU
+        guess = max(0, math.frexp(max(total / vs[i].numel() * 0.6931471805599453, 1.0))[1] - 1)
         ks = list(range(max(0, guess - 2), min(guess + 3, MAX_CODED_BITS)))
         candidates.append(ks)
         for k in ks:

@@ -428,7 +428,7 @@ def _partition(
     i, j = np.triu_indices(len(used) + 1, 1)
     n, k, x, s = (p[j] - p[i] for p in pre)
     mu = np.divide(s, x, out=np.zeros_like(s), where=x > 0)
-    geo = (1 + mu) * np.log2(1 + mu) - mu * np.log2(np.where(mu > 0, mu, 1.0))
+    geo = (1 + mu) * _log2(1 + mu) - mu * _log2(np.where(mu > 0, mu, 1.0))
     cost = np.full((len(used) + 1, len(used) + 1), np.inf)
     cost[i, j] = n * _h2(k, n) + k + k * _h2(x, k) + x * geo + _CLASS_HEADER_BITS
     best = np.full(len(used) + 1, np.inf)
@@ -452,7 +452,29 @@ def _h2(k: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Binary entropy (bits) of k/n, 0 where n == 0."""
     p = np.clip(np.divide(k, n, out=np.zeros_like(k), where=n > 0), 1e-300, 1.0)
     q = np.clip(1.0 - p, 1e-300, 1.0)
-    return np.where((p > 1e-300) & (q > 1e-300), -(p * np.log2(p) + q * np.log2(q)), 0.0)
+    return np.where((p > 1e-300) & (q > 1e-300), -(p * _log2(p) + q * _log2(q)), 0.0)
+
+
+_LOG2E = 1.4426950408889634  # 1 / ln 2
+_SQRT_HALF = 0.7071067811865476
+_ATANH_TERMS = [1.0 / k for k in range(23, 0, -2)]  # 1/23, 1/21, ..., 1/1
+
+
+def _log2(x: np.ndarray) -> np.ndarray:
+    """log2 of positive float64 values from correctly rounded operations alone (frexp, +, -, *, /), within a few
+    ulps: the same bits on every CPU. np.log2 is not: its SIMD versions differ by instruction set in the last bits,
+    and the partition's estimates decide the classes, so the encoder's output would depend on the CPU that ran it.
+    x = m 2^e with m in [sqrt(1/2), sqrt(2)); ln m = 2 atanh(z), z = (m - 1) / (m + 1), |z| <= 0.172: the odd
+    series to z^23 (the next term is under 1e-18)."""
+    m, e = np.frexp(x)
+    low = m < _SQRT_HALF
+    m = np.where(low, 2.0 * m, m)
+    z = (m - 1.0) / (m + 1.0)
+    z2 = z * z
+    acc = np.zeros_like(z)
+    for c in _ATANH_TERMS:
+        acc = acc * z2 + c
+    return (e - low) + 2.0 * z * acc * _LOG2E
 
 
 # ---------------------------------------------------------------- bit patterns

@@ -94,59 +94,92 @@ def _to_bytes(lanes: torch.Tensor) -> bytes:
     return np.asarray(lanes.tolist(), dtype="<i8").tobytes()
 
 
+def whole_words(t: torch.Tensor) -> bool:
+    """Whether `t`'s memory is its own words (contiguous, starting 8-byte aligned, a whole number of words): the
+    kernels then read (and write) it in place, from its pointer and size alone."""
+    return t.is_contiguous() and t.data_ptr() % 8 == 0 and t.nbytes % 8 == 0
+
+
 @torch.no_grad()
 def lanes_of(ts: Sequence[torch.Tensor]) -> torch.Tensor:
     """The two lanes of each of `ts` (all on one device), int64 [len(ts), 2] on that device, without a host read.
-    On CUDA with Triton: one kernel launch (`checksum_kernels.lanes_many`)."""
-    ws = [words(t) for t in ts]
-    if not ws:
+    On CUDA with Triton: one kernel launch (`checksum_kernels.lanes_into`) that reads every tensor in place (a
+    padded copy of the few that are not `whole_words`)."""
+    if not ts:
         return torch.zeros(0, 2, dtype=torch.int64)
-    kernels = _kernels_on(ws[0].device)
+    device = ts[0].device
+    kernels = _kernels_on(device)
     if kernels is not None:
-        lanes = kernels.lanes_many(ws, CHUNK, power_table(_max_chunks(ws), ws[0].device))
-        if lanes is not None:
-            return lanes
-    return torch.stack([_torch_lanes(w) for w in ws])
+        out = torch.zeros(len(ts), 2, dtype=torch.int64, device=device)
+        rows: list[int] = []
+        srcs: list[torch.Tensor] = []
+        sp: list[int] = []
+        nbytes: list[int] = []
+        for i, t in enumerate(ts):  # pointers and sizes read once (the host's work per tensor)
+            n = t.nbytes
+            if not n:
+                continue
+            a = t.data_ptr()
+            if n % 8 or a % 8 or not t.is_contiguous():
+                t = words(t)  # a padded copy, read in place
+                n, a = t.nbytes, t.data_ptr()
+            rows.append(i)
+            srcs.append(t)
+            sp.append(a)
+            nbytes.append(n)
+        powers = power_table(max([1, *(-(-n // (8 * CHUNK)) for n in nbytes)]), device)
+        if kernels.launch(out, rows, srcs, sp, nbytes, None, None, CHUNK, powers):
+            return out
+    return torch.stack([_torch_lanes(words(t)) for t in ts])
 
 
 @torch.no_grad()
 def copy_with_lanes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """``dst.copy_(src)`` for each (src, dst) pair (same dtype and shape; sources on one device) and the lanes of
     what was written, int64 [len(pairs), 2] on the sources' device. On CUDA with Triton the pairs whose sources and
-    destinations are their own words (contiguous, 8-byte aligned, whole words) are copied and hashed in one pass
-    over the bytes; the others are copied by torch and their sources hashed."""
+    destinations are `whole_words` on that device are copied and hashed in one launch, one pass over the bytes
+    (the host work per pair: pointers and sizes); the others are copied by torch and their sources hashed by a
+    second launch."""
     for s, d in pairs:
         if s.dtype != d.dtype or s.shape != d.shape:
             raise ValueError(f"copy_with_lanes: {s.dtype}{tuple(s.shape)} into {d.dtype}{tuple(d.shape)}")
     if not pairs:
         return torch.zeros(0, 2, dtype=torch.int64)
     device = pairs[0][0].device
-    fused: list[int] = []
-    srcs, dsts = [], []
     kernels = _kernels_on(device)
-    if kernels is not None:
-        for i, (s, d) in enumerate(pairs):
-            if s.device == d.device == device and s.is_contiguous() and d.is_contiguous():
-                ws, wd = words(s), words(d)
-                if is_view(ws, s) and is_view(wd, d):
-                    fused.append(i)
-                    srcs.append(ws)
-                    dsts.append(wd)
-    lanes = None
-    if fused:
-        lanes = kernels.copy_lanes_many(srcs, dsts, CHUNK, power_table(_max_chunks(srcs), device))
-    if lanes is None:
-        fused = []
-    done = set(fused)
-    rest = [i for i in range(len(pairs)) if i not in done]
+    if kernels is None:
+        for s, d in pairs:
+            d.copy_(s)
+        return lanes_of([s for s, _ in pairs])
+    out = torch.zeros(len(pairs), 2, dtype=torch.int64, device=device)
+    index = device.index
+    fused: list[int] = []
+    rest: list[int] = []
+    sp: list[int] = []
+    dp: list[int] = []
+    nbytes: list[int] = []
+    for i, (s, d) in enumerate(pairs):  # pointers and sizes read once (the host's work per pair, every push)
+        n = s.nbytes
+        if not n:
+            continue
+        a, b = s.data_ptr(), d.data_ptr()
+        if n % 8 or a % 8 or b % 8 or d.get_device() != index or not (s.is_contiguous() and d.is_contiguous()):
+            rest.append(i)
+            continue
+        fused.append(i)
+        sp.append(a)
+        dp.append(b)
+        nbytes.append(n)
+    powers = power_table(max([1, *(-(-n // (8 * CHUNK)) for n in nbytes)]), device)
+    srcs = [pairs[i][0] for i in fused]
+    if not kernels.launch(out, fused, srcs, sp, nbytes, [pairs[i][1] for i in fused], dp, CHUNK, powers):
+        rest = sorted(rest + fused)
     for i in rest:
         pairs[i][1].copy_(pairs[i][0])
-    if not rest:
-        return lanes  # type: ignore[return-value]
-    out = torch.empty(len(pairs), 2, dtype=torch.int64, device=device)
-    out[torch.tensor(rest, device=device)] = lanes_of([pairs[i][0] for i in rest])
-    if fused:
-        out[torch.tensor(fused, device=device)] = lanes
+    if rest:
+        ws = [pairs[i][0] if whole_words(pairs[i][0]) else words(pairs[i][0]) for i in rest]
+        if not kernels.lanes_into(out, rest, ws, None, CHUNK, power_table(_max_chunks(ws), device)):
+            out[torch.tensor(rest, device=device)] = torch.stack([_torch_lanes(w) for w in map(words, ws)])
     return out
 
 
@@ -166,8 +199,9 @@ def _torch_lanes(w: torch.Tensor) -> torch.Tensor:
     return f
 
 
-def _max_chunks(ws: Sequence[torch.Tensor]) -> int:
-    return max(1, *(-(-w.numel() // CHUNK) for w in ws))
+def _max_chunks(ts: Sequence[torch.Tensor]) -> int:
+    """The most chunks of words any of `ts` has (at least 1)."""
+    return max([1, *(-(-t.nbytes // (8 * CHUNK)) for t in ts)])
 
 
 _powers: dict[torch.device, torch.Tensor] = {}
@@ -225,30 +259,33 @@ def _kernels_on(device: torch.device) -> Any:
 
 @torch.no_grad()
 def self_check(kernels: Any, device: torch.device) -> bool:
-    """Whether `kernels` (`checksum_kernels`) give the definition's lanes on `device`: both launches (hash, and
-    copy + hash) on probe words (more than two chunks, views 16 and 8 bytes off, a padded copy, an empty tensor)
-    against `_torch_lanes`. A Triton, compiler or driver that computes other bits (a GPU or ROCm version these
-    kernels were not tested on) must not verify transfers: on a difference or an error this logs a warning naming
-    the device and returns False, and the torch path is used there (same values, slower)."""
+    """Whether `kernels` (`checksum_kernels`) give the definition's lanes on `device`: both launches of
+    `lanes_into` (hash, and copy + hash) on probes (more than two chunks, views 16 and 8 bytes off, bf16 values,
+    a padded copy, an empty tensor, rows out of order) against `_torch_lanes`. A Triton, compiler or driver that
+    computes other bits (a GPU or ROCm version these kernels were not tested on) must not verify transfers: on a
+    difference or an error this logs a warning naming the device and returns False, and the torch path is used
+    there (same values, slower). Kernels that decline (return False) are not wrong: the torch path runs."""
     try:
         g = torch.Generator(device=device).manual_seed(0)
         n = 2 * CHUNK + 5
         raw = torch.randint(0, 256, (8 * n + 24,), dtype=torch.uint8, generator=g, device=device)
         base = raw[: 8 * n].view(torch.int64)
-        probes = [base, base[1 : 1 + CHUNK // 2 + 3], raw[3:24], base[:0], base[-7:]]
+        probes = [base, base[1 : 1 + CHUNK // 2 + 3], raw[3:24], base[:0], base[-7:], raw[16:816].view(torch.bfloat16)]
         ws = [words(t) for t in probes]
         powers = power_table(_max_chunks(ws), device)
         want = torch.stack([_torch_lanes(w) for w in ws])
-        got = kernels.lanes_many(ws, CHUNK, powers)
-        if got is not None and not torch.equal(got, want):
+        live = [i for i, t in enumerate(probes) if t.numel()][::-1]  # rows need not be in order
+        got = torch.zeros(len(probes), 2, dtype=torch.int64, device=device)
+        srcs = [probes[i] if whole_words(probes[i]) else ws[i] for i in live]
+        if kernels.lanes_into(got, live, srcs, None, CHUNK, powers) and not torch.equal(got, want):
             raise AssertionError(f"lanes {got.tolist()} != {want.tolist()}")
-        own = [(w, i) for i, (w, t) in enumerate(zip(ws, probes)) if is_view(w, t) and w.numel()]
-        dsts = [torch.zeros_like(w) for w, _ in own]
-        lanes = kernels.copy_lanes_many([w for w, _ in own], dsts, CHUNK, powers)
-        if lanes is not None:
-            if not torch.equal(lanes, want[[i for _, i in own]]):
-                raise AssertionError(f"copy lanes {lanes.tolist()} != {want[[i for _, i in own]].tolist()}")
-            if not all(torch.equal(d, w) for d, (w, _) in zip(dsts, own)):
+        own = [i for i in live if whole_words(probes[i])]
+        dsts = [torch.zeros_like(probes[i]) for i in own]
+        lanes = torch.zeros(len(own), 2, dtype=torch.int64, device=device)
+        if kernels.lanes_into(lanes, range(len(own)), [probes[i] for i in own], dsts, CHUNK, powers):
+            if not torch.equal(lanes, want[own]):
+                raise AssertionError(f"copy lanes {lanes.tolist()} != {want[own].tolist()}")
+            if not all(torch.equal(words(d), ws[i]) for d, i in zip(dsts, own)):  # (bits: random bf16 has NaNs)
                 raise AssertionError("the copy wrote other bytes than its sources")
         return True
     except Exception as e:  # noqa: BLE001  (whatever failed, the torch path is correct)
@@ -288,18 +325,23 @@ def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str
 
 def digests(heads: Sequence[bytes], lanes: torch.Tensor) -> list[str]:
     """The checksums of tensors from their heads (`head`) and lanes (`lanes_of`): one host read."""
-    host = lanes.cpu().tolist()
+    raw = lanes.cpu().numpy().astype("<i8", copy=False).tobytes()  # row k: bytes 16k .. 16k + 16
     out = []
-    for covered, row in zip(heads, host):
+    for k, covered in enumerate(heads):
         h = hashlib.blake2b(covered, digest_size=16)
-        h.update(np.asarray(row, dtype="<i8").tobytes())
+        h.update(raw[16 * k : 16 * k + 16])
         out.append(h.hexdigest())
     return out
 
 
 def head(t: torch.Tensor) -> bytes:
     """What a checksum covers besides the bits: the dtype name and the shape."""
-    return str(t.dtype).removeprefix("torch.").encode() + b"|" + ",".join(str(s) for s in t.shape).encode() + b"|"
+    return head_of(t.dtype, t.shape)
+
+
+def head_of(dtype: torch.dtype, shape: Sequence[int]) -> bytes:
+    """`head` of a tensor of this dtype and shape."""
+    return str(dtype).removeprefix("torch.").encode() + b"|" + ",".join(str(s) for s in shape).encode() + b"|"
 
 
 def piece_key(name: str, dims: tuple[tuple[int, int], ...]) -> str:

@@ -23,7 +23,10 @@ checksums in one pass over the bytes. Whole blocks load without a mask, 16 bytes
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -129,37 +132,38 @@ def _add_lanes(entry_ptr, pow_ptr, out_ptr, e, ok, s0, s1):
     tl.atomic_add(out_ptr + 2 * i + 1, (s1 * p1).to(tl.int64, bitcast=True), mask=ok, sem="relaxed")
 
 
-def _base(ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int], bool] | None:
-    """The lowest-addressed tensor, every tensor's element offset from it, and whether all are 16-byte aligned;
-    None when some offset is not a whole number of elements (then no common base exists)."""
-    base = min(ts, key=lambda t: t.data_ptr())
-    size = base.element_size()
-    gaps = [t.data_ptr() - base.data_ptr() for t in ts]
-    if any(g % size for g in gaps):
-        return None
-    aligned = base.data_ptr() % 16 == 0 and all(g % 16 == 0 for g in gaps)
-    return base, [g // size for g in gaps], aligned
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    """An int64 view of a contiguous tensor holding a whole number of 8-byte-aligned words (a launch's base)."""
+    if t.dtype.is_complex:
+        t = torch.view_as_real(t)
+    return t.reshape(-1).view(torch.uint8).view(torch.int64)
 
 
 def plan(
-    sizes: Sequence[int], src_offs: Sequence[int], dst_offs: Sequence[int], chunk: int, block: int
+    sizes: Sequence[int],
+    src_offs: Sequence[int],
+    dst_offs: Sequence[int],
+    chunk: int,
+    block: int,
+    rows: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """A launch's chunk list for tensors of `sizes` words (all non-empty) at these word offsets: int64 entries
-    [E, 5] (source offset, destination offset, words, tensor, fold power index), longest chunk first; per block b
-    of positions ([b * block, (b + 1) * block)), how many entries hold all of it (whole) and some of it (reach);
-    and the split (programs per position block)."""
+    [E, 5] (source offset, destination offset, words, output row (`rows[i]`, default i), fold power index),
+    longest chunk first; per block b of positions ([b * block, (b + 1) * block)), how many entries hold all of it
+    (whole) and some of it (reach); and the split (programs per position block)."""
     n = np.asarray(sizes, dtype=np.int64)
     chunks = -(-n // chunk)
     tensor = np.repeat(np.arange(len(n), dtype=np.int64), chunks)
     c = np.arange(int(chunks.sum()), dtype=np.int64) - np.repeat(np.cumsum(chunks) - chunks, chunks)
     words = np.minimum(chunk, n[tensor] - c * chunk)
     order = np.argsort(-words, kind="stable")
+    row = tensor if rows is None else np.asarray(rows, dtype=np.int64)[tensor]
     entries = np.stack(
         [
             np.asarray(src_offs, dtype=np.int64)[tensor] + c * chunk,
             np.asarray(dst_offs, dtype=np.int64)[tensor] + c * chunk,
             words,
-            tensor,
+            row,
             chunks[tensor] - 1 - c,
         ],
         axis=1,
@@ -172,63 +176,145 @@ def plan(
     return np.ascontiguousarray(entries), whole, reach, split
 
 
-def _launch(
-    srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor] | None, chunk: int, powers: torch.Tensor
-) -> torch.Tensor | None:
-    device = srcs[0].device
-    live = [i for i, t in enumerate(srcs) if t.numel()]
-    if not live:
-        return torch.zeros(len(srcs), 2, dtype=torch.int64, device=device)
+def lanes_into(
+    out: torch.Tensor,
+    rows: Sequence[int],
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor] | None,
+    chunk: int,
+    powers: torch.Tensor,
+) -> bool:
+    """Add the lanes of each source's bytes (read as words) to ``out[rows[i]]`` (int64 [n, 2] on the sources'
+    device, zeros to start; the rows distinct), in one launch; with `dsts`, first copy each source's bytes into
+    its destination (same number of bytes). Tensors of any dtype, each contiguous, non-empty, starting 8-byte
+    aligned and a whole number of words (`checksum.whole_words`): the kernel reads them in place from one base
+    pointer, so the host work per tensor is a pointer and a size (no views). False, with nothing launched or
+    written, when some tensor is not so, or `chunk` is not a multiple of the block; `powers` is int64
+    [>= max chunks, 2] with row k = (P_0^k, P_1^k)."""
+    if not srcs:
+        return True
+    if not all(t.is_contiguous() for t in srcs) or (dsts is not None and not all(t.is_contiguous() for t in dsts)):
+        return False
+    sp = [t.data_ptr() for t in srcs]
+    nbytes = [t.nbytes for t in srcs]
+    if dsts is not None and [t.nbytes for t in dsts] != nbytes:
+        return False
+    dp = None if dsts is None else [t.data_ptr() for t in dsts]
+    return launch(out, rows, srcs, sp, nbytes, dsts, dp, chunk, powers)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A launch's table on the device (entries, then whole, then reach) and its grid."""
+
+    table: torch.Tensor
+    whole: torch.Tensor
+    reach: torch.Tensor
+    grid: tuple[int, int]
+    split: int
+
+
+_plans: OrderedDict[tuple[Any, ...], _Plan] = OrderedDict()
+PLANS = 64  # launches whose tables are kept on their device (a direct write repeats the same few every push)
+_plans_lock = threading.Lock()
+
+
+def launch(
+    out: torch.Tensor,
+    rows: Sequence[int],
+    srcs: Sequence[torch.Tensor],
+    sp: Sequence[int],
+    nbytes: Sequence[int],
+    dsts: Sequence[torch.Tensor] | None,
+    dp: Sequence[int] | None,
+    chunk: int,
+    powers: torch.Tensor,
+) -> bool:
+    """`lanes_into` for callers that read the pointers (`sp`, `dp`) and sizes themselves and checked that every
+    tensor is contiguous (and, with `dsts`, that each destination has its source's size). The launch's table is
+    a function of the pointers, sizes and rows alone: it is kept on the device (`PLANS` of them, per stream), so
+    a launch repeated with the same tensors (every push of a direct write, every verify of an engine) costs no
+    planning and no copy to the device."""
+    if not srcs:
+        return True
     block = min(BLOCK, chunk)
-    if chunk % block:
-        return None
-    src = _base([srcs[i] for i in live])
-    dst = _base([dsts[i] for i in live]) if dsts is not None else src
-    if src is None or dst is None:
-        return None
-    entries, whole, reach, split = plan([srcs[i].numel() for i in live], src[1], dst[1], chunk, block)
-    host = torch.from_numpy(np.concatenate([entries.reshape(-1), whole, reach]))
-    # from pinned memory: a copy from pageable memory waits for the stream (the batches of a direct write, each
-    # one launch, would run one after the other with the host's work between them instead of overlapping it)
-    table = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-    sums = torch.zeros(len(live), 2, dtype=torch.int64, device=device)
+    dp = sp if dp is None else dp
+    if chunk % block or any(p % 8 for p in sp) or any(p % 8 for p in dp) or any(n % 8 or not n for n in nbytes):
+        return False
+    s0 = min(range(len(sp)), key=sp.__getitem__)
+    d0 = min(range(len(dp)), key=dp.__getitem__)
+    device = srcs[0].device
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, chunk, block, ROWS, PROGRAMS, MIN_CHUNKS, tuple(sp), tuple(dp), tuple(nbytes), tuple(rows))
+    with _plans_lock:
+        p = _plans.get(key)
+        if p is not None:
+            _plans.move_to_end(key)
+    if p is None:
+        src_base, dst_base = sp[s0], dp[d0]
+        entries, whole, reach, split = plan(
+            [n // 8 for n in nbytes],
+            [(a - src_base) // 8 for a in sp],
+            [(a - dst_base) // 8 for a in dp],
+            chunk,
+            block,
+            rows,
+        )
+        host = torch.from_numpy(np.concatenate([entries.reshape(-1), whole, reach]))
+        # from pinned memory: a copy from pageable memory waits for the stream (the batches of a direct write,
+        # each one launch, would run one after the other with the host's work between them)
+        table = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+        p = _Plan(table, table[entries.size :], table[entries.size + len(whole) :], (len(reach), split), split)
+        with _plans_lock:
+            _plans[key] = p
+            while len(_plans) > PLANS:
+                _plans.popitem(last=False)
+    aligned = all(a % 16 == 0 for a in sp) and all(a % 16 == 0 for a in dp)
+    src_words = _as_words(srcs[s0])
+    dst_words = src_words if dsts is None else _as_words(dsts[d0])
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # launch where they live
-        _lane_sums_by_position[(len(reach), split)](
-            src[0],
-            dst[0],
-            table,
-            table[entries.size :],
-            table[entries.size + len(whole) :],
+        _lane_sums_by_position[p.grid](
+            src_words,
+            dst_words,
+            p.table,
+            p.whole,
+            p.reach,
             powers,
-            sums,
-            split,
+            out,
+            p.split,
             BLOCK=block,
             ROWS=ROWS,
             PREFETCH=PREFETCH,
-            ALIGN=2 if src[2] and dst[2] else 1,
+            ALIGN=2 if aligned else 1,
             COPY=dsts is not None,
             num_warps=WARPS,
         )
-    if len(live) == len(srcs):
-        return sums
-    out = torch.zeros(len(srcs), 2, dtype=torch.int64, device=device)
-    out[torch.tensor(live, device=device)] = sums
-    return out
+    return True
 
 
 def lanes_many(words: Sequence[torch.Tensor], chunk: int, powers: torch.Tensor) -> torch.Tensor | None:
-    """The lanes, int64 [len(words), 2], of flat int64 word tensors (`checksum.words`) on one device, in one launch;
-    `powers` is int64 [>= max chunks, 2] with row k = (P_0^k, P_1^k). None when they share no base pointer."""
-    return _launch(words, None, chunk, powers)
+    """The lanes, int64 [len(words), 2], of flat int64 word tensors (`checksum.words`) on one device, in one launch
+    (`lanes_into`); None when some is not 8-byte aligned."""
+    return _many(words, None, chunk, powers)
 
 
 def copy_lanes_many(
     srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], chunk: int, powers: torch.Tensor
 ) -> torch.Tensor | None:
     """Copy each flat int64 word tensor of `srcs` into its destination (flat int64 words too: views of the
-    tensors being written) and return the lanes of what was written; None (nothing written) when the tensors
-    share no base pointer."""
-    return _launch(srcs, dsts, chunk, powers)
+    tensors being written) and return the lanes of what was written; None (nothing written) when some is not
+    8-byte aligned."""
+    return _many(srcs, dsts, chunk, powers)
+
+
+def _many(
+    srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor] | None, chunk: int, powers: torch.Tensor
+) -> torch.Tensor | None:
+    out = torch.zeros(len(srcs), 2, dtype=torch.int64, device=srcs[0].device if srcs else None)
+    live = [i for i, t in enumerate(srcs) if t.numel()]
+    pick = [srcs[i] for i in live]
+    ok = lanes_into(out, live, pick, None if dsts is None else [dsts[i] for i in live], chunk, powers)
+    return out if ok else None
 
 
 def compile_for(arch: int, copy: bool, aligned: bool) -> Any:
