@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
+
+from miles_hpc.atomic import write_bytes_atomic
 
 # (metric key, label): shown in the progress line as "LABEL N" when the step's value is > 0.
 COUNTS: tuple[tuple[str, str], ...] = (("rollout/failed", "failed"), ("rollout/skipped_prompts", "skipped"))
@@ -48,17 +48,7 @@ def truncate_metrics(path: str | Path, resume_step: int | None) -> int:
         lines = [line for line in lines if (s := _step(line)) is None or s < resume_step]
     kept = b"".join(lines)
     if kept != data:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            os.fchmod(fd, path.stat().st_mode & 0o7777)  # mkstemp's 0600 would hide the file from the team
-            with os.fdopen(fd, "wb") as f:
-                f.write(kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_bytes_atomic(path, kept, mode=path.stat().st_mode & 0o7777)  # the file's own mode, not mkstemp's
     return before - len(lines)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from miles_hpc.atomic import write_text_atomic
 from miles_hpc.cluster.bootstrap import Placement, bootstrap, master_port
+from miles_hpc.cluster.lease import PARENT_PID_ENV
 from miles_hpc.config import RunConfig
 from miles_hpc.launch.local import engine_launch, write_key
 from miles_hpc.launch.run_dir import RunPaths, prepare_run_dir, resolve_model
@@ -80,7 +81,8 @@ def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
         argv = engine_launch(
             cfg, model_dir, paths.root / "keys", paths.rendezvous / f"engine-{index}.json", index, **placement
         ).argv()
-        return subprocess.Popen(argv)
+        # The engine ends with this worker, even after its SIGKILL (cluster/lease.py), never serving on alone.
+        return subprocess.Popen(argv, env={**os.environ, PARENT_PID_ENV: str(os.getpid())})
 
     child = start()
     signal.signal(signal.SIGTERM, lambda sig, _frame: child.send_signal(sig))  # scancel/walltime: engine first
@@ -238,8 +240,6 @@ def _follower_signals() -> None:
     """Trainer ranks > 0: rank 0 decides when to stop, so a USR2 is ignored, and under a scheduler (which signals
     every task at once) so is the first SIGTERM/SIGINT: the ranks must live to take part in rank 0's checkpoint. A
     second one ends the rank. A rank that `miles-hpc run` started is only ever signalled by it: it obeys at once."""
-    from miles_hpc.cluster.lease import PARENT_PID_ENV
-
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     if os.environ.get(PARENT_PID_ENV):
         return
