@@ -8,6 +8,8 @@ Invariants:
   tensors applied before it stay applied.
 - Values are cast to the parameter's dtype and device (a bf16 trainer shard into an fp32 CPU engine works).
 - With tied embeddings `lm_head.weight` is the embedding: a checkpoint's copy is skipped, as loading does.
+- An FP8 block-quantized checkpoint (`models.fp8`) is checked like loading checks it (every fp8 weight has its
+  scale, of the right shape) and its weights stream dequantized to the model's dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from miles_hpc.models import CausalLM, expected_hf_shapes, hf_target, iter_hf_tensors
+from miles_hpc.models import CausalLM, expected_hf_shapes, fp8, hf_target, iter_hf_tensors
 from miles_hpc.models.hf_io import checkpoint_files
 from miles_hpc.sync.wire.checksum import piece_key, tensor_checksums
 
@@ -63,8 +65,10 @@ def iter_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> Iterator[t
     then yield them one at a time (one tensor in host memory at once)."""
     try:
         files, blame = checkpoint_files(Path(path))
+        quant = fp8.read_quantization(path)
     except (FileNotFoundError, ValueError) as e:
         raise RequestError(f"model_path: {e}") from e
+    files, scales = fp8.split_scales(files)  # FP8 block scales travel with their weights
     expected = expected_hf_shapes(model, files)
     missing = [n for n in expected if n not in files]
     if missing:
@@ -72,6 +76,10 @@ def iter_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> Iterator[t
     unknown = [n for n in files if n not in expected and not _tied_head(model, n) and not n.endswith("inv_freq")]
     if unknown:
         raise RequestError(f"model_path: {files[unknown[0]]} has tensor {unknown[0]!r} this model does not")
+    try:
+        fp8.check_scales(scales, files, quant)
+    except ValueError as e:
+        raise RequestError(f"model_path: {e}") from e
     by_file: dict[Path, list[str]] = {}
     for n in expected:
         by_file.setdefault(files[n], []).append(n)
@@ -81,14 +89,20 @@ def iter_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> Iterator[t
                 shape = tuple(f.get_slice(n).get_shape())
                 if shape != expected[n]:
                     raise RequestError(f"model_path: {file} tensor {n!r} has shape {shape}, expected {expected[n]}")
-    return _stream(by_file)
+                try:
+                    fp8.check_tensor(f, file, n, quant, scales)
+                except ValueError as e:
+                    raise RequestError(f"model_path: {e}") from e
+    return _stream(by_file, quant, scales, next(model.parameters()).dtype)
 
 
-def _stream(by_file: dict[Path, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(
+    by_file: dict[Path, list[str]], quant: fp8.Fp8Quantization | None, scales: dict[str, Path], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for n in names:
-                yield n, f.get_tensor(n)
+                yield n, fp8.read_tensor(f, file, n, quant, scales, dtype)
 
 
 def checksums(model: CausalLM) -> dict[str, str]:
