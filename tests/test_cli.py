@@ -20,7 +20,9 @@ from miles_hpc.models import load_pretrained
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "llama", "qwen2", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3", "qwen3_moe", "llama", "qwen2", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "deepseek_v32"]
+)
 def test_init_model_loads_in_transformers(tmp_path: Path, arch: str) -> None:
     out = tmp_path / arch
     assert main(["init-model", "--arch", arch, "--size", "tiny", "--seed", "3", str(out)]) == 0

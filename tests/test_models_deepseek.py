@@ -13,7 +13,7 @@ import torch
 from test_models_moe import _hf_routes
 from test_models_support import assert_grads_match, hf_load, hf_model, input_ids, max_diff
 
-from miles_hpc.models import ModelConfig, load_pretrained, save_pretrained
+from miles_hpc.models import ModelConfig, build_model, load_pretrained, save_pretrained
 
 REPO = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = dict(
@@ -141,17 +141,30 @@ def test_kimi_k2_config_parses_with_its_real_shapes() -> None:
         ModelConfig.from_hf_dict({**cfg.to_hf_dict(), "scoring_func": "softmax"})
 
 
-def test_multi_token_prediction_layers_of_a_release_are_ignored(tmp_path: Path) -> None:
+def test_multi_token_prediction_layers_of_a_release_load(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    deepseek("plain-q-halves-rope-one-group").save_pretrained(tmp_path)
-    f = next(tmp_path.glob("*.safetensors"))
-    tensors = load_file(str(f))
+    hf = deepseek("plain-q-halves-rope-one-group")
+    hf.save_pretrained(tmp_path)  # transformers writes num_nextn_predict_layers=1 but no MTP tensors
+    assert load_pretrained(tmp_path).config.num_nextn_predict_layers == 0
     n = json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"]
-    tensors[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(4, 4)  # what a DeepSeek-V3 release adds
+    mtp = load_pretrained(tmp_path).config.replace(num_nextn_predict_layers=1)
+    release = tmp_path / "release"
+    save_pretrained(build_model(mtp), release)
+    f = release / "model.safetensors"
+    tensors = load_file(str(f))
+    assert f"model.layers.{n}.eh_proj.weight" in tensors and f"model.layers.{n}.shared_head.norm.weight" in tensors
+    # A DeepSeek-V3 release also stores copies of the embedding and head in its MTP layer: accepted, not kept.
+    tensors[f"model.layers.{n}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[f"model.layers.{n}.shared_head.head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, str(f), metadata={"format": "pt"})
-    load_pretrained(tmp_path)
+    assert load_pretrained(release).config.num_nextn_predict_layers == 1
+    del tensors[f"model.layers.{n}.hnorm.weight"]
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"missing tensor 'model.layers.{n}.hnorm.weight'"):
+        load_pretrained(release)
+    tensors[f"model.layers.{n}.hnorm.weight"] = torch.ones(mtp.hidden_size)
     tensors["model.layers.0.unknown.weight"] = torch.zeros(2)
     save_file(tensors, str(f), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="unexpected tensor 'model.layers.0.unknown.weight'"):
-        load_pretrained(tmp_path)
+        load_pretrained(release)

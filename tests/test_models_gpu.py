@@ -50,3 +50,21 @@ def test_cuda_packed_and_replay_are_exact(tmp_path: Path) -> None:
         for _ in range(3):  # deterministic: replaying the recorded routes gives the same bits every time
             again = model(torch.cat(seqs, 1), cu_seqlens=cu, routing_replay=routed)
             assert torch.equal(again, packed)
+
+
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32"])
+def test_cuda_dsa_matches_cpu_at_a_context_past_index_topk(arch: str, tmp_path: Path) -> None:
+    """The DSA families on the device: the same logits and MTP logits as on the CPU (fp32: the indexer's scores
+    agree to ~1e-6, so the same tokens are selected), at 96 tokens against index_topk 16."""
+    from miles_hpc.models.presets import init_model
+
+    init_model(arch, "tiny", tmp_path, seed=2)
+    cpu, gpu = load_pretrained(tmp_path), load_pretrained(tmp_path, device="cuda")
+    ids = input_ids(batch=2, seq=96)
+    mtp_cpu: list[torch.Tensor] = []
+    mtp_gpu: list[torch.Tensor] = []
+    with torch.no_grad():
+        ref = cpu(ids, mtp_out=mtp_cpu)
+        got = gpu(ids.cuda(), mtp_out=mtp_gpu)
+    assert max_diff(got.cpu(), ref) < 1e-3
+    assert max_diff(mtp_gpu[0].cpu(), mtp_cpu[0]) < 1e-3

@@ -14,7 +14,7 @@ from miles_hpc.config import loader
 from miles_hpc.config.loader import meta as _help
 from miles_hpc.config.loader import require as _require
 
-Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"]
+Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "deepseek_v32"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -229,6 +229,14 @@ class TrainConfig:
     sft_warmup_shuffle_labels: bool = field(
         default=False, metadata=_help("warm up on other prompts' labels: teach the answer format, not the answers")
     )
+    mtp_loss_coef: float = field(
+        default=0.0,
+        metadata=_help(
+            "train the multi-token-prediction layers (num_nextn_predict_layers of the MLA families) with this weight "
+            "on their cross-entropy over the response tokens, per loss token; 0 = left as loaded (still saved and "
+            "synced); train.backend=fsdp"
+        ),
+    )
 
     def __post_init__(self) -> None:
         _require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
@@ -238,6 +246,12 @@ class TrainConfig:
         _require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0")
         _require(self.world_size >= 1, "world_size", f"must be >= 1, got {self.world_size}")
         _require(self.lr > 0.0, "lr", f"must be > 0, got {self.lr}")
+        _require(self.mtp_loss_coef >= 0.0, "mtp_loss_coef", f"must be >= 0, got {self.mtp_loss_coef}")
+        _require(
+            self.mtp_loss_coef == 0.0 or self.backend == "fsdp",
+            "mtp_loss_coef",
+            "the multi-token-prediction loss is trained by train.backend=fsdp only",
+        )
         _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _require(self.grad_clip >= 0.0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
         _require(self.max_tokens_per_microbatch >= 1, "max_tokens_per_microbatch", "must be >= 1")
@@ -490,6 +504,11 @@ class RunConfig:
             f"{why} on one kind of device: rollout.device={self.rollout.device}, train.device={self.train.device}",
         )
         _require(not self.train.compile, "train.compile", f"{why}: compiled (fused) layers change the bits")
+        _require(
+            self.model.path is not None or self.model.init_arch not in ("glm_moe_dsa", "deepseek_v32"),
+            "model.init_arch",
+            f"{why}: the DSA indexer's scoring and top-k ({self.model.init_arch}) have no batch-invariant kernels",
+        )
         mixed = self.train.device == "cuda" and self.train.mixed_precision
         compute = "bfloat16" if mixed else "float32"
         _require(

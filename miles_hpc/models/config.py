@@ -21,112 +21,20 @@ from typing import Any
 
 import torch
 
-# HF `architectures[0]` for each supported `model_type`.
-ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM",
-}
-# Checkpoints that name another model_type for one of these architectures (Kimi-K2 ships DeepSeek-V3 weights).
-MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
-SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "swish", "gelu", "gelu_pytorch_tanh")
-
-# transformers 5.24 class defaults for keys a config.json may omit (configuration_<family>.py). Keys absent here
-# default the same for all families (see `from_hf_dict`).
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=None,
-        head_dim=None,
-        max_position_embeddings=2048,
-    ),
-    "qwen2": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=22016,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        head_dim=None,
-        max_position_embeddings=32768,
-    ),
-    "qwen3": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=22016,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        head_dim=128,
-        max_position_embeddings=32768,
-    ),
-    "qwen3_moe": dict(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=24,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=None,
-        max_position_embeddings=32768,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-    ),
-    "deepseek_v3": dict(
-        vocab_size=129280,
-        hidden_size=7168,
-        intermediate_size=18432,
-        num_hidden_layers=61,
-        num_attention_heads=128,
-        num_key_value_heads=None,
-        max_position_embeddings=4096,
-        num_experts=256,
-        num_experts_per_tok=8,
-        moe_intermediate_size=2048,
-        n_shared_experts=1,
-        routed_scaling_factor=2.5,
-        kv_lora_rank=512,
-        q_lora_rank=1536,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        qk_nope_head_dim=128,
-        n_group=8,
-        topk_group=4,
-        first_k_dense_replace=3,
-        norm_topk_prob=True,
-        rope_interleave=True,
-    ),
-    "glm4_moe": dict(
-        vocab_size=151552,
-        hidden_size=4096,
-        intermediate_size=10944,
-        num_hidden_layers=46,
-        num_attention_heads=96,
-        num_key_value_heads=8,
-        head_dim=None,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=1408,
-        n_shared_experts=1,
-        routed_scaling_factor=1.0,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        norm_topk_prob=True,
-    ),
-}
+from .families import (
+    ARCHITECTURES,
+    DSA_TYPES,
+    FAMILY_DEFAULTS,
+    GROUP_ROUTER_TYPES,
+    INDEXER_ROPE_INTERLEAVED,
+    MLA_TYPES,
+    MODEL_TYPE_ALIASES,
+    SUPPORTED_ACTIVATIONS,
+    SUPPORTED_MODEL_TYPES,
+    SUPPORTED_ROPE_TYPES,
+    check_dsa,
+    dsa_fields,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,7 +83,8 @@ class RopeScaling:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
-    """Architecture of one dense (llama, qwen2, qwen3) or MoE (qwen3_moe, deepseek_v3) decoder-only model."""
+    """Architecture of one dense (llama, qwen2, qwen3) or MoE (qwen3_moe, deepseek_v3, glm4_moe, deepseek_v32,
+    glm_moe_dsa) decoder-only model."""
 
     model_type: str
     """HF model_type; one of SUPPORTED_MODEL_TYPES."""
@@ -225,7 +134,20 @@ class ModelConfig:
     """Router: experts are chosen only from the topk_group of n_group groups with the best top-2 sums."""
     routed_scaling_factor: float = 1.0
     first_k_dense_replace: int = 0
-    """Layers 0..first_k_dense_replace-1 are dense; every later layer is MoE."""
+    """Layers 0..first_k_dense_replace-1 are dense; every later layer is MoE (unless mlp_layer_types says)."""
+    mlp_layer_types: tuple[str, ...] = ()
+    """DSA families: "dense" or "sparse" (MoE) per layer; () = the first_k_dense_replace rule."""
+    # ---- DeepSeek sparse attention (deepseek_v32, glm_moe_dsa): the lightning indexer; 0 / () elsewhere ----
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    """Indexer query heads and their width (the one indexer key per token has this width too)."""
+    index_topk: int = 0
+    """Each query attends to the index_topk cached tokens its indexer scores highest (all of them when fewer)."""
+    indexer_types: tuple[str, ...] = ()
+    """glm_moe_dsa: "full" (the layer runs its indexer) or "shared" (reuses the previous full layer's top-k) per
+    layer; () = every layer full."""
+    num_nextn_predict_layers: int = 0
+    """MLA families: multi-token-prediction layers, held as `model.layers.{num_hidden_layers + j}` (mtp.py)."""
     rope_interleave: bool = False
     """RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... instead of the two halves."""
     partial_rotary_factor: float = 1.0
@@ -274,7 +196,7 @@ class ModelConfig:
             )
         if self.mlp_bias and self.model_type != "llama":
             raise ValueError("mlp_bias exists only in llama")
-        if self.model_type in ("qwen3_moe", "deepseek_v3", "glm4_moe"):
+        if self.model_type == "qwen3_moe" or self.group_router:
             if self.num_experts <= 0 or self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
                 raise ValueError(f"{self.model_type} needs num_experts, moe_intermediate_size, decoder_sparse_step > 0")
             if not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -282,7 +204,8 @@ class ModelConfig:
         elif self.num_experts:
             raise ValueError(f"{self.model_type} is dense but num_experts={self.num_experts}")
         if self.is_mla and min(self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim) <= 0:
-            raise ValueError("deepseek_v3 needs kv_lora_rank, qk_nope_head_dim, v_head_dim > 0")
+            raise ValueError(f"{self.model_type} needs kv_lora_rank, qk_nope_head_dim, v_head_dim > 0")
+        check_dsa(self)
         if self.group_router:
             if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
                 raise ValueError(
@@ -300,13 +223,31 @@ class ModelConfig:
     # ---- derived ----
     @property
     def is_mla(self) -> bool:
-        """Multi-head latent attention (DeepSeek-V3 family)."""
-        return self.model_type == "deepseek_v3"
+        """Multi-head latent attention (DeepSeek-V3 family, and the DSA families built on it)."""
+        return self.model_type in MLA_TYPES
+
+    @property
+    def is_dsa(self) -> bool:
+        """DeepSeek sparse attention: MLA whose keys are the indexer's top-k per query (deepseek_v32, glm_moe_dsa)."""
+        return self.model_type in DSA_TYPES
+
+    @property
+    def indexer_rope_interleave(self) -> bool:
+        """The indexer rotates interleaved pairs (GLM-5) or halves (DeepSeek-V3.2) of its rope part."""
+        return INDEXER_ROPE_INTERLEAVED.get(self.model_type, False)
+
+    def indexer_full(self, layer_idx: int) -> bool:
+        """A DSA layer that runs (and holds) its own indexer; "shared" layers reuse the last full layer's top-k.
+        Multi-token-prediction layers (past num_hidden_layers) always run their own."""
+        return self.is_dsa and (
+            layer_idx >= self.num_hidden_layers or not self.indexer_types or self.indexer_types[layer_idx] == "full"
+        )
 
     @property
     def group_router(self) -> bool:
-        """The sigmoid group-limited router with shared experts and first-k dense layers (DeepSeek-V3, GLM-4.5)."""
-        return self.model_type in ("deepseek_v3", "glm4_moe")
+        """The sigmoid group-limited router with shared experts and first-k dense layers (DeepSeek-V3, GLM-4.5,
+        and the DSA families)."""
+        return self.model_type in GROUP_ROUTER_TYPES
 
     @property
     def rotary_dim(self) -> int:
@@ -326,7 +267,9 @@ class ModelConfig:
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Which layers get the sparse MoE block: transformers' Qwen3MoeDecoderLayer / DeepseekV3DecoderLayer rule."""
         if self.group_router:
-            return layer_idx >= self.first_k_dense_replace
+            if layer_idx < self.num_hidden_layers and self.mlp_layer_types:
+                return self.mlp_layer_types[layer_idx] == "sparse"
+            return layer_idx >= self.first_k_dense_replace  # MTP layers (past the decoder) are MoE
         return (
             self.num_experts > 0
             and layer_idx not in self.mlp_only_layers
@@ -362,7 +305,7 @@ class ModelConfig:
                 f"{source}: unsupported model_type {d.get('model_type')!r} "
                 f"(architectures={d.get('architectures')!r}); supported model types: {list(SUPPORTED_MODEL_TYPES)}"
             )
-        defaults = _FAMILY_DEFAULTS[model_type]
+        defaults = FAMILY_DEFAULTS[model_type]
 
         def get(key: str, default: Any = None) -> Any:
             value = d.get(key)
@@ -385,8 +328,10 @@ class ModelConfig:
                     decoder_sparse_step=int(get("decoder_sparse_step", 1)),
                     mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
                 )
-            elif model_type in ("deepseek_v3", "glm4_moe"):
-                moe = _group_router_fields(d, get, mla=model_type == "deepseek_v3")
+            elif model_type in GROUP_ROUTER_TYPES:
+                moe = _group_router_fields(d, get, mla=model_type in MLA_TYPES)
+                if model_type in DSA_TYPES:
+                    moe.update(dsa_fields(d, get, model_type, int(get("num_hidden_layers"))))
             partial = _partial_rotary(d)
             if partial != 1.0 and model_type != "glm4_moe":
                 raise ValueError("partial_rotary_factor is supported for glm4_moe only")
@@ -399,7 +344,7 @@ class ModelConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=int(get("num_key_value_heads", heads) or heads),
                 head_dim=int(
-                    get("qk_rope_head_dim") if model_type == "deepseek_v3" else get("head_dim") or hidden // heads
+                    get("qk_rope_head_dim") if model_type in MLA_TYPES else get("head_dim") or hidden // heads
                 ),
                 hidden_act=str(get("hidden_act", "silu")),
                 rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
@@ -447,41 +392,8 @@ class ModelConfig:
         }
         if self.model_type != "qwen2":
             d["attention_bias"] = self.qkv_bias
-        if self.model_type == "glm4_moe":
-            d.update(
-                n_routed_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob,
-                n_shared_experts=self.n_shared_experts,
-                n_group=self.n_group,
-                topk_group=self.topk_group,
-                routed_scaling_factor=self.routed_scaling_factor,
-                first_k_dense_replace=self.first_k_dense_replace,
-                partial_rotary_factor=self.partial_rotary_factor,
-                use_qk_norm=self.use_qk_norm,
-            )
-        if self.is_mla:
-            del d["head_dim"]  # transformers derives it (= qk_rope_head_dim)
-            d.update(
-                n_routed_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob,
-                q_lora_rank=self.q_lora_rank,
-                kv_lora_rank=self.kv_lora_rank,
-                qk_nope_head_dim=self.qk_nope_head_dim,
-                qk_rope_head_dim=self.head_dim,
-                v_head_dim=self.v_head_dim,
-                n_shared_experts=self.n_shared_experts,
-                n_group=self.n_group,
-                topk_group=self.topk_group,
-                routed_scaling_factor=self.routed_scaling_factor,
-                first_k_dense_replace=self.first_k_dense_replace,
-                rope_interleave=self.rope_interleave,
-                topk_method="noaux_tc",
-                scoring_func="sigmoid",
-            )
+        if self.group_router:
+            d.update(self._group_router_keys(d))
         if self.model_type == "llama":
             d["mlp_bias"] = self.mlp_bias
         elif not self.group_router:
@@ -499,6 +411,46 @@ class ModelConfig:
             # Both spellings: transformers 5 reads `dtype`, older readers `torch_dtype`.
             d["torch_dtype"] = d["dtype"] = self.dtype
         return d
+
+    def _group_router_keys(self, d: dict[str, Any]) -> dict[str, Any]:
+        """The router keys of the DeepSeek-V3 / GLM families, MLA's, the DSA indexer's (to_hf_dict's part;
+        removes the keys those families do not have from `d`)."""
+        out: dict[str, Any] = dict(
+            n_routed_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size,
+            norm_topk_prob=self.norm_topk_prob,
+            n_shared_experts=self.n_shared_experts,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
+            first_k_dense_replace=self.first_k_dense_replace,
+        )
+        if self.model_type == "glm4_moe":
+            out.update(partial_rotary_factor=self.partial_rotary_factor, use_qk_norm=self.use_qk_norm)
+            return out
+        del d["head_dim"]  # transformers derives it (= qk_rope_head_dim)
+        out.update(
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.head_dim,
+            v_head_dim=self.v_head_dim,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+        )
+        if self.num_nextn_predict_layers:
+            out["num_nextn_predict_layers"] = self.num_nextn_predict_layers
+        if not self.is_dsa:
+            out["rope_interleave"] = self.rope_interleave
+            return out
+        # (no rope_interleave: not a field of either DSA family, whose attention always interleaves)
+        out.update(index_n_heads=self.index_n_heads, index_head_dim=self.index_head_dim, index_topk=self.index_topk)
+        if self.mlp_layer_types:
+            out["mlp_layer_types"] = list(self.mlp_layer_types)
+        if self.model_type == "glm_moe_dsa":
+            out["indexer_types"] = ["full" if self.indexer_full(i) else "shared" for i in range(self.num_hidden_layers)]
+        return out
 
 
 def _group_router_fields(d: Mapping[str, Any], get: Any, *, mla: bool) -> dict[str, Any]:
@@ -528,6 +480,7 @@ def _group_router_fields(d: Mapping[str, Any], get: Any, *, mla: bool) -> dict[s
             qk_nope_head_dim=int(get("qk_nope_head_dim")),
             v_head_dim=int(get("v_head_dim")),
             rope_interleave=bool(get("rope_interleave", True)),
+            num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
         )
     return out
 

@@ -11,15 +11,21 @@ Name mapping (the only place that knows it):
   the fused tensors under their in-memory names (no `.weight` suffix). We read both, per layer, and write the
   Hub per-expert layout.
 - Tied embeddings: `lm_head.weight` is not written; if a checkpoint has it anyway it is ignored (transformers
-  ties it to the embedding too). Legacy `rotary_emb.inv_freq` buffers are ignored, and so are DeepSeek-V3's
-  multi-token-prediction layers (`model.layers.{N}.*` past the last decoder layer).
+  ties it to the embedding too). Legacy `rotary_emb.inv_freq` buffers are ignored.
+- Multi-token-prediction layers (MLA families; `model.layers.{N + j}.*`, N = num_hidden_layers, mtp.py) load and
+  save when the config has `num_nextn_predict_layers`; their copies of the embedding and output head
+  (`embed_tokens`, `shared_head.head`, in DeepSeek-V3 releases) are ignored, and so are layers past the ones the
+  config names. A checkpoint with none of them (transformers saves none) loads without them (a warning says so).
 
 Every missing, unexpected or mis-shaped tensor is an error naming the tensor and the file.
+FP8 block-quantized checkpoints (`fp8.py`) are dequantized to the parameters' dtype as they load; saving always
+writes the parameters' plain dtype and no `quantization_config`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -29,8 +35,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from . import fp8
 from .config import ModelConfig
 from .transformer import CausalLM
+
+log = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -115,10 +124,23 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 def _ignorable(name: str, config: ModelConfig) -> bool:
     if name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight"):
         return True
-    # DeepSeek-V3 / Kimi-K2 releases carry multi-token-prediction layers past the last decoder layer (transformers
-    # ignores them too): the causal LM does not use them.
     m = _LAYER.match(name)
-    return config.is_mla and m is not None and int(m.group(1)) >= config.num_hidden_layers
+    if not config.is_mla or m is None or int(m.group(1)) < config.num_hidden_layers:
+        return False
+    # Multi-token-prediction layers: their copies of the model's embedding and head, and depths we do not build.
+    copies = name.endswith((".embed_tokens.weight", ".shared_head.head.weight"))
+    return copies or int(m.group(1)) >= config.num_hidden_layers + config.num_nextn_predict_layers
+
+
+def without_absent_mtp(config: ModelConfig, names: Iterable[str], source: Path) -> ModelConfig:
+    """`config` with no MTP layers when the checkpoint holds none of them (transformers saves none)."""
+    n = config.num_hidden_layers
+    if not config.num_nextn_predict_layers:
+        return config
+    if any((m := _LAYER.match(name)) is not None and int(m.group(1)) >= n for name in names):
+        return config
+    log.warning("%s: no multi-token-prediction layer model.layers.%d.*: loading without it", source, n)
+    return config.replace(num_nextn_predict_layers=0)
 
 
 # ---------------------------------------------------------------- loading
@@ -141,6 +163,8 @@ def checkpoint_files(path: Path) -> tuple[dict[str, Path], Path]:
 def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
     """Fill every parameter of `model` from the HF checkpoint directory `path`, checking names and shapes."""
     files, blame = checkpoint_files(Path(path))
+    quant = fp8.read_quantization(path)
+    files, scales = fp8.split_scales(files)  # FP8 block scales: consumed with their weights, never "unexpected"
     expected = expected_hf_shapes(model, files)
     missing = [n for n in expected if n not in files]
     if missing:
@@ -150,6 +174,7 @@ def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise ValueError(f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]!r}{more}")
+    fp8.check_scales(scales, files, quant)
     params = dict(model.named_parameters())
     by_file: dict[Path, list[str]] = {}
     for n in expected:
@@ -162,14 +187,17 @@ def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
                 shape = tuple(f.get_slice(n).get_shape())
                 if shape != expected[n]:
                     raise ValueError(f"{file}: tensor {n!r} has shape {shape}, expected {expected[n]}")
-                hf_target(model, n, params).copy_(f.get_tensor(n))
+                target = hf_target(model, n, params)  # an fp8 weight is dequantized to its dtype, one at a time
+                target.copy_(fp8.read_tensor(f, file, n, quant, scales, target.dtype))
 
 
 def read_config(path: str | os.PathLike[str]) -> ModelConfig:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.exists():
         raise FileNotFoundError(f"{cfg_path} does not exist")
-    return ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()), source=str(cfg_path))
+    d = json.loads(cfg_path.read_text())
+    fp8.parse_quantization(d, source=str(cfg_path))  # refuse an unsupported quantization before any allocation
+    return ModelConfig.from_hf_dict(d, source=str(cfg_path))
 
 
 def build_model(
@@ -185,7 +213,9 @@ def load_pretrained(
     path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str | torch.device | None = None
 ) -> CausalLM:
     """Load an HF-format checkpoint directory; dtype defaults to the config's `torch_dtype`/`dtype`, else float32."""
-    model = _empty_model(read_config(path), dtype, device)
+    config = read_config(path)
+    files, blame = checkpoint_files(Path(path))
+    model = _empty_model(without_absent_mtp(config, files, blame), dtype, device)
     load_hf_checkpoint(model, path)
     return model.eval()
 

@@ -1,6 +1,6 @@
 """Multi-head latent attention (MLA) of the DeepSeek-V3 family (also Kimi-K2), as transformers 5.24 computes it.
 
-Stage: shared model code (the trainer's forward; the embedded engine does not serve MLA yet, engine/core.py says so).
+Stage: shared model code (the trainer's forward; the engine serves it from a latent cache, engine/latent_cache.py).
 
 Per token: the query is `q_proj(x)` or, with `q_lora_rank`, `q_b_proj(RMSNorm(q_a_proj(x)))`, split per head into a
 part without position (`qk_nope_head_dim`) and a rotary part (`qk_rope_head_dim` = `config.head_dim`).
@@ -11,7 +11,23 @@ the two halves (as Llama) or interleaved pairs (`rope_interleave`, DeepSeek's re
 qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under yarn RoPE (transformers' `yarn_apply_mscale`).
 
 Parameter names are the HF ones: `q_proj` | `q_a_proj`, `q_a_layernorm`, `q_b_proj`; `kv_a_proj_with_mqa`,
-`kv_a_layernorm`, `kv_b_proj`, `o_proj`.
+`kv_a_layernorm`, `kv_b_proj`, `o_proj`. The two latent norms use RMSNorm's default eps 1e-6, not `rms_norm_eps`
+(transformers builds them so for every MLA family).
+
+DSA families (deepseek_v32, glm_moe_dsa; dsa.py): each query's keys are the indexer's top-k; a layer with an
+indexer returns its selection, which GLM-5.2's "shared" layers take as `shared`.
+
+Backend hooks (optional methods of the attention backend object, found by name; the trainer's backends have none,
+so its results are those of the default path):
+- `mla_attention(q_nope [B, H, T, nope], q_rot [B, H, T, rope], latent [B, T, kv_lora_rank], k_rot [B, 1, T, rope],
+  *, kv_b_proj, layer_idx, scale, selection) -> [B, H, T, v_head_dim]`: the layer hands over the kv_a_layernorm-ed
+  latent and the rotated shared key part BEFORE kv_b_proj expands them (queries rotated, scale as above, `selection`
+  the DSA top-k or None), so a paged cache can store kv_lora_rank + rope values per token instead of
+  heads * (qk_head_dim + v_head_dim); the backend applies `kv_b_proj` (the module: hooks and batch-invariant
+  forwards apply) to whatever it expands. The engine's `LatentAttention` implements it.
+- DSA (dsa.py): `dsa_select(iq, ik, iw, *, layer_idx, topk, scale) -> Selection` instead of the uncached top-k, and,
+  on the default path only, `dsa_attention(q, k, v, *, layer_idx, scale, selection)` instead of the uncached sparse
+  attention.
 """
 
 from __future__ import annotations
@@ -21,10 +37,13 @@ import math
 import torch
 from torch import nn
 
+from . import dsa
 from .attention import AttentionBackend
 from .config import ModelConfig
 from .layers import RMSNorm
 from .rope import apply_rotary
+
+LATENT_NORM_EPS = 1e-6
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -61,12 +80,16 @@ class MLAttention(nn.Module):
             self.q_proj = nn.Linear(h, qk, bias=False)
         else:
             self.q_a_proj = nn.Linear(h, config.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(config.q_lora_rank, qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_rank + self.rope, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.kv_rank, config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
+        self.dsa = config.is_dsa
+        self.index_topk = config.index_topk
+        if config.indexer_full(layer_idx):
+            self.indexer = dsa.Indexer(config, layer_idx)
 
     def forward(
         self,
@@ -75,12 +98,18 @@ class MLAttention(nn.Module):
         sin: torch.Tensor,
         backend: AttentionBackend,
         cu_seqlens: torch.Tensor | None,
-    ) -> torch.Tensor:
+        shared: dsa.Selection | None = None,
+    ) -> tuple[torch.Tensor, dsa.Selection | None]:
+        """(output [B, T, hidden], this layer's DSA selection or None); `shared`: the selection a "shared" DSA
+        layer reuses. A backend with `mla_attention` (the engine's latent cache) gets the latent before its
+        expansion (module docstring); otherwise keys and values are expanded here and go to `backend`."""
         b, t, _ = x.shape
+        q_resid = None
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q = q.view(b, t, self.num_heads, self.nope + self.rope).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
@@ -89,12 +118,72 @@ class MLAttention(nn.Module):
             q_rot, k_rot = rope_interleaved(q_rot, cos, sin), rope_interleaved(k_rot, cos, sin)
         else:
             q_rot, k_rot = apply_rotary(q_rot, cos, sin), apply_rotary(k_rot, cos, sin)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, self.num_heads, self.nope + self.v_dim)
+        latent = self.kv_a_layernorm(latent)
+        selection = None
+        if self.dsa:
+            assert q_resid is not None
+            selection = self._select(x, q_resid, cos, sin, backend, cu_seqlens) if hasattr(self, "indexer") else shared
+            if selection is None:
+                raise ValueError(
+                    f"layer {self.layer_idx}: a shared DSA layer needs the selection of an earlier full layer"
+                )
+        cached = getattr(backend, "mla_attention", None)
+        if cached is not None:  # the engine: caches the latent, applies kv_b_proj itself
+            out = cached(
+                q_nope,
+                q_rot,
+                latent,
+                k_rot,
+                kv_b_proj=self.kv_b_proj,
+                layer_idx=self.layer_idx,
+                scale=self.scale,
+                selection=selection,
+            )
+        else:
+            out = self._expanded(q_nope, q_rot, latent, k_rot, backend, cu_seqlens, selection)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_dim)), selection
+
+    def _expanded(
+        self,
+        q_nope: torch.Tensor,
+        q_rot: torch.Tensor,
+        latent: torch.Tensor,
+        k_rot: torch.Tensor,
+        backend: AttentionBackend,
+        cu_seqlens: torch.Tensor | None,
+        selection: dsa.Selection | None,
+    ) -> torch.Tensor:
+        """The default path: per-head keys [nope | rope] and values from the normed latent, then attention
+        (`backend`, or DSA's sparse attention over `selection`); [B, H, T, v_head_dim]."""
+        b, t, _ = latent.shape
+        kv = self.kv_b_proj(latent).view(b, t, self.num_heads, self.nope + self.v_dim)
         k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, self.num_heads, -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
-        out = backend(q, k, v.contiguous(), layer_idx=self.layer_idx, scale=self.scale, cu_seqlens=cu_seqlens)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_dim))
+        v = v.contiguous()
+        if selection is None:
+            return backend(q, k, v, layer_idx=self.layer_idx, scale=self.scale, cu_seqlens=cu_seqlens)
+        attend = dsa.backend_hook(backend, "dsa_attention")
+        if attend is not None:
+            return attend(q, k, v, layer_idx=self.layer_idx, scale=self.scale, selection=selection)
+        bounds = dsa.host_bounds(cu_seqlens, b, t)
+        return dsa.sparse_attention(q, k, v, scale=self.scale, bounds=bounds, selection=selection)
+
+    def _select(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+        cu_seqlens: torch.Tensor | None,
+    ) -> dsa.Selection:
+        iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
+        select = dsa.backend_hook(backend, "dsa_select")
+        if select is not None:  # the engine: scores against its cached indexer keys too
+            return select(iq, ik, iw, layer_idx=self.layer_idx, topk=self.index_topk, scale=self.indexer.scale)
+        bounds = dsa.host_bounds(cu_seqlens, x.shape[0], x.shape[1])
+        return dsa.select_topk(iq, ik, iw, topk=self.index_topk, scale=self.indexer.scale, bounds=bounds)
 
 
 __all__ = ["MLAttention", "rope_interleaved", "softmax_scale"]

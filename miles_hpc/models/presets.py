@@ -12,7 +12,7 @@ from typing import Any
 
 from miles_hpc.models.tokenizer import EOS_TOKEN, NUM_BYTE_TOKENS, PAD_TOKEN, SPECIAL_TOKENS, special_token_id
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "deepseek_v32")
 SIZES = ("tiny", "small")
 
 # Vocabulary: 256 bytes + specials, rounded up to a multiple of 64 (embedding rows past the tokenizer are unused).
@@ -52,6 +52,8 @@ _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
 }
 
 # DeepSeek-V3 family (MLA + sigmoid group-limited router + one shared expert; layer 0 dense as in Kimi-K2), scaled
@@ -69,6 +71,73 @@ _MLA: dict[str, dict[str, int]] = {
         n_group=4,
         topk_group=2,
     ),
+}
+
+
+# The DSA families scaled down with their real proportions (GLM-5.2: nope = 3x rope, v = 4x rope, the indexer's
+# head 2x rope wide; DeepSeek-V3.2: nope = v = 2x rope) and every branch exercised: dense then MoE layers, GLM's
+# full and shared indexer layers, an index_topk below the contexts the built-in tasks reach (so the sparsity
+# matters), one MTP layer. The indexer keeps 16 heads (the releases have 32 and 64), not a fraction of the few
+# attention heads: a score is an exact 0 when every head's dot product is negative (2^-heads of them), and torch.topk
+# breaks such ties by row length, so with 2-4 heads the same token would select differently in a decode step and
+# in the trainer's forward over the whole sample (docs/models.md).
+_DSA: dict[str, dict[str, dict[str, Any]]] = {
+    "glm_moe_dsa": {
+        "tiny": dict(
+            num_hidden_layers=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=24,
+            qk_rope_head_dim=8,
+            v_head_dim=32,
+            index_n_heads=16,
+            index_head_dim=16,
+            index_topk=16,
+            indexer_types=["full", "shared", "full", "shared"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        ),
+        "small": dict(
+            num_hidden_layers=6,
+            q_lora_rank=96,
+            kv_lora_rank=64,
+            qk_nope_head_dim=48,
+            qk_rope_head_dim=16,
+            v_head_dim=64,
+            index_n_heads=16,
+            index_head_dim=32,
+            index_topk=64,
+            indexer_types=["full", "full", "shared", "shared", "full", "shared"],
+            mlp_layer_types=["dense", "dense", "sparse", "sparse", "sparse", "sparse"],
+        ),
+    },
+    "deepseek_v32": {
+        "tiny": dict(
+            num_hidden_layers=3,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            index_n_heads=16,
+            index_head_dim=16,
+            index_topk=16,
+            n_group=2,
+            topk_group=1,
+        ),
+        "small": dict(
+            num_hidden_layers=4,
+            q_lora_rank=96,
+            kv_lora_rank=64,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            index_n_heads=16,
+            index_head_dim=32,
+            index_topk=64,
+            n_group=4,
+            topk_group=2,
+        ),
+    },
 }
 
 
@@ -100,6 +169,13 @@ def preset_config(arch: str, size: str) -> dict[str, Any]:
         "pad_token_id": special_token_id(PAD_TOKEN),
         "torch_dtype": "float32",
     }
+    _add_family_keys(cfg, arch, size)
+    return cfg
+
+
+def _add_family_keys(cfg: dict[str, Any], arch: str, size: str) -> None:
+    """The family-specific keys of a preset (its MoE, MLA, DSA and GLM fields), into `cfg`."""
+    s = _SHAPES[size]
     if arch in ("qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
     if arch == "llama":
@@ -131,6 +207,27 @@ def preset_config(arch: str, size: str) -> dict[str, Any]:
             scoring_func="sigmoid",
             attention_bias=False,
         )
+    if arch in _DSA:
+        del cfg["head_dim"]  # transformers derives it from qk_rope_head_dim
+        cfg.update(
+            num_key_value_heads=s["num_attention_heads"],
+            n_routed_experts=s["num_experts"],
+            num_experts_per_tok=s["num_experts_per_tok"],
+            moe_intermediate_size=s["moe_intermediate_size"],
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            attention_bias=False,
+            num_nextn_predict_layers=1,
+            n_group=1,
+            topk_group=1,
+        )
+        cfg.update(_DSA[arch][size])
+        if arch == "glm_moe_dsa":
+            cfg["rms_norm_eps"] = 1e-5
     if arch == "glm4_moe":  # GLM-4.5: q/k/v bias, QK-norm, half the head rotated, router as DeepSeek-V3's
         cfg.update(
             n_routed_experts=s["num_experts"],
@@ -146,7 +243,6 @@ def preset_config(arch: str, size: str) -> dict[str, Any]:
             use_qk_norm=True,
             partial_rotary_factor=0.5,
         )
-    return cfg
 
 
 def init_model(

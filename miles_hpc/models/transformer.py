@@ -1,5 +1,6 @@
 """The decoder-only causal LM for every supported family (dense layers; sparse MoE layers for qwen3_moe,
-deepseek_v3, whose attention is MLA, mla.py, and glm4_moe, which shares DeepSeek-V3's router).
+deepseek_v3, whose attention is MLA, mla.py, and glm4_moe, which shares DeepSeek-V3's router; deepseek_v32 and
+glm_moe_dsa, DeepSeek-V3 with DeepSeek sparse attention, dsa.py).
 
 Stage: shared model code: the trainer calls it on packed sequences, the engine with its own attention backend.
 
@@ -7,6 +8,8 @@ Invariants:
 - `state_dict()` keys are transformers 5's in-memory names (`model.layers.{i}.self_attn.q_proj.weight`, ...,
   `lm_head.weight`); with tied embeddings `lm_head.weight` is the same Parameter as `model.embed_tokens.weight`.
 - `forward` is a pure function of (weights, inputs): no KV cache or RoPE state survives a call.
+- Multi-token-prediction layers (MLA families, `num_nextn_predict_layers`) are `model.layers[num_hidden_layers:]`
+  (HF's names); `forward` runs only the decoder layers before them, `mtp.py` the rest.
 - `forward(input_ids)` returns logits [B, T, vocab] in the parameter dtype ([B, n, vocab] for the n rows named by
   `logits_indices`). With `return_routed_experts=True`
   it returns (logits, routed) where routed is int32 [B, T, num_moe_layers, top_k] (dense layers excluded,
@@ -20,6 +23,7 @@ from torch import nn
 
 from .attention import AttentionBackend, check_cu_seqlens, sdpa_attention
 from .config import ModelConfig
+from .dsa import Selection
 from .layers import Attention, RMSNorm, SwiGLUMLP
 from .mla import MLAttention
 from .moe import DeepseekMoeBlock, SparseMoeBlock
@@ -48,13 +52,20 @@ class DecoderLayer(nn.Module):
         cu_seqlens: torch.Tensor | None,
         replay: torch.Tensor | None,
         compare: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, cu_seqlens)
+        shared: Selection | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Selection | None]:
+        """(hidden, routed expert ids of an MoE layer or None, DSA selection of an MLA layer or None)."""
+        selection = None
+        if isinstance(self.self_attn, MLAttention):
+            a, selection = self.self_attn(self.input_layernorm(x), cos, sin, backend, cu_seqlens, shared)
+        else:
+            a = self.self_attn(self.input_layernorm(x), cos, sin, backend, cu_seqlens)
+        x = x + a
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             out, ids = self.mlp(h, replay, compare)
-            return x + out, ids
-        return x + self.mlp(h), None
+            return x + out, ids, selection
+        return x + self.mlp(h), None, selection
 
 
 class DecoderModel(nn.Module):
@@ -66,7 +77,12 @@ class DecoderModel(nn.Module):
         pad = config.pad_token_id
         padding_idx = pad if pad is not None and 0 <= pad < config.vocab_size else None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=padding_idx)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        from .mtp import MTPLayer  # mtp.py builds on DecoderLayer
+
+        n = config.num_hidden_layers
+        layers: list[nn.Module] = [DecoderLayer(config, i) for i in range(n)]
+        layers += [MTPLayer(config, n + j) for j in range(config.num_nextn_predict_layers)]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -113,6 +129,7 @@ class CausalLM(nn.Module):
         attn_backend: AttentionBackend | None = None,
         logits_indices: torch.Tensor | None = None,
         routing_compare: bool = False,
+        mtp_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, T, vocab] for input_ids [B, T].
 
@@ -127,6 +144,8 @@ class CausalLM(nn.Module):
         attn_backend: the attention kernel (default: `sdpa_attention`); see attention.py for the engine's use.
         logits_indices: int [n] token indices (along T) whose logits are wanted; the final norm and LM head run on
             those rows only and logits are [B, n, vocab] (an engine needs the last row of each sequence, not all).
+        mtp_out: a list that receives the logits [B, T, vocab] of each multi-token-prediction depth (mtp.py; row i
+            of depth d predicts token i + d + 1); needs num_nextn_predict_layers > 0.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -149,16 +168,23 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
         routed: list[torch.Tensor] = []
-        for layer in self.model.layers:
+        selection: Selection | None = None
+        for layer in self.model.layers[: self.config.num_hidden_layers]:
             replay = None
             if routing_replay is not None and layer.is_moe:
                 replay = routing_replay[:, :, len(routed)].reshape(b * t, self.top_k)
-            x, ids = layer(x, cos, sin, backend, cu_seqlens, replay, routing_compare)
+            x, ids, sel = layer(x, cos, sin, backend, cu_seqlens, replay, routing_compare, selection)
+            selection = sel if sel is not None else selection
             if ids is not None:
                 routed.append(ids)
-        if logits_indices is not None:
-            x = x[:, logits_indices.to(device=x.device, dtype=torch.long)]
-        logits = self.lm_head(self.model.norm(x))
+        rows = None if logits_indices is None else logits_indices.to(device=x.device, dtype=torch.long)
+        if mtp_out is not None:  # the MTP layers read every row's final-normed hidden state
+            x = self.model.norm(x)
+            mtp_out.extend(self._mtp_logits(x, input_ids, cos, sin, backend, cu_seqlens))
+            x = x if rows is None else x[:, rows]
+        else:
+            x = self.model.norm(x if rows is None else x[:, rows])
+        logits = self.lm_head(x)
         if not return_routed_experts:
             return logits
         if routed:
@@ -167,10 +193,32 @@ class CausalLM(nn.Module):
             stacked = torch.empty(b, t, 0, 0, dtype=torch.long, device=logits.device)
         return logits, stacked.to(torch.int32)
 
+    def _mtp_logits(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+        cu_seqlens: torch.Tensor | None,
+    ) -> list[torch.Tensor]:
+        from .mtp import MTPLayer, shift_within
+
+        layers = [m for m in self.model.layers[self.config.num_hidden_layers :] if isinstance(m, MTPLayer)]
+        if not layers:
+            raise ValueError("mtp_out: this model has no multi-token-prediction layers (num_nextn_predict_layers=0)")
+        out = []
+        for depth, layer in enumerate(layers, start=1):
+            ahead, _ = shift_within(input_ids, depth, cu_seqlens)
+            hidden = layer(hidden, self.model.embed_tokens(ahead), cos, sin, backend, cu_seqlens)
+            out.append(self.lm_head(hidden))
+        return out
+
     def replay_stats(self) -> torch.Tensor:
         """int64 [3] summed over MoE layers for the last forward with `routing_replay`: (token-layers with a record,
         of those the ones whose live top-k set equals the record, all token-layers)."""
-        stats = [layer.mlp.gate.replay_stats for layer in self.model.layers if layer.is_moe]
+        decoder = self.model.layers[: self.config.num_hidden_layers]
+        stats = [layer.mlp.gate.replay_stats for layer in decoder if layer.is_moe]
         return torch.stack(stats).sum(dim=0)
 
     @staticmethod

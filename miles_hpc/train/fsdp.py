@@ -37,7 +37,7 @@ from miles_hpc.models.batch_invariant import make_batch_invariant, packed_attent
 from miles_hpc.models.lora import LoraAdapter, LoraSpec, attach
 from miles_hpc.train import checkpoint as ckpt
 from miles_hpc.train.logprobs import PackedMicroBatch, token_logprobs
-from miles_hpc.train.losses import policy_loss
+from miles_hpc.train.losses import mtp_loss_sum, policy_loss
 from miles_hpc.train.optim import build_optimizer, build_scheduler
 from miles_hpc.train.shards import ShardMap, shard_map
 from miles_hpc.train.step import LossFn, PackedTrainer, check_token_hashes
@@ -88,6 +88,7 @@ class FSDPTrainer(PackedTrainer):
         model = load_pretrained(model_path, dtype=torch.float32, device=self.device)
         self.config = model.config
         self._model_path = Path(model_path)
+        _check_model(train_cfg, model, model_path, zero_kl)
         model.train()
         if zero_kl:
             make_batch_invariant(model)  # in place, names unchanged; refuses dynamic RoPE
@@ -143,7 +144,12 @@ class FSDPTrainer(PackedTrainer):
             kw = {"routing_replay": mb.routing, "routing_compare": not self.algo_cfg.routing_replay}
         if self.zero_kl:
             kw["attn_backend"] = packed_attention
+        mtp: list[torch.Tensor] | None = None
+        if self.train_cfg.mtp_loss_coef and torch.is_grad_enabled() and not mb.is_dummy:
+            kw["mtp_out"] = mtp = []
         logits = self.model(mb.input_ids, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens, **kw)
+        if mtp is not None:
+            self._mtp = mtp_loss_sum(mtp, mb.input_ids, mb.loss_mask, mb.seq_ids)
         if mb.routing is not None:
             stats = self.model.replay_stats()
             self._r3 = stats if self._r3 is None else self._r3 + stats
@@ -281,6 +287,19 @@ def _average_and_clip_replicated_(params: list[torch.nn.Parameter], max_norm: fl
         for p, g in zip(params, grads):
             p.grad = g
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def _check_model(train_cfg: TrainConfig, model: CausalLM, model_path: str | Path, zero_kl: bool) -> None:
+    if zero_kl and model.config.is_dsa:
+        raise ValueError(
+            f"zero_kl: {model_path} is {model.config.model_type}, whose DSA indexer (scoring and top-k) has no "
+            "batch-invariant kernels"
+        )
+    if train_cfg.mtp_loss_coef and not model.config.num_nextn_predict_layers:
+        raise ValueError(
+            f"train.mtp_loss_coef={train_cfg.mtp_loss_coef}: {model_path} has no multi-token-prediction layers "
+            "(num_nextn_predict_layers=0, or none in its weights)"
+        )
 
 
 def _checkpoint_forward(layer: torch.nn.Module) -> None:

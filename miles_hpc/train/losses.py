@@ -258,3 +258,27 @@ def policy_loss(
         "approx_kl",
     )
     return loss, DeviceMetrics(names, values)
+
+
+def mtp_loss_sum(
+    mtp_logits: list[torch.Tensor], input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy, target count) of the multi-token-prediction depths over one packed micro-batch.
+
+    Depth d's row i predicts token i + d + 1 of the same sequence (models/mtp.py); it is a target when that token
+    is a loss token (a response token: `loss_mask` 1), so the draft layers learn the policy's own tokens. Summed
+    over depths; the caller scales by the mini-batch's loss-token count and `train.mtp_loss_coef`.
+    """
+    total = loss_mask.new_zeros((), dtype=torch.float32)
+    count = loss_mask.new_zeros((), dtype=torch.float32)
+    t = input_ids.shape[-1]
+    ids, mask = input_ids.reshape(t), loss_mask.reshape(t)
+    for depth, logits in enumerate(mtp_logits, start=1):
+        k = depth + 1
+        if t <= k:
+            continue
+        valid = (seq_ids[k:] == seq_ids[:-k]) & (mask[k:] > 0)
+        ce = torch.nn.functional.cross_entropy(logits.reshape(t, -1)[:-k].float(), ids[k:], reduction="none")
+        total = total + (ce * valid).sum()
+        count = count + valid.sum()
+    return total, count

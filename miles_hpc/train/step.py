@@ -71,6 +71,7 @@ class PackedTrainer:
     _step: int = 0
     _last_lr: float = 0.0
     _r3: torch.Tensor | None = None
+    _mtp: tuple[torch.Tensor, torch.Tensor] | None = None  # (CE sum, targets) of the last training forward
 
     # ------------------------------------------------------------------ protocol properties
     @property
@@ -197,6 +198,7 @@ class PackedTrainer:
         for mini, plan in zip(minibatches, plans):
             total_tokens, num_seqs = _global_counts(batch, mini)
             pending: list[_Pending] = []
+            mtp_pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
             def loss_of(mb: PackedMicroBatch, lp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
                 if mb.is_dummy:
@@ -217,6 +219,11 @@ class PackedTrainer:
                     total_tokens=total_tokens,
                 )
                 assert ent is not None
+                if self._mtp is not None:  # train.mtp_loss_coef: the MTP layers' cross-entropy, per loss token
+                    mtp_sum, mtp_n = self._mtp
+                    loss = loss + self.train_cfg.mtp_loss_coef * mtp_sum / max(total_tokens, 1)
+                    mtp_pending.append((mtp_sum.detach(), mtp_n))
+                    self._mtp = None
                 pending.append((mb, loss.detach(), ent.detach(), stats, old_lp if single_update else None))
                 return loss
 
@@ -224,6 +231,9 @@ class PackedTrainer:
             grad_norms.append(self._clip_and_step())
             for mb, loss, ent, stats, train_lp in pending:
                 _record(acc, mb, loss, ent, stats, train_lp)
+            for mtp_sum, mtp_n in mtp_pending:
+                acc.add_sum("mtp/ce_sum", float(mtp_sum))
+                acc.add_sum("mtp/targets", float(mtp_n))
         if self._r3 is not None:
             for key, v in zip(("r3/recorded", "r3/agree", "r3/tokens"), self._r3.tolist()):
                 acc.add_sum(key, float(v))
@@ -244,6 +254,8 @@ class PackedTrainer:
             "mismatch/max_abs_logprob_diff": maxes.pop("mismatch/max_abs_logprob_diff", 0.0),
             "mismatch/mean_abs_logprob_diff": sums.pop("mismatch/abs_diff_sum", 0.0) / loss_tokens,
         }
+        if "mtp/targets" in sums:  # token-mean cross-entropy of the MTP layers over their targets
+            out["mtp/loss"] = sums.pop("mtp/ce_sum") / max(sums.pop("mtp/targets"), 1.0)
         recorded, agree, tokens = (sums.pop(k, 0.0) for k in ("r3/recorded", "r3/agree", "r3/tokens"))
         if tokens:  # per (token, MoE layer): routed by a record, and the live router's top-k equal to the record
             out["r3/coverage"] = recorded / tokens

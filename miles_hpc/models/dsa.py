@@ -1,0 +1,187 @@
+"""DeepSeek sparse attention (DSA) of DeepSeek-V3.2 and GLM-5: the lightning indexer and top-k sparse attention,
+as transformers 5.24 computes them (DeepseekV32Indexer, GlmMoeDsaIndexer, the eager mask they fold in).
+
+Stage: shared model code (the trainer's forward by default; the engine substitutes its cached versions).
+
+The indexer, per token: queries `wq_b(q_resid)` [index_n_heads, index_head_dim] from MLA's compressed query
+`q_resid = q_a_layernorm(q_a_proj(x))`, one key `LayerNorm(wk(x))` [index_head_dim], head weights
+`weights_proj(x) * index_n_heads^-0.5`. The first `qk_rope_head_dim` dims of queries and key are rotated (rope part
+FIRST, unlike MLA's [nope | rope]): interleaved pairs in GLM-5, halves in DeepSeek-V3.2. The score of query s for
+key t is sum_h w[s, h] * relu(q[s, h] . k[t] * index_head_dim^-0.5), in float32; query s attends only to the
+`index_topk` highest-scoring keys t <= s (all of them while s < index_topk). The indexer runs under no_grad:
+the top-k choice is not differentiable and transformers computes no gradient for its weights; they are loaded,
+saved and synced, and train only through an indexer loss, which is not implemented here.
+
+GLM-5.2's IndexShare: a "shared" layer has no indexer and reuses the top-k of the last "full" layer before it.
+
+Exactness: the selection is torch.topk over each query's row of scores with the future masked, the row laid out
+as transformers lays it (the whole sequence, future entries below every score), so equal scores (e.g. the exact
+zeros that relu makes when every head's dot product is negative) are broken the same way as the reference on the
+same device.
+Known gap (measured; tests/test_engine_dsa.py pins it): torch.topk breaks such ties in a way that depends on the
+row's length, so under exact ties a position's selection, and every later token's log-prob, can differ between a
+forward over S tokens and one over S + k: the reference is then not prefix-consistent, and no cache (nor the
+trainer's one forward over a whole sample) can agree with a token-by-token recompute. With 2 indexer heads (the
+tiny glm_moe_dsa preset) 13% of layer 0's selections change with the length and log-probs differ by nats; with 8
+heads 0.4% of the scores are still exact zeros and ties on the boundary occur; with 32 (GLM-5's count) none was
+seen. A tie rule that does not depend on the length (a stable sort: equal scores in key order) removes it, at the
+price of parity with transformers on ties.
+
+Selection (`Selection`): one int tensor [B, S, k] per group of equally long rows: per packed sequence with
+`cu_seqlens` (B = 1, S = that sequence's length), else one group for the whole batch; k = min(index_topk, S);
+entries index keys within the row's own sequence and may name masked (future) keys, which attention ignores.
+A backend's `dsa_select` lays its Selection out its own way (the engine's: engine/latent_attention.py): the model
+only hands it on, to the same backend's attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import check_cu_seqlens, no_cudnn_sdpa
+from .config import ModelConfig
+from .rope import apply_rotary
+
+Selection = list[torch.Tensor]
+
+
+def _rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair RoPE on x [B, H, T, D] (output: rotated evens, then odds), cos/sin [B, T, D]."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of one DSA layer; parameter names are the HF ones (`self_attn.indexer.*`)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        assert config.q_lora_rank is not None  # ModelConfig refuses DSA without it
+        self.layer_idx = layer_idx
+        self.n_heads, self.head_dim, self.rope_dim = config.index_n_heads, config.index_head_dim, config.head_dim
+        self.index_topk = config.index_topk
+        self.interleave = config.indexer_rope_interleave
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, head_dim]: rotate the leading rope part, pass the rest."""
+        rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        rot = _rope_pairs(rot, cos, sin) if self.interleave else apply_rotary(rot, cos, sin)
+        return torch.cat([rot, rest], dim=-1)
+
+    @torch.no_grad()
+    def project(
+        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(queries [B, T, H, D], keys [B, T, D], head weights [B, T, H]), all float32, rotated at these positions."""
+        b, t, _ = x.shape
+        q = self.wq_b(q_resid).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        q = self._rotate(q, cos, sin).transpose(1, 2)
+        k = self._rotate(self.k_norm(self.wk(x)).unsqueeze(1), cos, sin).squeeze(1)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5)
+        return q.float(), k.float(), w
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scores [B, S, T] of queries q [B, S, H, D] against keys k [B, T, D] with head weights w [B, S, H] (float32;
+    the same op order as transformers' indexer)."""
+    scores = F.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) * scale)  # [B, S, H, T]
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def causal_topk(scores: torch.Tensor, topk: int, offset: int | torch.Tensor = 0) -> torch.Tensor:
+    """Top-k key indices [B, S, min(topk, T)] of scores [B, S, T] whose query s sits at position offset + s and
+    sees keys t <= offset + s (the rest are masked below every score first, as the reference masks them).
+    `offset`: one for every row, or an int tensor [B] of per-row offsets (the engine's batched decode rows, whose
+    rows are padded past their own keys)."""
+    s, t = scores.shape[-2:]
+    q_pos = torch.arange(s, device=scores.device)[:, None]
+    if isinstance(offset, torch.Tensor):
+        q_pos = q_pos[None] + offset.to(device=scores.device)[:, None, None]  # [B, S, 1]
+    else:
+        q_pos = q_pos + offset
+    future = torch.arange(t, device=scores.device) > q_pos
+    masked = scores.masked_fill(future, float("-inf"))
+    return masked.topk(min(topk, t), dim=-1).indices.to(torch.int32)
+
+
+@torch.no_grad()
+def select_topk(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, topk: int, scale: float, bounds: Sequence[int] | None
+) -> Selection:
+    """Default (uncached) selection: each packed sequence (bounds) or the whole batch scored on its own."""
+    if bounds is None:
+        return [causal_topk(index_scores(q, k, w, scale), topk)]
+    return [
+        causal_topk(index_scores(q[:, s:e], k[:, s:e], w[:, s:e], scale), topk)
+        for s, e in zip(bounds, bounds[1:])
+        if e > s
+    ]
+
+
+def selection_mask(indices: torch.Tensor, length: int) -> torch.Tensor:
+    """Boolean [B, 1, S, T] attention mask: causal and among the selected keys."""
+    b, s, _ = indices.shape
+    chosen = torch.zeros(b, s, length, dtype=torch.bool, device=indices.device)
+    chosen.scatter_(-1, indices.long(), True)
+    causal = torch.ones(s, length, dtype=torch.bool, device=indices.device).tril(length - s)
+    return (chosen & causal).unsqueeze(1)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    bounds: Sequence[int] | None,
+    selection: Selection,
+) -> torch.Tensor:
+    """Default (uncached) DSA attention: q, k [B, H, T, Dqk], v [B, H, T, Dv] -> [B, H, T, Dv], each query over its
+    selected keys only."""
+    with no_cudnn_sdpa():
+        if bounds is None:
+            mask = selection_mask(selection[0], k.shape[2])
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        spans = [(s, e) for s, e in zip(bounds, bounds[1:]) if e > s]
+        parts = [
+            F.scaled_dot_product_attention(
+                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], attn_mask=selection_mask(sel, e - s), scale=scale
+            )
+            for (s, e), sel in zip(spans, selection, strict=True)
+        ]
+    return torch.cat(parts, dim=2)
+
+
+def host_bounds(cu_seqlens: torch.Tensor | None, batch: int, length: int) -> list[int] | None:
+    """cu_seqlens as a host list (the model hands layers a CPU copy: no device sync here)."""
+    return None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, batch, length)
+
+
+def backend_hook(backend: Any, name: str) -> Any:
+    """The engine's cached version of a DSA step (`dsa_select` or `dsa_attention`), or None for the defaults."""
+    return getattr(backend, name, None)
+
+
+__all__ = [
+    "Indexer",
+    "Selection",
+    "backend_hook",
+    "causal_topk",
+    "host_bounds",
+    "index_scores",
+    "select_topk",
+    "selection_mask",
+    "sparse_attention",
+]
