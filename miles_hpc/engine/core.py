@@ -24,15 +24,16 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from miles_hpc.models import CausalLM, load_pretrained
+from miles_hpc.models import CausalLM, ModelConfig, load_pretrained, read_config
 from miles_hpc.models.batch_invariant import make_batch_invariant
 
 from .config import EngineConfig
-from .kv_cache import BlockManager, KVCache
+from .kv_cache import BlockManager
+from .latent_cache import geometry, make_cache
 from .lora import AdapterSet
 from .report import Counters, build_result, engine_stats
 from .runner import ModelRunner
@@ -56,6 +57,7 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         mc = model.config
+        check_supported(mc, config)
         dtype = config.torch_dtype() or next(model.parameters()).dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
         if config.batch_invariant:
@@ -69,22 +71,16 @@ class Engine:
         self.eos_token_ids = eos_token_ids(mc.eos_token_id, model_path)
 
         bs = config.block_size
-        # MLA models cache the expanded per-head keys (nope + rope) and values, not the compressed latent: simple,
-        # exact, and fine at the sizes the embedded engine serves; SGLang serves the large ones.
-        geometry = dict(
-            num_layers=mc.num_hidden_layers,
-            block_size=bs,
-            kv_heads=mc.num_key_value_heads,
-            head_dim=mc.qk_head_dim,
-            v_head_dim=mc.v_head_dim if mc.is_mla else mc.head_dim,
-            dtype=dtype,
-        )
-        num_blocks = config.num_blocks or self._auto_num_blocks(geometry)
+        # MLA models cache the compressed latent (+ DSA indexer keys), the others per-head K/V (latent_cache.py).
+        self.geometry = geometry(mc, dtype, self.num_moe_layers * self.top_k)
+        num_blocks = config.num_blocks or self._auto_num_blocks()
         # One block more than the allocator hands out: the scratch block that padding rows of captured decode
         # batches write to (cuda_graphs.py), so they never touch a real request's KV.
-        self.cache = KVCache(
-            **geometry,
+        self.cache = make_cache(
+            mc,
             num_blocks=num_blocks + 1,
+            block_size=bs,
+            dtype=dtype,
             device=self.device,
             num_moe_layers=self.num_moe_layers,
             top_k=self.top_k,
@@ -132,16 +128,17 @@ class Engine:
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._counters = Counters()
 
-    def _auto_num_blocks(self, geometry: dict[str, Any]) -> int:
+    def _auto_num_blocks(self) -> int:
         if self.device.type != "cuda":
             return -(-self.config.max_total_tokens // self.config.block_size)
         free, _ = torch.cuda.mem_get_info(self.device)
-        per_block = KVCache.bytes_per_block(**geometry, routing_width=self.num_moe_layers * self.top_k)
+        per_block = self.geometry.bytes_per_token * self.config.block_size
         return max(1, int(free * self.config.kv_cache_fraction) // per_block)
 
     @classmethod
     def from_pretrained(cls, path: str, config: EngineConfig) -> Engine:
         """Load an HF-format checkpoint directory (config.json + safetensors [+ generation_config.json])."""
+        check_supported(read_config(path), config)  # before the (maybe long) load
         model = load_pretrained(path, dtype=config.torch_dtype(), device=config.device)
         return cls(model, config, model_path=str(path))
 
@@ -498,9 +495,20 @@ class Engine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "num_blocks": self.blocks.num_blocks,
             "max_total_num_tokens": self.blocks.num_blocks * self.blocks.block_size,
+            **self.geometry.info(),
             **self.model_info(),
             **self.stats(),
         }
+
+
+def check_supported(mc: ModelConfig, config: EngineConfig) -> None:
+    """Refuse (ValueError) what this engine does not serve, before anything is allocated."""
+    if config.batch_invariant and mc.is_dsa:
+        raise ValueError(
+            f"batch_invariant (zero-KL mode) is not available for {mc.model_type} (DeepSeek sparse attention): the "
+            "indexer's scores and top-k choice are not batch-invariant on either side, so engine and trainer "
+            "log-probs could not be bit-identical; serve it without --batch-invariant"
+        )
 
 
 def _deliver(results: list[tuple[GenerateResult, DoneCallback]]) -> None:

@@ -37,9 +37,10 @@ def block_key(parent: bytes | None, tokens: Sequence[int]) -> bytes:
 
 
 class KVCache:
-    """Device tensors: `k[layer]` [num_blocks, block_size, kv_heads, head_dim] and `v[layer]` (the same with
-    `v_head_dim`, which MLA models make narrower than their keys), and for MoE models `routing` int32
-    [num_blocks * block_size, num_moe_layers, top_k] (expert ids per slot)."""
+    """Device tensors of the dense and GQA families: `k[layer]` [num_blocks, block_size, kv_heads, head_dim] and
+    `v[layer]` (the same with `v_head_dim`, default head_dim), and for MoE models `routing` int32
+    [num_blocks * block_size, num_moe_layers, top_k] (expert ids per slot). MLA models use `LatentCache`
+    (latent_cache.py) instead."""
 
     def __init__(
         self,
@@ -63,21 +64,10 @@ class KVCache:
         if num_moe_layers:
             self.routing = torch.zeros(num_blocks * block_size, num_moe_layers, top_k, dtype=torch.int32, device=device)
 
-    @staticmethod
-    def bytes_per_block(
-        *,
-        num_layers: int,
-        block_size: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        routing_width: int,
-        v_head_dim: int | None = None,
-    ) -> int:
-        """Device bytes one block costs (K + V over all layers, plus routing ids), to size the cache."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        width = head_dim + (v_head_dim or head_dim)
-        return block_size * (num_layers * kv_heads * width * elem + 4 * routing_width)
+    def bytes_per_token(self) -> int:
+        """Bytes of device memory one slot holds, summed over this cache's tensors (`latent_cache.geometry`)."""
+        tensors = [self.k, self.v] + ([self.routing] if self.routing is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors) // (self.num_blocks * self.block_size)
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V viewed as [num_slots, kv_heads, head_dim]."""

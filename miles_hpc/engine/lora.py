@@ -12,7 +12,8 @@ Invariants:
   scheduler keys cached blocks by adapter name, so KV computed under one adapter (or none) is never reused under
   another.
 - Only linears of the base model can be adapted (MoE experts are fused tensors); an adapter for other modules or
-  shapes is refused naming the file and tensor.
+  shapes is refused naming the file and tensor. MLA's `kv_b_proj` is refused too: the engine applies it to
+  latents gathered from its cache (latent_attention.py), rows no hook could attribute to a request.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ class AdapterSet:
             lin = self._linears.get(module) if module != "lm_head" else None  # the LM head sees sampled rows only
             if lin is None:
                 raise ValueError(f"{path}: adapter module {module!r} is not a linear layer of this model")
+            if module.endswith(".kv_b_proj"):
+                raise ValueError(
+                    f"{path}: adapter module {module!r}: the engine runs MLA's kv_b_proj on latents read from its "
+                    "cache, not on a step's rows, so it cannot carry a per-request adapter; adapt the other projections"
+                )
             if (lin.out_features, lin.in_features) != (out_f, in_f):
                 raise ValueError(
                     f"{path}: {peft_name(module, 'B')} adapts a [{out_f}, {in_f}] weight, the model's "

@@ -14,13 +14,14 @@ import numpy as np
 import torch
 
 from .kv_cache import BlockManager, KVCache
+from .latent_cache import LatentCache
 from .scheduler import Req, Scheduler
 from .types import GenerateResult
 
 THROUGHPUT_WINDOW_S = 10.0
 
 
-def build_result(r: Req, cache: KVCache, block_size: int, version: str) -> GenerateResult:
+def build_result(r: Req, cache: KVCache | LatentCache, block_size: int, version: str) -> GenerateResult:
     """The result of a request leaving the engine (its blocks still held, `r.finish` set)."""
     assert r.finish is not None
     req = r.req
@@ -43,7 +44,7 @@ def build_result(r: Req, cache: KVCache, block_size: int, version: str) -> Gener
     )
 
 
-def routing_rows(r: Req, cache: KVCache, block_size: int, start: int, end: int) -> np.ndarray:
+def routing_rows(r: Req, cache: KVCache | LatentCache, block_size: int, start: int, end: int) -> np.ndarray:
     """int32 [rows, moe_layers, top_k] for positions [start, end), read from the routing store through the
     request's block table. Rows of a prefix-cache hit come from the request that computed the block. An aborted
     request returns only the rows it has computed (none if it was waiting)."""

@@ -16,7 +16,8 @@ Invariants:
   (fused `DecodeForward`, replayed from a CUDA graph when `cuda_graphs`), which needs the cache's scratch block (one
   block past the allocator's) for its padding rows. A short prefill chunk becomes one row per token: every row
   writes its K/V before any row attends, and row j attends the cache up to its own position, which is causal
-  attention over prefix + chunk. MoE models stay eager.
+  attention over prefix + chunk. MoE models stay eager. MLA models (DeepSeek-V3, the DSA families) have a latent
+  cache and attend through `LatentAttention` (latent_attention.py), the torch path, on every device.
 - Batch-invariant (zero-KL) mode (`batch_invariant`): the model was made invariant (`models.batch_invariant`),
   every step is one eager forward (no decode kernel, fused step or CUDA graphs: their GEMMs and reductions have
   batch-dependent shapes), attention per sequence by `invariant.attention`, and every reported log-prob (sampled
@@ -38,6 +39,8 @@ from miles_hpc.models import CausalLM, invariant
 from .cuda_graphs import DecodeRunner
 from .decode_forward import DecodeForward, unsupported_reason
 from .kv_cache import BlockManager, KVCache
+from .latent_attention import LatentAttention
+from .latent_cache import LatentCache
 from .lora import AdapterSet
 from .paged_attention import AttentionMetadata, DecodeKernel, PagedAttention
 from .sampling import SamplingBatch, sample
@@ -58,7 +61,7 @@ class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        cache: KVCache,
+        cache: KVCache | LatentCache,
         blocks: BlockManager,
         device: torch.device,
         *,
@@ -84,14 +87,12 @@ class ModelRunner:
             return  # always eager, no decode kernel (module docstring)
         if not (triton_kernels and device.type == "cuda" and _triton_available()):
             return
+        if not isinstance(cache, KVCache):  # MLA: a latent cache (latent_attention.py)
+            log.info("MLA model: attention runs through the torch path over the latent cache (no Triton kernel)")
+            return
         from .triton_ops import TritonDecodeOps
 
         ops = TritonDecodeOps()
-        if model.config.is_mla:
-            log.info(
-                "MLA model: attention runs through the torch path (the Triton decode kernel takes K and V of one width)"
-            )
-            return
         self.decode_kernel = ops.attention
         reason = unsupported_reason(model)
         if reason is not None or cache.num_blocks <= blocks.num_blocks:
@@ -188,13 +189,18 @@ class ModelRunner:
             q0 += s.n
         pieces.append(torch.tensor(sample_rows, dtype=torch.int64))
         adapters = [s.r.req.lora_path for s in batch for _ in range(s.n)]  # per packed row
+        backend: PagedAttention | LatentAttention
+        if isinstance(self.cache, LatentCache):
+            backend = LatentAttention(self.cache, meta)
+        else:
+            backend = PagedAttention(self.cache, meta, self.decode_kernel)
         with self.loras.step(adapters) if self.loras is not None else contextlib.nullcontext():
             out = self.model(
                 torch.tensor(ids, dtype=torch.int64, device=self.device)[None],
                 position_ids=meta.positions[None],
                 cu_seqlens=meta.query_start_loc,
                 return_routed_experts=self.is_moe,
-                attn_backend=PagedAttention(self.cache, meta, self.decode_kernel),
+                attn_backend=backend,
                 logits_indices=torch.cat(pieces).to(self.device),
             )
         if not self.is_moe:

@@ -534,7 +534,12 @@ def serve(model_path: str, engine_config: EngineConfig, config: ServerConfig) ->
         sock.close()
         print(f"error: cannot bind {config.host}:{config.port}: {e}", file=sys.stderr)
         return 2
-    engine = Engine.from_pretrained(model_path, engine_config)
+    try:
+        engine = Engine.from_pretrained(model_path, engine_config)
+    except ValueError as e:  # a mode this model cannot be served in (Engine names it), a bad checkpoint
+        sock.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     engine.start()
     try:
         asyncio.run(run_server(engine, config, str(model_path), sock))
