@@ -54,8 +54,11 @@ def hf_named(trainer: mg.MegatronTrainer, tensors: dict[str, torch.Tensor]) -> d
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
 
+    buffers = dict(trainer.model.module.named_buffers())  # GLM's router bias: no Adam state, zeros
+
     def gather(rule: Rule) -> list[torch.Tensor]:
-        mine = tensors[rule.mcore_name(cfg.num_experts, ep)].contiguous()
+        name = rule.mcore_name(cfg.num_experts, ep)
+        mine = (tensors[name] if name in tensors else torch.zeros_like(buffers[name])).contiguous()
         if rule.expert is not None:
             n, group = ep, parallel_state.get_expert_model_parallel_group()
         else:
@@ -76,7 +79,14 @@ def snapshot(trainer: mg.MegatronTrainer) -> dict[str, Any]:
     if isinstance(trainer.optimizer, torch.optim.Optimizer):
         params = dict(trainer.model.module.named_parameters())
         moments = {
-            key: hf_named(trainer, {n: trainer.optimizer.state[p][key] for n, p in params.items()})
+            # frozen parameters (DSA indexers, MTP layers) have no Adam state: zeros in their place
+            key: hf_named(
+                trainer,
+                {
+                    n: trainer.optimizer.state[p][key] if p.requires_grad else torch.zeros_like(p)
+                    for n, p in params.items()
+                },
+            )
             for key in ("exp_avg", "exp_avg_sq")
         }
     steps = {float(s["step"]) for opt in trainer._inner_optimizers() for s in opt.state.values() if "step" in s}

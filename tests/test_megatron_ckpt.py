@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles_hpc.models import ModelConfig, read_config
+
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import require  # noqa: E402
-from test_megatron import _free_port, tiny_moe_model  # noqa: E402,F401
+from test_megatron import _free_port, tiny_moe_model, untrained  # noqa: E402,F401
 from test_train_fsdp import tiny_model  # noqa: E402,F401
 
 pytestmark = pytest.mark.process
@@ -98,7 +100,8 @@ def dense_ckpt(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
     return tmp / "step_1", _run("save", tiny_model, tmp / "step_1", tmp / "saved.pt", world=2)
 
 
-def _assert_resumed(saved: dict, got: dict, atol: float = 1e-5) -> None:
+def _assert_resumed(saved: dict, got: dict, atol: float = 1e-5, cfg: ModelConfig | None = None) -> None:
+    """`cfg`: the model's config, where some tensors are not trained (`test_megatron.untrained`)."""
     before, after = saved["at_save"], got["at_save"]
     assert after["step"] == before["step"] == 2 and after["lr"] == before["lr"]  # 2 optimizer steps, warm-up lr
     assert after["adam_steps"] == before["adam_steps"] == {2.0}  # Adam's own step (bias correction)
@@ -110,7 +113,8 @@ def _assert_resumed(saved: dict, got: dict, atol: float = 1e-5) -> None:
     for key, moments in (before["moments"] or {}).items():  # (the CPU path's AdamW)
         assert set(after["moments"][key]) == set(moments)
         for name, m in moments.items():
-            assert m.any() and torch.equal(after["moments"][key][name], m), (key, name)
+            frozen = cfg is not None and untrained(name, cfg)
+            assert (m.any() or frozen) and torch.equal(after["moments"][key][name], m), (key, name)
     # the next step equals the uninterrupted run's (up to the reduction order of another layout)
     for key in METRICS:
         assert got["next"]["metrics"][key] == pytest.approx(saved["next"]["metrics"][key], rel=1e-4, abs=atol), key
@@ -118,6 +122,9 @@ def _assert_resumed(saved: dict, got: dict, atol: float = 1e-5) -> None:
         torch.testing.assert_close(
             got["next"]["weights"][name], w, atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
         )
+        if cfg is not None and untrained(name, cfg):
+            assert torch.equal(w, before["weights"][name]), name
+            continue
         assert not torch.equal(w, before["weights"][name]), name  # the step moved it: equality is not trivial
 
 
@@ -139,6 +146,19 @@ def test_moe_resumes_with_another_expert_parallel_size(tiny_moe_model: Path, tmp
     got = _run("resume", tiny_moe_model, tmp_path / "step_1", tmp_path / "got.pt", world=1)
     assert any(".mlp.experts.7." in name for name in got["at_save"]["moments"]["exp_avg"])
     _assert_resumed(saved, got)
+
+
+def test_dsa_resumes_with_another_expert_parallel_size(tmp_path: Path) -> None:
+    """GLM-5 (DSA indexers on full layers, the MTP layer in megatron's MTP modules, all frozen) saved at EP 2 and
+    resumed on one rank: the frozen tensors come back from the checkpoint too, unchanged by the next step."""
+    from miles_hpc.models.presets import init_model
+
+    model = init_model("glm_moe_dsa", "tiny", tmp_path / "model")
+    saved = _run("save", model, tmp_path / "step_1", tmp_path / "saved.pt", world=2, ep=2)
+    got = _run("resume", model, tmp_path / "step_1", tmp_path / "got.pt", world=1)
+    assert any(".self_attn.indexer." in n for n in got["at_save"]["weights"])
+    assert any(n.startswith("model.layers.4.") for n in got["at_save"]["weights"])  # the MTP layer
+    _assert_resumed(saved, got, cfg=read_config(model))
 
 
 def test_another_model_config_is_refused(dense_ckpt: tuple[Path, dict], tiny_model: Path, tmp_path: Path) -> None:

@@ -1,26 +1,40 @@
 """DeepSeek-V3 / Kimi-K2 multi-latent attention in the megatron-core backend (stage: train; used by
 `train/mcore_model.py`): `MLATransformerConfig` fields for our config, and megatron's local MLA layer spec made to
-build and to train right under tensor parallelism. Each piece names the megatron-core behaviour it works around
-(0.16 and 0.19); docs/megatron.md lists them.
+build and to train right under tensor parallelism; the same for the DSA families (their core attention:
+`train/mcore_dsa.py`), and the multi-token-prediction layers of all three held in megatron's MTP modules. Each piece
+names the megatron-core behaviour it works around (0.16 and 0.19); docs/megatron.md lists them.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, gather_from_tensor_model_parallel_region
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from miles_hpc.models import ModelConfig
+from miles_hpc.models.mla import LATENT_NORM_EPS
 
-__all__ = ["KVDownGather", "local_mla_spec", "mla_kwargs"]
+__all__ = ["FixedEpsNorm", "KVDownGather", "held_mtp_block", "local_mla_spec", "mla_kwargs"]
+
+# The core attention spec of a layer (global index); None: the plain MLA one (`_MLACoreAttention`).
+CoreAttention = Callable[[ModelConfig, int], Any] | None
 
 
 def mla_kwargs(cfg: ModelConfig) -> dict[str, Any]:
@@ -74,26 +88,73 @@ def mla_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     )
 
 
-def local_mla_spec(spec: Any, cfg: ModelConfig) -> Any:
-    """megatron's local MLA layer spec (one layer's `ModuleSpec` or a block's), made to build: its attention takes
-    the spec's modules as given (`_MLASelfAttention`), with the latent RMSNorms (q's only with q LoRA) and a local
-    core attention that accepts MLA's arguments (`_MLACoreAttention`)."""
-    norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=True)
+def local_mla_spec(spec: Any, cfg: ModelConfig, first_layer: int = 0, core_attention: CoreAttention = None) -> Any:
+    """megatron's local MLA layer spec (one layer's `ModuleSpec`, global index `first_layer`, or a block's, whose
+    layers start at `first_layer`), made to build: its attention takes the spec's modules as given
+    (`_MLASelfAttention`), with the latent RMSNorms (q's only with q LoRA; transformers' eps, `_LatentNorm`) and a
+    local core attention that accepts MLA's arguments (`_MLACoreAttention`), or `core_attention(cfg, layer)`'s
+    (DSA: `train/mcore_dsa.py`)."""
 
-    def mla_layer(layer: ModuleSpec) -> ModuleSpec:
+    def mla_layer(layer: ModuleSpec, index: int) -> ModuleSpec:
         attention = layer.submodules.self_attention
         parts = dataclasses.replace(
             attention.submodules,
-            core_attention=_MLACoreAttention,
-            kv_layernorm=norm,
-            q_layernorm=norm if cfg.q_lora_rank is not None else IdentityOp,
+            core_attention=_MLACoreAttention if core_attention is None else core_attention(cfg, index),
+            kv_layernorm=_LatentNorm,
+            q_layernorm=_LatentNorm if cfg.q_lora_rank is not None else IdentityOp,
         )
         attention = dataclasses.replace(attention, module=_MLASelfAttention, submodules=parts)
         return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
 
     if isinstance(spec, ModuleSpec):
-        return mla_layer(spec)
-    return dataclasses.replace(spec, layer_specs=[mla_layer(layer) for layer in spec.layer_specs])
+        return mla_layer(spec, first_layer)
+    return dataclasses.replace(
+        spec, layer_specs=[mla_layer(layer, first_layer + k) for k, layer in enumerate(spec.layer_specs)]
+    )
+
+
+def held_mtp_block(cfg: ModelConfig, tcfg: Any, core_attention: CoreAttention = None) -> MultiTokenPredictionBlock:
+    """The multi-token-prediction layers as megatron's `MultiTokenPredictionBlock` (enorm, hnorm, the column-parallel
+    eh_proj, the decoder layer of index N + j, final_layernorm), held to be loaded, saved and synced, never run:
+    `build_gpt` attaches it as `model.mtp` without megatron's `mtp_process`, whose forward computes its own MTP loss
+    from labels (our loss takes the logits; MTP training is `train.mtp_loss_coef`, FSDP only)."""
+    layers = []
+    for j in range(cfg.num_nextn_predict_layers):
+        i = cfg.num_hidden_layers + j
+        layer = get_gpt_layer_local_spec(
+            num_experts=tcfg.num_moe_experts if cfg.is_moe_layer(i) else None,
+            moe_grouped_gemm=False,
+            multi_latent_attention=True,
+            normalization="RMSNorm",
+        )
+        parts = MultiTokenPredictionLayerSubmodules(
+            enorm=WrappedTorchNorm,  # RMSNorm (config.normalization) with rms_norm_eps, as ours
+            hnorm=WrappedTorchNorm,
+            eh_proj=ColumnParallelLinear,
+            transformer_layer=local_mla_spec(layer, cfg, i, core_attention),
+            layer_norm=WrappedTorchNorm,
+        )
+        layers.append(ModuleSpec(module=MultiTokenPredictionLayer, submodules=parts))
+    mtp_cfg = copy.copy(tcfg)  # the model's own config keeps mtp_num_layers=None: GPTModel runs no MTP
+    mtp_cfg.mtp_num_layers = cfg.num_nextn_predict_layers
+    return MultiTokenPredictionBlock(config=mtp_cfg, spec=MultiTokenPredictionBlockSubmodules(layer_specs=layers))
+
+
+class FixedEpsNorm:
+    """A local (torch) norm of megatron's spec interface with a fixed eps instead of the `layernorm_epsilon`
+    megatron passes: transformers builds MLA's latent norms and the DSA indexer's k_norm with 1e-6 whatever
+    rms_norm_eps is (1e-5 in GLM-5). Subclasses set `eps`; the kind (RMSNorm, LayerNorm) is the config's."""
+
+    eps: float
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float | None = None, **kwargs: Any) -> Any:
+        return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=cls.eps, **kwargs)
+
+
+class _LatentNorm(FixedEpsNorm):
+    """MLA's q_a_layernorm / kv_a_layernorm (megatron's q_layernorm / kv_layernorm)."""
+
+    eps = LATENT_NORM_EPS
 
 
 class KVDownGather:

@@ -10,6 +10,8 @@ Invariants:
   position, not by our per-sequence `position_ids`; inside a sequence only position differences enter the scores,
   so the result is the per-sequence one (a test checks it against our model).
 - Logits are gathered over tensor-parallel ranks and the vocabulary padding is dropped before any softmax.
+- The DSA indexers and the multi-token-prediction layers (`mcore_weights.is_frozen`) are held frozen, as our model
+  gives them no gradient: loaded, saved and synced, never updated (MTP: never run, `mcore_mla.held_mtp_block`).
 - Pipeline stages hold their layers under local indices (`train/mcore_pipeline.StageLayout`); loading, gathering
   and the p2p shard map translate.
 - megatron-core's forward calls CUDA-only helpers (a global buffer on `torch.cuda.current_device()`, the CUDA RNG
@@ -42,9 +44,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from miles_hpc.models import CausalLM, ModelConfig, iter_hf_tensors, load_pretrained
 from miles_hpc.models.moe import merge_replay
 from miles_hpc.train.logprobs import PackedMicroBatch
-from miles_hpc.train.mcore_mla import KVDownGather, local_mla_spec, mla_kwargs
+from miles_hpc.train.mcore_dsa import check_dsa_pipeline, dsa_core_attention, dsa_kwargs, share_selections
+from miles_hpc.train.mcore_mla import KVDownGather, held_mtp_block, local_mla_spec, mla_kwargs
 from miles_hpc.train.mcore_pipeline import StageLayout
-from miles_hpc.train.mcore_weights import Rule, iter_full_hf, mcore_rules, padded_vocab_size, to_mcore
+from miles_hpc.train.mcore_weights import Rule, is_frozen, iter_full_hf, mcore_rules, padded_vocab_size, to_mcore
 
 __all__ = [
     "R3Replay",
@@ -112,7 +115,8 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     moe: dict[str, Any] = {}
-    if cfg.moe_layer_ids():  # (a deepseek_v3 config may have experts configured and only dense layers)
+    # (a deepseek_v3 config may have experts configured and only dense layers; MTP layers count: they are built)
+    if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers)):
         if tp > 1:
             raise NotImplementedError(
                 "megatron backend: MoE with megatron.tensor_parallel > 1 needs megatron's "
@@ -162,7 +166,7 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         )
     attention = (
-        mla_kwargs(cfg)
+        {**mla_kwargs(cfg), **(dsa_kwargs(cfg) if cfg.is_dsa else {})}
         if cfg.is_mla
         else dict(
             num_query_groups=cfg.num_key_value_heads,
@@ -211,7 +215,9 @@ def _pipeline_kwargs(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if pp == 1:
         return {}
-    stage_layout(cfg)  # checks the split
+    layout = stage_layout(cfg)  # checks the split
+    if cfg.is_dsa:
+        check_dsa_pipeline(cfg, layout)
     out = dict(pipeline_model_parallel_size=pp, pipeline_dtype=dtype, variable_seq_lengths=True)
     if not cfg.num_experts:  # megatron checks the (unused) dispatcher against variable lengths; MoE sets alltoall
         out["moe_token_dispatcher_type"] = "alltoall"
@@ -239,10 +245,13 @@ def build_gpt(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> GPTMod
         multi_latent_attention=cfg.is_mla,
         normalization="RMSNorm",
     )
-    if tcfg.num_moe_experts:  # dense and MoE layers mixed (`moe_layer_freq`): one spec per layer
+    # dense and MoE layers mixed (`moe_layer_freq`), or DSA's full and shared layers: one spec per layer
+    if tcfg.num_moe_experts or cfg.is_dsa:
         spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
+    core_attention = dsa_core_attention if cfg.is_dsa else None
     if cfg.is_mla:
-        spec = local_mla_spec(spec, cfg)
+        first = stage_layout(cfg).layer_index(pipeline_stage(), 0)
+        spec = local_mla_spec(spec, cfg, first, core_attention)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     model = GPTModel(
         config=tcfg,
@@ -260,6 +269,15 @@ def build_gpt(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> GPTMod
     if cfg.is_mla and tp > 1:
         for layer in model.decoder.layers:
             layer.self_attention.linear_kv_down_proj.register_forward_hook(KVDownGather(cfg.kv_lora_rank))
+    if cfg.is_dsa:
+        share_selections(model.decoder)
+    if cfg.num_nextn_predict_layers and parallel_state.is_pipeline_last_stage():
+        model.mtp = held_mtp_block(cfg, tcfg, core_attention)  # held, not run (`held_mtp_block`)
+        for mtp_layer in model.mtp.layers if cfg.is_dsa else []:
+            share_selections(mtp_layer)
+    for name, p in model.named_parameters():
+        if is_frozen(name):  # the indexers and MTP layers: no gradient, as in our model
+            p.requires_grad_(False)
     return model
 
 
@@ -338,6 +356,8 @@ def full_hf_state(model: GPTModel, cfg: ModelConfig, *, grads: bool = False) -> 
         if name not in params:  # a frozen buffer (GLM's router bias): no gradient, zeros in its place
             return torch.zeros_like(buffers[name]) if grads else buffers[name].detach()
         p = params[name]
+        if grads and not p.requires_grad:  # frozen (`is_frozen`): likewise
+            return torch.zeros_like(p.detach())
         g = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad  # under wrap_ddp: main_grad
         if grads and g is None:
             raise RuntimeError(f"{name} has no gradient: run backward first")

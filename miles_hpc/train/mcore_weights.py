@@ -26,12 +26,20 @@ Megatron names are those of `GPTModel` built with the local layer spec (`get_gpt
 | `...mlp.shared_experts.{gate,up,down}_proj.weight` | `...mlp.shared_experts.linear_fc{1,2}.weight` | as the MLP |
 | `...mlp.experts.e.{gate,up}_proj.weight` | `...experts.local_experts.l.linear_fc1.weight` (*) | none (expert TP 1) |
 | `...mlp.experts.e.down_proj.weight` | `...mlp.experts.local_experts.l.linear_fc2.weight` | none |
+| DSA (full layers): `...self_attn.indexer.wq_b.weight` | `...self_attention.core_attention.indexer.linear_wq_b.weight` | replicated |
+| DSA: `...self_attn.indexer.{wk,weights_proj}.weight` | `...core_attention.indexer.linear_{wk,weights_proj}.weight` | replicated |
+| DSA: `...self_attn.indexer.k_norm.{weight,bias}` | `...core_attention.indexer.k_norm.{weight,bias}` | replicated |
+| MTP: `model.layers.{N+j}.{enorm,hnorm}.weight` | `mtp.layers.j.{enorm,hnorm}.weight` | replicated |
+| MTP: `model.layers.{N+j}.eh_proj.weight` | `mtp.layers.j.eh_proj.weight` | rows |
+| MTP: `model.layers.{N+j}.shared_head.norm.weight` | `mtp.layers.j.final_layernorm.weight` | replicated |
+| MTP: `model.layers.{N+j}.<decoder layer>` | `mtp.layers.j.transformer_layer.<as decoder.layers.i>` | as there |
 | `model.norm.weight` | `decoder.final_layernorm.weight` | replicated |
 
 | `lm_head.weight` (untied) | `output_layer.weight` | rows (vocab, padded) |
 
 (*) on expert-parallel rank e // (E / ep), as local expert l = e % (E / ep).
 (**) with `rope_interleave=False`, the rotary rows in megatron's order (below).
+The indexers and the MTP layers are held frozen (`is_frozen`): our model gives them no gradient either.
 
 Layouts (megatron's, for TP size t):
 - `linear_qkv` holds, per query group g (a kv head), the group's query heads, then its key head, then its value
@@ -66,6 +74,7 @@ __all__ = [
     "Rule",
     "from_mcore",
     "hf_order",
+    "is_frozen",
     "iter_full_hf",
     "local_hf_parts",
     "mcore_boxes",
@@ -74,8 +83,18 @@ __all__ = [
     "to_mcore",
 ]
 
-# Families whose megatron mapping exists (deepseek_v3 includes Kimi-K2, model_type alias kimi_k2).
-MCORE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
+# Families whose megatron mapping exists (deepseek_v3 includes Kimi-K2, model_type alias kimi_k2; deepseek_v32 and
+# glm_moe_dsa are DeepSeek-V3 with DeepSeek sparse attention, train/mcore_dsa.py).
+MCORE_FAMILIES: tuple[str, ...] = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm_moe_dsa",
+)
 # rows: contiguous rows per TP rank; q_heads / kv_down: rows, MLA's rotary rows reordered (`_row_perm`)
 Kind = Literal["replicated", "cols", "vocab", "qkv", "fc1", "expert_fc1", "expert_fc2", "rows", "q_heads", "kv_down"]
 
@@ -112,7 +131,9 @@ def padded_vocab_size(vocab: int, tp: int, multiple: int = 128) -> int:
 
 
 def mcore_rules(cfg: ModelConfig) -> list[Rule]:
-    """Every megatron tensor of a `GPTModel` for `cfg` (local spec), with its HF sources, in layer order."""
+    """Every megatron tensor of a `GPTModel` for `cfg` (local spec), with its HF sources, in layer order; the
+    multi-token-prediction layers (`num_nextn_predict_layers`) as megatron's `MultiTokenPredictionLayer`s
+    (`mtp.layers.j`, the decoder layer inside as `transformer_layer`)."""
     if cfg.model_type not in MCORE_FAMILIES:
         raise NotImplementedError(
             f"the megatron backend maps {', '.join(MCORE_FAMILIES)} so far; model_type {cfg.model_type!r} is not "
@@ -120,62 +141,92 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
         )
     if cfg.is_mla and cfg.qkv_bias:
         raise NotImplementedError(
-            "megatron backend: deepseek_v3 with attention_bias=True (megatron's MLA has no bias "
+            f"megatron backend: {cfg.model_type} with attention_bias=True (megatron's MLA has no bias "
             "on its q/kv down projections)"
         )
     rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
     for i in range(cfg.num_hidden_layers):
-        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        att = hf + "self_attn."
-        rules.append(Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated"))
-        if cfg.is_mla:
-            rules.extend(_mla_rules(cfg, att, mc + "self_attention."))
-        else:
-            rules.append(
-                Rule(mc + "self_attention.linear_qkv.weight", tuple(f"{att}{p}_proj.weight" for p in "qkv"), "qkv")
-            )
-        if cfg.qkv_bias:
-            qkv_bias = tuple(f"{att}{p}_proj.bias" for p in "qkv")
-            rules.append(Rule(mc + "self_attention.linear_qkv.bias", qkv_bias, "qkv"))
-        rules.append(Rule(mc + "self_attention.linear_proj.weight", (att + "o_proj.weight",), "cols"))
-        if cfg.o_bias:
-            rules.append(Rule(mc + "self_attention.linear_proj.bias", (att + "o_proj.bias",), "replicated"))
-        if cfg.qk_norm:
-            rules.append(Rule(mc + "self_attention.q_layernorm.weight", (att + "q_norm.weight",), "replicated"))
-            rules.append(Rule(mc + "self_attention.k_layernorm.weight", (att + "k_norm.weight",), "replicated"))
-        rules.append(Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated"))
-        if cfg.is_moe_layer(i):
-            rules.append(Rule(mc + "mlp.router.weight", (hf + "mlp.gate.weight",), "replicated"))
-            if cfg.group_router:  # GLM-4.5: sigmoid router with a score correction bias, shared experts
-                rules.append(
-                    Rule(mc + "mlp.router.expert_bias", (hf + "mlp.gate.e_score_correction_bias",), "replicated")
-                )
-                shared = f"{hf}mlp.shared_experts."
-                rules.append(
-                    Rule(
-                        mc + "mlp.shared_experts.linear_fc1.weight",
-                        (shared + "gate_proj.weight", shared + "up_proj.weight"),
-                        "fc1",
-                    )
-                )
-                rules.append(Rule(mc + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), "cols"))
-            for e in range(cfg.num_experts):
-                src, dst = f"{hf}mlp.experts.{e}.", f"{mc}mlp.experts.local_experts.{e}."
-                rules.append(
-                    Rule(dst + "linear_fc1.weight", (src + "gate_proj.weight", src + "up_proj.weight"), "expert_fc1", e)
-                )
-                rules.append(Rule(dst + "linear_fc2.weight", (src + "down_proj.weight",), "expert_fc2", e))
-            continue
-        gate_up = (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
-        rules.append(Rule(mc + "mlp.linear_fc1.weight", gate_up, "fc1"))
-        rules.append(Rule(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "cols"))
-        if cfg.mlp_bias:
-            rules.append(Rule(mc + "mlp.linear_fc1.bias", (hf + "mlp.gate_proj.bias", hf + "mlp.up_proj.bias"), "fc1"))
-            rules.append(Rule(mc + "mlp.linear_fc2.bias", (hf + "mlp.down_proj.bias",), "replicated"))
+        rules.extend(_layer_rules(cfg, i, f"model.layers.{i}.", f"decoder.layers.{i}."))
+    for j in range(cfg.num_nextn_predict_layers):
+        i = cfg.num_hidden_layers + j
+        hf, mc = f"model.layers.{i}.", f"mtp.layers.{j}."
+        rules += [
+            Rule(mc + "enorm.weight", (hf + "enorm.weight",), "replicated"),
+            Rule(mc + "hnorm.weight", (hf + "hnorm.weight",), "replicated"),
+            Rule(mc + "eh_proj.weight", (hf + "eh_proj.weight",), "rows"),  # column-parallel
+            Rule(mc + "final_layernorm.weight", (hf + "shared_head.norm.weight",), "replicated"),
+            *_layer_rules(cfg, i, hf, mc + "transformer_layer."),
+        ]
     rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
     if not cfg.tie_word_embeddings:
         rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab"))
     return rules
+
+
+def is_frozen(mcore_name: str) -> bool:
+    """Megatron tensors the loss does not train, as in our model (no gradient there): the DSA indexers (their
+    top-k is not differentiable; an indexer loss is not implemented) and the multi-token-prediction layers (not
+    run: `train.mtp_loss_coef` is the FSDP backend's)."""
+    return ".core_attention.indexer." in mcore_name or mcore_name.startswith("mtp.")
+
+
+def _layer_rules(cfg: ModelConfig, i: int, hf: str, mc: str) -> list[Rule]:
+    """Decoder layer i's tensors (`hf`: its HF prefix, `mc`: its megatron prefix)."""
+    att = hf + "self_attn."
+    rules = [Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated")]
+    if cfg.is_mla:
+        rules.extend(_mla_rules(cfg, att, mc + "self_attention."))
+        if cfg.indexer_full(i):
+            rules.extend(_indexer_rules(att + "indexer.", mc + "self_attention.core_attention.indexer."))
+    else:
+        rules.append(
+            Rule(mc + "self_attention.linear_qkv.weight", tuple(f"{att}{p}_proj.weight" for p in "qkv"), "qkv")
+        )
+    if cfg.qkv_bias:
+        qkv_bias = tuple(f"{att}{p}_proj.bias" for p in "qkv")
+        rules.append(Rule(mc + "self_attention.linear_qkv.bias", qkv_bias, "qkv"))
+    rules.append(Rule(mc + "self_attention.linear_proj.weight", (att + "o_proj.weight",), "cols"))
+    if cfg.o_bias:
+        rules.append(Rule(mc + "self_attention.linear_proj.bias", (att + "o_proj.bias",), "replicated"))
+    if cfg.qk_norm:
+        rules.append(Rule(mc + "self_attention.q_layernorm.weight", (att + "q_norm.weight",), "replicated"))
+        rules.append(Rule(mc + "self_attention.k_layernorm.weight", (att + "k_norm.weight",), "replicated"))
+    rules.append(Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated"))
+    if cfg.is_moe_layer(i):
+        return rules + _moe_rules(cfg, hf, mc)
+    gate_up = (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+    rules.append(Rule(mc + "mlp.linear_fc1.weight", gate_up, "fc1"))
+    rules.append(Rule(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "cols"))
+    if cfg.mlp_bias:
+        rules.append(Rule(mc + "mlp.linear_fc1.bias", (hf + "mlp.gate_proj.bias", hf + "mlp.up_proj.bias"), "fc1"))
+        rules.append(Rule(mc + "mlp.linear_fc2.bias", (hf + "mlp.down_proj.bias",), "replicated"))
+    return rules
+
+
+def _moe_rules(cfg: ModelConfig, hf: str, mc: str) -> list[Rule]:
+    """An MoE layer's router, shared experts (GLM's router) and experts."""
+    rules = [Rule(mc + "mlp.router.weight", (hf + "mlp.gate.weight",), "replicated")]
+    if cfg.group_router:  # GLM-4.5: sigmoid router with a score correction bias, shared experts
+        rules.append(Rule(mc + "mlp.router.expert_bias", (hf + "mlp.gate.e_score_correction_bias",), "replicated"))
+        shared = f"{hf}mlp.shared_experts."
+        shared_fc1 = (shared + "gate_proj.weight", shared + "up_proj.weight")
+        rules.append(Rule(mc + "mlp.shared_experts.linear_fc1.weight", shared_fc1, "fc1"))
+        rules.append(Rule(mc + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), "cols"))
+    for e in range(cfg.num_experts):
+        src, dst = f"{hf}mlp.experts.{e}.", f"{mc}mlp.experts.local_experts.{e}."
+        fc1 = (src + "gate_proj.weight", src + "up_proj.weight")
+        rules.append(Rule(dst + "linear_fc1.weight", fc1, "expert_fc1", e))
+        rules.append(Rule(dst + "linear_fc2.weight", (src + "down_proj.weight",), "expert_fc2", e))
+    return rules
+
+
+def _indexer_rules(hf: str, mc: str) -> list[Rule]:
+    """A DSA layer's lightning indexer (megatron's `DSAIndexer` under `core_attention`): replicated over TP, as
+    megatron builds its linears ("duplicated")."""
+    names = [("wq_b.weight", "linear_wq_b.weight"), ("wk.weight", "linear_wk.weight")]
+    names += [("k_norm.weight", "k_norm.weight"), ("k_norm.bias", "k_norm.bias")]
+    names += [("weights_proj.weight", "linear_weights_proj.weight")]
+    return [Rule(mc + m, (hf + h,), "replicated") for h, m in names]
 
 
 def _mla_rules(cfg: ModelConfig, att: str, mc: str) -> list[Rule]:

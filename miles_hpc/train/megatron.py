@@ -99,6 +99,11 @@ class MegatronTrainer(PackedTrainer):
                 "parallelism needs Transformer Engine's attention, which this backend does "
                 "not build yet"
             )
+        if getattr(train_cfg, "mtp_loss_coef", 0.0):
+            raise NotImplementedError(
+                f"train.mtp_loss_coef={train_cfg.mtp_loss_coef}: the megatron backend holds the "
+                "multi-token-prediction layers (loaded, saved, synced) but does not train them; use train.backend=fsdp"
+            )
         if train_cfg.activation_checkpointing or train_cfg.compile:
             raise NotImplementedError(
                 "train.activation_checkpointing / train.compile: not with the megatron backend yet"
@@ -274,6 +279,8 @@ class MegatronTrainer(PackedTrainer):
         sq, sq_experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         grads = []
         for p in self.model.module.parameters():
+            if not p.requires_grad:  # frozen (DSA indexers, MTP layers): no gradient buffer
+                continue
             p.grad = p.main_grad
             grads.append(p.grad)
             if getattr(p, "shared", False):

@@ -1,0 +1,241 @@
+"""DeepSeek sparse attention (DSA: DeepSeek-V3.2 `deepseek_v32`, GLM-5 `glm_moe_dsa`) in the megatron-core backend
+(stage: train; used by `train/mcore_model.py` through `train/mcore_mla.local_mla_spec`): megatron's MLA with its
+experimental DSA core attention (`transformer/experimental_attention_variant/dsa.py`: `DSAttention`, `DSAIndexer`,
+`unfused_dsa_fn`), made to compute what transformers 5.24 computes (our `models/dsa.py`).
+
+What is megatron's here: MLA hands the core attention the layer input and the normed compressed query
+(`experimental_attention_variant="dsa"`); `DSAIndexer` builds the indexer's modules (wq_b, wk, its LayerNorm
+k_norm, weights_proj, and its RoPE, MLA's frequencies, yarn included) and scores (`_compute_index_scores`:
+relu(q.k) weighted per head, summed, in float32); `apply_rotary_pos_emb` rotates the leading rope part
+(interleaved pairs, as MLA's); `unfused_dsa_fn` attends over the selected keys (float32 softmax).
+
+Where megatron-core 0.16's DSA differs from transformers, and what is ours instead (`_DSAIndexer.select`,
+`_DSACoreAttention.forward`):
+- it rotates q and k with a Hadamard transform before scoring (`rotate_activation`: bf16 only, and the CUDA
+  package fast_hadamard_transform); transformers does not (orthogonal: the same scores up to rounding): not here;
+- it splits the indexer head as [nope | rope]; transformers as [rope | nope]: the rope part is rotated first here;
+  DeepSeek-V3.2's indexer rotates halves, not pairs: its rope part is laid out as pairs before megatron's rotation
+  (which de-interleaves them back), so no weight is reordered;
+- its k_norm takes `layernorm_epsilon` (= rms_norm_eps, 1e-5 in GLM-5); transformers builds it with 1e-6;
+- it takes the head weights times softmax scale in the activations' dtype; here in float32 as transformers;
+- it scores and selects over the whole packed row and its causal `attn_mask_type` ignores our block-diagonal
+  mask, so a query attends across packed sequences; here each packed sequence (from the mask) is scored on its
+  own, laid out as transformers lays it (future keys at -inf, top min(index_topk, length)), so equal scores (the
+  exact zeros of relu) meet the same `torch.topk` as in the reference; the indices, offset into the row, go to
+  `unfused_dsa_fn`, which then never sees another sequence's key;
+- it computes the KL indexer loss in every training forward (a [heads, T, T] float32 softmax, even at
+  coefficient 0); there is no indexer loss here (none in our model): the indexer is frozen;
+- it has no GLM-5.2 "shared" layers: here a shared layer has no indexer (`IdentityOp`) and takes the last full
+  layer's selection through a per-model `SharedSelection`;
+- its indexer linears are Transformer Engine's ("duplicated", replicated over TP): here a replicated local linear.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings import apply_rotary_pos_emb
+from megatron.core.transformer.experimental_attention_variant.dsa import (
+    DSAIndexer,
+    DSAIndexerSubmodules,
+    DSAttention,
+    DSAttentionSubmodules,
+    unfused_dsa_fn,
+)
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from miles_hpc.models import ModelConfig
+from miles_hpc.train.mcore_mla import FixedEpsNorm
+from miles_hpc.train.mcore_pipeline import StageLayout
+
+__all__ = ["SharedSelection", "check_dsa_pipeline", "dsa_core_attention", "dsa_kwargs", "share_selections"]
+
+INDEXER_K_NORM_EPS = 1e-6  # transformers' DeepseekV32Indexer / GlmMoeDsaIndexer: nn.LayerNorm(head_dim, eps=1e-6)
+
+
+def dsa_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """`MLATransformerConfig` fields of the DSA families (with `mcore_mla.mla_kwargs`)."""
+    return dict(
+        experimental_attention_variant="dsa",  # MLA passes the core attention its input and compressed query
+        dsa_indexer_n_heads=cfg.index_n_heads,
+        dsa_indexer_head_dim=cfg.index_head_dim,
+        dsa_indexer_topk=cfg.index_topk,
+        dsa_indexer_loss_coeff=0.0,
+    )
+
+
+def check_dsa_pipeline(cfg: ModelConfig, layout: StageLayout) -> None:
+    """Refuse pipeline stages that start with a GLM-5.2 "shared" layer: its selection is the previous full layer's,
+    on the stage before, and megatron's pipeline passes only hidden states between stages."""
+    for stage in range(1, layout.pp):
+        first = layout.layer_index(stage, 0)
+        if not cfg.indexer_full(first):
+            full = max(i for i in range(first) if cfg.indexer_full(i))
+            raise NotImplementedError(
+                f"megatron.pipeline_parallel={layout.pp}: indexer_types[{first}] is 'shared' and starts stage "
+                f"{stage}; it reuses the top-k of layer {full} on stage {stage - 1}, and megatron's pipeline "
+                "passes only hidden states between stages"
+            )
+
+
+def dsa_core_attention(cfg: ModelConfig, layer_idx: int) -> ModuleSpec:
+    """The core attention spec of DSA layer `layer_idx` (global index; MTP layers past the decoder have their own
+    indexer): with megatron's indexer modules on a full layer, none on a shared one."""
+    indexer: Any = IdentityOp
+    if cfg.indexer_full(layer_idx):
+        parts = DSAIndexerSubmodules(
+            linear_wq_b=_ReplicatedLinear,
+            linear_wk=_ReplicatedLinear,
+            k_norm=_IndexerKNorm,
+            linear_weights_proj=_ReplicatedLinear,
+        )
+        indexer = ModuleSpec(
+            module=_DSAIndexer, params={"rope_halves": not cfg.indexer_rope_interleave}, submodules=parts
+        )
+    return ModuleSpec(module=_DSACoreAttention, submodules=DSAttentionSubmodules(indexer=indexer))
+
+
+class SharedSelection:
+    """The DSA state one forward of a decoder shares between its layers: the packed sequences' bounds (from the
+    attention mask, computed once per mask) and the last full layer's selection, which "shared" layers reuse.
+    Within a pipeline stage a forward runs its layers in order, so a full layer (`check_dsa_pipeline`: every stage
+    starts with one) sets the selection before a shared layer reads it."""
+
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None
+        self.spans: list[tuple[int, int]] = []
+        self.topk: torch.Tensor | None = None
+
+    def spans_of(self, mask: torch.Tensor) -> list[tuple[int, int]]:
+        """[(start, end)] of the packed sequences of the block-diagonal causal mask [1, 1, T, T] (True = masked);
+        a new mask starts a new forward (no selection yet)."""
+        if mask is not self.mask:
+            if mask.dim() != 4 or mask.shape[:2] != (1, 1) or mask.dtype != torch.bool:
+                raise ValueError(f"DSA needs the packed row's boolean mask [1, 1, T, T], got {tuple(mask.shape)}")
+            t = mask.shape[-1]
+            first_key = (~mask[0, 0]).int().argmax(-1)  # each row's first visible key: its sequence's start
+            starts = torch.nonzero(first_key == torch.arange(t, device=mask.device)).flatten().tolist()
+            self.mask, self.spans, self.topk = mask, list(zip(starts, [*starts[1:], t])), None
+        return self.spans
+
+
+def share_selections(module: torch.nn.Module) -> None:
+    """One `SharedSelection` for the DSA core attentions in `module` (a decoder, or one MTP layer)."""
+    shared = SharedSelection()
+    for m in module.modules():
+        if isinstance(m, _DSACoreAttention):
+            m.shared = shared
+
+
+class _DSAIndexer(DSAIndexer):
+    """megatron's DSA indexer (its modules, RoPE and scores), selecting as transformers does (module docstring)."""
+
+    def __init__(self, *args: Any, rope_halves: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rope_halves = rope_halves
+
+    def _apply_rope(self, x: torch.Tensor, rotary_pos_emb: torch.Tensor, mscale: float) -> torch.Tensor:
+        """RoPE on the leading `qk_pos_emb_head_dim` dims of x [T, b, *, index_head_dim] (transformers' layout;
+        megatron rotates what its freqs span and passes the rest). DeepSeek-V3.2 rotates halves: they are laid out
+        as pairs, which megatron's MLA rotation de-interleaves back into halves."""
+        d = self.qk_pos_emb_head_dim
+        if self.rope_halves:
+            rot = x[..., :d]
+            x = torch.cat([torch.stack(rot.chunk(2, dim=-1), dim=-1).flatten(-2), x[..., d:]], dim=-1)
+        return apply_rotary_pos_emb(
+            x, rotary_pos_emb, config=self.config, cu_seqlens=None, mscale=mscale, cp_group=self.pg_collection.cp
+        )
+
+    @torch.no_grad()
+    def select(self, x: torch.Tensor, qr: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """Top-k key indices [b, T, K] into the packed row for x [T, b, hidden] and the compressed query qr
+        [T, b, q_lora_rank]: each sequence's top min(index_topk, length) of its own keys (future keys masked),
+        padded to K with a repeat of its first pick."""
+        t, b, _ = x.shape
+        seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, x, self.config, None)
+        if self.config.rope_type == "rope":
+            freqs, mscale = self.rotary_pos_emb(seq_len, packed_seq=False), 1.0
+        else:
+            freqs, mscale = self.rotary_pos_emb(seq_len, packed_seq=False)
+        q, _ = self.linear_wq_b(qr)
+        q = self._apply_rope(q.reshape(t, b, self.index_n_heads, self.index_head_dim), freqs, mscale)
+        k, _ = self.linear_wk(x)
+        k = self._apply_rope(self.k_norm(k).reshape(t, b, 1, self.index_head_dim), freqs, mscale).reshape(t, b, -1)
+        w, _ = self.linear_weights_proj(x)
+        w = w.float() * (self.index_n_heads**-0.5 * self.softmax_scale)
+        width = min(self.index_topk, max(e - s for s, e in spans))
+        parts = []
+        for s, e in spans:
+            scores = self._compute_index_scores(q[s:e], w[s:e], k[s:e])  # [b, S, S] float32
+            future = torch.ones(e - s, e - s, dtype=torch.bool, device=scores.device).triu(1)
+            top = scores.masked_fill(future, float("-inf")).topk(min(self.index_topk, e - s), dim=-1).indices + s
+            parts.append(torch.cat([top, top[..., :1].expand(-1, -1, width - top.shape[-1])], dim=-1))
+        return torch.cat(parts, dim=1)
+
+
+class _DSACoreAttention(DSAttention):
+    """megatron's DSA core attention over packed sequences: the selection of this layer's indexer (a full layer)
+    or of the last full one (a shared layer), then megatron's `unfused_dsa_fn`; no indexer loss."""
+
+    shared: SharedSelection | None = None
+
+    def forward(  # megatron's signature (MLA passes x and qr with experimental_attention_variant="dsa")
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor,
+        x: torch.Tensor | None = None,
+        qr: torch.Tensor | None = None,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_mask is None or query.shape[1] != 1:
+            raise NotImplementedError("megatron DSA here runs one packed row with its block-diagonal mask")
+        if self.shared is None:
+            raise RuntimeError("DSA core attention without its SharedSelection (share_selections)")
+        spans = self.shared.spans_of(attention_mask)
+        if isinstance(self.indexer, DSAIndexer):
+            assert x is not None and qr is not None
+            self.shared.topk = self.indexer.select(x.detach(), qr.detach(), spans)
+        elif self.shared.topk is None:
+            raise RuntimeError(f"layer {self.layer_number}: a shared DSA layer before any full layer in this forward")
+        return unfused_dsa_fn(query, key, value, self.shared.topk, self.softmax_scale)
+
+
+class _IndexerKNorm(FixedEpsNorm):
+    """The indexer's LayerNorm (megatron passes it a LayerNorm config) with transformers' eps."""
+
+    eps = INDEXER_K_NORM_EPS
+
+
+class _ReplicatedLinear(torch.nn.Module):
+    """A linear layer whole on every TP rank, megatron's calling convention (returns (output, None)): the local
+    stand-in for the Transformer Engine `TELinear(parallel_mode="duplicated")` that megatron's DSA spec uses."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Any,
+        bias: bool = False,
+        parallel_mode: str = "duplicated",
+        skip_weight_param_allocation: bool = False,
+        **_: Any,
+    ) -> None:
+        super().__init__()
+        if bias or parallel_mode != "duplicated" or skip_weight_param_allocation:
+            raise NotImplementedError("the replicated local linear has no bias and allocates its weight")
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
+        if config.perform_initialization:
+            init_method(self.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return F.linear(x, self.weight), None
