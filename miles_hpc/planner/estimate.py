@@ -1,14 +1,18 @@
 """Planning estimates for ``miles-hpc plan``: parameters, memory and weight-sync times (stage: sync; docs/design.md sections 6 and 8).
 
-Everything here is a pure function of an HF ``config.json`` dict and a few cluster numbers; the only import of
-ours is :mod:`miles_hpc.planner.transfer` (pure too), so the p2p estimate is the transfer plan the p2p strategy runs.
+Everything here is a function of an HF ``config.json`` dict and a few cluster numbers. The model's tensors, its
+activations and its KV cache come from :mod:`miles_hpc.planner.accounting`, which builds the implemented model
+(:mod:`miles_hpc.models`) on the meta device, so the plan counts what the code holds; the p2p estimate is the
+transfer plan the p2p strategy runs (:mod:`miles_hpc.planner.transfer`).
 
 Units: bytes and seconds; GB = 1e9 bytes, GB/s = 1e9 bytes/s; a NIC's line rate in Gb/s is 8x its GB/s.
 
 Invariants.
-- :func:`model_tensors` names tensors as HF checkpoints do (DeepSeek-V3/MLA naming for Kimi-K2, GLM-5's
-  ``glm_moe_dsa`` with its DSA indexer, Llama/Qwen/GLM-4.5 GQA); MTP (``num_nextn_predict_layers``) layers are
-  left out: rollouts here do not speculate, so they are neither counted nor synced.
+- :func:`hf_tensor_shapes` is what the implemented model loads, saves and syncs, in HF checkpoint names (Llama,
+  Qwen2/3, Qwen3-MoE, GLM-4.5 GQA; DeepSeek-V3/Kimi-K2 MLA; DeepSeek-V3.2 and GLM-5 MLA with the DSA indexer),
+  multi-token-prediction (``num_nextn_predict_layers``) layers included: they are counted in the total
+  parameters, the weights and every sync, though not in the active parameters (rollouts do not speculate, and
+  the trainer's loss does not run them).
 - :func:`p2p_bytes` equals ``summarize(plan_transfers(...))`` over the whole model (a test checks it on a small
   config), but plans only a representative subset: one layer of each kind, and within it one tensor per distinct
   (shape, element size, engine boxes). Every trainer rank holds a tensor's dim-0 FSDP chunk whatever the tensor's
@@ -27,10 +31,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles_hpc.models import ModelConfig
+from miles_hpc.planner.accounting import (
+    ACT_BYTES,
+    Activations,
+    ModelSpecError,
+    ModelTensors,
+    Shape,
+    Shapes,
+    activations,
+    kv_bytes_per_token,
+    model_config,
+    model_tensors,
+)
 from miles_hpc.planner.transfer import EngineRank, engine_layout, fsdp_layout, plan_transfers
-
-Shape = tuple[int, ...]
-Shapes = dict[str, Shape]
 
 # Defaults. Each is an assumption unless a measurement is named; `assumptions()` prints them with the output.
 LINK_GBITS = 200.0  # per-GPU NIC line rate, Gb/s: 200 Gb/s HDR InfiniBand / Slingshot-11 (assumption)
@@ -42,142 +56,14 @@ TRAIN_BYTES_PER_PARAM = 2 + 4 + 4 + 8  # bf16 param + fp32 master + fp32 grad + 
 ROLLOUT_BYTES = 2  # bf16 weights on the engines
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
+SEQ_LEN = 4096  # tokens per training sequence: train.max_tokens_per_microbatch's default (assumption)
+MICRO_BATCH = 1  # sequences per training micro-batch (assumption)
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
-class ModelSpecError(ValueError):
-    """The model config lacks a field the estimate needs, or has a bad value; the message names the field."""
-
-
-def _get(cfg: Mapping[str, Any], key: str) -> int:
-    value = cfg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ModelSpecError(f"{key}: expected a positive integer, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class ModelTensors:
-    """HF tensor shapes: ``top`` by full name; ``layers[i]`` by name relative to ``model.layers.{i}.``."""
-
-    top: Shapes
-    layers: tuple[Shapes, ...]
-
-    def all(self) -> Shapes:
-        """Full HF name -> shape, in checkpoint order."""
-        out = dict(self.top)
-        for i, layer in enumerate(self.layers):
-            out.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
-        return out
-
-
-def _linear(out: int, inp: int, prefix: str, bias: bool = False) -> Shapes:
-    return {f"{prefix}.weight": (out, inp), **({f"{prefix}.bias": (out,)} if bias else {})}
-
-
-def _attention(cfg: Mapping[str, Any], layer: int) -> Shapes:
-    """``self_attn.*``: MLA (DeepSeek-V3, Kimi-K2, GLM-5 + DSA indexer) when ``kv_lora_rank`` is set, else GQA."""
-    hidden, heads = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
-    bias, p = bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")), "self_attn."
-    if cfg.get("kv_lora_rank"):
-        nope, rope, v = _get(cfg, "qk_nope_head_dim"), _get(cfg, "qk_rope_head_dim"), _get(cfg, "v_head_dim")
-        kv_rank, q_rank = _get(cfg, "kv_lora_rank"), cfg.get("q_lora_rank")
-        if q_rank:  # low-rank queries: down-projection, norm, up-projection
-            out = _linear(q_rank, hidden, p + "q_a_proj", bias)
-            out[p + "q_a_layernorm.weight"] = (q_rank,)
-            out.update(_linear(heads * (nope + rope), q_rank, p + "q_b_proj"))
-        else:
-            out = _linear(heads * (nope + rope), hidden, p + "q_proj")
-        out.update(_linear(kv_rank + rope, hidden, p + "kv_a_proj_with_mqa", bias))
-        out[p + "kv_a_layernorm.weight"] = (kv_rank,)
-        out.update(_linear(heads * (nope + v), kv_rank, p + "kv_b_proj"))
-        out.update(_linear(hidden, heads * v, p + "o_proj", bias))
-        if _has_indexer(cfg, layer):  # DeepSeek sparse attention's lightning indexer
-            n, d, ip = _get(cfg, "index_n_heads"), _get(cfg, "index_head_dim"), p + "indexer."
-            out.update(_linear(n * d, _get(cfg, "q_lora_rank"), ip + "wq_b"))
-            out.update(_linear(d, hidden, ip + "wk"))
-            out.update({ip + "k_norm.weight": (d,), ip + "k_norm.bias": (d,)})  # a LayerNorm, with bias
-            out.update(_linear(n, hidden, ip + "weights_proj"))
-        return out
-    head_dim = cfg.get("head_dim") or hidden // heads
-    kv = cfg.get("num_key_value_heads") or heads
-    o_bias = bias and cfg.get("model_type") not in ("qwen2", "glm4_moe")  # those have q/k/v biases only
-    out = _linear(heads * head_dim, hidden, p + "q_proj", bias)
-    out.update(_linear(kv * head_dim, hidden, p + "k_proj", bias))
-    out.update(_linear(kv * head_dim, hidden, p + "v_proj", bias))
-    out.update(_linear(hidden, heads * head_dim, p + "o_proj", o_bias))
-    if cfg.get("model_type") in ("qwen3", "qwen3_moe") or cfg.get("use_qk_norm"):
-        out.update({p + "q_norm.weight": (head_dim,), p + "k_norm.weight": (head_dim,)})
-    return out
-
-
-def _has_indexer(cfg: Mapping[str, Any], layer: int) -> bool:
-    """GLM-5.2 IndexShare: only "full" layers carry DSA indexer weights (schedule as vLLM derives it)."""
-    if not cfg.get("index_n_heads"):
-        return False
-    if (types := cfg.get("indexer_types")) is not None:
-        return types[layer] == "full"
-    freq, offset = int(cfg.get("index_topk_freq", 1)), int(cfg.get("index_skip_topk_offset", 2))
-    return max(layer - offset + 1, 0) % freq == 0
-
-
-def _num_experts(cfg: Mapping[str, Any]) -> int:
-    return int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
-
-
-def _is_moe(cfg: Mapping[str, Any], layer: int) -> bool:
-    if not _num_experts(cfg):
-        return False
-    if (types := cfg.get("mlp_layer_types")) is not None:
-        return types[layer] == "sparse"
-    if "first_k_dense_replace" in cfg:  # DeepSeek-V3 / Kimi-K2 / GLM
-        return layer >= cfg["first_k_dense_replace"] and layer % int(cfg.get("moe_layer_freq", 1)) == 0
-    step = int(cfg.get("decoder_sparse_step", 1))  # Qwen3-MoE
-    return layer not in cfg.get("mlp_only_layers", []) and (layer + 1) % step == 0
-
-
-def _mlp(hidden: int, inter: int, prefix: str) -> Shapes:
-    return {
-        **_linear(inter, hidden, prefix + "gate_proj"),
-        **_linear(inter, hidden, prefix + "up_proj"),
-        **_linear(hidden, inter, prefix + "down_proj"),
-    }
-
-
-def _moe(cfg: Mapping[str, Any]) -> Shapes:
-    hidden, n, inter = _get(cfg, "hidden_size"), _num_experts(cfg), _get(cfg, "moe_intermediate_size")
-    out: Shapes = {"mlp.gate.weight": (n, hidden)}
-    if cfg.get("topk_method") == "noaux_tc" or cfg.get("model_type") in ("glm4_moe", "glm_moe_dsa"):
-        out["mlp.gate.e_score_correction_bias"] = (n,)
-    for j in range(n):
-        out.update(_mlp(hidden, inter, f"mlp.experts.{j}."))
-    if shared := int(cfg.get("n_shared_experts") or 0):
-        out.update(_mlp(hidden, inter * shared, "mlp.shared_experts."))
-    return out
-
-
-def model_tensors(cfg: Mapping[str, Any]) -> ModelTensors:
-    """The HF tensor names and shapes of a decoder-only model (MTP layers excluded)."""
-    hidden, vocab = _get(cfg, "hidden_size"), _get(cfg, "vocab_size")
-    layers = []
-    for i in range(_get(cfg, "num_hidden_layers")):
-        mlp = _moe(cfg) if _is_moe(cfg, i) else _mlp(hidden, _get(cfg, "intermediate_size"), "mlp.")
-        layers.append(
-            {
-                "input_layernorm.weight": (hidden,),
-                **_attention(cfg, i),
-                "post_attention_layernorm.weight": (hidden,),
-                **mlp,
-            }
-        )
-    top = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
-    if not cfg.get("tie_word_embeddings", False):
-        top["lm_head.weight"] = (vocab, hidden)
-    return ModelTensors(top=top, layers=tuple(layers))
-
-
 def hf_tensor_shapes(cfg: Mapping[str, Any]) -> Shapes:
-    """Full HF name -> shape, in checkpoint order (embeddings and final norm, layers, lm_head)."""
+    """Full HF name -> shape of every tensor the implemented model holds (top-level tensors, then the layers, MTP
+    layers last)."""
     return model_tensors(cfg).all()
 
 
@@ -191,15 +77,19 @@ def element_bytes(name: str, rollout_bytes: int = ROLLOUT_BYTES) -> int:
 
 
 def param_counts(cfg: Mapping[str, Any]) -> tuple[int, int]:
-    """(total, active) parameters. Active = everything but the routed experts, plus ``num_experts_per_tok`` of
-    them per MoE layer; both embedding tables count (the input one is a lookup: subtract it for a FLOP view)."""
-    t, top_k = model_tensors(cfg), int(cfg.get("num_experts_per_tok") or 0)
+    """(total, active) parameters. Total: every tensor the model holds, MTP layers included (as ``sum(p.numel())``
+    of the built model). Active: the decoder's tensors but its routed experts, plus ``num_experts_per_tok`` of
+    them per MoE layer; MTP layers are not active (nothing runs them here); both embedding tables count (the
+    input one is a lookup: subtract it for a FLOP view)."""
+    t, top_k = model_tensors(cfg), model_config(cfg).num_experts_per_tok
     total = active = sum(math.prod(s) for s in t.top.values())
-    for layer in t.layers:
+    for i, layer in enumerate(t.layers):
         experts: Counter[str] = Counter()  # expert index -> its parameters in this layer
         for name, shape in layer.items():
             n = math.prod(shape)
             total += n
+            if i >= t.decoder_layers:
+                continue
             if m := _EXPERT.search("." + name):
                 experts[m.group(1)] += n
             else:
@@ -207,6 +97,12 @@ def param_counts(cfg: Mapping[str, Any]) -> tuple[int, int]:
         if experts:
             active += top_k * max(experts.values())
     return total, active
+
+
+def mtp_params(cfg: Mapping[str, Any]) -> int:
+    """Parameters of the multi-token-prediction layers (part of :func:`param_counts`' total)."""
+    t = model_tensors(cfg)
+    return sum(math.prod(s) for layer in t.layers[t.decoder_layers :] for s in layer.values())
 
 
 def model_bytes(cfg: Mapping[str, Any], rollout_bytes: int = ROLLOUT_BYTES) -> int:
@@ -250,8 +146,9 @@ def p2p_bytes(
     cfg: Mapping[str, Any], *, train_gpus: int, engines: int, tp: int, ep: int = 1, rollout_bytes: int = ROLLOUT_BYTES
 ) -> P2PBytes:
     """Bytes each trainer rank sends and each engine rank receives under the p2p plan (module doc: how)."""
-    kv_heads = None if cfg.get("kv_lora_rank") else cfg.get("num_key_value_heads")
-    experts = _num_experts(cfg) or None
+    mc = model_config(cfg)
+    kv_heads = None if mc.is_mla else mc.num_key_value_heads
+    experts = mc.num_experts or None
     send: dict[int, int] = defaultdict(int)
     recv: dict[EngineRank, int] = defaultdict(int)
     for count, shapes in _groups(model_tensors(cfg)):
@@ -286,7 +183,7 @@ class Cluster:
     engine_ep: int = 1
     link_gbits: float = LINK_GBITS  # Gb/s per GPU
     gpu_mem_gb: float = GPU_MEM_GB
-    rollout_bytes: int = ROLLOUT_BYTES  # 2: bf16, 1: fp8 linear weights
+    rollout_bytes: int = ROLLOUT_BYTES  # 2: bf16, 1: fp8 linear weights (and KV cache)
     delta_ratio: float = DELTA_RATIO
     encode_gbps: float = ENCODE_GBPS
     decode_gbps: float = DECODE_GBPS
@@ -311,20 +208,41 @@ class Cluster:
         return self.link_gbits / 8
 
 
-def assumptions(c: Cluster) -> list[str]:
-    """Every assumption behind :func:`estimate`, as printed with its output."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainBatch:
+    """The training micro-batch a plan's activations are for: ``micro_batch`` packed sequences of ``seq_len``
+    tokens (``train.max_tokens_per_microbatch`` = their product), ``train.activation_checkpointing``."""
+
+    seq_len: int = SEQ_LEN
+    micro_batch: int = MICRO_BATCH
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("seq_len", "micro_batch"):
+            if getattr(self, key) < 1:
+                raise ModelSpecError(f"{key}: must be >= 1, got {getattr(self, key)}")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one training micro-batch."""
+        return self.seq_len * self.micro_batch
+
+
+def assumptions(c: Cluster, cfg: Mapping[str, Any] | None = None, batch: TrainBatch | None = None) -> list[str]:
+    """Every assumption behind :func:`estimate`, as printed with its output (``cfg``: the family's own too)."""
+    mc = model_config(cfg) if cfg is not None else None
     dtype = (
         "weights move in bf16 (2 B/element)"
         if c.rollout_bytes == 2
         else "linear weights move in fp8 (1 B/element, block scales ignored; norms, embeddings, router in bf16; "
         "quantizing on the trainer not timed)"
     )
-    return [
+    out = [
         (
             f"link: {c.link_gbits:g} Gb/s = {c.link_gbps:g} GB/s per GPU, each direction (full duplex); latency, "
             "protocol overhead and congestion ignored, so times are lower bounds"
         ),
-        f"{dtype}; router correction bias fp32; MTP layers are not synced",
+        f"{dtype}; router correction bias fp32; MTP layers are synced (and counted in the total, not the active)",
         (
             "broadcast: trainer rank 0 sends every byte once over its one link; NCCL's pipelined ring/tree "
             "broadcast then costs about bytes / link bandwidth whatever the number of receivers; the FSDP gather "
@@ -344,23 +262,97 @@ def assumptions(c: Cluster) -> list[str]:
         ),
         (
             f"train memory: {TRAIN_BYTES_PER_PARAM} B/param (bf16 param + fp32 master + fp32 grad + Adam m, v) / "
-            "train GPUs, FSDP full sharding; activations, buffers and the gathered layer excluded"
+            "train GPUs, FSDP full sharding, MTP layers included (the loss trains none: their grad and Adam "
+            "state, 12 of the 18 B, are an overcount); the gathered layer and NCCL buffers excluded"
         ),
-        f"rollout memory: weights only, busiest engine rank; KV cache excluded; GPU memory {c.gpu_mem_gb:g} GB",
+        *_activation_assumptions(batch or TrainBatch(), mc),
+        (
+            "rollout memory: weights of the busiest engine rank; KV cache as SGLang keeps it, in the rollout "
+            "dtype: MLA's latent (kv_lora_rank + qk_rope_head_dim per layer) whole on every TP rank, GQA's K and V "
+            "split over TP ranks; no MTP (no speculative decoding); rollout_kv_tokens_per_gpu = the GPU memory the "
+            "weights leave / KV bytes per token (an upper bound: SGLang's static memory fraction, CUDA graphs and "
+            f"activations take a share); GPU memory {c.gpu_mem_gb:g} GB"
+        ),
         "GB = 1e9 bytes",
     ]
+    return out
 
 
-def estimate(cfg: Mapping[str, Any], cluster: Cluster, *, name: str = "model", source: str = "") -> dict[str, Any]:
+def _activation_assumptions(c: TrainBatch, mc: ModelConfig | None) -> list[str]:
+    ckpt = (
+        "on: each decoder layer keeps its input (a DSA layer also the top-k selection handed to it) and is "
+        "recomputed in backward, one layer's whole set (and its indexer scores) being the largest temporary"
+        if c.activation_checkpointing
+        else "off"
+    )
+    out = [
+        (
+            f"train activations: one micro-batch of {c.micro_batch} packed sequence(s) of {c.seq_len} tokens per "
+            f"trainer GPU (no sequence or context parallelism), bf16 compute ({ACT_BYTES} B) with the float32 parts "
+            "the code upcasts: the tensors autograd keeps in models/*.py's forward (checked byte for byte against "
+            "saved_tensors_hooks on tiny models), the log-prob kernel's logits, plus the largest temporary (the "
+            "logits' gradient, or a DSA layer's indexer scores); activation checkpointing "
+            f"{ckpt}; flash or memory-efficient attention (no [S, S] probabilities); MTP layers do not run; "
+            "backward's gradient temporaries and allocator fragmentation not counted"
+        )
+    ]
+    if mc is not None and mc.is_dsa:
+        out.append(
+            "DSA: the trainer's default path (dsa.py) scores each sequence whole: two float32 [S, index_n_heads, S] "
+            "tensors at once in a layer that runs its indexer (temporary, no grad); every DSA layer's attention "
+            "keeps its [S, S] mask per sequence, as the additive mask SDPA makes of it (compute dtype); indexer "
+            "keys cached by the engines on the layers that run their indexer (index_head_dim each)"
+        )
+    return out
+
+
+def _memory(
+    cfg: Mapping[str, Any], c: Cluster, b: TrainBatch, total: int, full: int, weights_per_gpu: int
+) -> dict[str, Any]:
+    """The ``memory`` section: trainer states and activations per GPU, engine weights and KV cache per GPU."""
+    gb, mem = 1e9, c.gpu_mem_gb * 1e9
+    mc = model_config(cfg)
+    act: Activations = activations(
+        mc, seq_len=b.seq_len, micro_batch=b.micro_batch, checkpointing=b.activation_checkpointing
+    )
+    states = total * TRAIN_BYTES_PER_PARAM
+    train = states / c.train_gpus + act.peak
+    kv = kv_bytes_per_token(mc, c.rollout_bytes, c.engine_tp)
+    return {
+        "train_per_gpu_gb": states / c.train_gpus / gb,  # weights, gradients and optimizer states
+        "train_activations_gb": act.peak / gb,
+        "train_activation_terms_gb": {k: v / gb for k, v in {**act.saved, **act.transient}.items()},
+        "train_activation_transient": sorted(act.transient),
+        "train_tokens": b.tokens,
+        "train_total_per_gpu_gb": train / gb,
+        "train_fits": train <= mem,
+        "train_min_gpus": math.ceil(states / (mem - act.peak)) if act.peak < mem else None,  # None: never
+        "rollout_per_engine_gb": full / gb,
+        "rollout_per_gpu_gb": weights_per_gpu / gb,
+        "rollout_fits": weights_per_gpu <= mem,
+        "rollout_kv_bytes_per_token": kv,  # on each engine GPU
+        "rollout_kv_bytes_per_token_engine": kv_bytes_per_token(mc, c.rollout_bytes),  # one copy, unsplit
+        "rollout_kv_tokens_per_gpu": max(int(mem - weights_per_gpu), 0) // kv,
+    }
+
+
+def estimate(
+    cfg: Mapping[str, Any],
+    cluster: Cluster,
+    *,
+    name: str = "model",
+    source: str = "",
+    batch: TrainBatch | None = None,
+) -> dict[str, Any]:
     """The plan: model size, per-GPU memory, and the three strategies' sync times (units in the key names)."""
-    c, gb = cluster, 1e9
+    c, b, gb = cluster, batch or TrainBatch(), 1e9
+    mc = model_config(cfg)
     total, active = param_counts(cfg)
     full = model_bytes(cfg, c.rollout_bytes)
     p2p = p2p_bytes(
         cfg, train_gpus=c.train_gpus, engines=c.engines, tp=c.engine_tp, ep=c.engine_ep, rollout_bytes=c.rollout_bytes
     )
-    bw, mem = c.link_gbps * gb, c.gpu_mem_gb * gb
-    train_per_gpu = total * TRAIN_BYTES_PER_PARAM / c.train_gpus
+    bw = c.link_gbps * gb
     delta = full * c.delta_ratio
     encode_s = full / c.train_gpus / (c.encode_gbps * gb)  # each trainer rank encodes its shard
     decode_s = p2p.max_recv / (c.decode_gbps * gb)  # each engine rank decodes its slice
@@ -370,10 +362,13 @@ def estimate(cfg: Mapping[str, Any], cluster: Cluster, *, name: str = "model", s
         "name": name,
         "source": source,
         "architecture": (cfg.get("architectures") or [cfg.get("model_type", "?")])[0],
-        "layers": cfg["num_hidden_layers"],
-        "routed_experts": _num_experts(cfg),
+        "layers": mc.num_hidden_layers,
+        "mtp_layers": mc.num_nextn_predict_layers,
+        "attention": ("MLA + DSA" if mc.is_dsa else "MLA") if mc.is_mla else "GQA",
+        "routed_experts": mc.num_experts,
         "params_total": total,
         "params_active": active,
+        "params_mtp": mtp_params(cfg),
         "weights_gb": full / gb,
     }
     cluster_out = {
@@ -386,14 +381,9 @@ def estimate(cfg: Mapping[str, Any], cluster: Cluster, *, name: str = "model", s
         "link_gbits": c.link_gbits,
         "link_gbps": c.link_gbps,
         "gpu_mem_gb": c.gpu_mem_gb,
-    }
-    memory = {
-        "train_per_gpu_gb": train_per_gpu / gb,
-        "train_fits": train_per_gpu <= mem,
-        "train_min_gpus": math.ceil(total * TRAIN_BYTES_PER_PARAM / mem),
-        "rollout_per_engine_gb": full / gb,
-        "rollout_per_gpu_gb": p2p.max_recv / gb,
-        "rollout_fits": p2p.max_recv <= mem,
+        "seq_len": b.seq_len,
+        "micro_batch": b.micro_batch,
+        "activation_checkpointing": b.activation_checkpointing,
     }
     sync = {
         "broadcast": {"bytes_gb": full / gb, "seconds": full / bw},
@@ -414,7 +404,9 @@ def estimate(cfg: Mapping[str, Any], cluster: Cluster, *, name: str = "model", s
             "breakeven_codec_gbps": coded / spare / gb if spare > 0 else None,  # None: no codec speed is enough
         },
     }
-    return {"model": model, "cluster": cluster_out, "memory": memory, "sync": sync, "assumptions": assumptions(c)}
+    memory = _memory(cfg, c, b, total, full, p2p.max_recv)
+    notes = assumptions(c, cfg, b)
+    return {"model": model, "cluster": cluster_out, "memory": memory, "sync": sync, "assumptions": notes}
 
 
 def _si(x: float, unit: str, giga: str = "G") -> str:
@@ -433,25 +425,69 @@ def _secs(x: float) -> str:
     return f"{x:,.1f} s" if x >= 0.1 else f"{x * 1e3:.2f} ms" if x >= 1e-4 else f"{x * 1e6:.2f} us"
 
 
+_TERMS = {
+    "attention": "attention",
+    "attention_kv": "K/V",
+    "dsa_mask": "DSA masks",
+    "mlp": "MLP/MoE",
+    "layer_inputs": "layer inputs",
+    "dsa_selections": "DSA top-k",
+    "logits": "logits",
+    "other": "other",
+    "logits_grad": "logits grad",
+    "indexer_scores": "indexer scores",
+    "recompute": "one layer recomputed",
+}
+
+
+def _memory_rows(m: Mapping[str, Any], c: Mapping[str, Any], mem: Mapping[str, Any]) -> list[tuple[str, str]]:
+    fits = {True: "fits", False: "DOES NOT FIT"}
+    if mem["train_min_gpus"] is None:
+        gpus = "the activations alone exceed it: no number of GPUs is enough"
+    else:
+        gpus = f">= {mem['train_min_gpus']} GPUs needed"
+    train = f"{fits[mem['train_fits']]} in {c['gpu_mem_gb']:g} GB; {gpus}"
+    terms, transient = mem["train_activation_terms_gb"], mem["train_activation_transient"]
+    kv_name = "MLA K/V" if m["attention"].startswith("MLA") else "K/V"
+    saved = ", ".join(
+        f"{_TERMS[k].replace('K/V', kv_name)} {_gb(v)}" for k, v in terms.items() if k not in transient and v
+    )
+    top = max(transient, key=lambda k: terms[k])
+    ckpt = ", checkpointed" if c["activation_checkpointing"] else ""
+    batch = f"{c['micro_batch']} x {c['seq_len']:,} tokens{ckpt}"
+    kv, kv_copy = mem["rollout_kv_bytes_per_token"], mem["rollout_kv_bytes_per_token_engine"]
+    room = f"room for {mem['rollout_kv_tokens_per_gpu']:,} tokens per GPU"
+    return [
+        (
+            "train memory/GPU",
+            f"{_gb(mem['train_total_per_gpu_gb'])} = {_gb(mem['train_per_gpu_gb'])} states + "
+            f"{_gb(mem['train_activations_gb'])} activations ({train})",
+        ),
+        ("  activations", f"{batch}: {saved}; + {_TERMS[top]} {_gb(terms[top])} (largest temporary)"),
+        ("rollout memory/GPU", f"{_gb(mem['rollout_per_gpu_gb'])} of weights ({fits[mem['rollout_fits']]})"),
+        ("  KV cache", f"{_si(kv, 'B')}/token per GPU ({_si(kv_copy, 'B')}/token per engine copy); {room}"),
+    ]
+
+
 def format_table(report: Mapping[str, Any]) -> str:
     """The report as aligned text lines (the CLI's default output)."""
     m, c, mem, s = report["model"], report["cluster"], report["memory"], report["sync"]
-    fits = {True: "fits", False: "DOES NOT FIT"}
     bc, p2p, d = s["broadcast"], s["p2p"], s["delta"]
     engines = f"{c['engines']} x TP{c['engine_tp']} EP{c['engine_ep']} = {c['rollout_gpus']} GPUs"
     link = f"{c['link_gbits']:g} Gb/s ({c['link_gbps']:g} GB/s) per GPU"
-    train = f"{fits[mem['train_fits']]} in {c['gpu_mem_gb']:g} GB; >= {mem['train_min_gpus']} GPUs needed"
     busiest = _gb(max(p2p["max_send_gb"], p2p["max_recv_gb"]))
     codec = f"encode {_secs(d['encode_s'])} + decode {_secs(d['decode_s'])}"
     breakeven = "no codec" if d["breakeven_codec_gbps"] is None else f"{d['breakeven_codec_gbps']:.2f} GB/s"
     wire = f"transfer {_secs(d['transfer_s'])}"
+    mtp = f" + {m['mtp_layers']} MTP" if m["mtp_layers"] else ""
+    in_mtp = f" ({_si(m['params_mtp'], '', 'B')} in MTP)" if m["mtp_layers"] else ""
+    arch = f"{m['architecture']}, {m['attention']}, {m['layers']}{mtp} layers, {m['routed_experts']} routed experts"
     rows = [
-        ("model", f"{m['name']} ({m['architecture']}, {m['layers']} layers, {m['routed_experts']} routed experts)"),
-        ("parameters", f"{_si(m['params_total'], '', 'B')} total, {_si(m['params_active'], '', 'B')} active"),
+        ("model", f"{m['name']} ({arch})"),
+        ("parameters", f"{_si(m['params_total'], '', 'B')} total{in_mtp}, {_si(m['params_active'], '', 'B')} active"),
         (f"weights ({c['rollout_dtype']})", _gb(m["weights_gb"])),
         ("cluster", f"{c['train_gpus']} train GPUs; engines: {engines}; {link}"),
-        ("train memory/GPU", f"{_gb(mem['train_per_gpu_gb'])} ({train})"),
-        ("rollout memory/GPU", f"{_gb(mem['rollout_per_gpu_gb'])} of weights ({fits[mem['rollout_fits']]})"),
+        *_memory_rows(m, c, mem),
         ("sync: broadcast", f"{_secs(bc['seconds']):>10}  ({_gb(bc['bytes_gb'])} over rank 0's link)"),
         ("sync: p2p", f"{_secs(p2p['seconds']):>10}  (busiest link {busiest}; {_gb(p2p['total_gb'])} in all)"),
         ("sync: delta", f"{_secs(d['seconds']):>10}  ({_gb(d['bytes_gb'])}: {wire} + {codec})"),
