@@ -12,7 +12,9 @@ Invariants of the returned dict (JSON-serialisable; keys are stable for scripts 
   (``miles-hpc inspect`` warns and exits 1; ``--verify`` names the samples, :mod:`miles_hpc.data.verify`).
 - ``status_counts`` lists every status name, zeros included, in enum order.
 - ``policy_version_min/max`` range over generated tokens only (version >= 0); None when there are none.
-- ``routing.coverage`` = samples with routing / samples (0.0 with no samples).
+- ``routing.coverage`` = samples with routing / samples (0.0 with no samples); ``indexer`` the same for indexer
+  records (``samples_with_indexer``, ``coverage``, ``rows``, ``shapes`` [layers, index_topk], ``dtypes``,
+  ``max_context``), zero / empty / None over shards without an ``/indexer`` group.
 """
 
 from __future__ import annotations
@@ -24,9 +26,43 @@ import h5py
 import numpy as np
 
 from miles_hpc.data.sample import SampleStatus
-from miles_hpc.data.schema import TrajectoryFileError, find_shards, open_shard
+from miles_hpc.data.schema import TrajectoryFileError, find_shards, iter_rows, open_shard
 
 __all__ = ["format_summary", "summarize"]
+
+
+class _Records:
+    """Per-row records of one kind (routing or indexer) across shards: the samples that have them, rows, (layers,
+    k) shapes, dtypes, and the writer's bound attribute (num_experts / max_context; -1 = unknown)."""
+
+    def __init__(self, name: str, bound: str) -> None:
+        self.name, self.bound = name, bound
+        self.samples = self.rows = 0
+        self.shapes: set[tuple[int, int]] = set()
+        self.dtypes: set[str] = set()
+        self.bounds: set[int] = set()
+
+    def add(self, group: h5py.Group, data: str) -> None:
+        ds = group[data]
+        self.samples += int(np.count_nonzero(np.diff(group["offsets"][()])))
+        self.rows += ds.shape[0]
+        if ds.shape[0]:
+            self.shapes.add((int(ds.shape[1]), int(ds.shape[2])))
+        self.dtypes.add(str(ds.dtype))
+        self.bounds.add(int(group.attrs.get(self.bound, -1)))
+
+    def summary(self, n: int) -> dict[str, Any]:
+        known = sorted(k for k in self.bounds if k >= 0)
+        return {
+            f"samples_with_{self.name}": self.samples,
+            "coverage": self.samples / n if n else 0.0,
+            "rows": self.rows,
+            # [layers, k]; more than one entry means shards from writers that disagree.
+            "shapes": [list(t) for t in sorted(self.shapes)],
+            # Only shards that hold records say which dtype the writer chose for them.
+            "dtypes": sorted(self.dtypes) if self.samples else [],
+            self.bound: known[0] if len(known) == 1 else (known or None),
+        }
 
 
 def summarize(path: str | Path) -> dict[str, Any]:
@@ -34,19 +70,17 @@ def summarize(path: str | Path) -> dict[str, Any]:
     shards, partials = find_shards(path)
     rewards: list[np.ndarray] = []
     statuses = np.zeros(len(SampleStatus), dtype=np.int64)
-    prompt = response = loss = routed = rows = 0
+    prompt = response = loss = 0
     vmin: int | None = None
     vmax: int | None = None
-    routing_shapes: set[tuple[int, int]] = set()
-    dtypes: set[str] = set()
+    routing, indexer = _Records("routing", "num_experts"), _Records("indexer", "max_context")
     models: set[str] = set()
     run_ids: set[str] = set()
-    num_experts: set[int] = set()
     for shard in shards:
         f, n = open_shard(shard)
         try:
             with f:
-                s, r = f["samples"], f["routing"]
+                s = f["samples"]
                 offsets = s["token_offsets"][()]
                 prompt_len = s["prompt_len"][()].astype(np.int64)
                 prompt += int(prompt_len.sum())
@@ -63,14 +97,9 @@ def summarize(path: str | Path) -> dict[str, Any]:
                     lo, hi = int(generated.min()), int(generated.max())
                     vmin = lo if vmin is None else min(vmin, lo)
                     vmax = hi if vmax is None else max(vmax, hi)
-                r_off = r["offsets"][()]
-                routed += int(np.count_nonzero(np.diff(r_off)))
-                experts = r["experts"]
-                rows += experts.shape[0]
-                if experts.shape[0]:
-                    routing_shapes.add((int(experts.shape[1]), int(experts.shape[2])))
-                dtypes.add(str(experts.dtype))
-                num_experts.add(int(r.attrs.get("num_experts", -1)))
+                routing.add(f["routing"], "experts")
+                if "indexer" in f:  # optional: older shards, and shards without records, have none
+                    indexer.add(f["indexer"], "topk")
                 models.add(str(f.attrs["model"]))
                 run_ids.add(str(f.attrs["run_id"]))
                 _read_the_rest(f)
@@ -79,7 +108,6 @@ def summarize(path: str | Path) -> dict[str, Any]:
     reward = np.concatenate(rewards) if rewards else np.zeros(0)
     n_samples = int(reward.size)
     finite = reward[np.isfinite(reward)]
-    known_experts = sorted(k for k in num_experts if k >= 0)
     return {
         "path": str(path),
         "shards": len(shards),
@@ -98,16 +126,8 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "status_counts": {st.name: int(statuses[st.value]) for st in SampleStatus},
         "policy_version_min": vmin,
         "policy_version_max": vmax,
-        "routing": {
-            "samples_with_routing": routed,
-            "coverage": routed / n_samples if n_samples else 0.0,
-            "rows": rows,
-            # [layers, top_k]; more than one entry means shards from writers that disagree.
-            "shapes": [list(t) for t in sorted(routing_shapes)],
-            # Only shards that hold routing say which dtype the writer chose for it.
-            "dtypes": sorted(dtypes) if routed else [],
-            "num_experts": known_experts[0] if len(known_experts) == 1 else (known_experts or None),
-        },
+        "routing": routing.summary(n_samples),
+        "indexer": indexer.summary(n_samples),
     }
 
 
@@ -119,6 +139,9 @@ def _read_the_rest(f: h5py.File) -> None:
             f["samples"][name][()]
     if f["routing/experts"].size:
         f["routing/experts"][()]
+    if "indexer" in f:
+        for _ in iter_rows(f["indexer/topk"]):  # in bounded blocks: indexer records are big
+            pass
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -150,6 +173,16 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
     else:
         routing = "none"
+    x = s["indexer"]
+    if x["samples_with_indexer"]:
+        shapes = ", ".join(f"{layers} layers x top-{k}" for layers, k in x["shapes"])
+        context = x["max_context"] if x["max_context"] is not None else "unknown"
+        indexer = (
+            f"{x['samples_with_indexer']}/{n} samples ({x['coverage']:.1%}), {x['rows']:,} rows, {shapes}, "
+            f"dtype {'/'.join(x['dtypes'])}, max context {context}"
+        )
+    else:
+        indexer = "none"
     partial = f"  ({s['partial_shards']} partial, not read: {', '.join(Path(p).name for p in s['partial_paths'])})"
     lines = [
         f"trajectories: {s['path']}",
@@ -163,5 +196,6 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  status           {status}",
         f"  policy versions  {versions}",
         f"  routing          {routing}",
+        f"  indexer          {indexer}",
     ]
     return "\n".join(lines)

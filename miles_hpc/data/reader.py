@@ -10,7 +10,10 @@ Invariants:
 - A shard without an optional dataset (``prompt_id``, ``token_hash``, ``metadata``; docs/formats.md) reads with
   prompt_id -1, the token hash computed from the tokens, and empty metadata.
 - Values come back exactly as stored: float32 log-probs and rewards as the Python floats equal to them,
-  ``routed_experts`` in the on-disk dtype (uint8/int16/int32; cast before using as torch indices).
+  ``routed_experts`` and ``indexer_topk`` in the on-disk dtype (uint8/int16/int32; cast before using as torch
+  indices). A shard without ``/indexer`` (written before indexer replay, or with no records) reads ``None`` there.
+- A block of samples also stays under :data:`_BLOCK_INDEXER_BYTES` of indexer records (they run to kilobytes per
+  token per layer), at least one sample.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ __all__ = ["TrajectoryReader"]
 # Read a shard in blocks of at most this many samples / tokens: bounded memory, few HDF5 calls.
 _BLOCK_SAMPLES = 1024
 _BLOCK_TOKENS = 1 << 22
+_BLOCK_INDEXER_BYTES = 1 << 28
 
 
 class TrajectoryReader:
@@ -55,11 +59,17 @@ class TrajectoryReader:
             f, _ = open_shard(shard)
             with f:
                 offsets = f["samples/token_offsets"][()]
+                indexer = _indexer_rows(f)
                 a = 0
                 while a < n:
-                    # Grow the block until it holds _BLOCK_SAMPLES samples or _BLOCK_TOKENS tokens (at least one).
+                    # Grow the block until it holds _BLOCK_SAMPLES samples, _BLOCK_TOKENS tokens or
+                    # _BLOCK_INDEXER_BYTES of indexer records (at least one sample).
                     b = min(n, a + _BLOCK_SAMPLES)
-                    b = max(a + 1, min(b, int(np.searchsorted(offsets, offsets[a] + _BLOCK_TOKENS, "right")) - 1))
+                    b = min(b, int(np.searchsorted(offsets, offsets[a] + _BLOCK_TOKENS, "right")) - 1)
+                    if indexer is not None:
+                        i_off, rows = indexer
+                        b = min(b, int(np.searchsorted(i_off, i_off[a] + rows, "right")) - 1)
+                    b = max(a + 1, b)
                     yield from _read_range(f, shard, a, b)
                     a = b
 
@@ -74,6 +84,15 @@ class TrajectoryReader:
         with f:
             local = i - self._starts[k]
             return _read_range(f, self.shards[k], local, local + 1)[0]
+
+
+def _indexer_rows(f: h5py.File) -> tuple[np.ndarray, int] | None:
+    """``(indexer/offsets, rows per block)`` of a shard with indexer records, else None."""
+    if "indexer" not in f:
+        return None
+    topk = f["indexer/topk"]
+    row_bytes = topk.dtype.itemsize * int(np.prod(topk.shape[1:], dtype=np.int64))
+    return f["indexer/offsets"][()], max(1, _BLOCK_INDEXER_BYTES // max(1, row_bytes))
 
 
 def _read_range(f: h5py.File, path: Path, a: int, b: int) -> list[Sample]:
@@ -93,14 +112,19 @@ def _read_range(f: h5py.File, path: Path, a: int, b: int) -> list[Sample]:
         metadata = s["metadata"].asstr()[a:b] if "metadata" in s else np.full(b - a, "{}", dtype=object)
         r_off = r["offsets"][a : b + 1]
         experts = r["experts"][int(r_off[0]) : int(r_off[-1])]
+        # No /indexer group (an older shard, or none of its samples has records): every range is empty.
+        i_off = f["indexer/offsets"][a : b + 1] if "indexer" in f else np.zeros(b - a + 1, dtype=np.int64)
+        topk = f["indexer/topk"][int(i_off[0]) : int(i_off[-1])] if "indexer" in f else None
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
         raise TrajectoryFileError(path, f"cannot read samples {a}..{b - 1} ({type(e).__name__}: {e})") from e
     off = off - t0
     r_off = r_off - r_off[0]
+    i_off = i_off - i_off[0]
     out = []
     for j in range(b - a):
         x, y = int(off[j]), int(off[j + 1])
         rx, ry = int(r_off[j]), int(r_off[j + 1])
+        ix, iy = int(i_off[j]), int(i_off[j + 1])
         try:
             out.append(
                 Sample(
@@ -115,6 +139,7 @@ def _read_range(f: h5py.File, path: Path, a: int, b: int) -> list[Sample]:
                     status=int(per_sample["status"][j]),
                     # A copy, so one kept Sample does not pin the whole block's routing array in memory.
                     routed_experts=experts[rx:ry].copy() if ry > rx else None,
+                    indexer_topk=_own_rows(topk, ix, iy),
                     token_hash=hashes[j].decode("ascii"),
                     metadata=json.loads(metadata[j]),
                     train_step=int(per_sample["train_step"][j]),
@@ -123,3 +148,11 @@ def _read_range(f: h5py.File, path: Path, a: int, b: int) -> list[Sample]:
         except (SampleError, ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
             raise TrajectoryFileError(path, f"sample {a + j} is invalid: {e}") from e
     return out
+
+
+def _own_rows(block: np.ndarray | None, x: int, y: int) -> np.ndarray | None:
+    """Rows ``x:y`` of a block as an array of their own (a kept Sample must not pin the block), None if empty; a
+    block that is those rows already is not copied again (indexer records are big)."""
+    if block is None or y <= x:
+        return None
+    return block if (x, y) == (0, len(block)) else block[x:y].copy()

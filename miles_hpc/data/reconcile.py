@@ -214,6 +214,7 @@ class _Reconciler:
             model, run_id = str(f.attrs["model"]), str(f.attrs["run_id"])
             experts = int(f["routing"].attrs.get("num_experts", -1))
             compression = f["samples/tokens"].compression
+            max_context = _max_context(f)
         w = TrajectoryWriter(
             self.d,
             prefix=c.path.name.removesuffix(SHARD_SUFFIX) + "-kept",
@@ -221,6 +222,7 @@ class _Reconciler:
             run_id=run_id,
             max_shard_bytes=1 << 62,  # one shard, whatever its size
             num_experts=experts if experts > 0 else None,
+            max_context=max_context,
             compression=compression,
             attrs={"reconciled_from": c.path.name, "reconciled_next_step": self.next_step},
         )
@@ -237,6 +239,15 @@ class _Reconciler:
             raise TrajectoryFileError(new, f"the rewrite of {c.path.name} does not verify: {check.problems[:1]}")
         self.log(f"[miles-hpc] trajectories: rewrote {c.path.name} as {new.name} ({int(keep.sum())} sample(s)): {why}")
         return new
+
+
+def _max_context(f: h5py.File) -> int | None:
+    """The ``max_context`` a rewrite of ``f`` needs to keep its indexer records' dtype: the original's, or (unknown
+    there) the bound of its dtype, since a rewrite's first block need not hold the positions that chose it."""
+    if "indexer" not in f:
+        return None
+    known = int(f["indexer"].attrs.get("max_context", -1))
+    return known if known > 0 else int(np.iinfo(f["indexer/topk"].dtype).max) + 1
 
 
 def _blocks(path: Path, keep: np.ndarray) -> Iterator[list[Sample]]:

@@ -16,6 +16,10 @@ again by the writer, because the record is mutable):
 - ``routed_experts`` is ``None`` or an integer array ``[rows, layers, top_k]`` with ``1 <= rows <= len(tokens)``
   (SGLang returns ``len(tokens) - 1`` rows). A zero-row array carries no information and is normalised to
   ``None``, so "no routing" has one representation and the store round-trips it exactly.
+- ``indexer_topk`` (indexer replay, DeepSeek Sparse Attention) is ``None`` or an integer array
+  ``[rows, indexer_layers, index_topk]`` with ``1 <= rows <= len(tokens)``: row t holds, per indexer layer, the key
+  positions (within this sample) that the query of token t attends to, each in ``[0, t]``, or -1 for padding (a
+  query at t < index_topk - 1 has only t + 1 keys). Zero rows normalise to ``None``, as routing does.
 - ``metadata`` is free-form *user* data that survives a JSON round trip unchanged (str keys, lists not tuples,
   no NaN); anything with a name of its own belongs in a field, not here (STYLE 7).
 """
@@ -91,6 +95,30 @@ def _per_token(name: str, values: Any, kinds: str) -> np.ndarray:
     return arr
 
 
+def _none_if_empty(values: Any) -> Any:
+    """A per-row record as an ndarray, or None when it has no rows (one representation of "no record")."""
+    if values is None:
+        return None
+    arr = np.asarray(values)
+    return None if arr.ndim == 3 and arr.shape[0] == 0 else arr
+
+
+def _check_rows(name: str, r: Any, n: int, dims: tuple[str, str], what: str) -> None:
+    """``r`` is an integer ``[rows, dims...]`` array with 1..n rows and every other dimension >= 1."""
+    if not isinstance(r, np.ndarray) or r.ndim != 3:
+        _fail(name, f"must be a [rows, {dims[0]}, {dims[1]}] array, got {np.shape(r)}")
+    if r.dtype.kind not in "iu":
+        _fail(name, f"must hold integer {what}, got dtype {r.dtype}")
+    if not 1 <= r.shape[0] <= n:
+        _fail(name, f"has {r.shape[0]} rows, expected 1..{n} (one per token at most)")
+    if r.shape[1] < 1 or r.shape[2] < 1:
+        _fail(name, f"{dims[0]} and {dims[1]} must be >= 1, got shape {r.shape}")
+
+
+def _same_array(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
+
+
 @dataclass(kw_only=True, slots=True, eq=False, repr=False)
 class Sample:
     """One prompt + response with per-token facts; fields mirror the HDF5 datasets 1:1 (docs/design.md section 7)."""
@@ -105,6 +133,7 @@ class Sample:
     reward: float = 0.0
     status: SampleStatus = SampleStatus.COMPLETED
     routed_experts: np.ndarray | None = None
+    indexer_topk: np.ndarray | None = None
     token_hash: str = ""  # computed from tokens when empty (by validate)
     metadata: dict[str, Any] = field(default_factory=dict)
     train_step: int = -1  # the train step that consumed it; -1 = not trained on (yet)
@@ -116,9 +145,8 @@ class Sample:
         self.loss_mask = _per_token("loss_mask", self.loss_mask, "iub").astype(np.int64).tolist()
         self.rollout_logprobs = _per_token("rollout_logprobs", self.rollout_logprobs, "fiu").astype(float).tolist()
         self.policy_version = _per_token("policy_version", self.policy_version, "iu").tolist()
-        if self.routed_experts is not None:
-            experts = np.asarray(self.routed_experts)
-            self.routed_experts = None if experts.ndim == 3 and experts.shape[0] == 0 else experts
+        self.routed_experts = _none_if_empty(self.routed_experts)
+        self.indexer_topk = _none_if_empty(self.indexer_topk)
         self.validate()
 
     def validate(self) -> None:
@@ -166,6 +194,7 @@ class Sample:
         except ValueError:
             _fail("status", f"must be one of {[s.name for s in SampleStatus]}, got {self.status!r}")
         self._validate_routing(n)
+        self._validate_indexer(n)
         if not self.token_hash:  # left empty: computed here, after the ids are known to fit int32
             self.token_hash = token_hash(tokens)
         elif self.token_hash != token_hash(tokens):
@@ -176,16 +205,23 @@ class Sample:
         r = self.routed_experts
         if r is None:
             return
-        if not isinstance(r, np.ndarray) or r.ndim != 3:
-            _fail("routed_experts", f"must be a [rows, layers, top_k] array, got {np.shape(r)}")
-        if r.dtype.kind not in "iu":
-            _fail("routed_experts", f"must hold integer expert ids, got dtype {r.dtype}")
-        if not 1 <= r.shape[0] <= n:
-            _fail("routed_experts", f"has {r.shape[0]} rows, expected 1..{n} (one per token at most)")
-        if r.shape[1] < 1 or r.shape[2] < 1:
-            _fail("routed_experts", f"layers and top_k must be >= 1, got shape {r.shape}")
+        _check_rows("routed_experts", r, n, ("layers", "top_k"), "expert ids")
         if r.min() < 0:
             _fail("routed_experts", "expert ids must be >= 0")
+
+    def _validate_indexer(self, n: int) -> None:
+        r = self.indexer_topk
+        if r is None:
+            return
+        _check_rows("indexer_topk", r, n, ("indexer_layers", "index_topk"), "key positions")
+        if r.min() < -1:
+            _fail("indexer_topk", f"key positions must be >= -1 (-1 = padding), got {int(r.min())}")
+        # Row t is the query of token t: it may only see keys 0..t. A per-row max, not an array as big as r.
+        row_max = r.reshape(r.shape[0], -1).max(axis=1)
+        late = np.flatnonzero(row_max > np.arange(r.shape[0]))
+        if late.size:
+            t = int(late[0])
+            _fail("indexer_topk", f"row {t} holds key position {int(row_max[t])}, beyond the query's own position {t}")
 
     def _validate_metadata(self) -> None:
         if not isinstance(self.metadata, dict):
@@ -220,6 +256,10 @@ class Sample:
     def has_routing(self) -> bool:
         return self.routed_experts is not None
 
+    @property
+    def has_indexer(self) -> bool:
+        return self.indexer_topk is not None
+
     def hash_ok(self) -> bool:
         """Whether ``token_hash`` still matches ``tokens`` (the trainer's TITO check)."""
         return self.token_hash == token_hash(self.tokens)
@@ -229,9 +269,10 @@ class Sample:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
             return NotImplemented
-        a, b = self.routed_experts, other.routed_experts
-        same_routing = (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
-        return same_routing and all(
+        same_arrays = _same_array(self.routed_experts, other.routed_experts) and _same_array(
+            self.indexer_topk, other.indexer_topk
+        )
+        return same_arrays and all(
             getattr(self, f) == getattr(other, f)
             for f in (
                 "prompt_id",
@@ -254,8 +295,10 @@ class Sample:
     def __repr__(self) -> str:
         # Token lists can be 100k long: print their shape, not their contents.
         routing = None if self.routed_experts is None else tuple(self.routed_experts.shape)
+        indexer = None if self.indexer_topk is None else tuple(self.indexer_topk.shape)
         return (
             f"Sample(prompt_id={self.prompt_id}, group_id={self.group_id}, prompt_len={self.prompt_len}, "
             f"response_len={self.response_len}, status={self.status.name}, reward={self.reward!r}, "
-            f"train_step={self.train_step}, routed_experts={routing}, token_hash={self.token_hash!r})"
+            f"train_step={self.train_step}, routed_experts={routing}, indexer_topk={indexer}, "
+            f"token_hash={self.token_hash!r})"
         )

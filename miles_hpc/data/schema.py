@@ -1,24 +1,26 @@
 """The HDF5 trajectory shard layout (stage: data; docs/design.md section 7, a contract) and its validation.
 
-One shard = one HDF5 file, written by one writer. Layout (N samples, T tokens, T_r routing rows)::
+One shard = one HDF5 file, written by one writer. Layout (N samples, T tokens, T_r routing rows, T_i indexer rows)::
 
     attrs: schema_version, model, run_id, writer
     /samples/tokens int32[T]  token_offsets int64[N+1]  loss_mask uint8[T]  rollout_logprobs float32[T]
              policy_version int32[T]  reward float32[N]  prompt_len int32[N]  group_id int64[N]  status uint8[N]
              train_step int32[N]  prompt_id int64[N]  token_hash S32[N]  metadata vlen-utf8-JSON[N]
     /routing/experts uint8|int16|int32[T_r, layers, top_k]  offsets int64[N+1]   attrs: num_experts (-1 = unknown)
+    /indexer/topk int16|int32[T_i, indexer_layers, index_topk]  offsets int64[N+1]   attrs: max_context (-1 = unknown)
 
 The datasets in :data:`OPTIONAL` (``prompt_id``, ``token_hash``, ``metadata``) may be absent; the others must be
-there. Invariants checked by :func:`open_shard` before anything is read: every dataset present with its dtype,
-``token_offsets`` and ``routing/offsets`` start at 0, never decrease and end at the length of the data they index,
-and every per-sample dataset has N rows. A file that breaks any of them raises :class:`TrajectoryFileError`
+there. The ``/indexer`` group is optional as a whole: a shard holds it only when one of its samples has indexer
+records (shards written before indexer replay never do). Invariants checked by :func:`open_shard` before anything
+is read: every dataset present with its dtype, ``token_offsets``, ``routing/offsets`` and ``indexer/offsets`` start
+at 0, never decrease and end at the length of the data they index, and every per-sample dataset has N rows. A file that breaks any of them raises :class:`TrajectoryFileError`
 naming the file; h5py's own exceptions never reach the user unwrapped.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import h5py
@@ -32,12 +34,15 @@ __all__ = [
     "PER_SAMPLE",
     "QUARANTINE_DIR",
     "PER_TOKEN",
+    "INDEXER_DTYPES",
     "ROUTING_DTYPES",
     "TrajectoryFileError",
     "expert_dtype",
     "find_shards",
+    "iter_rows",
     "list_shards",
     "open_shard",
+    "position_dtype",
 ]
 
 # name -> numpy dtype; the order is the order datasets are created in (cosmetic only).
@@ -62,6 +67,7 @@ PER_SAMPLE: dict[str, np.dtype] = {
 OPTIONAL: frozenset[str] = frozenset({"prompt_id", "token_hash", "metadata"})
 OFFSETS_DTYPE = np.dtype("<i8")
 ROUTING_DTYPES = (np.dtype("u1"), np.dtype("<i2"), np.dtype("<i4"))
+INDEXER_DTYPES = (np.dtype("<i2"), np.dtype("<i4"))  # signed: -1 is the padding entry
 FILE_ATTRS = ("schema_version", "model", "run_id", "writer")
 SHARD_SUFFIX = ".h5"
 PARTIAL_SUFFIX = ".h5.partial"
@@ -91,6 +97,20 @@ def expert_dtype(num_experts: int | None) -> np.dtype:
     if num_experts <= 256:
         return np.dtype("u1")
     return np.dtype("<i2") if num_experts <= 32768 else np.dtype("<i4")
+
+
+def position_dtype(max_position: int) -> np.dtype:
+    """The smaller of int16 / int32 that holds key positions ``-1 .. max_position`` (the indexer's records)."""
+    return np.dtype("<i2") if max_position <= np.iinfo(np.int16).max else np.dtype("<i4")
+
+
+def iter_rows(ds: h5py.Dataset, max_bytes: int = 1 << 26) -> Iterator[tuple[int, np.ndarray]]:
+    """``(first row, rows)`` blocks of ``ds`` along axis 0, each at most ``max_bytes`` (at least one row): a
+    dataset too big to read whole (the indexer's records) read in bounded memory."""
+    row_bytes = max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64)))
+    step = max(1, max_bytes // row_bytes)
+    for a in range(0, ds.shape[0], step):
+        yield a, ds[a : a + step]
 
 
 def find_shards(path: str | Path) -> tuple[list[Path], list[Path]]:
@@ -187,7 +207,24 @@ def _validate(f: h5py.File, path: Path) -> int:
     _check_offsets(r_offsets, "routing/offsets", bad)
     if r_offsets[-1] != experts.shape[0]:
         raise bad(f"routing/experts has {experts.shape[0]} rows, routing/offsets ends at {r_offsets[-1]}")
+    if "indexer" in f:
+        _validate_indexer(f["indexer"], n, bad)
     return n
+
+
+def _validate_indexer(group: h5py.Group, n: int, bad: _Bad) -> None:
+    if not isinstance(group, h5py.Group):
+        raise bad("/indexer is not a group")
+    _check_dataset(group, "offsets", OFFSETS_DTYPE, 1, bad)
+    topk = _check_dataset(group, "topk", None, 3, bad)
+    if topk.dtype not in INDEXER_DTYPES:
+        raise bad(f"indexer/topk has dtype {topk.dtype}, expected one of {[str(d) for d in INDEXER_DTYPES]}")
+    offsets = group["offsets"][()]
+    if len(offsets) != n + 1:
+        raise bad(f"indexer/offsets has {len(offsets)} entries, expected {n + 1}")
+    _check_offsets(offsets, "indexer/offsets", bad)
+    if offsets[-1] != topk.shape[0]:
+        raise bad(f"indexer/topk has {topk.shape[0]} rows, indexer/offsets ends at {offsets[-1]}")
 
 
 def _check_dataset(group: h5py.Group, name: str, dtype: np.dtype | None, ndim: int, bad: _Bad) -> h5py.Dataset:

@@ -9,7 +9,12 @@ Invariants:
   bytes of the arrays, so roll points do not depend on compression or HDF5 caching) to ``max_shard_bytes``.
 - Index numbering continues after any shard (complete or partial) of the same prefix already in the directory,
   so a requeued job never overwrites what an earlier attempt wrote. Files are opened with mode ``w-``.
-- One writer owns its prefix; routing (layers, top_k) and the expert-id dtype are fixed for the whole writer.
+- One writer owns its prefix; routing (layers, top_k) and the expert-id dtype are fixed for the whole writer, and
+  so are the indexer's (indexer_layers, index_topk) and key-position dtype (int16/int32, from ``max_context`` or
+  else from the first batch with indexer records).
+- A shard holds an ``/indexer`` group only once a sample with indexer records is written to it (created then, with
+  zero-length ranges for the samples before): a shard without any is byte for byte what it was before indexer
+  replay existed.
 - Every chunked dataset carries HDF5's fletcher32 checksum filter, so a corrupted chunk fails its read; shards
   written before the filter (no checksum) still read.
 
@@ -42,6 +47,7 @@ from miles_hpc.data.schema import (
     SHARD_SUFFIX,
     TrajectoryFileError,
     expert_dtype,
+    position_dtype,
     shard_index,
 )
 
@@ -63,12 +69,16 @@ class _Batch:
     token_lens: np.ndarray
     experts: np.ndarray | None  # [rows, layers, top_k] of every routed sample, concatenated
     routing_lens: np.ndarray
+    topk: np.ndarray | None  # [rows, indexer_layers, index_topk] of every sample with indexer records
+    indexer_lens: np.ndarray
 
     @property
     def nbytes(self) -> int:
+        """Uncompressed payload; the indexer's offsets are counted where they are written (TrajectoryWriter.append)."""
         arrays = [*self.per_token.values(), *self.per_sample.values(), self.token_lens, self.routing_lens]
         meta = sum(len(m) for m in self.per_sample["metadata"])  # object array: count the strings
-        return sum(a.nbytes for a in arrays) + meta + (0 if self.experts is None else self.experts.nbytes)
+        records = sum(0 if a is None else a.nbytes for a in (self.experts, self.topk))
+        return sum(a.nbytes for a in arrays) + meta + records
 
 
 class TrajectoryWriter:
@@ -83,6 +93,7 @@ class TrajectoryWriter:
         run_id: str,
         max_shard_bytes: int = 256 << 20,
         num_experts: int | None = None,
+        max_context: int | None = None,
         compression: str | None = None,
         attrs: Mapping[str, str | int] | None = None,
     ) -> None:
@@ -94,6 +105,8 @@ class TrajectoryWriter:
             raise ValueError(f"compression must be one of {_COMPRESSIONS}, got {compression!r}")
         if num_experts is not None and num_experts < 1:
             raise ValueError(f"num_experts must be >= 1 or None, got {num_experts}")
+        if max_context is not None and max_context < 1:
+            raise ValueError(f"max_context must be >= 1 or None, got {max_context}")
         clash = sorted(set(attrs or ()) & set(FILE_ATTRS))
         if clash:
             raise ValueError(f"attrs may not set the writer's own file attributes {clash}")
@@ -108,6 +121,10 @@ class TrajectoryWriter:
         self.num_samples = 0
         self._routing_shape: tuple[int, int] | None = None
         self._expert_dtype = expert_dtype(num_experts) if num_experts is not None else None
+        # Indexer records: key positions -1 .. max_context - 1, in the smallest dtype that holds them.
+        self.max_context = max_context
+        self._indexer_shape: tuple[int, int] | None = None
+        self._position_dtype = position_dtype(max_context - 1) if max_context is not None else None
         existing = [shard_index(p.name, prefix) for p in self.directory.iterdir()]
         self._next_index = 1 + max((i for i in existing if i is not None), default=-1)
         self._file: h5py.File | None = None
@@ -135,10 +152,10 @@ class TrajectoryWriter:
         if self._file is None:
             self._open_next()
         self._torn = True
-        self._write(batch)
+        written = self._write(batch)
         self._torn = False
         self.num_samples += len(samples)
-        self._payload += batch.nbytes
+        self._payload += written
         if self._payload >= self.max_shard_bytes:
             self._finish_shard()
 
@@ -212,42 +229,72 @@ class TrajectoryWriter:
         routed = [s.routed_experts for s in samples]
         routing_lens = np.array([0 if r is None else r.shape[0] for r in routed], dtype=np.int64)
         present = [r for r in routed if r is not None]
-        experts = self._check_routing(present, samples) if present else None
-        return _Batch(per_token, per_sample, lens, experts, routing_lens)
+        indexed = [s.indexer_topk for s in samples]
+        indexer_lens = np.array([0 if r is None else r.shape[0] for r in indexed], dtype=np.int64)
+        with_topk = [r for r in indexed if r is not None]
+        # Both checked before either fixes the writer's shapes and dtypes: a refused batch changes nothing.
+        routing = self._check_routing(present, samples) if present else None
+        indexer = self._check_indexer(with_topk, samples) if with_topk else None
+        experts = topk = None
+        if routing is not None:
+            self._routing_shape, self._expert_dtype = routing
+            experts = np.concatenate(present).astype(self._expert_dtype)
+        if indexer is not None:
+            self._indexer_shape, self._position_dtype = indexer
+            # Values were range-checked, so the cast cannot wrap; one copy, in the narrow dtype (these are big).
+            topk = np.concatenate(with_topk, dtype=self._position_dtype, casting="unsafe")
+        return _Batch(per_token, per_sample, lens, experts, routing_lens, topk, indexer_lens)
 
-    def _check_routing(self, present: list[np.ndarray], samples: Sequence[Sample]) -> np.ndarray:
-        shapes = {tuple(r.shape[1:]) for r in present}
-        expected = self._routing_shape or next(iter(shapes))
-        if shapes != {expected}:
-            raise ValueError(
-                f"routed_experts (layers, top_k) must be the same for every sample a writer stores: "
-                f"expected {expected}, got {sorted(shapes)} (prompt_ids {[s.prompt_id for s in samples][:8]}...)"
-            )
+    def _check_routing(self, present: list[np.ndarray], samples: Sequence[Sample]) -> tuple[tuple[int, int], np.dtype]:
+        """The writer's routing (layers, top_k) and expert dtype once this batch is stored; raises if it cannot be."""
+        expected = _same_shape("routed_experts", "(layers, top_k)", present, self._routing_shape, samples)
         biggest = max(int(r.max()) for r in present)
         if self.num_experts is not None and biggest >= self.num_experts:
             raise ValueError(f"routed_experts holds expert id {biggest} but num_experts is {self.num_experts}")
-        if self._expert_dtype is None:  # first routed batch of a writer without num_experts
-            self._expert_dtype = np.dtype("<i4") if biggest > np.iinfo(np.int16).max else expert_dtype(None)
-        if biggest > np.iinfo(self._expert_dtype).max:
+        dtype = self._expert_dtype
+        if dtype is None:  # first routed batch of a writer without num_experts
+            dtype = np.dtype("<i4") if biggest > np.iinfo(np.int16).max else expert_dtype(None)
+        if biggest > np.iinfo(dtype).max:
             raise ValueError(
-                f"routed_experts holds expert id {biggest}, beyond {self._expert_dtype} chosen from the first "
+                f"routed_experts holds expert id {biggest}, beyond {dtype} chosen from the first "
                 f"routed batch; pass num_experts to TrajectoryWriter"
             )
-        self._routing_shape = expected
-        return np.concatenate(present).astype(self._expert_dtype)
+        return expected, dtype
+
+    def _check_indexer(self, present: list[np.ndarray], samples: Sequence[Sample]) -> tuple[tuple[int, int], np.dtype]:
+        """The writer's indexer (layers, index_topk) and position dtype once this batch is stored; raises if not."""
+        expected = _same_shape("indexer_topk", "(indexer_layers, index_topk)", present, self._indexer_shape, samples)
+        biggest = max(int(r.max()) for r in present)
+        if self.max_context is not None and biggest >= self.max_context:
+            raise ValueError(f"indexer_topk holds key position {biggest} but max_context is {self.max_context}")
+        dtype = self._position_dtype or position_dtype(biggest)  # None: the first batch with records decides
+        if biggest > np.iinfo(dtype).max:
+            raise ValueError(
+                f"indexer_topk holds key position {biggest}, beyond {dtype} chosen from the first batch with "
+                f"indexer records; pass max_context to TrajectoryWriter"
+            )
+        return expected, dtype
 
     # -- file side --------------------------------------------------------------------------------------------
 
     def _dataset(
-        self, group: h5py.Group, name: str, dtype: Any, chunk: tuple[int, ...], shape0: tuple[int, ...] = (0,)
-    ) -> None:
-        group.create_dataset(
+        self,
+        group: h5py.Group,
+        name: str,
+        dtype: Any,
+        chunk: tuple[int, ...],
+        shape0: tuple[int, ...] = (0,),
+        shuffle: bool = False,
+    ) -> h5py.Dataset:
+        return group.create_dataset(
             name,
             shape=shape0,
             maxshape=(None, *shape0[1:]),
             dtype=dtype,
             chunks=chunk,
             compression=self.compression,
+            # Byte-shuffle before compressing (only with compression): groups the high bytes of small ints.
+            shuffle=shuffle and self.compression is not None,
             # A per-chunk checksum: bytes changed on disk fail the read instead of returning wrong values. HDF5
             # refuses it on variable-length strings (metadata: its chunks hold heap references, not the text).
             fletcher32=not _vlen(dtype),
@@ -287,9 +334,25 @@ class TrajectoryWriter:
         rows = max(1, _ROUTING_CHUNK_BYTES // (layers * top_k * self._expert_dtype.itemsize))
         self._dataset(self._file["routing"], "experts", self._expert_dtype, (rows, layers, top_k), (0, layers, top_k))
 
-    def _write(self, batch: _Batch) -> None:
+    def _create_indexer(self, before: int) -> None:
+        """The ``/indexer`` group of the open shard, at its first batch with records; the ``before`` samples
+        already in the shard get empty ranges (no records)."""
+        assert self._file is not None and self._indexer_shape is not None and self._position_dtype is not None
+        group = self._file.create_group("indexer")
+        group.attrs["max_context"] = -1 if self.max_context is None else self.max_context
+        offsets = self._dataset(group, "offsets", OFFSETS_DTYPE, (_SAMPLE_CHUNK,), (before + 1,))
+        offsets[...] = 0
+        layers, k = self._indexer_shape
+        rows = max(1, _ROUTING_CHUNK_BYTES // (layers * k * self._position_dtype.itemsize))
+        # Sorted positions compress about twice as well byte-shuffled (measured: docs/formats.md).
+        self._dataset(group, "topk", self._position_dtype, (rows, layers, k), (0, layers, k), shuffle=True)
+
+    def _write(self, batch: _Batch) -> int:
+        """Append ``batch`` to the open shard; return its payload (uncompressed bytes, the roll measure)."""
         assert self._file is not None
         samples, routing = self._file["samples"], self._file["routing"]
+        if batch.topk is not None and "indexer" not in self._file:
+            self._create_indexer(samples["token_offsets"].shape[0] - 1)
         for name, values in {**batch.per_token, **batch.per_sample}.items():
             _extend(samples[name], values)
         _extend(samples["token_offsets"], samples["token_offsets"][-1] + np.cumsum(batch.token_lens))
@@ -298,6 +361,13 @@ class TrajectoryWriter:
                 self._create_experts()
             _extend(routing["experts"], batch.experts)
         _extend(routing["offsets"], routing["offsets"][-1] + np.cumsum(batch.routing_lens))
+        if "indexer" in self._file:
+            indexer = self._file["indexer"]
+            if batch.topk is not None:
+                _extend(indexer["topk"], batch.topk)
+            _extend(indexer["offsets"], indexer["offsets"][-1] + np.cumsum(batch.indexer_lens))
+            return batch.nbytes + batch.indexer_lens.nbytes
+        return batch.nbytes
 
     def _finish_shard(self) -> None:
         assert self._file is not None and self._partial is not None
@@ -315,6 +385,20 @@ class TrajectoryWriter:
         fsync_path(self.directory)  # make the rename itself durable
         self.paths.append(final)
         self._partial = None
+
+
+def _same_shape(
+    name: str, dims: str, present: list[np.ndarray], fixed: tuple[int, int] | None, samples: Sequence[Sample]
+) -> tuple[int, int]:
+    """The one ``shape[1:]`` of every array in ``present``, equal to ``fixed`` when the writer has one."""
+    shapes = {(int(r.shape[1]), int(r.shape[2])) for r in present}
+    expected = fixed or next(iter(shapes))
+    if shapes != {expected}:
+        raise ValueError(
+            f"{name} {dims} must be the same for every sample a writer stores: "
+            f"expected {expected}, got {sorted(shapes)} (prompt_ids {[s.prompt_id for s in samples][:8]}...)"
+        )
+    return expected
 
 
 def _vlen(dtype: Any) -> bool:

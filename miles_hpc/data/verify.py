@@ -6,7 +6,9 @@ against what the writer guarantees, vectorised over the flat arrays (no Sample o
 cheap): offsets and per-sample row counts (the layout), a readable chunk everywhere (HDF5's fletcher32 checksum
 makes a corrupted chunk fail its read), status in range, prompt conventions, ``loss_mask`` in {0, 1}, finite
 rewards, log-probs neither NaN nor +inf (-inf is log 0, which a Sample allows), the recomputed token hash of every
-sample, routing rows and expert ids, metadata that parses as a JSON object. :func:`verify_shards` adds the one
+sample, routing rows and expert ids, indexer rows and key positions (each in -1 .. its row, i.e. the query's own
+position, and below ``max_context`` when the shard records one; read in bounded blocks, they are big), metadata
+that parses as a JSON object. :func:`verify_shards` adds the one
 check across shards: a ``group_id`` stored in more than one complete shard (a group is written by one append, so it
 lives in exactly one shard; twice means samples stored twice).
 
@@ -26,7 +28,7 @@ import h5py
 import numpy as np
 
 from miles_hpc.data.sample import SampleStatus, token_hash
-from miles_hpc.data.schema import PER_SAMPLE, PER_TOKEN, TrajectoryFileError, find_shards, open_shard
+from miles_hpc.data.schema import PER_SAMPLE, PER_TOKEN, TrajectoryFileError, find_shards, iter_rows, open_shard
 
 __all__ = ["SHOWN", "Problem", "ShardCheck", "check_shard", "duplicate_groups", "verify_shards"]
 
@@ -111,9 +113,11 @@ def check_shard(path: str | Path) -> ShardCheck:
         problems: list[Problem] = []
         data = _read_all(f, path, problems)
         num_experts = int(f["routing"].attrs.get("num_experts", -1)) if "routing" in f else -1
+        if _has(data, "token_offsets", "tokens", "prompt_len"):
+            _check_values(data, n, num_experts, _Report(path, problems))
+        if "indexer" in f and "token_offsets" in data:
+            _check_indexer(f["indexer"], np.diff(data["token_offsets"]), _Report(path, problems))
     group_id, train_step = data.get("group_id"), data.get("train_step")
-    if _has(data, "token_offsets", "tokens", "prompt_len"):
-        _check_values(data, n, num_experts, _Report(path, problems))
     return ShardCheck(path, tuple(problems), n, group_id, train_step)
 
 
@@ -225,3 +229,34 @@ def _check_routing(r_off: np.ndarray, experts: np.ndarray, lens: np.ndarray, num
         hit = np.zeros(len(rows), dtype=bool)
         hit[owner[bad]] = True
         report.samples(hit, what)
+
+
+def _check_indexer(group: h5py.Group, lens: np.ndarray, report: _Report) -> None:
+    """Rows per sample and every key position of ``/indexer``, ``topk`` read block by block (it is big)."""
+    try:
+        offsets = group["offsets"][()]
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
+        report.problems.append(Problem(report.path, f"cannot read indexer/offsets: {e} (damaged bytes)"))
+        return
+    rows = np.diff(offsets)
+    report.samples(rows > lens, "indexer has more rows than the sample has tokens")
+    max_context = int(group.attrs.get("max_context", -1))
+    owner = np.repeat(np.arange(len(rows)), rows)
+    query = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], rows)  # row t = the query of token t
+    below, after, beyond = (np.zeros(len(rows), dtype=bool) for _ in range(3))
+    try:
+        for a, block in iter_rows(group["topk"]):
+            flat = block.reshape(len(block), -1)
+            lo, hi = flat.min(axis=1).astype(np.int64), flat.max(axis=1).astype(np.int64)
+            who, t = owner[a : a + len(block)], query[a : a + len(block)]
+            below[who[lo < -1]] = True
+            after[who[hi > t]] = True
+            if max_context > 0:
+                beyond[who[hi >= max_context]] = True
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
+        report.problems.append(
+            Problem(report.path, f"cannot read indexer/topk: {e} (damaged bytes: a checksum or format mismatch)")
+        )
+    report.samples(below, "indexer key position below -1 (-1 is the padding)")
+    report.samples(after, "indexer key position after its query's own position (a row t sees keys 0..t)")
+    report.samples(beyond, f"indexer key position at or beyond max_context {max_context}")
