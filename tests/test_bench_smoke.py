@@ -4,6 +4,7 @@ is not the first place they break: each prints JSON lines with its figures and i
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -72,3 +73,18 @@ def test_train_bench_runs_two_ranks_on_the_cpu() -> None:
     )
     assert line["side"] == "miles_hpc_fsdp2" and line["ranks"] == 2 and "mfu" not in line
     assert abs(line["tokens_per_s"] * line["step_s"] - 2 * 64) < 0.1  # both ranks' tokens (step_s is rounded)
+
+
+def test_dsa_bench_reports_decode_of_both_attentions_and_a_train_step() -> None:
+    lines = bench(
+        *("benchmarks/bench_dsa.py", "--toy", "--layers", "2", "--experts", "8", "--batch", "2"),
+        *("--prompt-len", "96", "--new-tokens", "8", "--train-seq", "96", "--steps", "1"),
+    )
+    decode = {line["attention"]: line for line in lines if line["result"] == "decode"}
+    assert set(decode) == {"dsa", "dense_mla"}
+    for line in decode.values():
+        assert line["decode_tok_s"] > 0 and 0 < line["cache_bytes_per_token"] < line["expanded_bytes_per_token"]
+    # DSA caches the indexer's key beside MLA's latent: more bytes per token than dense MLA, far fewer than expanded.
+    assert decode["dsa"]["cache_bytes_per_token"] > decode["dense_mla"]["cache_bytes_per_token"]
+    (train,) = [line for line in lines if line["result"] == "train_step"]
+    assert train["step_s"] > 0 and math.isfinite(train["loss"])
