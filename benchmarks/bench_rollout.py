@@ -96,8 +96,8 @@ def run_engine(
     results: list[GenerateResult] = []
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    for p in prompts:
-        req = GenerateRequest(rid=uuid.uuid4().hex, input_ids=tuple(p), sampling=params)
+    for i, p in enumerate(prompts):
+        req = GenerateRequest(rid=f"{i:06d}-{uuid.uuid4().hex}", input_ids=tuple(p), sampling=params)
         engine.submit(req, results.append)
     runner = engine.runner
     wrapped = {name: getattr(runner, name) for name in ("run", "launch", "collect") if hasattr(runner, name)}
@@ -240,6 +240,7 @@ def bench_decode(
         "step_summary": step_summary(step_times),
         "_prompts": prompts,
         "_warm": warm,
+        "_outputs": [(r.output_ids, r.output_logprobs) for r in sorted(results, key=lambda r: r.rid)],
     }
     if bw is not None:
         step_bytes = decode_bytes_per_step(engine, batch, prompt_len + new_tokens / 2)
@@ -267,8 +268,10 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=2000)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-prefix", action="store_true")
+    ap.add_argument("--dump-outputs", type=Path, default=None, help="JSON of each batch's greedy ids and log-probs")
     ap.add_argument("--triton-kernels", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--tuned-attention-tiles", action="store_true", help="EngineConfig.tuned_attention_tiles")
     args = ap.parse_args()
     gpu = args.device.startswith("cuda")
     shape = args.shape or ("qwen3-0.6b" if gpu else "tiny")
@@ -282,12 +285,17 @@ def main() -> None:
         "dtype": str(dtype)[6:],
         "triton_kernels": args.triton_kernels,
         "cuda_graphs": args.cuda_graphs,
+        "tuned_attention_tiles": args.tuned_attention_tiles,
     }
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_checkpoint(shape, dtype, Path(tmp) / "model")
         cfg = EngineConfig(
-            device=args.device, dtype=str(dtype)[6:], triton_kernels=args.triton_kernels, cuda_graphs=args.cuda_graphs
+            device=args.device,
+            dtype=str(dtype)[6:],
+            triton_kernels=args.triton_kernels,
+            cuda_graphs=args.cuda_graphs,
+            tuned_attention_tiles=args.tuned_attention_tiles,
         )
         engine = Engine.from_pretrained(str(model_dir), cfg)
         vocab = engine.model.config.vocab_size
@@ -309,6 +317,8 @@ def main() -> None:
                 first["hf_roofline_frac"] = round(tokens / t_hf / first["roofline_tok_s"], 4)  # type: ignore[operator]
         for line in lines:
             print(json.dumps({k: v for k, v in line.items() if not k.startswith("_")}), flush=True)
+        if args.dump_outputs is not None:  # to compare two engines' outputs on the same prompts
+            args.dump_outputs.write_text(json.dumps({str(line["batch"]): line["_outputs"] for line in lines}))
         if prefix is not None:
             print(json.dumps(prefix), flush=True)
 

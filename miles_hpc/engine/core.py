@@ -110,6 +110,7 @@ class Engine:
             fused_extend_tokens=config.fused_extend_tokens,
             loras=self.loras,
             batch_invariant=config.batch_invariant,
+            tuned_attention_tiles=config.tuned_attention_tiles,
         )
         self.limits = Limits(
             vocab_size=self.vocab_size,
@@ -119,8 +120,7 @@ class Engine:
         )
 
         self._lock = threading.Lock()  # inbox, live rids, paused flag; held briefly, never across a step
-        self._cond = threading.Condition(self._lock)
-        self._step_lock = threading.RLock()  # one step or one control call at a time
+        self._cond, self._step_lock = threading.Condition(self._lock), threading.RLock()  # step lock: one step or call
         self._inbox: list[Req] = []
         self._live: set[str] = set()
         self._paused = False

@@ -8,8 +8,8 @@ copied without a host wait into fixed device buffers (ids/positions/src int64 [3
 [max_batch, max_blocks_per_seq]); everything else is computed from them on the device by the captured step: ids of
 `src` rows gathered from the previous step's sampled tokens, the `DecodeFn` (slots, context lengths, RoPE, the
 forward) writing logits into a fixed [max_batch, vocab] buffer, then greedy sampling of every row (argmax and its
-log-prob under the float32 log-softmax, as `sampling.sample` computes them) into `tokens`/`logprobs`. Steps that
-sample otherwise overwrite those rows after the replay (`set_samples`). `read_back` copies the results to pinned
+log-prob under the float32 log-softmax: `DecodeOps.greedy_sample`, one Triton pass on CUDA) into `tokens` /
+`logprobs`. Steps that sample otherwise overwrite those rows after the replay (`set_samples`). `read_back` copies the results to pinned
 host memory behind an event: the host waits only when it reads them (`Pending.wait`), so it can schedule the next
 step while the device runs this one. A batch of n runs the graph of the smallest captured size >= n (1, 2, 4, 8,
 then steps of 16 / 32 up to 256); rows past n are padding.
@@ -35,10 +35,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .decode_ops import greedy_sample_reference
+
 log = logging.getLogger(__name__)
 
 # (ids int64 [n], positions int64 [n], block_tables int32 [n, W], logits_out [n, vocab]) -> None
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# (logits [n, vocab], tokens_out int64 [n], logprobs_out float32 [n]) -> None
+Sampler = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 MAX_GRAPH_BATCH = 256
 
@@ -77,8 +81,11 @@ class DecodeRunner:
         device: torch.device,
         dtype: torch.dtype,
         use_graphs: bool,
+        sampler: Sampler = greedy_sample_reference,
     ) -> None:
+        """`sampler(logits, tokens_out, logprobs_out)`: the greedy sampler run inside the graph (a `DecodeOps`'s)."""
         self.forward = forward
+        self.sampler = sampler
         self.max_batch = max_batch
         self.scratch_block = scratch_block
         self.device = device
@@ -128,10 +135,7 @@ class DecodeRunner:
         ids, src = self.idpos[0, :bs], self.idpos[2, :bs]
         ids.copy_(torch.where(src >= 0, self.tokens.gather(0, src.clamp(min=0)), ids))
         self.forward(*self._args(bs))
-        logits = self.logits[:bs].to(torch.float32)
-        tokens = logits.argmax(dim=-1)
-        self.tokens[:bs].copy_(tokens)
-        self.logprobs[:bs].copy_(torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1))
+        self.sampler(self.logits[:bs], self.tokens[:bs], self.logprobs[:bs])
 
     def padded(self, n: int) -> int:
         """The batch size a step of n rows runs at: the smallest size in `sizes` >= n, or n past the largest."""

@@ -81,11 +81,13 @@ class ModelRunner:
         fused_extend_tokens: int = 0,
         loras: AdapterSet | None = None,
         batch_invariant: bool = False,
+        tuned_attention_tiles: bool = False,
     ) -> None:
         """`triton_kernels` / `cuda_graphs` take effect on CUDA where Triton imports (EngineConfig's knobs).
         `loras`: the engine's LoRA adapters; a step with a request that names one runs eagerly (the hooks that
         apply adapters run in the model's own forward, not in the fused decode step).
-        `batch_invariant`: zero-KL mode (module docstring); the caller has made `model` invariant."""
+        `batch_invariant`: zero-KL mode (module docstring); the caller has made `model` invariant.
+        `tuned_attention_tiles`: `EngineConfig.tuned_attention_tiles`."""
         self.model, self.cache, self.bm, self.device = model, cache, blocks, device
         self.loras = loras
         self.fused_extend_tokens = fused_extend_tokens
@@ -100,7 +102,7 @@ class ModelRunner:
             return
         from .triton_ops import TritonDecodeOps
 
-        ops = TritonDecodeOps()
+        ops = TritonDecodeOps(tuned_tiles=tuned_attention_tiles)
         if model.config.is_mla:
             log.info(
                 "MLA model: attention runs through the torch path (the Triton decode kernel takes K and V of one width)"
@@ -120,6 +122,7 @@ class ModelRunner:
             device=device,
             dtype=next(model.parameters()).dtype,
             use_graphs=cuda_graphs,
+            sampler=ops.greedy_sample,
         )
 
     @torch.inference_mode()
