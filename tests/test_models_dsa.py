@@ -229,3 +229,43 @@ def test_deepseek_v32_refuses_glm_only_indexer_sharing() -> None:
     d = {"model_type": "deepseek_v32", "indexer_types": ["full", "shared"], "num_hidden_layers": 2}
     with pytest.raises(ValueError, match="DeepSeek-V3.2 runs the indexer in every layer"):
         ModelConfig.from_hf_dict(d)
+
+
+def _own_records(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The model's own selections as the engine records them: [B, T, indexer layers, index_topk], keys <= the
+    token's position, -1 padding."""
+    sel = our_selections(model)
+    with torch.no_grad():
+        model(ids)
+    k = model.config.index_topk
+    rows = []
+    for i in model.indexer_layer_ids:
+        s = sel[f"model.layers.{i}.self_attn"][0].long()
+        pos = torch.arange(s.shape[1])[:, None]
+        s = torch.where(s <= pos, s, -1)
+        rows.append(torch.nn.functional.pad(s, (0, k - s.shape[-1]), value=-1))
+    return torch.stack(rows, dim=2)
+
+
+def test_indexer_replay_is_exact_on_own_records_and_changes_what_foreign_ones_select(tmp_path: Path) -> None:
+    dsa_model("glm-shared-indexer").save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path)
+    ids = input_ids(seq=13)
+    records = _own_records(ours, ids)
+    assert records.shape == (2, 13, 3, ours.config.index_topk)  # layers 0, 1, 3 have an indexer
+    with torch.no_grad():
+        live = ours(ids)
+        assert torch.equal(ours(ids, index_replay=records), live)
+        assert ours.index_replay_stats().tolist() == [2 * 13 * 3, 2 * 13 * 3, 2 * 13 * 3]
+        # Other keys (the earliest ones, where the indexer chose otherwise) change the output; rows of -1 keep it.
+        foreign = torch.where(records >= 0, torch.arange(records.shape[-1]).expand_as(records), -1)
+        foreign = torch.minimum(foreign, torch.arange(13)[None, :, None, None])
+        replayed = ours(ids, index_replay=foreign)
+        recorded, agree, total = ours.index_replay_stats().tolist()
+        assert recorded == total and agree < recorded and max_diff(replayed, live) > 1e-3
+        assert torch.equal(ours(ids, index_replay=torch.full_like(records, -1)), live)
+        assert ours.index_replay_stats()[0] == 0
+    with pytest.raises(ValueError, match="names keys after its own token"):
+        ours(ids, index_replay=records.clamp(min=0) + 20)
+    with pytest.raises(ValueError, match="index_replay must have shape"):
+        ours(ids, index_replay=records[:, :, :2])

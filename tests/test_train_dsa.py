@@ -80,3 +80,36 @@ def test_routing_replay_replays_the_moe_layers(world: None, dsa_model: Path) -> 
     trainer = FSDPTrainer(dsa_model, TrainConfig(), AlgoConfig(routing_replay=True), device="cpu", seed=0)
     metrics = trainer.train_step(replayed)
     assert metrics["r3/coverage"] == 1.0 and metrics["r3/topk_agreement"] == 1.0
+
+
+def test_indexer_replay_of_own_records_trains_the_same_and_is_counted(world: None, dsa_model: Path) -> None:
+    plain = load_pretrained(dsa_model)
+    batch = make_batch(LENGTHS)
+    k = plain.config.index_topk
+    records = []
+    for toks in batch.tokens:  # the plain model's own choices, recorded as the engine records them
+        seen: dict[int, torch.Tensor] = {}
+        hooks = [
+            plain.model.layers[i].self_attn.register_forward_hook(lambda _m, _a, out, i=i: seen.__setitem__(i, out[1]))
+            for i in plain.indexer_layer_ids
+        ]
+        with torch.no_grad():
+            plain(torch.tensor([toks]))
+        for h in hooks:
+            h.remove()
+        rows = []
+        for i in plain.indexer_layer_ids:
+            s = seen[i][0][0].long()
+            s = torch.where(s <= torch.arange(len(toks))[:, None], s, -1)
+            rows.append(torch.nn.functional.pad(s, (0, k - s.shape[-1]), value=-1))
+        records.append(torch.stack(rows, dim=1)[:-1].numpy())  # the last token never ran through the engine
+    cfg = TrainConfig(lr=1e-2, grad_clip=0.0, max_tokens_per_microbatch=64)
+    live = FSDPTrainer(dsa_model, cfg, AlgoConfig(), device="cpu", seed=0)
+    replay = FSDPTrainer(dsa_model, cfg, AlgoConfig(), device="cpu", seed=0)
+    with_records = dataclasses.replace(batch, indexer_topk=records)
+    a, b = live.train_step(batch), replay.train_step(with_records)
+    rows = sum(len(t) - 1 for t in batch.tokens) * len(plain.indexer_layer_ids)
+    assert b["dsa/replay_coverage"] == rows / (batch.num_tokens * len(plain.indexer_layer_ids))
+    assert b["dsa/topk_agreement"] == 1.0 and "dsa/replay_coverage" not in a
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    assert all(torch.equal(x, y) for x, y in zip(params_of(live).values(), params_of(replay).values()))

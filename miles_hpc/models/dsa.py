@@ -29,7 +29,11 @@ price of parity with transformers on ties.
 
 Selection (`Selection`): one int tensor [B, S, k] per group of equally long rows: per packed sequence with
 `cu_seqlens` (B = 1, S = that sequence's length), else one group for the whole batch; k = min(index_topk, S);
-entries index keys within the row's own sequence and may name masked (future) keys, which attention ignores.
+entries index keys within the row's own sequence and may name masked (future) keys, which attention ignores, or
+be -1 (no key: a replayed record's padding).
+
+Indexer replay (`replay_selection`, `CausalLM.forward(index_replay=...)`): the trainer attends to the keys a rollout
+engine selected instead of its own choice, per token and indexer layer, as R3 does for MoE routing.
 A backend's `dsa_select` lays its Selection out its own way (the engine's: engine/latent_attention.py): the model
 only hands it on, to the same backend's attention.
 """
@@ -131,12 +135,42 @@ def select_topk(
 
 
 def selection_mask(indices: torch.Tensor, length: int) -> torch.Tensor:
-    """Boolean [B, 1, S, T] attention mask: causal and among the selected keys."""
+    """Boolean [B, 1, S, T] attention mask: causal and among the selected keys (-1 entries select nothing)."""
     b, s, _ = indices.shape
-    chosen = torch.zeros(b, s, length, dtype=torch.bool, device=indices.device)
-    chosen.scatter_(-1, indices.long(), True)
+    idx = indices.long()
+    idx = torch.where(idx < 0, length, idx)  # padding goes to a column that is dropped
+    chosen = torch.zeros(b, s, length + 1, dtype=torch.bool, device=indices.device)
+    chosen.scatter_(-1, idx, True)
+    chosen = chosen[..., :length]
     causal = torch.ones(s, length, dtype=torch.bool, device=indices.device).tril(length - s)
     return (chosen & causal).unsqueeze(1)
+
+
+@torch.no_grad()
+def replay_selection(
+    live: Selection, replay: torch.Tensor, bounds: Sequence[int] | None
+) -> tuple[Selection, torch.Tensor]:
+    """Indexer replay: `replay` [B, T, K] holds, per token, the key positions (within its sequence, -1 padding) a
+    rollout engine selected for it; a row with any entry replaces the live choice, a row of only -1 (no record)
+    keeps it. Returns the selection (rows padded to one width with -1) and int64 [3]: rows with a record, of those
+    the ones whose live choice is the same set of keys, all rows."""
+    spans = [(0, replay.shape[1])] if bounds is None else [(s, e) for s, e in zip(bounds, bounds[1:]) if e > s]
+    stats = torch.zeros(3, dtype=torch.long, device=replay.device)
+    out: Selection = []
+    for (s, e), sel in zip(spans, live, strict=True):
+        rows = replay[:, s:e].to(device=sel.device, dtype=torch.long)
+        q_pos = torch.arange(e - s, device=sel.device)[:, None]
+        if bool(((rows > q_pos) | (rows < -1)).any()):
+            raise ValueError(f"index_replay: a record names keys after its own token or below -1 (tokens {s}..{e})")
+        width = max(rows.shape[-1], sel.shape[-1])
+        live_rows = torch.where(sel.long() <= q_pos, sel.long(), -1)  # the masked (future) picks are no keys
+        live_rows = F.pad(live_rows, (0, width - sel.shape[-1]), value=-1)
+        rows = F.pad(rows, (0, width - rows.shape[-1]), value=-1)
+        has = (rows >= 0).any(-1)
+        same = (live_rows.sort(-1).values == rows.sort(-1).values).all(-1)
+        stats += torch.stack([has.sum(), (same & has).sum(), torch.tensor(has.numel(), device=has.device)])
+        out.append(torch.where(has[..., None], rows, live_rows))
+    return out, stats
 
 
 def sparse_attention(
@@ -181,6 +215,7 @@ __all__ = [
     "causal_topk",
     "host_bounds",
     "index_scores",
+    "replay_selection",
     "select_topk",
     "selection_mask",
     "sparse_attention",

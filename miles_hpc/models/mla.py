@@ -99,9 +99,11 @@ class MLAttention(nn.Module):
         backend: AttentionBackend,
         cu_seqlens: torch.Tensor | None,
         shared: dsa.Selection | None = None,
+        replay: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dsa.Selection | None]:
         """(output [B, T, hidden], this layer's DSA selection or None); `shared`: the selection a "shared" DSA
-        layer reuses. A backend with `mla_attention` (the engine's latent cache) gets the latent before its
+        layer reuses; `replay` [B, T, K]: a full layer's recorded key positions (dsa.replay_selection), whose
+        stats are then in `self.replay_stats`. A backend with `mla_attention` (the engine's latent cache) gets the latent before its
         expansion (module docstring); otherwise keys and values are expanded here and go to `backend`."""
         b, t, _ = x.shape
         q_resid = None
@@ -123,6 +125,9 @@ class MLAttention(nn.Module):
         if self.dsa:
             assert q_resid is not None
             selection = self._select(x, q_resid, cos, sin, backend, cu_seqlens) if hasattr(self, "indexer") else shared
+            if replay is not None and selection is not None and hasattr(self, "indexer"):
+                bounds = dsa.host_bounds(cu_seqlens, b, t)
+                selection, self.replay_stats = dsa.replay_selection(selection, replay, bounds)
             if selection is None:
                 raise ValueError(
                     f"layer {self.layer_idx}: a shared DSA layer needs the selection of an earlier full layer"

@@ -53,11 +53,13 @@ class DecoderLayer(nn.Module):
         replay: torch.Tensor | None,
         compare: bool = False,
         shared: Selection | None = None,
+        index_replay: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, Selection | None]:
         """(hidden, routed expert ids of an MoE layer or None, DSA selection of an MLA layer or None)."""
         selection = None
         if isinstance(self.self_attn, MLAttention):
-            a, selection = self.self_attn(self.input_layernorm(x), cos, sin, backend, cu_seqlens, shared)
+            h = self.input_layernorm(x)
+            a, selection = self.self_attn(h, cos, sin, backend, cu_seqlens, shared, index_replay)
         else:
             a = self.self_attn(self.input_layernorm(x), cos, sin, backend, cu_seqlens)
         x = x + a
@@ -96,6 +98,9 @@ class CausalLM(nn.Module):
         self.moe_layer_ids: tuple[int, ...] = config.moe_layer_ids()
         self.num_moe_layers: int = len(self.moe_layer_ids)
         self.top_k: int = config.num_experts_per_tok if self.num_moe_layers else 0
+        self.indexer_layer_ids: tuple[int, ...] = tuple(
+            i for i in range(config.num_hidden_layers) if config.indexer_full(i)
+        )
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -130,6 +135,7 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor | None = None,
         routing_compare: bool = False,
         mtp_out: list[torch.Tensor] | None = None,
+        index_replay: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, T, vocab] for input_ids [B, T].
 
@@ -146,6 +152,9 @@ class CausalLM(nn.Module):
             those rows only and logits are [B, n, vocab] (an engine needs the last row of each sequence, not all).
         mtp_out: a list that receives the logits [B, T, vocab] of each multi-token-prediction depth (mtp.py; row i
             of depth d predicts token i + d + 1); needs num_nextn_predict_layers > 0.
+        index_replay: DSA models, int [B, T, len(indexer_layer_ids), K]: per token and layer with an indexer, the
+            key positions (within the token's sequence, -1 padding) to attend to instead of the indexer's choice; a
+            row of only -1 keeps the live choice (models/dsa.py). `index_replay_stats()` then says how many agreed.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -159,21 +168,21 @@ class CausalLM(nn.Module):
         cu_seqlens = host_cu
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
-        if routing_replay is not None:
-            expected = (b, t, self.num_moe_layers, self.top_k)
-            if tuple(routing_replay.shape) != expected:
-                raise ValueError(f"routing_replay must have shape {expected}, got {tuple(routing_replay.shape)}")
+        self._check_replays(b, t, routing_replay, index_replay)
         backend = attn_backend if attn_backend is not None else sdpa_attention
 
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
         routed: list[torch.Tensor] = []
         selection: Selection | None = None
-        for layer in self.model.layers[: self.config.num_hidden_layers]:
+        for i, layer in enumerate(self.model.layers[: self.config.num_hidden_layers]):
             replay = None
             if routing_replay is not None and layer.is_moe:
                 replay = routing_replay[:, :, len(routed)].reshape(b * t, self.top_k)
-            x, ids, sel = layer(x, cos, sin, backend, cu_seqlens, replay, routing_compare, selection)
+            rows = None
+            if index_replay is not None and i in self.indexer_layer_ids:
+                rows = index_replay[:, :, self.indexer_layer_ids.index(i)]
+            x, ids, sel = layer(x, cos, sin, backend, cu_seqlens, replay, routing_compare, selection, rows)
             selection = sel if sel is not None else selection
             if ids is not None:
                 routed.append(ids)
@@ -192,6 +201,21 @@ class CausalLM(nn.Module):
         else:
             stacked = torch.empty(b, t, 0, 0, dtype=torch.long, device=logits.device)
         return logits, stacked.to(torch.int32)
+
+    def _check_replays(
+        self, b: int, t: int, routing_replay: torch.Tensor | None, index_replay: torch.Tensor | None
+    ) -> None:
+        if routing_replay is not None:
+            expected = (b, t, self.num_moe_layers, self.top_k)
+            if tuple(routing_replay.shape) != expected:
+                raise ValueError(f"routing_replay must have shape {expected}, got {tuple(routing_replay.shape)}")
+        if index_replay is not None:
+            n_idx = len(self.indexer_layer_ids)
+            if index_replay.dim() != 4 or tuple(index_replay.shape[:3]) != (b, t, n_idx) or not n_idx:
+                raise ValueError(
+                    f"index_replay must have shape ({b}, {t}, {n_idx}, K) (layers with an indexer: "
+                    f"{self.indexer_layer_ids}), got {tuple(index_replay.shape)}"
+                )
 
     def _mtp_logits(
         self,
@@ -213,6 +237,12 @@ class CausalLM(nn.Module):
             hidden = layer(hidden, self.model.embed_tokens(ahead), cos, sin, backend, cu_seqlens)
             out.append(self.lm_head(hidden))
         return out
+
+    def index_replay_stats(self) -> torch.Tensor:
+        """int64 [3] summed over the layers with an indexer, for the last forward with `index_replay`: (token-layers
+        with a record, of those the ones whose live top-k equals the record, all token-layers)."""
+        layers = [self.model.layers[i].self_attn for i in self.indexer_layer_ids]
+        return torch.stack([att.replay_stats for att in layers]).sum(dim=0)
 
     def replay_stats(self) -> torch.Tensor:
         """int64 [3] summed over MoE layers for the last forward with `routing_replay`: (token-layers with a record,

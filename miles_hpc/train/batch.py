@@ -9,6 +9,9 @@ The trainer never sees `Sample` objects or HTTP: the loop flattens samples into 
 - ``routed_experts[i]`` (R3, MoE models): int [R_i, moe_layers, top_k], the experts the engine routed tokens
   0..R_i-1 of sample i to (R_i <= len(tokens[i]) - 1: the last token is never run through the model); None for a
   sample without a record. Tokens past R_i use the live router.
+- ``indexer_topk[i]`` (DSA indexer replay): int [R_i, indexer_layers, index_topk], the key positions (within the
+  sample, -1 padding) each of tokens 0..R_i-1 attended to in each layer with an indexer (``Sample.indexer_topk``);
+  tokens past R_i, and rows of only -1, use the live indexer.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class TrainBatch:
     group_ids: list[int] = field(default_factory=list)
     ref_logprobs: list[list[float]] | None = None  # reference-model log-probs, when a KL penalty is on
     routed_experts: list[np.ndarray | None] | None = None  # R3 records per sample (module docstring)
+    indexer_topk: list[np.ndarray | None] | None = None  # DSA indexer records per sample (module docstring)
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -39,14 +43,16 @@ class TrainBatch:
                 if len(row) != len(toks):
                     raise ValueError(f"TrainBatch.{name}[{i}]: {len(row)} entries for {len(toks)} tokens")
 
-        if self.routed_experts is not None:
-            if len(self.routed_experts) != n:
-                raise ValueError(f"TrainBatch.routed_experts: {len(self.routed_experts)} rows for {n} samples")
-            for i, (r, toks) in enumerate(zip(self.routed_experts, self.tokens)):
+        for name, dims in (("routed_experts", "moe_layers, top_k"), ("indexer_topk", "indexer_layers, index_topk")):
+            records = getattr(self, name)
+            if records is None:
+                continue
+            if len(records) != n:
+                raise ValueError(f"TrainBatch.{name}: {len(records)} rows for {n} samples")
+            for i, (r, toks) in enumerate(zip(records, self.tokens)):
                 if r is not None and (r.ndim != 3 or r.shape[0] > len(toks)):
                     raise ValueError(
-                        f"TrainBatch.routed_experts[{i}]: shape {r.shape} for {len(toks)} tokens "
-                        "(expected [<= tokens, moe_layers, top_k])"
+                        f"TrainBatch.{name}[{i}]: shape {r.shape} for {len(toks)} tokens (expected [<= tokens, {dims}])"
                     )
 
     def __len__(self) -> int:

@@ -82,6 +82,7 @@ class FSDPTrainer(PackedTrainer):
         self._step = 0
         self._last_lr = train_cfg.lr
         self._r3 = None  # R3 stats of the training forwards of this step (see _forward)
+        self.replays_indexer = True
         torch.manual_seed(seed)
         # Full fp32 copy per rank before sharding: simple, fine up to a few B params per host.
         # TODO(scale): meta-device init + rank-0 load + broadcast (or DCP) for models larger than host memory.
@@ -142,6 +143,8 @@ class FSDPTrainer(PackedTrainer):
         kw: dict[str, Any] = {}
         if mb.routing is not None:
             kw = {"routing_replay": mb.routing, "routing_compare": not self.algo_cfg.routing_replay}
+        if mb.indexer is not None:  # DSA indexer replay: the rollout's top-k choices
+            kw["index_replay"] = mb.indexer
         if self.zero_kl:
             kw["attn_backend"] = packed_attention
         mtp: list[torch.Tensor] | None = None
@@ -153,6 +156,9 @@ class FSDPTrainer(PackedTrainer):
         if mb.routing is not None:
             stats = self.model.replay_stats()
             self._r3 = stats if self._r3 is None else self._r3 + stats
+        if mb.indexer is not None:
+            stats = self.model.index_replay_stats()
+            self._dsa = stats if self._dsa is None else self._dsa + stats
         return token_logprobs(
             logits, mb, with_entropy=with_entropy, entropy_grad=entropy_grad, batch_invariant=self.zero_kl
         )

@@ -40,6 +40,7 @@ class PackedMicroBatch:
     rollout_logprobs: torch.Tensor  # float32 [T]
     ref_logprobs: torch.Tensor | None  # float32 [T]
     routing: torch.Tensor | None = None  # long [1, T, moe_layers, top_k] (R3), -1 rows where no record
+    indexer: torch.Tensor | None = None  # long [1, T, indexer_layers, index_topk] (DSA replay), -1 where no record
 
     @property
     def num_tokens(self) -> int:
@@ -74,18 +75,8 @@ def pack_samples(batch: TrainBatch, sample_ids: Sequence[int], device: torch.dev
     for j, r in enumerate(rows):
         floats_np[j] = [v for i in sample_ids for v in r[i]]
     floats = torch.from_numpy(floats_np).to(device)
-    routing = None
-    records = batch.routed_experts
-    if records is not None and any(records[i] is not None for i in sample_ids):
-        shape = next(records[i].shape[1:] for i in sample_ids if records[i] is not None)  # type: ignore[union-attr]
-        table = np.full((total, *shape), -1, dtype=np.int64)
-        o = 0
-        for i, n in zip(sample_ids, lengths):
-            r = records[i]
-            if r is not None:
-                table[o : o + r.shape[0]] = r
-            o += n
-        routing = torch.from_numpy(table).to(device)[None]
+    routing = _pack_records(batch.routed_experts, sample_ids, lengths, device)
+    indexer = _pack_records(batch.indexer_topk, sample_ids, lengths, device)
     is_start = ints[1] == 0
     return PackedMicroBatch(
         sample_ids=tuple(sample_ids),
@@ -99,7 +90,26 @@ def pack_samples(batch: TrainBatch, sample_ids: Sequence[int], device: torch.dev
         rollout_logprobs=floats[2],
         ref_logprobs=floats[3] if batch.ref_logprobs is not None else None,
         routing=routing,
+        indexer=indexer,
     )
+
+
+def _pack_records(
+    records: Sequence[np.ndarray | None] | None, sample_ids: Sequence[int], lengths: list[int], device: torch.device
+) -> torch.Tensor | None:
+    """Per-token records ([rows <= tokens, ...] per sample, None: none) packed as the tokens are, long
+    [1, T, ...], -1 where a token has no record; None when no sample of the micro-batch has one."""
+    if records is None or all(records[i] is None for i in sample_ids):
+        return None
+    shape = next(r.shape[1:] for i in sample_ids if (r := records[i]) is not None)
+    table = np.full((sum(lengths), *shape), -1, dtype=np.int64)
+    o = 0
+    for i, n in zip(sample_ids, lengths):
+        r = records[i]
+        if r is not None:
+            table[o : o + r.shape[0]] = r
+        o += n
+    return torch.from_numpy(table).to(device)[None]
 
 
 def dummy_microbatch(device: torch.device) -> PackedMicroBatch:

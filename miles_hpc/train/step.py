@@ -72,6 +72,8 @@ class PackedTrainer:
     _last_lr: float = 0.0
     _r3: torch.Tensor | None = None
     _mtp: tuple[torch.Tensor, torch.Tensor] | None = None  # (CE sum, targets) of the last training forward
+    _dsa: torch.Tensor | None = None  # indexer replay stats of the step's training forwards (like _r3)
+    replays_indexer = False  # the backend's forward takes TrainBatch.indexer_topk (FSDP)
 
     # ------------------------------------------------------------------ protocol properties
     @property
@@ -173,6 +175,8 @@ class PackedTrainer:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         check_token_hashes(batch)
+        if batch.indexer_topk is not None and not self.replays_indexer:
+            raise ValueError(f"TrainBatch.indexer_topk: {type(self).__name__} does not replay DSA indexer records")
         minibatches = split_minibatches(len(batch), self.train_cfg.updates_per_step)
         plans = [self._plan(batch, mini) for mini in minibatches]
         want_entropy = self.algo_cfg.entropy_coef != 0.0
@@ -194,7 +198,7 @@ class PackedTrainer:
 
         # Pass 2: one optimizer step per mini-batch. Metrics stay on the device until the optimizer step has been
         # launched, then come to the host: no device sync leaves the GPU idle while the host catches up.
-        self._r3 = None  # R3 stats from the training forwards only
+        self._r3 = self._dsa = None  # R3 / indexer replay stats from the training forwards only
         for mini, plan in zip(minibatches, plans):
             total_tokens, num_seqs = _global_counts(batch, mini)
             pending: list[_Pending] = []
@@ -237,6 +241,9 @@ class PackedTrainer:
         if self._r3 is not None:
             for key, v in zip(("r3/recorded", "r3/agree", "r3/tokens"), self._r3.tolist()):
                 acc.add_sum(key, float(v))
+        if self._dsa is not None:
+            for key, v in zip(("dsa/recorded", "dsa/agree", "dsa/tokens"), self._dsa.tolist()):
+                acc.add_sum(key, float(v))
         metrics = self._reduce_metrics(acc, batch, len(minibatches))
         metrics["grad_norm"] = float(torch.stack(grad_norms).mean())  # already global: identical on every rank
         return metrics
@@ -256,6 +263,10 @@ class PackedTrainer:
         }
         if "mtp/targets" in sums:  # token-mean cross-entropy of the MTP layers over their targets
             out["mtp/loss"] = sums.pop("mtp/ce_sum") / max(sums.pop("mtp/targets"), 1.0)
+        recorded, agree, tokens = (sums.pop(k, 0.0) for k in ("dsa/recorded", "dsa/agree", "dsa/tokens"))
+        if tokens:  # per (token, indexer layer): attended a recorded selection, and the live top-k was the same
+            out["dsa/replay_coverage"] = recorded / tokens
+            out["dsa/topk_agreement"] = agree / max(recorded, 1.0)
         recorded, agree, tokens = (sums.pop(k, 0.0) for k in ("r3/recorded", "r3/agree", "r3/tokens"))
         if tokens:  # per (token, MoE layer): routed by a record, and the live router's top-k equal to the record
             out["r3/coverage"] = recorded / tokens
