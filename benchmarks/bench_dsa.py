@@ -125,7 +125,12 @@ def bench_decode(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
     torch.manual_seed(0)
     model = build_model(mc, dtype=args.dtype, device=args.device)
     dtype = str(args.dtype).removeprefix("torch.")
-    cfg = EngineConfig(device=args.device, dtype=dtype, max_context_len=args.prompt_len + args.new_tokens + 8)
+    context = args.prompt_len + args.new_tokens + 8
+    # The cache sized for this workload (4 blocks of slack per sequence), not most of the GPU: both engines are
+    # compared at the same capacity, and the DSA prefill's float32 scores (256 queries x 32 heads x S at a time)
+    # get room.
+    blocks = args.batch * (-(-context // 16) + 4)
+    cfg = EngineConfig(device=args.device, dtype=dtype, max_context_len=context, block_size=16, num_blocks=blocks)
     engine = Engine(model, cfg)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, mc.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()

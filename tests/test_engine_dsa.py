@@ -204,3 +204,20 @@ def _serve_exit(model_dir: Path, tmp_path: Path, *args: str) -> tuple[int, str]:
         cwd=REPO,
     )
     return done.returncode, done.stderr[-2000:]
+
+
+def test_prefill_scores_in_query_chunks_with_the_same_result(
+    ckpt: Path, plain: CausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine scores a prefill chunk's queries a few at a time (dsa.SCORE_ROWS: bounded float32 scores); with
+    chunks of 3 rows, fresh and cached-prefix prefills give what the recompute loop gives."""
+    from miles_hpc.models import dsa
+
+    monkeypatch.setattr(dsa, "SCORE_ROWS", 3)
+    ps = dict(zip("ab", prompts([41, 29], seed=21)))
+    engine = Engine.from_pretrained(str(ckpt), EngineConfig(block_size=4, max_prefill_tokens=16))
+    results: dict[str, GenerateResult] = {}
+    for rid, p in ps.items():
+        submit(engine, results, greedy_req(rid, p, 6))
+    drain(engine)
+    check_greedy(plain, ps, results, 6)

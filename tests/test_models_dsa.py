@@ -269,3 +269,24 @@ def test_indexer_replay_is_exact_on_own_records_and_changes_what_foreign_ones_se
         ours(ids, index_replay=records.clamp(min=0) + 20)
     with pytest.raises(ValueError, match="index_replay must have shape"):
         ours(ids, index_replay=records[:, :, :2])
+
+
+def test_scoring_in_query_chunks_selects_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The indexer scores a few queries at a time (bounded memory); each row's top-k is its own, so chunks of 4
+    rows give bit-identical logits to one chunk, still equal to transformers'."""
+    from miles_hpc.models import dsa
+
+    hf = dsa_model("dsv32")
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path)
+    ids = input_ids(seq=13)
+    with torch.no_grad():
+        whole = ours(ids)
+        monkeypatch.setattr(dsa, "SCORE_ROWS", 4)
+        chunked = ours(ids)
+        packed = ours(ids[:1], cu_seqlens=torch.tensor([0, 6, 13]))
+        monkeypatch.setattr(dsa, "SCORE_ROWS", 256)
+        packed_whole = ours(ids[:1], cu_seqlens=torch.tensor([0, 6, 13]))
+        ref = hf(ids).logits
+    assert torch.equal(chunked, whole) and torch.equal(packed, packed_whole)
+    assert max_diff(chunked, ref) < 1e-4

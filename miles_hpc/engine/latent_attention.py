@@ -87,12 +87,12 @@ class LatentAttention:
             if p.key_slots is None:  # count fresh prompts of n tokens: each scores its own keys
                 n = (p.q_end - p.q_start) // p.count
                 kq = ik[0, p.q_start : p.q_end].view(p.count, n, -1)
-                scores = dsa.index_scores(qs.view(p.count, n, *qs.shape[1:]), kq, ws.view(p.count, n, -1), scale)
-                out.append(dsa.causal_topk(scores, topk))
+                qv, wv = qs.view(p.count, n, *qs.shape[1:]), ws.view(p.count, n, -1)
+                out.append(dsa.topk_in_chunks(qv, kq, wv, scale, topk))
             else:
                 ctx, n = p.key_slots.shape[0], p.q_end - p.q_start
-                scores = dsa.index_scores(qs[None], keys[p.key_slots].float()[None], ws[None], scale)
-                out.append(dsa.causal_topk(scores, topk, offset=ctx - n))
+                kc = keys[p.key_slots].float()[None]
+                out.append(dsa.topk_in_chunks(qs[None], kc, ws[None], scale, topk, offset=ctx - n))
         return out
 
     # ---------------------------------------------------------------- attention

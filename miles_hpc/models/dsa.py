@@ -120,18 +120,34 @@ def causal_topk(scores: torch.Tensor, topk: int, offset: int | torch.Tensor = 0)
     return masked.topk(min(topk, t), dim=-1).indices.to(torch.int32)
 
 
+SCORE_ROWS = 256
+"""Queries scored at once by `topk_in_chunks`: the float32 scores of a chunk are [rows, index_n_heads, T]."""
+
+
+def topk_in_chunks(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float, topk: int, offset: int = 0
+) -> torch.Tensor:
+    """`causal_topk(index_scores(q, k, w, scale), topk, offset)` for SCORE_ROWS queries at a time: the same indices
+    (each row's scores, masking and top-k are its own, computed by the same batched products) with the float32
+    temporary bounded by the chunk (a whole 32k-token sequence at 32 indexer heads would be 137 GB)."""
+    s = q.shape[1]
+    if s <= SCORE_ROWS:
+        return causal_topk(index_scores(q, k, w, scale), topk, offset)
+    parts = [
+        causal_topk(index_scores(q[:, r : r + SCORE_ROWS], k, w[:, r : r + SCORE_ROWS], scale), topk, offset + r)
+        for r in range(0, s, SCORE_ROWS)
+    ]
+    return torch.cat(parts, dim=1)
+
+
 @torch.no_grad()
 def select_topk(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, topk: int, scale: float, bounds: Sequence[int] | None
 ) -> Selection:
     """Default (uncached) selection: each packed sequence (bounds) or the whole batch scored on its own."""
     if bounds is None:
-        return [causal_topk(index_scores(q, k, w, scale), topk)]
-    return [
-        causal_topk(index_scores(q[:, s:e], k[:, s:e], w[:, s:e], scale), topk)
-        for s, e in zip(bounds, bounds[1:])
-        if e > s
-    ]
+        return [topk_in_chunks(q, k, w, scale, topk)]
+    return [topk_in_chunks(q[:, s:e], k[:, s:e], w[:, s:e], scale, topk) for s, e in zip(bounds, bounds[1:]) if e > s]
 
 
 def selection_mask(indices: torch.Tensor, length: int) -> torch.Tensor:
@@ -218,5 +234,6 @@ __all__ = [
     "replay_selection",
     "select_topk",
     "selection_mask",
+    "topk_in_chunks",
     "sparse_attention",
 ]
