@@ -186,13 +186,13 @@ class CausalLM(nn.Module):
             selection = sel if sel is not None else selection
             if ids is not None:
                 routed.append(ids)
-        rows = None if logits_indices is None else logits_indices.to(device=x.device, dtype=torch.long)
+        keep = None if logits_indices is None else logits_indices.to(device=x.device, dtype=torch.long)
         if mtp_out is not None:  # the MTP layers read every row's final-normed hidden state
             x = self.model.norm(x)
             mtp_out.extend(self._mtp_logits(x, input_ids, cos, sin, backend, cu_seqlens))
-            x = x if rows is None else x[:, rows]
+            x = x if keep is None else x[:, keep]
         else:
-            x = self.model.norm(x if rows is None else x[:, rows])
+            x = self.model.norm(x if keep is None else x[:, keep])
         logits = self.lm_head(x)
         if not return_routed_experts:
             return logits
