@@ -2,8 +2,7 @@
 
 Stage: engine. The HTTP server (server.py) is the only caller: it runs an asyncio loop in the main thread and calls
 these methods; `start()` runs the step loop in a background thread. One step = scheduler.schedule() ->
-runner.launch() (or run()) -> scheduler.commit() -> scheduler.postprocess(), under `_step_lock`; a fused step's
-postprocess runs in the next call, after the step behind it is launched (`step`).
+runner.run() -> scheduler.postprocess() (nano-vllm's three calls), under `_step_lock`.
 
 Threading invariants:
 - `submit` never waits for a step: it validates, then queues into an inbox the next step drains.
@@ -37,8 +36,8 @@ from .kv_cache import BlockManager
 from .latent_cache import geometry, make_cache
 from .lora import AdapterSet
 from .report import Counters, build_result, engine_stats
-from .runner import InFlight, ModelRunner, StepOutput
-from .scheduler import Req, Scheduled, Scheduler
+from .runner import ModelRunner
+from .scheduler import Req, Scheduler
 from .types import FinishReason, GenerateRequest, GenerateResult
 from .validate import Limits, RequestError, validate_request
 from .weights import apply_named, checksums, eos_token_ids, iter_checkpoint, piece_checksums
@@ -106,7 +105,6 @@ class Engine:
             fused_extend_tokens=config.fused_extend_tokens,
             loras=self.loras,
             batch_invariant=config.batch_invariant,
-            tuned_attention_tiles=config.tuned_attention_tiles,
         )
         self.limits = Limits(
             vocab_size=self.vocab_size,
@@ -116,13 +114,14 @@ class Engine:
         )
 
         self._lock = threading.Lock()  # inbox, live rids, paused flag; held briefly, never across a step
-        self._cond, self._step_lock = threading.Condition(self._lock), threading.RLock()  # step lock: one step or call
+        self._cond = threading.Condition(self._lock)
+        self._step_lock = threading.RLock()  # one step or one control call at a time
         self._inbox: list[Req] = []
         self._live: set[str] = set()
         self._paused = False
-        self._stop, self._control_waiting = False, 0
+        self._stop = False
+        self._control_waiting = 0
         self._thread: threading.Thread | None = None
-        self._inflight: InFlight | None = None  # a launched step whose results are not postprocessed yet
         self._version = "0"
         self._half_updated = False  # see `resume`
         self.instance_id = secrets.token_hex(8)  # names this process's weights for direct writes (handles)
@@ -167,9 +166,7 @@ class Engine:
         while True:
             with self._cond:
                 while not self._stop and (
-                    self._paused
-                    or self._control_waiting
-                    or not (self._inbox or self._inflight or self.scheduler.has_work())
+                    self._paused or self._control_waiting or not (self._inbox or self.scheduler.has_work())
                 ):
                     self._cond.wait()
                 if self._stop:
@@ -185,48 +182,21 @@ class Engine:
                     self._cond.wait(timeout=0.01)
 
     def step(self) -> bool:
-        """Run one scheduler step; False when paused or there was nothing to do. Tests call it without `start`.
-
-        Overlap: a fused step is launched and left in flight; the next call schedules and launches the step after
-        it (its pending inputs read on the device), then waits for the first one's results and postprocesses them,
-        so the host's work for step n + 1 runs while the device computes step n. A step that cannot be launched so
-        (eager path) waits for the one in flight first. Control calls finish the step in flight before they act."""
+        """Run one scheduler step; False when paused or there was nothing to do. Tests call it without `start`."""
         with self._step_lock:
             if not self._drain_inbox():
                 return False
-            prev, self._inflight = self._inflight, None
             batch = self.scheduler.schedule()
-            if not batch and prev is None:
+            if not batch:
                 return False
-            fused = self.runner.launch(batch, prev) if batch else None
-            results = []
-            if fused is not None:
-                self.scheduler.commit(batch)
-                self._inflight = fused
-                if prev is not None:
-                    results = self._postprocess(prev.batch, self.runner.collect(prev))
-            else:
-                if prev is not None:
-                    results = self._postprocess(prev.batch, self.runner.collect(prev))
-                    batch = [s for s in batch if s.r.finish is None]
-                if batch:
-                    out = self.runner.run(batch)
-                    self.scheduler.commit(batch)
-                    results += self._postprocess(batch, out)
+            out = self.runner.run(batch)
+            finished = self.scheduler.postprocess(
+                batch, out.tokens, out.logprobs, out.input_logprobs, self._version, self.eos_token_ids
+            )
+            self._counters.record_step(sum(t is not None for t in out.tokens))
+            results = [self._finish(r) for r in finished]
         _deliver(results)
         return True
-
-    def _postprocess(self, batch: list[Scheduled], out: StepOutput) -> list[tuple[GenerateResult, DoneCallback]]:
-        finished, added = self.scheduler.postprocess(
-            batch, out.tokens, out.logprobs, out.input_logprobs, self._version, self.eos_token_ids
-        )
-        self._counters.record_step(added)
-        return [self._finish(r) for r in finished]
-
-    def _finish_inflight(self) -> list[tuple[GenerateResult, DoneCallback]]:
-        """Wait for the step in flight (if any) and postprocess it (step lock held)."""
-        prev, self._inflight = self._inflight, None
-        return [] if prev is None else self._postprocess(prev.batch, self.runner.collect(prev))
 
     def _drain_inbox(self) -> bool:
         """Move submitted requests into the scheduler (step lock held); False when paused."""
@@ -239,20 +209,15 @@ class Engine:
 
     @contextlib.contextmanager
     def _between_steps(self) -> Iterator[None]:
-        """Hold the step lock with no step in flight (the one in flight is finished first; its finished requests
-        are delivered after the lock is released)."""
         with self._cond:
             self._control_waiting += 1
-        done: list[tuple[GenerateResult, DoneCallback]] = []
         try:
             with self._step_lock:
-                done = self._finish_inflight()
                 yield
         finally:
             with self._cond:
                 self._control_waiting -= 1
                 self._cond.notify_all()
-            _deliver(done)
 
     # ---------------------------------------------------------------- requests
     def submit(self, req: GenerateRequest, on_done: DoneCallback) -> None:

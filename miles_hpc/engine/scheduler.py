@@ -13,12 +13,6 @@ Invariants:
   the queue, its output kept and recomputed later). A request alone always fits (`Engine.submit` checks).
 - Prefix reuse covers whole cached blocks, at most len(tokens) - 1 tokens (one row must compute logits), and stops
   before the first prompt row whose input log-prob is still owed.
-- A step is launched, then `commit`ted (its tokens count as computed, and each sampling row appends `PLACEHOLDER`
-  for the token it will sample), then `postprocess`ed with its results (placeholders filled in order). Between
-  `commit` and `postprocess` the next step may be scheduled (the engine's overlap of host and device): a request's
-  next input may then be a placeholder, which the runner takes from the device; a request whose every token is
-  sampled (pending included) is not scheduled again, and one that an earlier result finished (a stop token) is
-  skipped when the later step's results come.
 """
 
 from __future__ import annotations
@@ -29,9 +23,6 @@ from dataclasses import dataclass, field
 
 from .kv_cache import BlockManager, block_key
 from .types import FinishReason, GenerateRequest, GenerateResult
-
-PLACEHOLDER = -1
-"""`Req.tokens` entry of a token sampled by a launched step whose results are not in yet."""
 
 
 @dataclass(eq=False, slots=True)
@@ -54,7 +45,6 @@ class Req:
     namespace: bytes | None = None  # seeds the key chain: the LoRA adapter's name, None for the base model
     num_registered: int = 0  # blocks of `blocks` offered to the prefix index
     num_computed: int = 0
-    pending: int = 0  # trailing PLACEHOLDER entries of `tokens` (sampled by steps in flight)
     row: int = -1  # block-table row while running
     epoch: int = 0  # prefix-cache epoch at admission
     cached_tokens: int = 0
@@ -125,7 +115,7 @@ class Scheduler:
             r = self.running[i]
             remaining = len(r.tokens) - r.num_computed
             n = 1 if remaining == 1 else min(remaining, budget)
-            if n == 0 or 0 < r.req.sampling.max_new_tokens <= r.num_output:  # all sampled: results in flight
+            if n == 0:
                 i += 1
                 continue
             need = self._blocks_for(r.num_computed + n) - len(r.blocks)
@@ -231,15 +221,6 @@ class Scheduler:
         r.num_registered = 0
 
     # ---------------------------------------------------------------- postprocess
-    def commit(self, batch: Sequence[Scheduled]) -> None:
-        """A launched step's tokens count as computed; each sampling row appends the PLACEHOLDER of its token."""
-        for s in batch:
-            r = s.r
-            r.num_computed += s.n
-            if s.sample:
-                r.tokens.append(PLACEHOLDER)
-                r.pending += 1
-
     def postprocess(
         self,
         batch: Sequence[Scheduled],
@@ -248,37 +229,27 @@ class Scheduler:
         input_lps: Sequence[list[float] | None],
         version: str,
         eos_ids: frozenset[int],
-    ) -> tuple[list[Req], int]:
-        """Fill a committed step's results in; returns the requests it finished (out of `running`/`waiting`, blocks
-        still held so the caller can read their routing before `free`) and how many tokens it added. Rows of
-        requests that an earlier step's results already finished are skipped."""
+    ) -> list[Req]:
+        """Advance each scheduled request by the step's results; returns the finished ones (removed from
+        `running`, blocks still held so the caller can read their routing before `free`)."""
         finished: list[Req] = []
-        added = 0
         for s, tok, lp, ilp in zip(batch, tokens, logprobs, input_lps):
             r = s.r
-            if r.finish is not None:
-                continue
-            if s.sample:
-                assert tok is not None and lp is not None and r.pending > 0
-                self._fill(r, tok, lp, version, eos_ids)
-                added += 1
+            r.num_computed += s.n
             self._register(r)
             if s.lp_rows is not None and ilp is not None and r.input_logprobs is not None:
                 a, b = s.lp_rows
                 r.input_logprobs[a + 1 : b + 1] = ilp
                 r.lp_next = b if b < r.prompt_len - 1 else None
-            if not s.sample and r.req.sampling.max_new_tokens == 0 and r.num_computed == len(r.tokens):
+            if s.sample:
+                assert tok is not None and lp is not None
+                self._append(r, tok, lp, version, eos_ids)
+            elif r.req.sampling.max_new_tokens == 0 and r.num_computed == len(r.tokens):
                 r.finish = FinishReason(type="length")
             if r.finish is not None:
-                if r.pending:  # tokens sampled after the finishing one (steps in flight) are dropped
-                    del r.tokens[len(r.tokens) - r.pending :]
-                    r.pending = 0
-                if r in self.running:
-                    self.running.remove(r)
-                else:  # retracted while its last step was in flight
-                    self.waiting.remove(r)
+                self.running.remove(r)
                 finished.append(r)
-        return finished, added
+        return finished
 
     def _register(self, r: Req) -> None:
         if not self.prefix_cache or r.epoch != self.bm.epoch:
@@ -291,12 +262,9 @@ class Scheduler:
             r.num_registered = full
 
     @staticmethod
-    def _fill(r: Req, tok: int, lp: float, version: str, eos_ids: frozenset[int]) -> None:
-        """The oldest pending token of `r` is `tok` (log-prob `lp`)."""
-        i = len(r.tokens) - r.pending
-        r.pending -= 1
-        n_out = i - r.prompt_len
-        r.tokens[i] = tok
+    def _append(r: Req, tok: int, lp: float, version: str, eos_ids: frozenset[int]) -> None:
+        n_out = r.num_output
+        r.tokens.append(tok)
         r.output_logprobs.append(lp)
         if r.spans and r.spans[-1]["version"] == version:
             r.spans[-1]["end"] = n_out + 1
