@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from miles_hpc.models.families import ARCHITECTURES
 from miles_hpc.models.tokenizer import EOS_TOKEN, NUM_BYTE_TOKENS, PAD_TOKEN, SPECIAL_TOKENS, special_token_id
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "deepseek_v32")
@@ -43,17 +44,6 @@ _SHAPES: dict[str, dict[str, int]] = {
         num_experts=16,
         num_experts_per_tok=4,
     ),
-}
-
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM",
-    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
-    "deepseek_v32": "DeepseekV32ForCausalLM",
 }
 
 # DeepSeek-V3 family (MLA + sigmoid group-limited router + one shared expert; layer 0 dense as in Kimi-K2), scaled
@@ -149,7 +139,7 @@ def preset_config(arch: str, size: str) -> dict[str, Any]:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     s = _SHAPES[size]
     cfg: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[arch]],
+        "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
         "vocab_size": _VOCAB,
         "hidden_size": s["hidden_size"],
