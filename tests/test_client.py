@@ -78,6 +78,12 @@ def test_generate_body_never_sends_unset_or_unknown_fields() -> None:
         rq.generate_body([1.5], {})
     with pytest.raises(ValueError, match="routed_experts_start_len"):
         rq.generate_body([1, 2], {}, return_routed_experts=True, routed_experts_start_len=3)
+    # Indexer records (our engine's extension): the fields only when asked, the start checked like routing's.
+    assert rq.generate_body([1, 2], {}, indexer_topk_start_len=1) == {"input_ids": [1, 2], "sampling_params": {}}
+    body = rq.generate_body([1, 2], {}, return_indexer_topk=True, indexer_topk_start_len=1)
+    assert set(body) - {"input_ids", "sampling_params"} == rq.EXTENSION_FIELDS
+    with pytest.raises(ValueError, match="indexer_topk_start_len"):
+        rq.generate_body([1, 2], {}, return_indexer_topk=True, indexer_topk_start_len=3)
 
 
 def test_control_and_weight_bodies_are_exact() -> None:
@@ -175,6 +181,26 @@ def test_parse_generate_rejects_broken_answers(meta: dict[str, Any], message: st
     obj["meta_info"].update({"output_token_logprobs": [[-0.5, 7, None], [-1.0, 8, None]], **meta})
     with pytest.raises(ValueError, match=message):
         parse_generate(obj, return_logprob=True, return_routed_experts=False)
+
+
+def test_parse_generate_decodes_indexer_records() -> None:
+    picks = (np.arange(4 * 2 * 3, dtype=np.int32).reshape(4, 2, 3) % 5) - 1  # prompt 3 + 2 out - 1 = 4 rows
+    obj = _answer([7, 8], indexer_topk=base64.b64encode(picks.tobytes()).decode())
+    kw: dict[str, Any] = {"return_logprob": False, "return_routed_experts": False, "return_indexer_topk": True}
+    out = parse_generate(obj, **kw, indexer_dims=(2, 3))
+    assert out.indexer_topk is not None and out.indexer_topk.shape == (4, 2, 3)
+    np.testing.assert_array_equal(out.indexer_topk, picks)
+    later = _answer([7, 8], indexer_topk=base64.b64encode(picks[2:].tobytes()).decode())
+    assert parse_generate(later, **kw, indexer_topk_start_len=2, indexer_dims=(2, 3)).indexer_topk.shape == (2, 2, 3)
+    none = _answer([7, 8], indexer_topk="")  # an empty payload: no rows (a request aborted before it ran)
+    assert parse_generate(none, **kw, indexer_dims=(2, 3)).indexer_topk.shape == (0, 2, 3)
+    with pytest.raises(ValueError, match="expected rows\\*indexer_layers\\*index_topk=4\\*3\\*3"):
+        parse_generate(obj, **kw, indexer_dims=(3, 3))
+    with pytest.raises(ValueError, match="indexer layers and index_topk are needed"):
+        parse_generate(obj, **kw)
+    with pytest.raises(ValueError, match="--enable-return-indexer-topk"):
+        parse_generate(_answer([7, 8]), **kw, indexer_dims=(2, 3))
+    assert parse_generate(obj, return_logprob=False, return_routed_experts=False).indexer_topk is None
 
 
 def test_decode_routed_experts_needs_one_dim_and_checks_it() -> None:

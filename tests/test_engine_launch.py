@@ -33,6 +33,7 @@ def _non_defaults() -> EngineLaunch:
         "max_running_requests": 7,
         "seed": 42,
         "batch_invariant": True,
+        "enable_return_indexer_topk": True,
         "max_request_mb": 8.5,
         "rendezvous": "/run/rdv/engine-3.json",
         "weight_update_timeout": 12.5,

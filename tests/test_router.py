@@ -22,6 +22,7 @@ from miles_hpc.rollout.responses import GenerateOutput, parse_generate
 from miles_hpc.rollout.router import Router, RouterConfig
 
 LAYERS, TOP_K = 2, 2
+INDEXER_LAYERS, INDEX_TOPK = 2, 3
 
 
 def next_token(seq: Sequence[int]) -> int:
@@ -30,6 +31,14 @@ def next_token(seq: Sequence[int]) -> int:
 
 def experts_at(token: int, position: int) -> list[list[int]]:
     return [[(token + position + layer) % 8, (token * 3 + layer) % 8] for layer in range(LAYERS)]
+
+
+def selection_at(token: int, position: int) -> list[list[int]]:
+    """A fake indexer record of the query at `position`: keys <= it, -1 padding."""
+    return [
+        [(token + layer + j) % (position + 1) if j <= position else -1 for j in range(INDEX_TOPK)]
+        for layer in range(INDEXER_LAYERS)
+    ]
 
 
 class FakeEngine:
@@ -73,6 +82,8 @@ class FakeEngine:
                 break
         start = kw.get("routed_experts_start_len") or 0
         rows = np.array([experts_at(seq[p], p) for p in range(start, len(seq) - 1)], dtype=np.int32)
+        i_start = kw.get("indexer_topk_start_len") or 0
+        picks = np.array([selection_at(seq[p], p) for p in range(i_start, len(seq) - 1)], dtype=np.int32)
         meta = {
             "id": kw["rid"],
             "finish_reason": finish,
@@ -83,6 +94,7 @@ class FakeEngine:
             "weight_versions": [{"version": self.version, "start": 0, "end": len(out)}] if out else [],
             "output_token_logprobs": [[-(t % 7) / 10 - 0.1, t, None] for t in out],
             "routed_experts": base64.b64encode(rows.tobytes()).decode(),
+            "indexer_topk": base64.b64encode(picks.tobytes()).decode(),
         }
         return parse_generate(
             {"output_ids": out, "meta_info": meta},
@@ -90,6 +102,9 @@ class FakeEngine:
             return_routed_experts=kw.get("return_routed_experts", False),
             routed_experts_start_len=start,
             routing_dims=(LAYERS, TOP_K),
+            return_indexer_topk=kw.get("return_indexer_topk", False),
+            indexer_topk_start_len=i_start,
+            indexer_dims=(INDEXER_LAYERS, INDEX_TOPK),
             engine_url=self.url,
         )
 
@@ -191,6 +206,7 @@ def test_chunked_generation_equals_one_request(start: int | None) -> None:
     prompt = [5, 6, 7, 8]
     sampling = {"max_new_tokens": 10, "temperature": 1.0}
     kw: dict[str, Any] = {"return_logprob": True, "return_routed_experts": True, "routed_experts_start_len": start}
+    kw.update(return_indexer_topk=True, indexer_topk_start_len=start)
 
     async def main() -> tuple[GenerateOutput, GenerateOutput, FakeEngine]:
         whole_engine, chunk_engine = FakeEngine("http://a"), FakeEngine("http://b")
@@ -208,12 +224,16 @@ def test_chunked_generation_equals_one_request(start: int | None) -> None:
     assert whole.routed_experts is not None and chunked.routed_experts is not None
     assert chunked.routed_experts.shape == (4 + 10 - 1 - (start or 0), LAYERS, TOP_K)
     np.testing.assert_array_equal(chunked.routed_experts, whole.routed_experts)
+    assert whole.indexer_topk is not None and chunked.indexer_topk is not None  # stitched like the routing rows
+    assert chunked.indexer_topk.shape == (4 + 10 - 1 - (start or 0), INDEXER_LAYERS, INDEX_TOPK)
+    np.testing.assert_array_equal(chunked.indexer_topk, whole.indexer_topk)
     assert [(s.version, s.start, s.end) for s in chunked.weight_versions] == [("0", 0, 10)]
     assert chunked.finish_reason.type == "length"
     # Each piece continues from prompt + output so far; routing restarts at the last sampled token.
     assert [len(c["input_ids"]) for c in eng.calls] == [4, 8, 12]
     assert [c["sampling"]["max_new_tokens"] for c in eng.calls] == [4, 4, 2]
     assert [c["routed_experts_start_len"] for c in eng.calls] == [start, 7, 11]
+    assert [c["indexer_topk_start_len"] for c in eng.calls] == [start, 7, 11]
 
 
 def test_chunking_stops_at_a_stop_token_and_keeps_versions_per_piece() -> None:
@@ -420,3 +440,36 @@ def test_pause_through_the_router_does_not_quarantine() -> None:
             assert a.paused == ["retract", "continue"]
 
     run(main())
+
+
+def test_continue_aborted_stitches_routing_and_indexer_rows() -> None:
+    """A generation cut short by a weight update (pause mode abort) and continued: the continuation asks for its
+    records from the last token sampled before it, so they stitch into the uninterrupted request's."""
+    from dataclasses import replace
+
+    from miles_hpc.rollout.pieces import continue_aborted
+    from miles_hpc.rollout.responses import FinishReason
+
+    prompt = [5, 6, 7, 8]
+    sampling = {"max_new_tokens": 10, "temperature": 1.0}
+    kw: dict[str, Any] = {"return_logprob": True, "return_routed_experts": True, "return_indexer_topk": True}
+    eng = FakeEngine("http://a")
+
+    async def aborting(ids: list[int], params: dict[str, Any], **k: Any) -> GenerateOutput:
+        if not eng.calls:  # the first piece: 3 tokens, then aborted
+            out = await eng.generate(ids, {**params, "max_new_tokens": 3}, rid="r", **k)
+            return replace(out, finish_reason=FinishReason(type="abort"))
+        return await eng.generate(ids, params, rid=f"r.{len(eng.calls)}", **k)
+
+    async def main() -> tuple[GenerateOutput, GenerateOutput]:
+        whole = await FakeEngine("http://b").generate(prompt, sampling, rid="w", **kw)
+        first = await aborting(prompt, sampling, **kw)
+        return whole, await continue_aborted(aborting, prompt, sampling, first, **kw)
+
+    whole, stitched = run(main())
+    assert stitched.output_ids == whole.output_ids and len(eng.calls) == 2
+    assert stitched.routed_experts is not None and stitched.indexer_topk is not None
+    np.testing.assert_array_equal(stitched.routed_experts, whole.routed_experts)
+    np.testing.assert_array_equal(stitched.indexer_topk, whole.indexer_topk)
+    assert [c.get("indexer_topk_start_len") for c in eng.calls] == [None, 4 + 3 - 1]
+    assert [c.get("routed_experts_start_len") for c in eng.calls] == [None, 4 + 3 - 1]

@@ -64,10 +64,14 @@ def test_what_our_rollout_client_sends_is_accepted() -> None:
         logprob_start_len=0,
         return_routed_experts=True,
         routed_experts_start_len=1,
+        return_indexer_topk=True,  # our extension (requests.EXTENSION_FIELDS)
+        indexer_topk_start_len=2,
     )
     req = parse(body).requests[0]
     assert req.rid == "r1" and req.sampling.stop_token_ids == (258,) and req.sampling.sampling_seed == 3
     assert req.return_logprob and req.logprob_start_len == 0 and req.routed_experts_start_len == 1
+    assert req.return_indexer_topk and req.indexer_topk_start_len == 2
+    assert set(body) - set(protocol.GENERATE_FIELDS) == set()
     for mode in ("abort", "retract", "in_place"):
         assert protocol.parse_control("pause_generation", client_bodies.pause_body(mode))["mode"] == mode
     assert protocol.parse_control("abort_request", client_bodies.abort_body("r1"))["rid"] == "r1"
@@ -141,6 +145,8 @@ def test_batched_prompts_and_per_item_values() -> None:
         ({"input_ids": [1], "lora_path": 3}, "field `lora_path`"),  # a loaded adapter's name (engine/lora.py)
         ({"input_ids": [[1], [2]], "lora_path": ["a"]}, "1 values for 2 prompts"),
         ({"input_ids": [1], "routed_experts_start_len": 2}, "routed_experts_start_len"),
+        ({"input_ids": [1], "indexer_topk_start_len": 2}, "indexer_topk_start_len"),
+        ({"input_ids": [1], "return_indexer_topk": 1}, "field `return_indexer_topk`"),
         ([1, 2], "expected a JSON object"),
     ],
 )
@@ -213,9 +219,11 @@ def test_generate_response_shape() -> None:
             "logprob_start_len": 1,
             "rid": "x",
             "return_routed_experts": True,
+            "return_indexer_topk": True,
         }
     ).requests[0]
     routed = np.arange(4 * 2 * 3, dtype=np.int32).reshape(4, 2, 3)
+    picks = np.arange(4 * 2 * 5, dtype=np.int32).reshape(4, 2, 5) % 4 - 1
     res = GenerateResult(
         rid="x",
         output_ids=[4, 5],
@@ -225,6 +233,7 @@ def test_generate_response_shape() -> None:
         output_logprobs=[-0.5, -1.5],
         input_logprobs=[-2.0, -3.0],
         routed_experts=routed,
+        indexer_topk=picks,
         weight_versions=[{"version": "3", "start": 0, "end": 2}],
         weight_version="3",
     )
@@ -237,6 +246,7 @@ def test_generate_response_shape() -> None:
     assert (meta["prompt_tokens"], meta["completion_tokens"], meta["weight_version"]) == (3, 2, "3")
     decoded = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).reshape(4, 2, 3)
     assert (decoded == routed).all()
+    assert (np.frombuffer(base64.b64decode(meta["indexer_topk"]), dtype=np.int32).reshape(4, 2, 5) == picks).all()
     plain = parse({"input_ids": [1]}).requests[0]
     meta = protocol.generate_response(plain, res, None)["meta_info"]
     assert "output_token_logprobs" not in meta and "routed_experts" not in meta

@@ -15,6 +15,7 @@ from miles_hpc.config.loader import meta as _help
 from miles_hpc.config.loader import require as _require
 
 Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "deepseek_v32"]
+DSA_ARCHS = ("glm_moe_dsa", "deepseek_v32")  # DeepSeek sparse attention (an indexer per layer or per full layer)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,6 +106,14 @@ class AlgoConfig:
         metadata=_help(
             "R3, MoE models: engines return the experts each token was routed to and training replays "
             "them (gate weights from the current router); metrics r3/coverage, r3/topk_agreement"
+        ),
+    )
+    indexer_replay: bool = field(
+        default=False,
+        metadata=_help(
+            "DSA models (glm_moe_dsa, deepseek_v32): engines record the keys each token's query selected per indexer "
+            "layer, training attends to those (embedded engine, fsdp, mode sync); metrics dsa/replay_coverage, "
+            "dsa/topk_agreement"
         ),
     )
     dynamic_sampling: bool = field(default=False, metadata=_help("DAPO: drop zero-variance groups, refill"))
@@ -237,6 +246,19 @@ class TrainConfig:
             "synced); train.backend=fsdp"
         ),
     )
+    indexer_loss_coef: float = field(
+        default=0.0,
+        metadata=_help(
+            "DSA models (glm_moe_dsa, deepseek_v32): train the lightning indexer with this weight on the KL "
+            "divergence from the main attention's distribution to its scores, per token and layer with an indexer "
+            "(DeepSeek-V3.2's indexer loss; its inputs are detached, so only the indexer learns from it); 0 = the "
+            "indexer stays as loaded (megatron: pipeline_parallel 1)"
+        ),
+    )
+    indexer_loss: Literal["sparse", "dense"] = field(
+        default="sparse",
+        metadata=_help("indexer loss over each query's selected keys (sparse) or over all its causal keys (dense)"),
+    )
 
     def __post_init__(self) -> None:
         _require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
@@ -252,6 +274,7 @@ class TrainConfig:
             "mtp_loss_coef",
             "the multi-token-prediction loss is trained by train.backend=fsdp only",
         )
+        _require(self.indexer_loss_coef >= 0.0, "indexer_loss_coef", f"must be >= 0, got {self.indexer_loss_coef}")
         _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _require(self.grad_clip >= 0.0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
         _require(self.max_tokens_per_microbatch >= 1, "max_tokens_per_microbatch", "must be >= 1")
@@ -468,6 +491,8 @@ class RunConfig:
             "R3 runs in mode sync so far (fully async samples are continued across pauses; their routing rows "
             "are not stitched yet)",
         )
+        if self.algo.indexer_replay:
+            self._check_indexer_replay()
         _require(
             self.mode == "sync" or self.fully_async.buffer_groups >= self.rollout.prompts_per_step,
             "fully_async.buffer_groups",
@@ -485,8 +510,32 @@ class RunConfig:
             "lora.rank",
             "LoRA trains with train.backend=fsdp (megatron-core has no adapter layers of its own)",
         )
+        _require(
+            self.train.indexer_loss_coef == 0.0 or self.model.path is not None or self.model.init_arch in DSA_ARCHS,
+            "train.indexer_loss_coef",
+            f"the indexer loss trains a DeepSeek sparse attention indexer ({', '.join(DSA_ARCHS)}); "
+            f"model.init_arch is {self.model.init_arch}",
+        )
+        _require(
+            self.train.indexer_loss_coef == 0.0 or not self.lora.enabled,
+            "train.indexer_loss_coef",
+            "with LoRA the indexer is frozen with the base weights (no adapter on it): the loss would train nothing",
+        )
         if self.zero_kl:
             self._check_zero_kl()
+
+    def _check_indexer_replay(self) -> None:
+        """Only our engine records indexer selections and only FSDP replays them (a model.path is checked where its
+        config is read: launch/run_dir.py)."""
+        arch = self.model.init_arch
+        for ok, why in (
+            (self.model.path or arch in DSA_ARCHS, f"needs a DSA model ({'/'.join(DSA_ARCHS)}), not {arch}"),
+            (self.rollout.backend == "embedded", "needs rollout.backend=embedded (return_indexer_topk is ours)"),
+            (self.train.backend == "fsdp", "needs train.backend=fsdp (megatron does not replay the records)"),
+            (self.rollout.agent is None, "with multi-turn agents is not supported yet (no indexer rows per turn)"),
+            (self.mode == "sync", "runs in mode sync so far, as R3 (the fully async loop asks for no records)"),
+        ):
+            _require(bool(ok), "algo.indexer_replay", why)
 
     def _check_zero_kl(self) -> None:
         """Zero-KL mode needs both sides to run the same batch-invariant kernels on the same numbers."""
@@ -505,7 +554,7 @@ class RunConfig:
         )
         _require(not self.train.compile, "train.compile", f"{why}: compiled (fused) layers change the bits")
         _require(
-            self.model.path is not None or self.model.init_arch not in ("glm_moe_dsa", "deepseek_v32"),
+            self.model.path is not None or self.model.init_arch not in DSA_ARCHS,
             "model.init_arch",
             f"{why}: the DSA indexer's scoring and top-k ({self.model.init_arch}) have no batch-invariant kernels",
         )

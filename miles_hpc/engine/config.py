@@ -60,6 +60,10 @@ class EngineConfig:
     """Zero-KL mode: batch-invariant kernels (fixed-shape row tiles, per-sequence attention), so a token's logits and
     log-prob do not depend on the batch, the prefix cache or the step it is computed in, and equal the trainer's in
     zero-KL mode bit for bit. Always eager (no Triton decode, fused step or CUDA graphs); every family (dense, MoE, MLA)."""
+    record_indexer_topk: bool = False
+    """DSA models (deepseek_v32, glm_moe_dsa): keep each cached token's indexer selection (int32 key positions, per
+    indexer layer, `index_topk` of them) beside its KV, so requests can ask for them (`return_indexer_topk`, indexer
+    replay); costs num_indexer_layers * index_topk * 4 bytes per cached token. Other models refuse it at start-up."""
 
     def __post_init__(self) -> None:
         if not self.device or not isinstance(self.device, str):
@@ -81,7 +85,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
-        for name in ("triton_kernels", "cuda_graphs", "batch_invariant"):
+        for name in ("triton_kernels", "cuda_graphs", "batch_invariant", "record_indexer_topk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if (

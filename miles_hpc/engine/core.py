@@ -72,7 +72,8 @@ class Engine:
 
         bs = config.block_size
         # MLA models cache the compressed latent (+ DSA indexer keys), the others per-head K/V (latent_cache.py).
-        self.geometry = geometry(mc, dtype, self.num_moe_layers * self.top_k)
+        rec = config.record_indexer_topk  # DSA: each slot keeps its token's indexer selections too
+        self.geometry = geometry(mc, dtype, self.num_moe_layers * self.top_k, record_indexer_topk=rec)
         num_blocks = config.num_blocks or self._auto_num_blocks()
         # One block more than the allocator hands out: the scratch block that padding rows of captured decode
         # batches write to (cuda_graphs.py), so they never touch a real request's KV.
@@ -84,6 +85,7 @@ class Engine:
             device=self.device,
             num_moe_layers=self.num_moe_layers,
             top_k=self.top_k,
+            record_indexer_topk=rec,
         )
         self.blocks = BlockManager(
             num_blocks, bs, max_rows=config.max_running_requests, max_blocks_per_seq=-(-self.max_context_len // bs)
@@ -111,6 +113,9 @@ class Engine:
             max_context_len=self.max_context_len,
             kv_capacity_tokens=num_blocks * bs,
             num_moe_layers=self.num_moe_layers,
+            model_type=mc.model_type,
+            dsa=mc.is_dsa,
+            records_indexer_topk=rec,
         )
 
         self._lock = threading.Lock()  # inbox, live rids, paused flag; held briefly, never across a step
@@ -485,6 +490,10 @@ class Engine:
             "max_context_len": self.max_context_len,
             "num_moe_layers": self.num_moe_layers,
             "top_k": self.top_k,
+            # DSA: the shape of `indexer_topk` rows (our extension); records only with record_indexer_topk
+            "num_indexer_layers": self.geometry.index_layers,
+            "index_topk": self.model.config.index_topk if self.geometry.index_layers else 0,
+            "records_indexer_topk": self.config.record_indexer_topk,
             "eos_token_ids": sorted(self.eos_token_ids),
         }
 
@@ -508,6 +517,11 @@ def check_supported(mc: ModelConfig, config: EngineConfig) -> None:
             f"batch_invariant (zero-KL mode) is not available for {mc.model_type} (DeepSeek sparse attention): the "
             "indexer's scores and top-k choice are not batch-invariant on either side, so engine and trainer "
             "log-probs could not be bit-identical; serve it without --batch-invariant"
+        )
+    if config.record_indexer_topk and not mc.is_dsa:
+        raise ValueError(
+            f"record_indexer_topk (--enable-return-indexer-topk) is for DeepSeek sparse attention models "
+            f"(deepseek_v32, glm_moe_dsa); {mc.model_type} has no indexer to record"
         )
 
 

@@ -24,6 +24,9 @@ min(index_topk, keys in the row). The selection (positions within the sequence) 
 hands it to this layer's `mla_attention` and to the "shared" layers after it (GLM-5.2), as in its own forward.
 Layout of the engine's `Selection`: with decode rows, first one tensor [Bd, 1, k] for all of them (scored in one
 batch over their padded contexts, padding masked like the future), then one [count, n, k] per `PrefillSeq`.
+Recording (a cache with `indexer_topk`, EngineConfig.record_indexer_topk): every token of the step, decode row or
+prefill row alike, gets its selection written into its slot's row of the layer: key positions <= its own, the
+masked picks (future keys, decode padding) and the width short of index_topk as -1 (`_record`).
 
 Batch-invariant (zero-KL) mode: metadata with `invariant_seqs`; each sequence's keys and values are expanded from
 positions 0..ctx-1 and attended by `invariant.attention`. DSA models are refused in that mode (Engine).
@@ -93,7 +96,22 @@ class LatentAttention:
                 ctx, n = p.key_slots.shape[0], p.q_end - p.q_start
                 kc = keys[p.key_slots].float()[None]
                 out.append(dsa.topk_in_chunks(qs[None], kc, ws[None], scale, topk, offset=ctx - n))
+        if self.cache.indexer_topk is not None:
+            self._record(layer_idx, out)
         return out
+
+    def _record(self, layer_idx: int, selection: dsa.Selection) -> None:
+        """The step's selections of layer `layer_idx` into the cache's `indexer_topk`, one row per packed token at
+        its slot (module docstring): the decode rows, then each `PrefillSeq`'s rows in packed order."""
+        store, m = self.cache.indexer_topk, self.meta
+        assert store is not None
+        rows = [] if m.decode_rows is None else [m.decode_rows]
+        rows += [torch.arange(p.q_start, p.q_end, device=m.positions.device) for p in m.prefills]
+        width = store.shape[-1]
+        picks = torch.cat([F.pad(s.reshape(-1, s.shape[-1]), (0, width - s.shape[-1]), value=-1) for s in selection])
+        packed = torch.cat(rows)
+        picks = torch.where(picks.long() <= m.positions[packed][:, None], picks, -1)  # past the query: no key
+        store[m.slot_mapping[packed], self.cache.index_row[layer_idx]] = picks.to(store.dtype)
 
     # ---------------------------------------------------------------- attention
     def mla_attention(

@@ -12,6 +12,10 @@ Per token and per decoder layer a `LatentCache` holds (in the engine dtype, the 
 - `index_k[i]` for the i-th layer that runs an indexer (every layer of DeepSeek-V3.2, GLM-5.2's "full" layers):
   its key (`index_head_dim` values). The indexer computes it in the model dtype and scores in float32, so the
   engine dtype holds it exactly; the cache casts it back to float32 to score. GLM-5.2's "shared" layers have none.
+With `record_indexer_topk` (EngineConfig; indexer replay) also, per slot, `indexer_topk` [indexer layers,
+index_topk] int32: the key positions (within the sequence) the token's query selected in each indexer layer, -1 for
+entries that are no key (a query at position p < index_topk - 1 has only p + 1), written by `dsa_select` when the
+token is processed, so a prefix-cache hit returns the rows of the request that computed the block.
 The expanded form an engine would otherwise hold is heads * (qk_head_dim + v_head_dim) values per layer.
 Multi-token-prediction layers (`model.layers.{N}`) are held by the model but never run, so they have no cache.
 """
@@ -29,7 +33,8 @@ from .kv_cache import KVCache
 
 @dataclass(frozen=True, slots=True)
 class CacheGeometry:
-    """What one cached token costs in a model's cache, in both forms (bytes, every layer, routing ids included)."""
+    """What one cached token costs in a model's cache, in both forms (bytes, every layer, routing ids and recorded
+    indexer selections included)."""
 
     form: str  # "latent" (MLA) or "kv" (per-head keys and values)
     bytes_per_token: int  # what this engine's cache holds
@@ -38,6 +43,7 @@ class CacheGeometry:
     index_values: int  # per indexer layer: index_head_dim (0 without DSA)
     index_layers: int  # layers whose indexer keys are cached
     routing_bytes: int  # int32 expert ids per token (MoE)
+    indexer_topk_bytes: int = 0  # int32 recorded selections per token (DSA with record_indexer_topk)
 
     def info(self) -> dict[str, object]:
         """For /get_server_info."""
@@ -53,8 +59,11 @@ def index_layer_ids(mc: ModelConfig) -> tuple[int, ...]:
     return tuple(i for i in range(mc.num_hidden_layers) if mc.indexer_full(i))
 
 
-def geometry(mc: ModelConfig, dtype: torch.dtype, routing_width: int) -> CacheGeometry:
-    """The cache geometry of `mc` in `dtype` (`routing_width` = num_moe_layers * top_k int32 ids per token)."""
+def geometry(
+    mc: ModelConfig, dtype: torch.dtype, routing_width: int, *, record_indexer_topk: bool = False
+) -> CacheGeometry:
+    """The cache geometry of `mc` in `dtype` (`routing_width` = num_moe_layers * top_k int32 ids per token;
+    `record_indexer_topk`: DSA models also keep num_indexer_layers * index_topk int32 positions per token)."""
     elem = torch.empty((), dtype=dtype).element_size()
     layers = mc.num_hidden_layers
     v_dim = mc.v_head_dim if mc.is_mla else mc.head_dim
@@ -66,13 +75,15 @@ def geometry(mc: ModelConfig, dtype: torch.dtype, routing_width: int) -> CacheGe
     n_index = len(index_layer_ids(mc))
     index = mc.index_head_dim if n_index else 0
     own = (layers * latent + n_index * index) * elem
-    return CacheGeometry("latent", own + routing, expanded + routing, latent, index, n_index, routing)
+    extra = routing + (4 * n_index * mc.index_topk if record_indexer_topk else 0)  # int32 ids kept per slot
+    return CacheGeometry("latent", own + extra, expanded + extra, latent, index, n_index, routing, extra - routing)
 
 
 class LatentCache:
     """Device tensors of an MLA model's cache: `latent` [layers, num_blocks, block_size, kv_lora_rank], `k_rot`
     [layers, num_blocks, block_size, qk_rope_head_dim], `index_k` [indexer layers, num_blocks, block_size,
-    index_head_dim] (DSA; `index_row[layer]` names a layer's row), and for MoE models `routing` as `KVCache`'s."""
+    index_head_dim] (DSA; `index_row[layer]` names a layer's row), for MoE models `routing` as `KVCache`'s, and with
+    `record_indexer_topk` `indexer_topk` [num_slots, indexer layers, index_topk] int32 (module docstring)."""
 
     def __init__(
         self,
@@ -84,6 +95,7 @@ class LatentCache:
         device: torch.device,
         num_moe_layers: int = 0,
         top_k: int = 0,
+        record_indexer_topk: bool = False,
     ) -> None:
         if not mc.is_mla:
             raise ValueError(f"a latent cache is for MLA models; {mc.model_type} has per-head keys and values")
@@ -97,6 +109,10 @@ class LatentCache:
         self.routing: torch.Tensor | None = None
         if num_moe_layers:
             self.routing = torch.zeros(num_blocks * block_size, num_moe_layers, top_k, dtype=torch.int32, device=device)
+        self.indexer_topk: torch.Tensor | None = None
+        if record_indexer_topk:
+            shape = (num_blocks * block_size, len(ids), mc.index_topk)
+            self.indexer_topk = torch.full(shape, -1, dtype=torch.int32, device=device)
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s latent [num_slots, kv_lora_rank] and rotated key part [num_slots, rope]."""
@@ -110,7 +126,8 @@ class LatentCache:
 
     def bytes_per_token(self) -> int:
         """Bytes of device memory one slot holds, summed over this cache's tensors (what `geometry` predicts)."""
-        tensors = [self.latent, self.k_rot, self.index_k] + ([self.routing] if self.routing is not None else [])
+        tensors = [self.latent, self.k_rot, self.index_k]
+        tensors += [t for t in (self.routing, self.indexer_topk) if t is not None]
         slots = self.num_blocks * self.block_size
         return sum(t.numel() * t.element_size() for t in tensors) // slots
 
@@ -124,8 +141,10 @@ def make_cache(
     device: torch.device,
     num_moe_layers: int,
     top_k: int,
+    record_indexer_topk: bool = False,
 ) -> KVCache | LatentCache:
-    """The cache `mc` needs: latent for MLA, per-head K/V (only the KV heads) otherwise."""
+    """The cache `mc` needs: latent for MLA, per-head K/V (only the KV heads) otherwise (`record_indexer_topk`:
+    DSA models only, the engine refuses it for others)."""
     if mc.is_mla:
         return LatentCache(
             mc,
@@ -135,6 +154,7 @@ def make_cache(
             device=device,
             num_moe_layers=num_moe_layers,
             top_k=top_k,
+            record_indexer_topk=record_indexer_topk,
         )
     return KVCache(
         num_layers=mc.num_hidden_layers,

@@ -48,6 +48,12 @@ class EngineLaunch:
         "zero-KL mode: batch-invariant kernels (log-probs equal the trainer's in zero-KL mode bit for bit; eager only)",
         None,
     )
+    enable_return_indexer_topk: bool = _flag(
+        False,
+        "DSA models: record each cached token's indexer top-k so requests may ask for it (return_indexer_topk; "
+        "indexer replay); num_indexer_layers * index_topk * 4 bytes more per cached token",
+        None,
+    )
     max_request_mb: float = _flag(64.0, "largest request body (413 beyond)", float)
     rendezvous: str | None = _flag(None, "write {host, port, pid, url, ...} JSON here once listening")
     weight_update_timeout: float = _flag(600.0, "seconds a weight-update group join or broadcast may take", float)

@@ -7,7 +7,9 @@ Invariants:
   ``io_struct``; docs/engine.md, HTTP API). A key SGLang does not have -> :class:`BadRequest`
   naming it (SGLang rejects unknown fields too, so a client that passes here also passes there). A field SGLang
   has but the embedded engine does not implement is accepted only at its SGLang default; any other value is a
-  400 saying it is not supported, never silently ignored. ``null`` means "the default", as in SGLang.
+  400 saying it is not supported, never silently ignored. ``null`` means "the default", as in SGLang. The one
+  exception: ``/generate``'s ``return_indexer_topk`` and ``indexer_topk_start_len`` (DSA indexer replay) and the
+  ``meta_info.indexer_topk`` answer, our extension (docs/engine.md says how it relates to SGLang's later one).
 - Every type and range error names the field by its JSON path (``sampling_params[1].top_p``).
 - Token ids are checked against the model (``0 <= id < vocab_size``) and lengths against its context, with
   SGLang's own messages, before anything reaches the engine core.
@@ -190,6 +192,9 @@ GENERATE_FIELDS: dict[str, F] = {
     "logprob_start_len": F(_ANY),
     "return_routed_experts": F(boolean, False),
     "routed_experts_start_len": F(at_least(0), 0),
+    # Our extension (DSA indexer replay; the engine must run with --enable-return-indexer-topk): not SGLang's.
+    "return_indexer_topk": F(boolean, False),
+    "indexer_topk_start_len": F(at_least(0), 0),
     "stream": F(only(False, "streaming (SSE) is not implemented; send stream=false"), False),
     "top_logprobs_num": F(only(0, "top-k log-probs are not implemented"), 0),
     "return_text_in_logprobs": F(only(False, "log-prob entries carry no text ([logprob, id, null])"), False),
@@ -289,9 +294,11 @@ def parse_generate(body: Any, limits: ModelLimits, new_rid: Callable[[], str]) -
             raise BadRequest(
                 f"field `logprob_start_len`: {starts[i]} is not a position of the {len(prompt)}-token prompt"
             )
-        if top["routed_experts_start_len"] > len(prompt):
-            raise BadRequest(f"field `routed_experts_start_len`: {top['routed_experts_start_len']} > prompt length")
-        routed = {k: top[k] for k in ("return_routed_experts", "routed_experts_start_len")}
+        for start in ("routed_experts_start_len", "indexer_topk_start_len"):
+            if top[start] > len(prompt):
+                raise BadRequest(f"field `{start}`: {top[start]} > prompt length")
+        keys = ("return_routed_experts", "routed_experts_start_len", "return_indexer_topk", "indexer_topk_start_len")
+        replays = {k: top[k] for k in keys}
         requests.append(
             GenerateRequest(
                 rid=rids[i],
@@ -300,7 +307,7 @@ def parse_generate(body: Any, limits: ModelLimits, new_rid: Callable[[], str]) -
                 return_logprob=logprob[i],
                 logprob_start_len=starts[i],
                 lora_path=loras[i],
-                **routed,
+                **replays,
             )
         )
         skip.append(True if not isinstance(sp_items[i], dict) else sp_items[i].get("skip_special_tokens") is not False)
@@ -329,6 +336,10 @@ def generate_response(req: GenerateRequest, res: GenerateResult, text: str | Non
         routed = res.routed_experts
         arr = np.zeros((0, 0, 0), np.int32) if routed is None else np.ascontiguousarray(routed, dtype=np.int32)
         meta["routed_experts"] = base64.b64encode(arr.tobytes()).decode("ascii")
+    if req.return_indexer_topk:  # our extension, the same form: int32 [rows, indexer_layers, index_topk]
+        sel = res.indexer_topk
+        arr = np.zeros((0, 0, 0), np.int32) if sel is None else np.ascontiguousarray(sel, dtype=np.int32)
+        meta["indexer_topk"] = base64.b64encode(arr.tobytes()).decode("ascii")
     return {"text": text, "output_ids": list(res.output_ids), "meta_info": meta}
 
 

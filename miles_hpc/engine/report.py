@@ -1,7 +1,8 @@
 """What the engine reports: each finished request's `GenerateResult`, and the gauges/counters behind /metrics.
 
-Stage: engine. Pure functions over scheduler state and the KV cache's routing store; `Engine` calls them with
-its step lock held (a result is built before the request's blocks are released).
+Stage: engine. Pure functions over scheduler state and the cache's slot-indexed stores (MoE routing ids, DSA
+indexer selections); `Engine` calls them with its step lock held (a result is built before the request's blocks
+are released).
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ def build_result(r: Req, cache: KVCache | LatentCache, block_size: int, version:
     """The result of a request leaving the engine (its blocks still held, `r.finish` set)."""
     assert r.finish is not None
     req = r.req
-    routed = None
+    end = r.prompt_len + r.num_output - 1  # the last sampled token was never run through the model
+    routed = indexer = None
     if req.return_routed_experts:
-        routed = routing_rows(r, cache, block_size, req.routed_experts_start_len, r.prompt_len + r.num_output - 1)
+        assert cache.routing is not None
+        routed = slot_rows(cache.routing, r, block_size, req.routed_experts_start_len, end)
+    if req.return_indexer_topk:
+        assert isinstance(cache, LatentCache) and cache.indexer_topk is not None  # validate_request checked
+        indexer = slot_rows(cache.indexer_topk, r, block_size, req.indexer_topk_start_len, end)
     return GenerateResult(
         rid=req.rid,
         output_ids=r.tokens[r.prompt_len :],
@@ -37,6 +43,7 @@ def build_result(r: Req, cache: KVCache | LatentCache, block_size: int, version:
         output_logprobs=list(r.output_logprobs),
         input_logprobs=None if r.input_logprobs is None else r.input_logprobs[req.logprob_start_len :],
         routed_experts=routed,
+        indexer_topk=indexer,
         weight_versions=[dict(s) for s in r.spans],
         weight_version=version,
         num_retractions=r.num_retractions,
@@ -44,18 +51,18 @@ def build_result(r: Req, cache: KVCache | LatentCache, block_size: int, version:
     )
 
 
-def routing_rows(r: Req, cache: KVCache | LatentCache, block_size: int, start: int, end: int) -> np.ndarray:
-    """int32 [rows, moe_layers, top_k] for positions [start, end), read from the routing store through the
-    request's block table. Rows of a prefix-cache hit come from the request that computed the block. An aborted
-    request returns only the rows it has computed (none if it was waiting)."""
-    assert cache.routing is not None
+def slot_rows(store: torch.Tensor, r: Req, block_size: int, start: int, end: int) -> np.ndarray:
+    """int32 [rows, *store.shape[1:]] for positions [start, end), read from a slot-indexed store (the routing ids
+    [slots, moe_layers, top_k], the indexer selections [slots, indexer_layers, index_topk]) through the request's
+    block table. Rows of a prefix-cache hit come from the request that computed the block. An aborted request
+    returns only the rows it has computed (none if it was waiting)."""
     end = min(end, r.num_computed)
     if end <= start or not r.blocks:
-        return np.zeros((0, *cache.routing.shape[1:]), dtype=np.int32)
+        return np.zeros((0, *store.shape[1:]), dtype=np.int32)
     pos = torch.arange(start, end)
     table = torch.tensor(r.blocks, dtype=torch.int64)
-    slots = (table[pos // block_size] * block_size + pos % block_size).to(cache.routing.device)
-    return cache.routing[slots].cpu().numpy().astype(np.int32, copy=False)
+    slots = (table[pos // block_size] * block_size + pos % block_size).to(store.device)
+    return store[slots].cpu().numpy().astype(np.int32, copy=False)
 
 
 @dataclass(slots=True)

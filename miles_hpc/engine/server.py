@@ -504,6 +504,7 @@ def configs_of(launch: EngineLaunch) -> tuple[EngineConfig, ServerConfig]:
         max_running_requests=launch.max_running_requests,
         seed=launch.seed,
         batch_invariant=launch.batch_invariant,
+        record_indexer_topk=launch.enable_return_indexer_topk,
     )
     server_cfg = ServerConfig(
         host=launch.host,

@@ -13,6 +13,10 @@ Invariants:
 - ``routed_experts`` (when asked) is int32 ``[rows, num_moe_layers, top_k]`` for absolute positions
   ``[routed_experts_start_len, prompt_len + len(output_ids) - 1)``: every processed token's experts; the last
   sampled token was never fed through the model, hence the ``-1``.
+- ``indexer_topk`` (when asked; DSA models on an engine that records them) is int32 ``[rows, num_indexer_layers,
+  index_topk]`` for positions ``[indexer_topk_start_len, prompt_len + len(output_ids) - 1)``, the same rows:
+  row p holds the key positions (within the sequence, <= p) the query at position p selected in each layer with
+  its own indexer, -1 where it had fewer than index_topk keys. Our extension (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class GenerateRequest:
     logprob_start_len: int = -1  # -1: output tokens only; k >= 0: also prompt tokens from position k
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    return_indexer_topk: bool = False  # our extension (module docstring)
+    indexer_topk_start_len: int = 0
     lora_path: str | None = None  # the name of a loaded LoRA adapter (SGLang's field), None: the base model
 
 
@@ -75,6 +81,7 @@ class GenerateResult:
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None  # from logprob_start_len; the first prompt token has None
     routed_experts: np.ndarray | None = None
+    indexer_topk: np.ndarray | None = None
     weight_versions: list[dict[str, object]] = field(default_factory=list)
     weight_version: str = "0"
     num_retractions: int = 0

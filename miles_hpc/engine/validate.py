@@ -21,6 +21,9 @@ class Limits:
     max_context_len: int
     kv_capacity_tokens: int
     num_moe_layers: int
+    model_type: str = ""
+    dsa: bool = False  # the model has DSA indexer layers
+    records_indexer_topk: bool = False  # EngineConfig.record_indexer_topk
 
 
 def _is_int(x: object) -> bool:
@@ -84,4 +87,19 @@ def validate_request(req: GenerateRequest, lim: Limits) -> None:
             raise RequestError(
                 f"routed_experts_start_len must be in [0, {len(ids)}] (the prompt length), "
                 f"got {req.routed_experts_start_len}"
+            )
+    if req.return_indexer_topk:
+        if not lim.dsa:
+            raise RequestError(
+                f"return_indexer_topk: this model ({lim.model_type or 'unknown'}) has no DSA indexer layers"
+            )
+        if not lim.records_indexer_topk:
+            raise RequestError(
+                "return_indexer_topk: this engine does not record indexer selections; start it with "
+                "--enable-return-indexer-topk (EngineConfig.record_indexer_topk)"
+            )
+        if not 0 <= req.indexer_topk_start_len <= len(ids):
+            raise RequestError(
+                f"indexer_topk_start_len must be in [0, {len(ids)}] (the prompt length), "
+                f"got {req.indexer_topk_start_len}"
             )

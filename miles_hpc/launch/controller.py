@@ -214,7 +214,11 @@ def _store(cfg: RunConfig, paths: RunPaths, model_dir: Path, start_step: int) ->
 
     if not cfg.store.enabled:
         return None
-    experts = read_config(model_dir).num_experts or None  # routing ids in the smallest dtype that holds them
+    mc = read_config(model_dir)
+    experts = mc.num_experts or None  # routing ids in the smallest dtype that holds them
+    # Indexer records hold key positions < prompt + max_new_tokens <= the engines' context, which our launcher
+    # leaves at the model's max_position_embeddings: int16 when that fits.
+    context = mc.max_position_embeddings if cfg.algo.indexer_replay else None
     return TrajectoryWriter(
         paths.trajectories,
         prefix=f"traj-s{start_step:06d}",
@@ -223,6 +227,7 @@ def _store(cfg: RunConfig, paths: RunPaths, model_dir: Path, start_step: int) ->
         max_shard_bytes=cfg.store.max_shard_bytes,
         compression=cfg.store.compression,
         num_experts=experts,
+        max_context=context,
     )
 
 

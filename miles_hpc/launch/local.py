@@ -80,6 +80,7 @@ def engine_launch(
         dtype=cfg.model.dtype,
         weight_update_timeout=cfg.sync.timeout_s,
         batch_invariant=cfg.zero_kl,
+        enable_return_indexer_topk=cfg.algo.indexer_replay,  # engines record only what a run replays
         **placement,
     )
 

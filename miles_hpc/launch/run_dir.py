@@ -6,13 +6,15 @@ repeats the run. The other paths are created by the stages that own them.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from miles_hpc.atomic import write_text_atomic
-from miles_hpc.config import RunConfig, dump_config
+from miles_hpc.config import ConfigError, RunConfig, dump_config
+from miles_hpc.config.run import DSA_ARCHS
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +60,15 @@ def prepare_run_dir(cfg: RunConfig) -> RunPaths:
 
 
 def resolve_model(cfg: RunConfig, paths: RunPaths) -> Path:
-    """The starting checkpoint: ``model.path``, or a random-init one created once under RUN/model."""
+    """The starting checkpoint: ``model.path``, or a random-init one created once under RUN/model. A ``model.path``
+    whose model the config's features cannot serve is refused here, where its config is first read (ConfigError
+    naming the key)."""
     if cfg.model.path is not None:
         path = Path(cfg.model.path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path: {path} has no config.json (expected an HF-format checkpoint)")
+        if cfg.algo.indexer_replay:
+            _check_indexer_model(path)
         return path
     target = paths.init_model
     if not (target / "config.json").is_file():
@@ -79,3 +85,16 @@ def resolve_model(cfg: RunConfig, paths: RunPaths) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _check_indexer_model(path: Path) -> None:
+    """algo.indexer_replay needs a DeepSeek sparse attention checkpoint (what `RunConfig` checks for init_arch)."""
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"model.path: cannot read {path / 'config.json'}: {e}") from None
+    if model_type not in DSA_ARCHS:
+        raise ConfigError(
+            f"algo.indexer_replay: needs a DeepSeek sparse attention model ({', '.join(DSA_ARCHS)}); model.path "
+            f"{path} is {model_type}, which has no indexer"
+        )

@@ -61,6 +61,7 @@ def to_sample(out: GenerateOutput, prompt_ids: list[int], prompt_id: int, group_
         reward=0.0,
         status=_STATUS[out.finish_reason.type],
         routed_experts=out.routed_experts,
+        indexer_topk=out.indexer_topk,
         metadata={},
     )
 
@@ -75,13 +76,15 @@ async def generate_groups(
     first_group_id: int,
     seed: int,
     routed_experts: bool = False,
+    indexer_topk: bool = False,
     agent: Any = None,
 ) -> list[list[Rollout]]:
     """``cfg.samples_per_prompt`` samples for every record, all in flight at once.
 
     Every sample carries its own ``sampling_seed`` derived from (run seed, group id, index in group), so its tokens
     do not depend on the batch, on the engine it lands on or on the engine's history: a resumed run generates what
-    the uninterrupted run would have. ``routed_experts`` (R3): also return the experts every token was routed to.
+    the uninterrupted run would have. ``routed_experts`` (R3): also return the experts every token was routed to;
+    ``indexer_topk`` (DSA indexer replay): the keys every token's query selected in each indexer layer.
     ``agent`` (rollout/agents.py): each sample is a multi-turn episode it plays (its environment sets the reward);
     every turn of a group's samples goes to one engine (affinity on the group id), so the prefix stays cached.
     """
@@ -103,7 +106,12 @@ async def generate_groups(
             )
             return Rollout(record, await agent(ctx, record), "")
         out = await router.generate(
-            ids, seeded, affinity_key=group_id, return_logprob=True, return_routed_experts=routed_experts
+            ids,
+            seeded,
+            affinity_key=group_id,
+            return_logprob=True,
+            return_routed_experts=routed_experts,
+            return_indexer_topk=indexer_topk,
         )
         text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
         return Rollout(record, to_sample(out, ids, record.prompt_id, group_id), text)

@@ -202,6 +202,7 @@ async def rollout(ctx: LoopContext, step: int) -> tuple[list[list[Rollout]], int
             first_group_id=step * 1_000_000 + rounds * 10_000,
             seed=cfg.seed,
             routed_experts=cfg.algo.routing_replay,
+            indexer_topk=cfg.algo.indexer_replay,
             agent=ctx.agent,
         )
         if ctx.agent is None:  # an agent's environment has scored its episodes
@@ -278,6 +279,7 @@ def to_train_batch(
         token_hash=[s.token_hash for s in samples],
         group_ids=[s.group_id for s in samples],
         routed_experts=[s.routed_experts for s in samples] if cfg.algo.routing_replay else None,
+        indexer_topk=[s.indexer_topk for s in samples] if cfg.algo.indexer_replay else None,
     )
 
 

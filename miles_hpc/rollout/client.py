@@ -77,10 +77,12 @@ class EngineClient:
         session: aiohttp.ClientSession | None = None,
         max_connections: int = 4096,
         routing_shape: tuple[int | None, int | None] | None = None,
+        indexer_shape: tuple[int, int] | None = None,
     ) -> None:
         """``timeout``: seconds for one request end to end (a long generation included); ``routing_shape``:
         ``(num_layers, top_k)`` of the model for decoding routed experts, either may be None (then looked up once
-        from ``/get_model_info`` or the model's ``config.json``)."""
+        from ``/get_model_info`` or the model's ``config.json``); ``indexer_shape``: ``(indexer_layers,
+        index_topk)`` for decoding indexer records (None: looked up once from our engine's ``/get_model_info``)."""
         self.url = url.rstrip("/")
         self._api_key = api_key
         self._admin_key = admin_api_key
@@ -93,6 +95,7 @@ class EngineClient:
         self._max_connections = max_connections
         self._routing_dims = routing_shape
         self._routing_lock = asyncio.Lock()  # the first routed generations look the model up once, not each
+        self._indexer_dims = indexer_shape
 
     def __repr__(self) -> str:  # never the keys
         return f"EngineClient({self.url!r})"
@@ -198,11 +201,14 @@ class EngineClient:
         logprob_start_len: int | None = None,
         return_routed_experts: bool = False,
         routed_experts_start_len: int | None = None,
+        return_indexer_topk: bool = False,
+        indexer_topk_start_len: int | None = None,
         rid: str | None = None,
         lora_path: str | None = None,
         timeout: float | None = None,
     ) -> GenerateOutput:
-        """``POST /generate`` for one prompt. A ``rid`` is made up when not given, so :meth:`abort` can reach it."""
+        """``POST /generate`` for one prompt. A ``rid`` is made up when not given, so :meth:`abort` can reach it.
+        ``return_indexer_topk``: DSA indexer records, our engine's extension (requests.EXTENSION_FIELDS)."""
         rid = rid or uuid.uuid4().hex
         body = rq.generate_body(
             input_ids,
@@ -212,9 +218,12 @@ class EngineClient:
             logprob_start_len=logprob_start_len,
             return_routed_experts=return_routed_experts,
             routed_experts_start_len=routed_experts_start_len,
+            return_indexer_topk=return_indexer_topk,
+            indexer_topk_start_len=indexer_topk_start_len,
             lora_path=lora_path,
         )
         dims = await self._routing_shape() if return_routed_experts else (None, None)
+        index_dims = await self._indexer_shape() if return_indexer_topk else None
         obj = await self._call(rq.GENERATE, body, timeout=timeout)
         try:
             out = parse_generate(
@@ -223,6 +232,9 @@ class EngineClient:
                 return_routed_experts=return_routed_experts,
                 routed_experts_start_len=routed_experts_start_len or 0,
                 routing_dims=dims,
+                return_indexer_topk=return_indexer_topk,
+                indexer_topk_start_len=indexer_topk_start_len or 0,
+                indexer_dims=index_dims,
                 engine_url=self.url,
             )
         except (ValueError, KeyError, TypeError, IndexError) as e:
@@ -494,6 +506,23 @@ class EngineClient:
                 "cannot tell the model's MoE top_k to decode routed_experts; pass routing_shape=(layers, top_k)",
             )
         return layers, top_k
+
+    async def _indexer_shape(self) -> tuple[int, int]:
+        """``(indexer_layers, index_topk)`` for decoding indexer records, looked up once from /get_model_info (our
+        engine's ``num_indexer_layers``, ``index_topk``)."""
+        async with self._routing_lock:
+            if self._indexer_dims is None:
+                info = await self.model_info()
+                layers, topk = info.get("num_indexer_layers"), info.get("index_topk")
+                if not (isinstance(layers, int) and isinstance(topk, int) and layers > 0 and topk > 0):
+                    raise EngineProtocolError(
+                        self.url,
+                        "GET /get_model_info",
+                        "no num_indexer_layers/index_topk: not our engine serving a DSA model, so it returns no "
+                        "indexer_topk (pass indexer_shape=(layers, index_topk) to decode one that does)",
+                    )
+                self._indexer_dims = (layers, topk)
+        return self._indexer_dims
 
 
 def _message(obj: Any) -> str:

@@ -11,9 +11,10 @@ Invariants:
   noise by absolute position (a continuation is exact there), but our embedded engine keys it by output index, so a
   continued seeded request would reuse the first piece's noise.
 - :meth:`Pieces.result` of one piece is that piece (with the router's rid and counts); of several: output ids and
-  log-probs concatenated, weight-version spans shifted and joined, routed experts concatenated (each piece covers
-  rows ``[its start, its prompt + its output - 1)``, which tile ``[start, prompt + output - 1)``), prompt log-probs
-  and cached tokens from the first piece.
+  log-probs concatenated, weight-version spans shifted and joined, routed experts and indexer records each
+  concatenated (each piece covers rows ``[its start, its prompt + its output - 1)``, which tile ``[start, prompt +
+  output - 1)`` when every later piece starts at its prompt length - 1), prompt log-probs and cached tokens from
+  the first piece.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ CONTINUABLE_KEYS = frozenset(
 )
 
 
+_RECORD_STARTS = {"routed_experts_start_len": "return_routed_experts", "indexer_topk_start_len": "return_indexer_topk"}
+
+
 def continuable(sampling: Mapping[str, Any]) -> bool:
     """Whether a generation with these sampling params may continue from its partial output."""
     return sampling.get("max_new_tokens") is not None and not set(sampling) - CONTINUABLE_KEYS
@@ -68,6 +72,7 @@ class Pieces:
     logprobs: list[float] = field(default_factory=list)
     spans: list[WeightVersionSpan] = field(default_factory=list)
     routed: list[np.ndarray] = field(default_factory=list)
+    indexer: list[np.ndarray] = field(default_factory=list)
     first: GenerateOutput | None = None
     last: GenerateOutput | None = None
     count: int = 0
@@ -93,6 +98,8 @@ class Pieces:
                 self.spans.append(WeightVersionSpan(version=s.version, start=start, end=end))
         if out.routed_experts is not None:
             self.routed.append(out.routed_experts)
+        if out.indexer_topk is not None:
+            self.indexer.append(out.indexer_topk)
         self.first = self.first or out
         self.last = out
         self.count += 1
@@ -116,6 +123,7 @@ class Pieces:
             input_logprobs=first.input_logprobs,
             weight_versions=tuple(self.spans),
             routed_experts=np.concatenate(self.routed, axis=0) if self.routed else None,
+            indexer_topk=np.concatenate(self.indexer, axis=0) if self.indexer else None,
             num_retractions=self.retractions,
             e2e_latency=time.monotonic() - self.started,
             chunks=self.count,
@@ -132,13 +140,16 @@ async def continue_aborted(
 ) -> GenerateOutput:
     """`out`, or, when a weight update aborted it (pause mode ``abort``) after some tokens, those tokens continued
     until the generation finishes otherwise: one output, as if never interrupted (its later tokens carry the new
-    weight version). `kw` goes to every call of `generate_fn` (``Router.generate``'s signature)."""
+    weight version). `kw` goes to every call of `generate_fn` (``Router.generate``'s signature); a continuation asks
+    for its routing and indexer records from the last token sampled before it, so the records stitch."""
     if out.finish_reason.type != "abort" or not out.output_ids or params.get("max_new_tokens") is None:
         return out
     pieces = Pieces(prompt=list(ids))
     pieces.add(out)
     cont = {k: v for k, v in params.items() if k != "sampling_seed"}  # continuing a seeded request is not exact
     while out.finish_reason.type == "abort" and len(pieces.output_ids) < int(params["max_new_tokens"]):
-        out = await generate_fn(list(ids) + pieces.output_ids, piece_params(cont, len(pieces.output_ids), 0), **kw)
+        starts = {f: len(ids) + len(pieces.output_ids) - 1 for f, on in _RECORD_STARTS.items() if kw.get(on)}
+        params_now = piece_params(cont, len(pieces.output_ids), 0)
+        out = await generate_fn(list(ids) + pieces.output_ids, params_now, **{**kw, **starts})
         pieces.add(out)
     return pieces.result(out.rid, 0)

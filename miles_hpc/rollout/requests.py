@@ -6,7 +6,9 @@ module imports only the standard library: the check runs in SGLang's venv, where
 
 Invariants:
 - A body holds only field names of the matching SGLang request type (``GenerateReqInput``, the ``io_struct``
-  ``*ReqInput`` structs); SGLang's structs raise on unknown fields, so one stray key breaks real SGLang.
+  ``*ReqInput`` structs); SGLang's structs raise on unknown fields, so one stray key breaks real SGLang. The
+  exception is :data:`EXTENSION_FIELDS` (DSA indexer replay), set only when a caller asks for indexer records, which
+  only our embedded engine returns (the run config refuses ``algo.indexer_replay`` with ``rollout.backend=sglang``).
 - A field is present only when the caller set it (``None`` = absent = SGLang's default), except where a comment
   says why we pin a value SGLang would otherwise default dangerously.
 - ``sampling_params`` keys are a subset of :data:`SAMPLING_KEYS`, which SGLang's ``SamplingParams`` accepts.
@@ -101,6 +103,9 @@ EXTENSIONS: dict[str, Endpoint] = {
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 
+# ``/generate`` fields of our embedded engine that are not in the SGLang schema we check against (docs/engine.md).
+EXTENSION_FIELDS: frozenset[str] = frozenset({"return_indexer_topk", "indexer_topk_start_len"})
+
 
 def _set(body: dict[str, Any], key: str, value: Any) -> None:
     if value is not None:
@@ -138,9 +143,12 @@ def generate_body(
     top_logprobs_num: int | None = None,
     return_routed_experts: bool = False,
     routed_experts_start_len: int | None = None,
+    return_indexer_topk: bool = False,
+    indexer_topk_start_len: int | None = None,
     lora_path: str | None = None,
 ) -> dict[str, Any]:
-    """``POST /generate`` (``GenerateReqInput``), one prompt given as token ids."""
+    """``POST /generate`` (``GenerateReqInput``), one prompt given as token ids. ``return_indexer_topk`` (with its
+    start, as ``routed_experts_start_len``): our engine's extension (:data:`EXTENSION_FIELDS`)."""
     ids = _ints(input_ids, "input_ids")
     if not ids:
         raise ValueError("input_ids must not be empty")
@@ -158,6 +166,12 @@ def generate_body(
             if not 0 <= routed_experts_start_len <= len(ids):
                 raise ValueError(f"routed_experts_start_len must be in [0, {len(ids)}], got {routed_experts_start_len}")
             body["routed_experts_start_len"] = routed_experts_start_len
+    if return_indexer_topk:
+        body["return_indexer_topk"] = True
+        if indexer_topk_start_len is not None:
+            if not 0 <= indexer_topk_start_len <= len(ids):
+                raise ValueError(f"indexer_topk_start_len must be in [0, {len(ids)}], got {indexer_topk_start_len}")
+            body["indexer_topk_start_len"] = indexer_topk_start_len
     _set(body, "lora_path", lora_path)
     return body
 

@@ -10,6 +10,10 @@ Invariants of a :class:`GenerateOutput`:
 - ``routed_experts`` is int32 ``[rows, num_layers, top_k]`` with
   ``rows == prompt_tokens + completion_tokens - 1 - routed_experts_start_len`` (the last sampled token never went
   through the model).
+- ``indexer_topk`` (DSA indexer replay; our engine's extension) is int32 ``[rows, indexer_layers, index_topk]`` with
+  ``rows == prompt_tokens + completion_tokens - 1 - indexer_topk_start_len``: row r holds the key positions the
+  query of token ``indexer_topk_start_len + r`` selected in each indexer layer, -1 padding. An aborted request
+  that never ran returns no rows.
 
 Parsers raise ``ValueError`` with a precise reason; the client wraps it into an ``EngineProtocolError`` that names
 the engine and endpoint.
@@ -59,6 +63,7 @@ class GenerateOutput:
     weight_version: str | None = None  # the version at the end of the request
     weight_versions: tuple[WeightVersionSpan, ...] = ()
     routed_experts: np.ndarray | None = None
+    indexer_topk: np.ndarray | None = None
     num_retractions: int = 0
     e2e_latency: float = 0.0
     engine_url: str = ""  # the engine that produced the last token
@@ -165,6 +170,29 @@ def decode_routed_experts(
     return flat.reshape(rows, num_layers, top_k)
 
 
+def decode_indexer_topk(b64: str, rows: int, *, num_layers: int, index_topk: int) -> np.ndarray:
+    """Base64 of int32 ``[rows, num_layers, index_topk]`` -> array; both dims are needed (the model's), and a
+    payload of no values is the no rows of a request aborted before it ran."""
+    flat = np.frombuffer(base64.b64decode(b64), dtype=np.int32)
+    if flat.size == 0:
+        return flat.reshape(0, num_layers, index_topk)
+    if flat.size != rows * num_layers * index_topk:
+        raise ValueError(
+            f"indexer_topk: {flat.size} int32 values, expected rows*indexer_layers*index_topk="
+            f"{rows}*{num_layers}*{index_topk}"
+        )
+    return flat.reshape(rows, num_layers, index_topk)
+
+
+def _indexer_rows(meta: Mapping[str, Any], rows: int, dims: tuple[int, int] | None) -> np.ndarray:
+    b64 = meta.get("indexer_topk")
+    if not isinstance(b64, str):
+        raise ValueError("indexer_topk asked but missing (our engine returns it with --enable-return-indexer-topk)")
+    if dims is None:
+        raise ValueError("indexer_topk: the model's indexer layers and index_topk are needed to decode")
+    return decode_indexer_topk(b64, rows, num_layers=dims[0], index_topk=dims[1])
+
+
 def parse_generate(
     obj: Any,
     *,
@@ -172,10 +200,14 @@ def parse_generate(
     return_routed_experts: bool,
     routed_experts_start_len: int = 0,
     routing_dims: tuple[int | None, int | None] = (None, None),
+    return_indexer_topk: bool = False,
+    indexer_topk_start_len: int = 0,
+    indexer_dims: tuple[int, int] | None = None,
     engine_url: str = "",
 ) -> GenerateOutput:
     """The JSON answer of ``POST /generate`` for one prompt -> :class:`GenerateOutput` (see module invariants).
-    ``routing_dims`` is ``(num_layers, top_k)`` of the model, either may be None (see decode_routed_experts)."""
+    ``routing_dims`` is ``(num_layers, top_k)`` of the model, either may be None (see decode_routed_experts);
+    ``indexer_dims`` ``(indexer_layers, index_topk)``, needed with ``return_indexer_topk``."""
     if isinstance(obj, list):
         if len(obj) != 1:
             raise ValueError(f"expected one result, got a list of {len(obj)}")
@@ -214,6 +246,9 @@ def parse_generate(
             raise ValueError("routed_experts asked but missing (SGLang needs --enable-return-routed-experts)")
         rows = prompt_tokens + n - 1 - routed_experts_start_len
         routed = decode_routed_experts(b64, rows, num_layers=routing_dims[0], top_k=routing_dims[1])
+    indexer = None
+    if return_indexer_topk:
+        indexer = _indexer_rows(meta, prompt_tokens + n - 1 - indexer_topk_start_len, indexer_dims)
 
     version = meta.get("weight_version")
     return GenerateOutput(
@@ -228,6 +263,7 @@ def parse_generate(
         weight_version=None if version is None else str(version),
         weight_versions=parse_weight_versions(meta.get("weight_versions"), n),
         routed_experts=routed,
+        indexer_topk=indexer,
         num_retractions=_int(meta, "num_retractions", 0),
         e2e_latency=float(meta.get("e2e_latency") or 0.0),
         engine_url=engine_url,

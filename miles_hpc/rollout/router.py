@@ -184,6 +184,8 @@ class Router:
         logprob_start_len: int | None = None,
         return_routed_experts: bool = False,
         routed_experts_start_len: int | None = None,
+        return_indexer_topk: bool = False,
+        indexer_topk_start_len: int | None = None,
         rid: str | None = None,
         lora_path: str | None = None,
     ) -> GenerateOutput:
@@ -194,6 +196,7 @@ class Router:
         opts = {
             "return_logprob": return_logprob,
             "return_routed_experts": return_routed_experts,
+            "return_indexer_topk": return_indexer_topk,
             "lora_path": lora_path if lora_path is not None else self.lora_path,
         }
         self._counts["submitted"] += 1
@@ -204,7 +207,7 @@ class Router:
                 dict(sampling_params),
                 affinity_key,
                 logprob_start_len,
-                routed_experts_start_len,
+                (routed_experts_start_len, indexer_topk_start_len),
                 opts,
             )
         except BaseException:
@@ -223,9 +226,11 @@ class Router:
         sampling: dict[str, Any],
         key: Hashable | None,
         logprob_start_len: int | None,
-        routed_start: int | None,
+        starts: tuple[int | None, int | None],
         opts: dict[str, Any],
     ) -> GenerateOutput:
+        """The pieces of one generation (module docstring); ``starts``: the first piece's routing and indexer
+        record starts."""
         can_continue = continuable(sampling)
         chunk = self.config.chunk_tokens if can_continue else 0
         max_new = int(sampling["max_new_tokens"]) if can_continue else 0
@@ -252,10 +257,12 @@ class Router:
                     prompt + pieces.output_ids,
                     piece,
                     rid=rid if attempt == 0 else f"{rid}.{attempt}",
-                    # Prompt log-probs and the routing start belong to the first piece; a later piece's routing
-                    # starts at the last token the previous piece sampled (never fed through the model there).
+                    # Prompt log-probs and the record starts belong to the first piece; a later piece's routing
+                    # and indexer rows start at the last token the previous piece sampled (never fed through the
+                    # model there), so the pieces' rows tile the whole generation's.
                     logprob_start_len=logprob_start_len if first else None,
-                    routed_experts_start_len=routed_start if first else len(prompt) + done - 1,
+                    routed_experts_start_len=starts[0] if first else len(prompt) + done - 1,
+                    indexer_topk_start_len=starts[1] if first else len(prompt) + done - 1,
                     **opts,
                 )
             except _EngineFailed as e:
