@@ -13,7 +13,8 @@ Prints one JSON line per result:
   token (its tensors' bytes over its token capacity, measured) and the expanded form's
   (layers x heads x (qk_head_dim + v_head_dim) x dtype bytes, computed);
 - ``train_step``: wall time of FSDPTrainer.train_step (one rank, bf16 mixed precision) on `--train-batch`
-  sequences of `--train-seq` tokens, median of `--steps` after one warm-up step, and its loss.
+  sequences of `--train-seq` tokens, median of `--steps` after one warm-up step, and its loss; with
+  `--indexer-loss C` the step also trains the indexers (train.indexer_loss_coef = C) and reports their KL.
 
     python benchmarks/bench_dsa.py                       # one H200: 4 layers, batch 8, prompt 4096
     python benchmarks/bench_dsa.py --toy --layers 2 --experts 8 --batch 2 --prompt-len 96 --new-tokens 8 \
@@ -168,8 +169,12 @@ def bench_train(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from miles_hpc.train.fsdp import FSDPTrainer
 
     hf = glm5_reduced(args.layers, args.experts, dense_mla=False, toy=args.toy)
+    t_setup = time.perf_counter()
     torch.manual_seed(0)
-    save_pretrained(build_model(ModelConfig.from_hf_dict(hf), dtype=args.dtype), tmp / "model")
+    # Random init on the device (on the host, billions of parameters take minutes), written as a checkpoint.
+    model = build_model(ModelConfig.from_hf_dict(hf), dtype=args.dtype, device=args.device)
+    save_pretrained(model, tmp / "model")
+    del model
     os.environ.setdefault("MASTER_PORT", "29561")
     gpu = args.device == "cuda"
     init_trainer_world(world_from_env(device=args.device))
@@ -182,10 +187,13 @@ def bench_train(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         advantages=[[1.0 if i % 2 else -1.0] * len(s) for i, s in enumerate(seqs)],
         token_hash=[token_hash(s) for s in seqs],
     )
-    cfg = TrainConfig(lr=1e-6, max_tokens_per_microbatch=args.train_seq, mixed_precision=gpu)
+    cfg = TrainConfig(
+        lr=1e-6, max_tokens_per_microbatch=args.train_seq, mixed_precision=gpu, indexer_loss_coef=args.indexer_loss
+    )
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     try:
         trainer = FSDPTrainer(str(tmp / "model"), cfg, AlgoConfig(), device=args.device, seed=0)
+        setup_s = time.perf_counter() - t_setup
         times, metrics = [], {}
         for i in range(args.steps + 1):
             sync()
@@ -201,8 +209,11 @@ def bench_train(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "experts": args.experts,
             "sequences": args.train_batch,
             "seq_len": args.train_seq,
+            "setup_s": round(setup_s, 1),
+            "indexer_loss_coef": args.indexer_loss,
             "step_s": round(statistics.median(times), 3),
             "loss": metrics["loss"],
+            "indexer_kl": metrics.get("dsa/indexer_kl"),
             "grad_norm": metrics["grad_norm"],
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1) if gpu else None,
         }
@@ -221,6 +232,7 @@ def main() -> None:
     ap.add_argument("--train-seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--only", choices=["decode", "train"], default=None)
+    ap.add_argument("--indexer-loss", type=float, default=0.0, help="train.indexer_loss_coef of the train step")
     ap.add_argument("--toy", action="store_true", help="toy widths, fp32, on the CPU (checks the script)")
     args = ap.parse_args()
     args.device = "cpu" if args.toy else "cuda"

@@ -162,12 +162,6 @@ def megatron_cpu_shims() -> None:
         return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
-    # megatron-core 0.16 without Transformer Engine leaves `te_general_gemm` undefined and its MoE router tests it
-    # against None (a NameError); 0.17+ define it as None when TE is missing, as here.
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
     # Pipeline stages: the schedule counts tokens in a tensor it makes on "cuda", the p2p exchange synchronises the
     # device after its batched sends, and the tied embedding's first sync moves the weight with `.cuda()`.
     from megatron.core.pipeline_parallel import schedules

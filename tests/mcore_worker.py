@@ -62,7 +62,9 @@ def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, dev
         distributed_optimizer=distributed_optimizer,
         pipeline_parallel=int(os.environ.get("MCORE_PP", "1")),
     )
-    cfg = dataclasses.replace(STEP_CFG, mixed_precision=False)
+    indexer_loss = float(os.environ.get("MCORE_INDEXER_LOSS", "0"))  # train.indexer_loss_coef
+    mode = os.environ.get("MCORE_INDEXER_MODE", "sparse")
+    cfg = dataclasses.replace(STEP_CFG, mixed_precision=False, indexer_loss_coef=indexer_loss, indexer_loss=mode)
     algo = dataclasses.replace(STEP_ALGO, routing_replay=r3)
     trainer = mg.MegatronTrainer(model_dir, cfg, algo, mcfg, device=world.device, seed=0)
     batch = r3_batch(trainer.config) if r3 else make_batch(TRAIN_LENGTHS)

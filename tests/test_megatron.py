@@ -344,32 +344,40 @@ def _compare_step_with_fsdp(
     ep: int = 1,
     r3: bool = False,
     pp: int = 1,
+    indexer_loss: float = 0.0,
 ) -> dict:
+    """The megatron step (in `world_size` processes) against FSDP's on one rank. `indexer_loss`: both with
+    train.indexer_loss_coef (the workers read it from MCORE_INDEXER_LOSS)."""
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
-    got = _run_world(
-        "train",
-        model_dir,
-        world_size,
-        tp,
-        tmp_path / "out.pt",
-        str(int(distributed_optimizer)),
-        device,
-        str(int(r3)),
-        ep=ep,
-        pp=pp,
-    )
-    ref = run_fsdp_once(str(model_dir), r3=r3)
+    os.environ["MCORE_INDEXER_LOSS"] = str(indexer_loss)
+    try:
+        got = _run_world(
+            "train",
+            model_dir,
+            world_size,
+            tp,
+            tmp_path / "out.pt",
+            str(int(distributed_optimizer)),
+            device,
+            str(int(r3)),
+            ep=ep,
+            pp=pp,
+        )
+    finally:
+        del os.environ["MCORE_INDEXER_LOSS"]
+    ref = run_fsdp_once(str(model_dir), r3=r3, indexer_loss=indexer_loss)
     assert got["step"] == 2
     assert len(got["logprobs"]) == len(TRAIN_LENGTHS)
     for a, b in zip(got["logprobs"], ref["logprobs"]):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=atol, rtol=0)
-    for key in ("loss", "pg_loss", "entropy", "tokens", "loss_tokens", "lr", "clip_frac", "grad_norm"):
+    keys = ["loss", "pg_loss", "entropy", "tokens", "loss_tokens", "lr", "clip_frac", "grad_norm"]
+    for key in keys + (["dsa/indexer_kl"] if indexer_loss else []):
         assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=atol), key
     assert list(got["weights"]) == list(ref["weights"])
     cfg = read_config(model_dir)
     for name, w in ref["weights"].items():
         torch.testing.assert_close(got["weights"][name], w, atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-        if untrained(name, cfg):  # left exactly as loaded by both backends
+        if untrained(name, cfg, indexer_loss > 0):  # left exactly as loaded by both backends
             assert torch.equal(w, ref["before"][name]) and torch.equal(got["weights"][name], w), name
         else:  # the step changed every other tensor: equality is not trivial
             assert not torch.equal(w, ref["before"][name]), name
@@ -404,12 +412,14 @@ def test_r3_replays_recorded_experts_like_fsdp_gpu(world: None, tiny_moe_model: 
     assert metrics["r3/topk_agreement"] < 0.5
 
 
-def untrained(hf_name: str, cfg: ModelConfig) -> bool:
+def untrained(hf_name: str, cfg: ModelConfig, indexer_loss: bool = False) -> bool:
     """HF tensors a train step leaves as they are: GLM's router correction bias (frozen), the DSA indexers (no
-    gradient from the loss) and the multi-token-prediction layers (no MTP loss here)."""
+    gradient from the policy loss; trained by the indexer loss when on) and the multi-token-prediction layers (no
+    MTP loss here)."""
     layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
     mtp = layer is not None and int(layer) >= cfg.num_hidden_layers
-    return hf_name.endswith("e_score_correction_bias") or ".self_attn.indexer." in hf_name or mtp
+    indexer = ".self_attn.indexer." in hf_name and not indexer_loss
+    return hf_name.endswith("e_score_correction_bias") or indexer or mtp
 
 
 def r3_batch(cfg: ModelConfig) -> TrainBatch:
@@ -428,9 +438,11 @@ def r3_batch(cfg: ModelConfig) -> TrainBatch:
     return batch
 
 
-def run_fsdp_once(model_dir: str, r3: bool = False) -> dict:
+def run_fsdp_once(model_dir: str, r3: bool = False, indexer_loss: float = 0.0) -> dict:
     algo = dataclasses.replace(STEP_ALGO, routing_replay=r3)
-    trainer = FSDPTrainer(model_dir, dataclasses.replace(STEP_CFG, mixed_precision=False), algo, device="cpu", seed=0)
+    mode = os.environ.get("MCORE_INDEXER_MODE", "sparse")  # train.indexer_loss (as the workers read it)
+    cfg = dataclasses.replace(STEP_CFG, mixed_precision=False, indexer_loss_coef=indexer_loss, indexer_loss=mode)
+    trainer = FSDPTrainer(model_dir, cfg, algo, device="cpu", seed=0)
     before = {k: v.clone() for k, v in trainer.state_for_sync()}
     batch = r3_batch(trainer.config) if r3 else make_batch(TRAIN_LENGTHS)
     logprobs = trainer.compute_logprobs(batch)

@@ -169,6 +169,30 @@ def test_dsa_trainer_step_equals_fsdp(
     _compare_step_with_fsdp(tiny_dsa_models[model], tmp_path, world_size, tp, False, "cpu", atol=1e-5, ep=ep, pp=pp)
 
 
+@pytest.mark.parametrize(
+    "model,tp,ep,mode",
+    [("glm_moe_dsa-dense", 2, 1, "sparse"), ("deepseek_v32", 1, 2, "sparse"), ("glm_moe_dsa", 1, 2, "dense")],
+)
+@pytest.mark.process
+def test_indexer_loss_step_equals_fsdp(
+    world: None,
+    tiny_dsa_models: dict[str, Path],
+    tmp_path: Path,
+    model: str,
+    tp: int,
+    ep: int,
+    mode: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """train.indexer_loss_coef on both backends (megatron's compute_dsa_indexer_loss, ours): the same step, the
+    indexers trained alike (every indexer tensor changed, equal in both), the same dsa/indexer_kl."""
+    monkeypatch.setenv("MCORE_INDEXER_MODE", mode)  # train.indexer_loss, for the workers and the FSDP reference
+    m = _compare_step_with_fsdp(
+        tiny_dsa_models[model], tmp_path, 2, tp, False, "cpu", atol=1e-5, ep=ep, indexer_loss=1.0
+    )
+    assert m["dsa/indexer_kl"] > 0
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.process
 def test_dsa_r3_replays_recorded_experts_like_fsdp(

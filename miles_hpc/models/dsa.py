@@ -10,7 +10,13 @@ FIRST, unlike MLA's [nope | rope]): interleaved pairs in GLM-5, halves in DeepSe
 key t is sum_h w[s, h] * relu(q[s, h] . k[t] * index_head_dim^-0.5), in float32; query s attends only to the
 `index_topk` highest-scoring keys t <= s (all of them while s < index_topk). The indexer runs under no_grad:
 the top-k choice is not differentiable and transformers computes no gradient for its weights; they are loaded,
-saved and synced, and train only through an indexer loss, which is not implemented here.
+saved and synced, and train only through the indexer loss (`indexer_kl`, `train.indexer_loss_coef`).
+
+Indexer loss (DeepSeek-V3.2's report, section 2.1; megatron-core's `compute_dsa_indexer_loss` computes the same):
+per query row, the KL divergence from the main attention's distribution (softmax per head, summed over heads,
+L1-normalized; a target, no gradient) to softmax of the indexer's scores, over the causal keys ("dense", the
+report's warm-up stage) or over the selected keys only ("sparse", its sparse training stage). Its inputs are
+detached from the main model (the hidden state and compressed query): only the indexer learns from it.
 
 GLM-5.2's IndexShare: a "shared" layer has no indexer and reuses the top-k of the last "full" layer before it.
 
@@ -89,6 +95,12 @@ class Indexer(nn.Module):
         self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(queries [B, T, H, D], keys [B, T, D], head weights [B, T, H]), all float32, rotated at these positions."""
+        return self.project_with_grad(x, q_resid, cos, sin)
+
+    def project_with_grad(
+        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`project` with autograd (the indexer loss; the caller detaches x and q_resid from the main model)."""
         b, t, _ = x.shape
         q = self.wq_b(q_resid).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         q = self._rotate(q, cos, sin).transpose(1, 2)
@@ -189,6 +201,44 @@ def replay_selection(
     return out, stats
 
 
+def indexer_kl(
+    iq: torch.Tensor,
+    ik: torch.Tensor,
+    iw: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    index_scale: float,
+    attn_scale: float,
+    bounds: Sequence[int] | None,
+    selection: Selection | None,
+) -> torch.Tensor:
+    """Sum over query rows of KL(attention target || softmax(indexer scores)) (module docstring): iq [B, T, H_i, D_i],
+    ik [B, T, D_i], iw [B, T, H_i] the indexer's (with grad), q [B, H, T, Dqk], k [B, H, T, Dqk] the attention's
+    (no grad taken); `selection` given: "sparse" (over each query's selected keys), None: "dense" (causal keys).
+    SCORE_ROWS queries at a time per packed sequence (bounds), so the float32 temporaries stay [rows, heads, T]."""
+    spans = [(0, iq.shape[1])] if bounds is None else [(s, e) for s, e in zip(bounds, bounds[1:]) if e > s]
+    sels = [None] * len(spans) if selection is None else selection
+    total = iq.new_zeros(())
+    for (s, e), sel in zip(spans, sels, strict=True):
+        qi, ki, wi, qa, ka = iq[:, s:e], ik[:, s:e], iw[:, s:e], q[:, :, s:e].detach(), k[:, :, s:e].detach()
+        for r in range(0, e - s, SCORE_ROWS):
+            rows = slice(r, min(r + SCORE_ROWS, e - s))
+            q_pos = torch.arange(rows.start, rows.stop, device=iq.device)[:, None]
+            allowed = (torch.arange(e - s, device=iq.device) <= q_pos)[None, None]  # causal [1, 1, n, T]
+            if sel is not None:  # and selected (selection_mask's own causal part takes the rows as the last ones)
+                allowed = allowed & selection_mask(sel[:, rows], e - s)
+            with torch.no_grad():
+                logits = torch.matmul(qa[:, :, rows].float(), ka.float().transpose(-1, -2)) * attn_scale
+                probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1).sum(1)  # [B, n, T]
+                target = probs / probs.sum(-1, keepdim=True)
+            scores = index_scores(qi[:, rows], ki, wi[:, rows], index_scale)  # [B, n, T]
+            keep = allowed[:, 0].expand_as(scores)
+            log_q = scores.masked_fill(~keep, float("-inf")).log_softmax(-1).masked_fill(~keep, 0.0)
+            total = total + (torch.xlogy(target, target) - target * log_q).sum()
+    return total
+
+
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -231,6 +281,7 @@ __all__ = [
     "causal_topk",
     "host_bounds",
     "index_scores",
+    "indexer_kl",
     "replay_selection",
     "select_topk",
     "selection_mask",

@@ -90,6 +90,10 @@ class MLAttention(nn.Module):
         self.index_topk = config.index_topk
         if config.indexer_full(layer_idx):
             self.indexer = dsa.Indexer(config, layer_idx)
+        # The indexer loss (dsa.indexer_kl): None = off, "sparse" / "dense" = on in training forwards, which leave
+        # this layer's KL sum over its query rows in `indexer_kl` (CausalLM.set_indexer_loss / take_indexer_kl).
+        self.indexer_loss: str | None = None
+        self.indexer_kl: torch.Tensor | None = None
 
     def forward(
         self,
@@ -145,7 +149,10 @@ class MLAttention(nn.Module):
                 selection=selection,
             )
         else:
-            out = self._expanded(q_nope, q_rot, latent, k_rot, backend, cu_seqlens, selection)
+            out, q, k = self._expanded(q_nope, q_rot, latent, k_rot, backend, cu_seqlens, selection)
+            if self.indexer_loss is not None and hasattr(self, "indexer") and torch.is_grad_enabled():
+                assert q_resid is not None and selection is not None
+                self.indexer_kl = self._indexer_kl(x, q_resid, cos, sin, q, k, cu_seqlens, selection)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_dim)), selection
 
     def _expanded(
@@ -157,9 +164,9 @@ class MLAttention(nn.Module):
         backend: AttentionBackend,
         cu_seqlens: torch.Tensor | None,
         selection: dsa.Selection | None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The default path: per-head keys [nope | rope] and values from the normed latent, then attention
-        (`backend`, or DSA's sparse attention over `selection`); [B, H, T, v_head_dim]."""
+        (`backend`, or DSA's sparse attention over `selection`): (out [B, H, T, v_head_dim], q, k)."""
         b, t, _ = latent.shape
         kv = self.kv_b_proj(latent).view(b, t, self.num_heads, self.nope + self.v_dim)
         k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], dim=-1)
@@ -167,12 +174,38 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, q_rot], dim=-1)
         v = v.contiguous()
         if selection is None:
-            return backend(q, k, v, layer_idx=self.layer_idx, scale=self.scale, cu_seqlens=cu_seqlens)
+            return backend(q, k, v, layer_idx=self.layer_idx, scale=self.scale, cu_seqlens=cu_seqlens), q, k
         attend = dsa.backend_hook(backend, "dsa_attention")
         if attend is not None:
-            return attend(q, k, v, layer_idx=self.layer_idx, scale=self.scale, selection=selection)
+            return attend(q, k, v, layer_idx=self.layer_idx, scale=self.scale, selection=selection), q, k
         bounds = dsa.host_bounds(cu_seqlens, b, t)
-        return dsa.sparse_attention(q, k, v, scale=self.scale, bounds=bounds, selection=selection)
+        return dsa.sparse_attention(q, k, v, scale=self.scale, bounds=bounds, selection=selection), q, k
+
+    def _indexer_kl(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        selection: dsa.Selection,
+    ) -> torch.Tensor:
+        """This layer's indexer loss (dsa.indexer_kl): the indexer re-projected with autograd from the detached
+        layer input and compressed query, against this forward's attention queries and keys."""
+        iq, ik, iw = self.indexer.project_with_grad(x.detach(), q_resid.detach(), cos, sin)
+        return dsa.indexer_kl(
+            iq,
+            ik,
+            iw,
+            q,
+            k,
+            index_scale=self.indexer.scale,
+            attn_scale=self.scale,
+            bounds=dsa.host_bounds(cu_seqlens, x.shape[0], x.shape[1]),
+            selection=selection if self.indexer_loss == "sparse" else None,
+        )
 
     def _select(
         self,

@@ -238,6 +238,27 @@ class CausalLM(nn.Module):
             out.append(self.lm_head(hidden))
         return out
 
+    def set_indexer_loss(self, mode: str | None) -> None:
+        """DSA models: training forwards (grad enabled, default attention path) compute the indexer loss of every
+        layer with an indexer, "sparse" (over the selected keys) or "dense" (over all causal keys); None: off."""
+        if mode not in (None, "sparse", "dense"):
+            raise ValueError(f"indexer loss mode must be 'sparse', 'dense' or None, got {mode!r}")
+        if mode is not None and not self.indexer_layer_ids:
+            raise ValueError(f"the indexer loss needs a DSA model; {self.config.model_type} has no indexer")
+        for i in self.indexer_layer_ids:
+            self.model.layers[i].self_attn.indexer_loss = mode
+
+    def take_indexer_kl(self) -> torch.Tensor | None:
+        """The KL sum (over query rows and layers with an indexer) of the last training forward with the indexer
+        loss on, or None (no such forward since the last call); each layer's value is handed out once."""
+        parts = []
+        for i in self.indexer_layer_ids:
+            att = self.model.layers[i].self_attn
+            if att.indexer_kl is not None:
+                parts.append(att.indexer_kl)
+                att.indexer_kl = None
+        return torch.stack(parts).sum() if parts else None
+
     def index_replay_stats(self) -> torch.Tensor:
         """int64 [3] summed over the layers with an indexer, for the last forward with `index_replay`: (token-layers
         with a record, of those the ones whose live top-k equals the record, all token-layers)."""

@@ -89,7 +89,7 @@ class FSDPTrainer(PackedTrainer):
         model = load_pretrained(model_path, dtype=torch.float32, device=self.device)
         self.config = model.config
         self._model_path = Path(model_path)
-        _check_model(train_cfg, model, model_path, zero_kl)
+        _check_model(train_cfg, model, model_path, zero_kl, lora)
         model.train()
         if zero_kl:
             make_batch_invariant(model)  # in place, names unchanged; refuses dynamic RoPE
@@ -153,6 +153,9 @@ class FSDPTrainer(PackedTrainer):
         logits = self.model(mb.input_ids, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens, **kw)
         if mtp is not None:
             self._mtp = mtp_loss_sum(mtp, mb.input_ids, mb.loss_mask, mb.seq_ids)
+        kl = self.model.take_indexer_kl() if self.train_cfg.indexer_loss_coef else None
+        if kl is not None and torch.is_grad_enabled() and not mb.is_dummy:
+            self._indexer_kl = kl
         if mb.routing is not None:
             stats = self.model.replay_stats()
             self._r3 = stats if self._r3 is None else self._r3 + stats
@@ -295,7 +298,22 @@ def _average_and_clip_replicated_(params: list[torch.nn.Parameter], max_norm: fl
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
-def _check_model(train_cfg: TrainConfig, model: CausalLM, model_path: str | Path, zero_kl: bool) -> None:
+def _check_model(
+    train_cfg: TrainConfig, model: CausalLM, model_path: str | Path, zero_kl: bool, lora: LoraConfig | None
+) -> None:
+    """Refuse what this model cannot train with this config (naming the key); turn the indexer loss on."""
+    if train_cfg.indexer_loss_coef and not model.config.is_dsa:
+        raise ValueError(
+            f"train.indexer_loss_coef={train_cfg.indexer_loss_coef}: {model_path} is {model.config.model_type}, "
+            "which has no DSA indexer (glm_moe_dsa and deepseek_v32 have one)"
+        )
+    if train_cfg.indexer_loss_coef and lora is not None and lora.enabled:
+        raise ValueError(
+            f"train.indexer_loss_coef={train_cfg.indexer_loss_coef} with LoRA: the indexer is frozen with the "
+            "base weights (no adapter on it), so its loss would train nothing; set train.indexer_loss_coef=0"
+        )
+    if train_cfg.indexer_loss_coef:
+        model.set_indexer_loss(train_cfg.indexer_loss)
     if zero_kl and model.config.is_dsa:
         raise ValueError(
             f"zero_kl: {model_path} is {model.config.model_type}, whose DSA indexer (scoring and top-k) has no "

@@ -24,7 +24,11 @@ Where megatron-core 0.16's DSA differs from transformers, and what is ours inste
   exact zeros of relu) meet the same `torch.topk` as in the reference; the indices, offset into the row, go to
   `unfused_dsa_fn`, which then never sees another sequence's key;
 - it computes the KL indexer loss in every training forward (a [heads, T, T] float32 softmax, even at
-  coefficient 0); there is no indexer loss here (none in our model): the indexer is frozen;
+  coefficient 0) over the whole packed row, and attaches it with an autoscaler whose scale megatron's schedule
+  does not set for it; here the loss is computed only with `train.indexer_loss_coef` > 0 (else the indexers are
+  frozen, as in our model), per packed sequence, by megatron's own `compute_dsa_indexer_loss`, and summed over the
+  rows into `SharedSelection.kl`, which the trainer adds to its loss as the FSDP backend does (models/dsa.py:
+  `indexer_kl`, the same value; one pipeline stage only);
 - it has no GLM-5.2 "shared" layers: here a shared layer has no indexer (`IdentityOp`) and takes the last full
   layer's selection through a per-model `SharedSelection`;
 - its indexer linears are Transformer Engine's ("duplicated", replicated over TP): here a replicated local linear.
@@ -42,6 +46,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerSubmodules,
     DSAttention,
     DSAttentionSubmodules,
+    compute_dsa_indexer_loss,
     unfused_dsa_fn,
 )
 from megatron.core.transformer.identity_op import IdentityOp
@@ -51,7 +56,14 @@ from miles_hpc.models import ModelConfig
 from miles_hpc.train.mcore_mla import FixedEpsNorm
 from miles_hpc.train.mcore_pipeline import StageLayout
 
-__all__ = ["SharedSelection", "check_dsa_pipeline", "dsa_core_attention", "dsa_kwargs", "share_selections"]
+__all__ = [
+    "SharedSelection",
+    "check_dsa_pipeline",
+    "decoder_selection",
+    "dsa_core_attention",
+    "dsa_kwargs",
+    "share_selections",
+]
 
 INDEXER_K_NORM_EPS = 1e-6  # transformers' DeepseekV32Indexer / GlmMoeDsaIndexer: nn.LayerNorm(head_dim, eps=1e-6)
 
@@ -108,6 +120,8 @@ class SharedSelection:
         self.mask: torch.Tensor | None = None
         self.spans: list[tuple[int, int]] = []
         self.topk: torch.Tensor | None = None
+        self.loss_mode: str | None = None  # the indexer loss: None (off), "sparse" or "dense"
+        self.kl: list[torch.Tensor] = []  # each full layer's KL sum over its rows in the training forwards since read
 
     def spans_of(self, mask: torch.Tensor) -> list[tuple[int, int]]:
         """[(start, end)] of the packed sequences of the block-diagonal causal mask [1, 1, T, T] (True = masked);
@@ -130,6 +144,15 @@ def share_selections(module: torch.nn.Module) -> None:
             m.shared = shared
 
 
+def decoder_selection(model: torch.nn.Module) -> SharedSelection | None:
+    """The decoder's `SharedSelection` (None for a model without DSA layers on this stage; MTP layers, never run
+    here, have their own)."""
+    for name, m in model.named_modules():
+        if isinstance(m, _DSACoreAttention) and ".mtp." not in f".{name}" and m.shared is not None:
+            return m.shared
+    return None
+
+
 class _DSAIndexer(DSAIndexer):
     """megatron's DSA indexer (its modules, RoPE and scores), selecting as transformers does (module docstring)."""
 
@@ -149,11 +172,9 @@ class _DSAIndexer(DSAIndexer):
             x, rotary_pos_emb, config=self.config, cu_seqlens=None, mscale=mscale, cp_group=self.pg_collection.cp
         )
 
-    @torch.no_grad()
-    def select(self, x: torch.Tensor, qr: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-        """Top-k key indices [b, T, K] into the packed row for x [T, b, hidden] and the compressed query qr
-        [T, b, q_lora_rank]: each sequence's top min(index_topk, length) of its own keys (future keys masked),
-        padded to K with a repeat of its first pick."""
+    def _project(self, x: torch.Tensor, qr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The indexer's rotated queries [T, b, heads, dim], keys [T, b, dim] and float32 head weights [T, b, heads]
+        (with the softmax scale folded in, as megatron does)."""
         t, b, _ = x.shape
         seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, x, self.config, None)
         if self.config.rope_type == "rope":
@@ -166,6 +187,14 @@ class _DSAIndexer(DSAIndexer):
         k = self._apply_rope(self.k_norm(k).reshape(t, b, 1, self.index_head_dim), freqs, mscale).reshape(t, b, -1)
         w, _ = self.linear_weights_proj(x)
         w = w.float() * (self.index_n_heads**-0.5 * self.softmax_scale)
+        return q, k, w
+
+    @torch.no_grad()
+    def select(self, x: torch.Tensor, qr: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """Top-k key indices [b, T, K] into the packed row for x [T, b, hidden] and the compressed query qr
+        [T, b, q_lora_rank]: each sequence's top min(index_topk, length) of its own keys (future keys masked),
+        padded to K with a repeat of its first pick."""
+        q, k, w = self._project(x, qr)
         width = min(self.index_topk, max(e - s for s, e in spans))
         parts = []
         for s, e in spans:
@@ -175,10 +204,45 @@ class _DSAIndexer(DSAIndexer):
             parts.append(torch.cat([top, top[..., :1].expand(-1, -1, width - top.shape[-1])], dim=-1))
         return torch.cat(parts, dim=1)
 
+    def kl_sum(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        spans: list[tuple[int, int]],
+        topk: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        *,
+        attn_scale: float,
+        sparse: bool,
+    ) -> torch.Tensor:
+        """The indexer loss of this layer summed over the rows: megatron's `compute_dsa_indexer_loss` per packed
+        sequence (its mean over rows times their count), with autograd into the indexer only."""
+        q, k, w = self._project(x.detach(), qr.detach())
+        total = w.new_zeros(())
+        for s, e in spans:
+            scores = self._compute_index_scores(q[s:e], w[s:e], k[s:e])  # [b, S, S] float32
+            future = torch.ones(e - s, e - s, dtype=torch.bool, device=scores.device).triu(1)
+            total = (
+                total
+                + compute_dsa_indexer_loss(
+                    scores.masked_fill(future, float("-inf")),
+                    (topk[:, s:e] - s).long(),  # the sequence's own positions (padding repeats a pick: no new key)
+                    query[s:e].detach(),
+                    key[s:e].detach(),
+                    attn_scale,
+                    float(e - s),  # megatron averages over the rows: back to their sum
+                    sparse,
+                    self.pg_collection,
+                )
+            )
+        return total
+
 
 class _DSACoreAttention(DSAttention):
     """megatron's DSA core attention over packed sequences: the selection of this layer's indexer (a full layer)
-    or of the last full one (a shared layer), then megatron's `unfused_dsa_fn`; no indexer loss."""
+    or of the last full one (a shared layer), then megatron's `unfused_dsa_fn`; the indexer loss of a full layer
+    when `SharedSelection.loss_mode` is set (module docstring)."""
 
     shared: SharedSelection | None = None
 
@@ -202,6 +266,12 @@ class _DSACoreAttention(DSAttention):
         if isinstance(self.indexer, DSAIndexer):
             assert x is not None and qr is not None
             self.shared.topk = self.indexer.select(x.detach(), qr.detach(), spans)
+            if self.shared.loss_mode is not None and self.training and torch.is_grad_enabled():
+                sparse = self.shared.loss_mode == "sparse"
+                kl = self.indexer.kl_sum(
+                    x, qr, spans, self.shared.topk, query, key, attn_scale=self.softmax_scale, sparse=sparse
+                )
+                self.shared.kl.append(kl)
         elif self.shared.topk is None:
             raise RuntimeError(f"layer {self.layer_number}: a shared DSA layer before any full layer in this forward")
         return unfused_dsa_fn(query, key, value, self.shared.topk, self.softmax_scale)

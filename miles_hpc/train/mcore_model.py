@@ -10,8 +10,9 @@ Invariants:
   position, not by our per-sequence `position_ids`; inside a sequence only position differences enter the scores,
   so the result is the per-sequence one (a test checks it against our model).
 - Logits are gathered over tensor-parallel ranks and the vocabulary padding is dropped before any softmax.
-- The DSA indexers and the multi-token-prediction layers (`mcore_weights.is_frozen`) are held frozen, as our model
-  gives them no gradient: loaded, saved and synced, never updated (MTP: never run, `mcore_mla.held_mtp_block`).
+- The DSA indexers (unless `train.indexer_loss_coef` trains them) and the multi-token-prediction layers
+  (`mcore_weights.is_frozen`) are held frozen, as our model gives them no gradient: loaded, saved and synced,
+  never updated (MTP: never run, `mcore_mla.held_mtp_block`).
 - Pipeline stages hold their layers under local indices (`train/mcore_pipeline.StageLayout`); loading, gathering
   and the p2p shard map translate.
 - megatron-core's forward calls CUDA-only helpers (a global buffer on `torch.cuda.current_device()`, the CUDA RNG
@@ -40,6 +41,13 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "train.backend=megatron needs megatron-core: pip install 'miles-hpc[megatron]' (megatron-core 0.16 on "
         "Python 3.11, newer releases on 3.12)"
     ) from e
+
+from megatron.core.transformer.moe import moe_utils as _moe_utils
+
+if not hasattr(_moe_utils, "te_general_gemm"):
+    # megatron-core 0.16 without Transformer Engine leaves `te_general_gemm` undefined, and its MoE router's
+    # gating tests it against None on CUDA (a NameError on every MoE model on a GPU); 0.17+ define it as None.
+    _moe_utils.te_general_gemm = None
 
 from miles_hpc.models import CausalLM, ModelConfig, iter_hf_tensors, load_pretrained
 from miles_hpc.models.moe import merge_replay
@@ -234,9 +242,9 @@ def pipeline_stage() -> int:
     return parallel_state.get_pipeline_model_parallel_rank()
 
 
-def build_gpt(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> GPTModel:
+def build_gpt(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, train_indexers: bool = False) -> GPTModel:
     """A randomly initialised `GPTModel` (this rank's TP shard; on the current GPU, else the CPU) for `cfg`; fill it
-    with `load_hf_weights`."""
+    with `load_hf_weights`. `train_indexers`: the DSA indexers get gradients (the indexer loss), else frozen."""
     tcfg = transformer_config(cfg, dtype=dtype)
     spec = get_gpt_layer_local_spec(
         num_experts=tcfg.num_moe_experts,
@@ -276,7 +284,7 @@ def build_gpt(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> GPTMod
         for mtp_layer in model.mtp.layers if cfg.is_dsa else []:
             share_selections(mtp_layer)
     for name, p in model.named_parameters():
-        if is_frozen(name):  # the indexers and MTP layers: no gradient, as in our model
+        if is_frozen(name, train_indexers=train_indexers):  # the indexers and MTP layers: as in our model
             p.requires_grad_(False)
     return model
 

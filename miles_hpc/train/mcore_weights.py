@@ -39,7 +39,8 @@ Megatron names are those of `GPTModel` built with the local layer spec (`get_gpt
 
 (*) on expert-parallel rank e // (E / ep), as local expert l = e % (E / ep).
 (**) with `rope_interleave=False`, the rotary rows in megatron's order (below).
-The indexers and the MTP layers are held frozen (`is_frozen`): our model gives them no gradient either.
+The indexers (without the indexer loss) and the MTP layers are held frozen (`is_frozen`): our model gives them no
+gradient either.
 
 Layouts (megatron's, for TP size t):
 - `linear_qkv` holds, per query group g (a kv head), the group's query heads, then its key head, then its value
@@ -163,11 +164,13 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
     return rules
 
 
-def is_frozen(mcore_name: str) -> bool:
+def is_frozen(mcore_name: str, *, train_indexers: bool = False) -> bool:
     """Megatron tensors the loss does not train, as in our model (no gradient there): the DSA indexers (their
-    top-k is not differentiable; an indexer loss is not implemented) and the multi-token-prediction layers (not
-    run: `train.mtp_loss_coef` is the FSDP backend's)."""
-    return ".core_attention.indexer." in mcore_name or mcore_name.startswith("mtp.")
+    top-k is not differentiable) unless the indexer loss trains them (`train_indexers`, `train.indexer_loss_coef`),
+    and the multi-token-prediction layers (not run: `train.mtp_loss_coef` is the FSDP backend's)."""
+    if mcore_name.startswith("mtp."):
+        return True
+    return ".core_attention.indexer." in mcore_name and not train_indexers
 
 
 def _layer_rules(cfg: ModelConfig, i: int, hf: str, mc: str) -> list[Rule]:

@@ -40,6 +40,7 @@ from miles_hpc.train.mcore_checkpoint import (
     load_adamw,
     load_distributed_optimizer,
 )
+from miles_hpc.train.mcore_dsa import decoder_selection
 from miles_hpc.train.mcore_model import (
     R3Replay,
     build_gpt,
@@ -145,13 +146,32 @@ class MegatronTrainer(PackedTrainer):
         torch.manual_seed(seed)
         self.config = read_config(model_path)
         bf16 = train_cfg.mixed_precision and self.device.type == "cuda"
-        model = build_gpt(self.config, dtype=torch.bfloat16 if bf16 else torch.float32)
+        model = self._build(model_path, bf16)
         load_hf_weights(model, self.config, model_path)
         self._install_replays(model)
         self.model = wrap_ddp(model.to(self.device), distributed_optimizer=megatron_cfg.distributed_optimizer)
         self.model.train()
         self._lr_at = lr_lambda(train_cfg, total_steps)
         self.optimizer: Any = self._optimizer(megatron_cfg.distributed_optimizer, bf16)
+
+    def _build(self, model_path: str | Path, bf16: bool) -> Any:
+        """This rank's GPTModel (random init), its indexers trained when `train.indexer_loss_coef` > 0."""
+        coef = self.train_cfg.indexer_loss_coef
+        if coef and not self.config.is_dsa:
+            raise ValueError(
+                f"train.indexer_loss_coef={coef}: {model_path} is {self.config.model_type}, which has no DSA indexer "
+                "(glm_moe_dsa and deepseek_v32 have one)"
+            )
+        if coef and self._pp > 1:
+            raise NotImplementedError(
+                f"train.indexer_loss_coef with megatron.pipeline_parallel={self._pp}: the indexer loss is added on "
+                "the stage that computes the loss; use pipeline_parallel=1 (tensor/expert parallelism work)"
+            )
+        model = build_gpt(self.config, dtype=torch.bfloat16 if bf16 else torch.float32, train_indexers=coef > 0)
+        self._selection = decoder_selection(model) if coef else None
+        if self._selection is not None:
+            self._selection.loss_mode = self.train_cfg.indexer_loss
+        return model
 
     def _install_replays(self, model: Any) -> None:
         """R3: every MoE layer's router consults its replay (megatron's hook); ``_replay_ids``: each one's index
@@ -206,6 +226,10 @@ class MegatronTrainer(PackedTrainer):
             replay.record = None if mb.routing is None else mb.routing[0, :, j, :]
             replay.compare = not self.algo_cfg.routing_replay
         out = packed_logits(model, mb, self.config.vocab_size)
+        if self._selection is not None and self._selection.kl:  # the indexer loss of this training forward
+            if torch.is_grad_enabled() and not mb.is_dummy:
+                self._indexer_kl = torch.stack(self._selection.kl).sum()
+            self._selection.kl.clear()
         if mb.routing is not None and self._replays:
             stats = torch.stack([r.stats for r in self._replays if r.stats is not None]).sum(0)
             for replay in self._replays:

@@ -72,6 +72,7 @@ class PackedTrainer:
     _last_lr: float = 0.0
     _r3: torch.Tensor | None = None
     _mtp: tuple[torch.Tensor, torch.Tensor] | None = None  # (CE sum, targets) of the last training forward
+    _indexer_kl: torch.Tensor | None = None  # DSA indexer loss: KL sum over rows and layers, last training forward
     _dsa: torch.Tensor | None = None  # indexer replay stats of the step's training forwards (like _r3)
     replays_indexer = False  # the backend's forward takes TrainBatch.indexer_topk (FSDP)
 
@@ -203,6 +204,7 @@ class PackedTrainer:
             total_tokens, num_seqs = _global_counts(batch, mini)
             pending: list[_Pending] = []
             mtp_pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+            kl_pending: list[torch.Tensor] = []
 
             def loss_of(mb: PackedMicroBatch, lp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
                 if mb.is_dummy:
@@ -228,6 +230,7 @@ class PackedTrainer:
                     loss = loss + self.train_cfg.mtp_loss_coef * mtp_sum / max(total_tokens, 1)
                     mtp_pending.append((mtp_sum.detach(), mtp_n))
                     self._mtp = None
+                loss = self._add_indexer_loss(loss, batch, mb, mini, kl_pending)
                 pending.append((mb, loss.detach(), ent.detach(), stats, old_lp if single_update else None))
                 return loss
 
@@ -238,6 +241,10 @@ class PackedTrainer:
             for mtp_sum, mtp_n in mtp_pending:
                 acc.add_sum("mtp/ce_sum", float(mtp_sum))
                 acc.add_sum("mtp/targets", float(mtp_n))
+            if kl_pending:  # this rank's micro-batches: KL sum, token rows
+                kl_sum, kl_rows = torch.stack(kl_pending).sum(0).tolist()
+                acc.add_sum("dsa/kl_sum", kl_sum)
+                acc.add_sum("dsa/kl_rows", kl_rows)
         if self._r3 is not None:
             for key, v in zip(("r3/recorded", "r3/agree", "r3/tokens"), self._r3.tolist()):
                 acc.add_sum(key, float(v))
@@ -247,6 +254,20 @@ class PackedTrainer:
         metrics = self._reduce_metrics(acc, batch, len(minibatches))
         metrics["grad_norm"] = float(torch.stack(grad_norms).mean())  # already global: identical on every rank
         return metrics
+
+    def _add_indexer_loss(
+        self, loss: torch.Tensor, batch: TrainBatch, mb: PackedMicroBatch, mini: list[int], pending: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """`train.indexer_loss_coef`: the last training forward's indexer KL (summed over its token rows and the
+        layers with an indexer) per token row of the mini-batch `mini` (every token is a query row) added to `loss`;
+        (KL sum, this micro-batch's rows) into `pending` for the metric."""
+        if self._indexer_kl is None:
+            return loss
+        rows = sum(len(batch.tokens[i]) for i in mini)
+        kl, self._indexer_kl = self._indexer_kl, None
+        local_rows = sum(len(batch.tokens[i]) for i in mb.sample_ids)
+        pending.append(torch.stack([kl.detach(), kl.new_tensor(local_rows)]))
+        return loss + self.train_cfg.indexer_loss_coef * kl / max(rows, 1)
 
     def _reduce_metrics(self, acc: _Metrics, batch: TrainBatch, num_updates: int) -> dict[str, float]:
         sums, maxes = acc.reduce(self.device, self._metrics_group())
@@ -263,6 +284,8 @@ class PackedTrainer:
         }
         if "mtp/targets" in sums:  # token-mean cross-entropy of the MTP layers over their targets
             out["mtp/loss"] = sums.pop("mtp/ce_sum") / max(sums.pop("mtp/targets"), 1.0)
+        if "dsa/kl_rows" in sums:  # the indexer loss: KL per token row, summed over the layers with an indexer
+            out["dsa/indexer_kl"] = sums.pop("dsa/kl_sum") / max(sums.pop("dsa/kl_rows"), 1.0)
         recorded, agree, tokens = (sums.pop(k, 0.0) for k in ("dsa/recorded", "dsa/agree", "dsa/tokens"))
         if tokens:  # per (token, indexer layer): attended a recorded selection, and the live top-k was the same
             out["dsa/replay_coverage"] = recorded / tokens
