@@ -132,16 +132,10 @@ def megatron_cpu_shims() -> None:
     import types
 
     import torch
-
-    # megatron-core 0.16's MLA sets its HAVE_TE when `megatron.core.extensions.transformer_engine` imports, which
-    # it does without Transformer Engine (a mock in its place), then tests `isinstance(linear_proj, TELinear)`
-    # against that mock (a TypeError); the extension's own HAVE_TE says whether TE is there (0.19 reads that one).
-    from megatron.core.extensions import transformer_engine as te_extension
     from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer import multi_latent_attention
 
-    if not te_extension.HAVE_TE:
-        multi_latent_attention.HAVE_TE = False
+    import miles_hpc.train.mcore_model  # noqa: F401  (its import-time fixes for megatron-core 0.16 without TE)
+
     if torch.cuda.is_available():
         return
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]

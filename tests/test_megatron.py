@@ -478,7 +478,7 @@ def test_a_checkpoint_names_its_backend(world: None, tiny_model: Path, tmp_path:
         read_checkpoint(path, "megatron")
 
 
-def _megatron_run(run_dir: Path, steps: int) -> subprocess.CompletedProcess[str]:
+def _megatron_run(run_dir: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
     argv = [
         sys.executable,
         "-m",
@@ -494,6 +494,7 @@ def _megatron_run(run_dir: Path, steps: int) -> subprocess.CompletedProcess[str]
         "train.sft_warmup_steps=5",
         "train.checkpoint_interval=2",
         f"steps={steps}",
+        *extra,
     ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
 

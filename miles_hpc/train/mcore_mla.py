@@ -143,12 +143,15 @@ def held_mtp_block(cfg: ModelConfig, tcfg: Any, core_attention: CoreAttention = 
 class FixedEpsNorm:
     """A local (torch) norm of megatron's spec interface with a fixed eps instead of the `layernorm_epsilon`
     megatron passes: transformers builds MLA's latent norms and the DSA indexer's k_norm with 1e-6 whatever
-    rms_norm_eps is (1e-5 in GLM-5). Subclasses set `eps`; the kind (RMSNorm, LayerNorm) is the config's."""
+    rms_norm_eps is (1e-5 in GLM-5). Subclasses set `eps`; the kind (RMSNorm, LayerNorm) is the config's. Its
+    weights in `config.params_dtype`, as megatron's other parameters (torch builds them in float32: under bf16
+    training LayerNorm then refuses the bf16 input)."""
 
     eps: float
 
     def __new__(cls, config: Any, hidden_size: int, eps: float | None = None, **kwargs: Any) -> Any:
-        return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=cls.eps, **kwargs)
+        norm = WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=cls.eps, **kwargs)
+        return norm.to(dtype=config.params_dtype)
 
 
 class _LatentNorm(FixedEpsNorm):

@@ -42,12 +42,20 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "Python 3.11, newer releases on 3.12)"
     ) from e
 
+from megatron.core.extensions import transformer_engine as _te_extension
+from megatron.core.transformer import multi_latent_attention as _mla_module
 from megatron.core.transformer.moe import moe_utils as _moe_utils
 
+# megatron-core 0.16 without Transformer Engine (what this backend builds on), fixed at import as later releases do:
 if not hasattr(_moe_utils, "te_general_gemm"):
-    # megatron-core 0.16 without Transformer Engine leaves `te_general_gemm` undefined, and its MoE router's
-    # gating tests it against None on CUDA (a NameError on every MoE model on a GPU); 0.17+ define it as None.
+    # its MoE router's gating tests an undefined `te_general_gemm` against None on CUDA (a NameError on every MoE
+    # model on a GPU); 0.17+ define it as None.
     _moe_utils.te_general_gemm = None
+if not _te_extension.HAVE_TE:
+    # MLA sets its HAVE_TE when the TE extension imports, which it does without TE (a mock in TE's place), then
+    # tests `isinstance(linear_proj, TELinear)` against that mock (a TypeError building any MLA model); the
+    # extension's own HAVE_TE says whether TE is there (0.19 reads that one).
+    _mla_module.HAVE_TE = False
 
 from miles_hpc.models import CausalLM, ModelConfig, iter_hf_tensors, load_pretrained
 from miles_hpc.models.moe import merge_replay
