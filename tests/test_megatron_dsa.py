@@ -209,9 +209,10 @@ def test_dsa_r3_replays_recorded_experts_like_fsdp(
 
 @pytest.mark.gpu
 @pytest.mark.xfail(
-    strict=True,
-    reason="known bug (issue 24, open): on the H200 the run trains, then megatron's distributed optimizer fails to "
-    "save the bf16 GLM-5 model (get_parameter_state_dp_zero: size of tensor a (32) != b (64))",
+    strict=False,
+    reason="issue 24, open: on the H200 the run trained, then megatron's distributed optimizer failed to save the "
+    "bf16 GLM-5 model (get_parameter_state_dp_zero: size of tensor a (32) != b (64)); the fix "
+    "(mcore_checkpoint.fix_group_order) has not run on a GPU yet: make this a plain test once it passes there",
 )
 def test_tiny_glm5_loop_with_megatron_on_one_gpu(tmp_path: Path) -> None:
     """`miles-hpc run` with the megatron trainer on GLM-5 tiny (MLA + DSA, R3, the indexer loss) on GPU 0: in a

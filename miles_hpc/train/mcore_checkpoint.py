@@ -15,7 +15,14 @@ from megatron.core import dist_checkpointing
 
 from miles_hpc.models import ModelConfig
 
-__all__ = ["adamw_sharded_state", "check_same_model", "init_adam_state", "load_adamw", "load_distributed_optimizer"]
+__all__ = [
+    "adamw_sharded_state",
+    "check_same_model",
+    "fix_group_order",
+    "init_adam_state",
+    "load_adamw",
+    "load_distributed_optimizer",
+]
 
 
 def check_same_model(root: Path, saved: dict[str, Any] | None, cfg: ModelConfig) -> None:
@@ -94,3 +101,23 @@ def load_distributed_optimizer(optimizer: Any, loaded: dict[str, Any]) -> None:
     optimizer.load_parameter_state_from_fully_reshardable(param_state)
     for p, step in steps.items():
         state[p]["step"] = step.clone()
+
+
+def fix_group_order(optimizer: Any) -> Any:
+    """megatron-core 0.16's distributed optimizer gives each of its parameter groups the order [float32 parameters,
+    fp32 copies of the 16-bit ones] (`_build_model_and_main_param_groups`), but records each model parameter's place
+    as its index in the group's mixed list (`_build_optimizer_group_ranges`); its checkpoint save and load index
+    the group with that place. In a group holding both kinds (a bf16 model with float32 norms or router weights)
+    they name the wrong parameter: the save fails on a size mismatch, or copies the wrong states. Here the places
+    are recomputed in the group's real order, for every distributed sub-optimizer of `optimizer`; a group of one
+    kind keeps its places (the same numbers). Returns `optimizer`."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(sub, "model_param_group_index_map") or not hasattr(sub, "opt_group_ranges"):
+            continue  # not megatron's distributed optimizer
+        for group_index, group_range in enumerate(sub.opt_group_ranges):
+            params = group_range["params"]
+            fp32 = [p for p in params if p.dtype not in (torch.float16, torch.bfloat16)]
+            half = [p for p in params if p.dtype in (torch.float16, torch.bfloat16)]
+            for order, p in enumerate([*fp32, *half]):
+                sub.model_param_group_index_map[p] = (group_index, order)
+    return optimizer

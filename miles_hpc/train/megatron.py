@@ -36,6 +36,7 @@ from miles_hpc.train.losses import policy_loss
 from miles_hpc.train.mcore_checkpoint import (
     adamw_sharded_state,
     check_same_model,
+    fix_group_order,
     init_adam_state,
     load_adamw,
     load_distributed_optimizer,
@@ -199,7 +200,7 @@ class MegatronTrainer(PackedTrainer):
                 params_dtype=torch.bfloat16 if bf16 else torch.float32,
                 use_distributed_optimizer=distributed,
             )
-            return get_megatron_optimizer(opt, [self.model])
+            return fix_group_order(get_megatron_optimizer(opt, [self.model]))
         # megatron's optimizers are CUDA-only (CUDA tensor type checks, CUDA scalars): on the CPU (tests) the same
         # AdamW as the FSDP backend over this rank's shards, fed megatron's reduced gradients.
         if distributed:
