@@ -112,6 +112,14 @@ def _set(body: dict[str, Any], key: str, value: Any) -> None:
         body[key] = value
 
 
+def _set_start(body: dict[str, Any], key: str, start: int | None, prompt_len: int) -> None:
+    """A records' start position (routing rows, indexer rows): within the prompt, or absent."""
+    if start is not None:
+        if not 0 <= start <= prompt_len:
+            raise ValueError(f"{key} must be in [0, {prompt_len}], got {start}")
+        body[key] = start
+
+
 def _ints(values: Sequence[int], what: str) -> list[int]:
     # int() also turns numpy/torch integer scalars into JSON ints; bool is rejected (it is an int subclass).
     out = []
@@ -162,16 +170,10 @@ def generate_body(
         _set(body, "top_logprobs_num", top_logprobs_num)
     if return_routed_experts:
         body["return_routed_experts"] = True
-        if routed_experts_start_len is not None:
-            if not 0 <= routed_experts_start_len <= len(ids):
-                raise ValueError(f"routed_experts_start_len must be in [0, {len(ids)}], got {routed_experts_start_len}")
-            body["routed_experts_start_len"] = routed_experts_start_len
+        _set_start(body, "routed_experts_start_len", routed_experts_start_len, len(ids))
     if return_indexer_topk:
         body["return_indexer_topk"] = True
-        if indexer_topk_start_len is not None:
-            if not 0 <= indexer_topk_start_len <= len(ids):
-                raise ValueError(f"indexer_topk_start_len must be in [0, {len(ids)}], got {indexer_topk_start_len}")
-            body["indexer_topk_start_len"] = indexer_topk_start_len
+        _set_start(body, "indexer_topk_start_len", indexer_topk_start_len, len(ids))
     _set(body, "lora_path", lora_path)
     return body
 
