@@ -208,16 +208,12 @@ def test_dsa_r3_replays_recorded_experts_like_fsdp(
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 24, open: on the H200 the run trained, then megatron's distributed optimizer failed to save the "
-    "bf16 GLM-5 model (get_parameter_state_dp_zero: size of tensor a (32) != b (64)); the fix "
-    "(mcore_checkpoint.fix_group_order) has not run on a GPU yet: make this a plain test once it passes there",
-)
 def test_tiny_glm5_loop_with_megatron_on_one_gpu(tmp_path: Path) -> None:
-    """`miles-hpc run` with the megatron trainer on GLM-5 tiny (MLA + DSA, R3, the indexer loss) on GPU 0: in a
-    plain run, without the test suite's megatron shims (megatron-core 0.16's TE-less MLA failed to build there,
-    then the indexer's LayerNorm refused bf16 inputs: both fixed)."""
+    """`miles-hpc run` with the megatron trainer on GLM-5 tiny (MLA + DSA, R3, the indexer loss) on GPU 0, in a
+    plain run without the test suite's megatron shims (megatron-core 0.16's TE-less MLA failed to build there, the
+    indexer's LayerNorm refused bf16 inputs, the distributed optimizer saved the mixed fp32/bf16 groups' states
+    under other parameters' places: all three fixed), then resumed from its checkpoint. On the GPU the engine's and
+    the trainer's routers differ on near ties, so R3's agreement is high but not 1."""
     import json
 
     run_dir = tmp_path / "run"
@@ -226,7 +222,10 @@ def test_tiny_glm5_loop_with_megatron_on_one_gpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in m] == [0, 1]
-    assert all(r["dsa/indexer_kl"] > 0 and r["r3/topk_agreement"] == 1.0 for r in m)
+    assert all(r["dsa/indexer_kl"] > 0 and r["r3/coverage"] > 0.5 and r["r3/topk_agreement"] > 0.9 for r in m), m
+    assert json.loads((run_dir / "checkpoints" / "step_2" / "meta.json").read_text())["backend"] == "megatron"
+    proc = test_megatron._megatron_run(run_dir, 3, *extra)
+    assert proc.returncode == 0 and "resumed from" in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
 
 def test_mtp_loss_is_refused() -> None:
