@@ -27,6 +27,7 @@ def _non_defaults() -> EngineLaunch:
         "admin_api_key_file": "/k/b",
         "device": "cuda:3",
         "dtype": "bfloat16",
+        "tp_size": 4,
         "max_total_tokens": 1234,
         "kv_cache_fraction": 0.25,
         "max_context_len": 4096,

@@ -65,6 +65,10 @@ class EngineConfig:
     indexer layer, `index_topk` of them) beside its KV, so requests can ask for them (`return_indexer_topk`, indexer
     replay); costs num_indexer_layers * index_topk * 4 bytes per cached token. Other models refuse it at start-up."""
 
+    tp_size: int = 1
+    """Tensor parallelism: ranks (processes, one device each: device index + rank on GPUs) serving one model, its
+    heads, FFN widths, experts' widths and vocabulary split (engine/tp.py); the HTTP front is rank 0's."""
+
     def __post_init__(self) -> None:
         if not self.device or not isinstance(self.device, str):
             raise ValueError(f"device must be a torch device string, got {self.device!r}")
@@ -74,7 +78,14 @@ class EngineConfig:
             raise ValueError(f"device: {e}") from e
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}")
-        positive = ("block_size", "max_total_tokens", "max_running_requests", "max_prefill_tokens", "max_loras")
+        positive = (
+            "block_size",
+            "max_total_tokens",
+            "max_running_requests",
+            "max_prefill_tokens",
+            "max_loras",
+            "tp_size",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -30,6 +30,7 @@ import torch
 
 from miles_hpc.models import CausalLM, ModelConfig, load_pretrained, read_config
 from miles_hpc.models.batch_invariant import make_batch_invariant
+from miles_hpc.sync.wire.checksum import tensor_checksums
 
 from .config import EngineConfig
 from .kv_cache import BlockManager
@@ -38,6 +39,8 @@ from .lora import AdapterSet
 from .report import Counters, build_result, engine_stats
 from .runner import ModelRunner
 from .scheduler import Req, Scheduler
+from .tp import TPDriver, start_tp
+from .tp_layout import check_tp
 from .types import FinishReason, GenerateRequest, GenerateResult
 from .validate import Limits, RequestError, validate_request
 from .weights import apply_named, checksums, eos_token_ids, iter_checkpoint, piece_checksums
@@ -52,44 +55,31 @@ DoneCallback = Callable[[GenerateResult], None]
 class Engine:
     """Continuous-batching inference engine over one `CausalLM` with a paged, prefix-cached KV cache."""
 
-    def __init__(self, model: CausalLM, config: EngineConfig, *, model_path: str | None = None) -> None:
-        """Take ownership of `model` (moved/cast to config.device/dtype) and allocate the KV cache."""
+    def __init__(
+        self, model: CausalLM, config: EngineConfig, *, model_path: str | None = None, tp: TPDriver | None = None
+    ) -> None:
+        """Take ownership of `model` (moved/cast to config.device/dtype) and allocate the KV cache. `tp`: rank 0
+        of a tensor-parallel engine, `model` its shard (`from_pretrained` makes both; tp.py)."""
         self.config = config
         self.device = torch.device(config.device)
         mc = model.config
-        check_supported(mc, config)
+        if (tp is None) != (config.tp_size == 1):
+            raise ValueError(f"tp_size={config.tp_size}: a tensor-parallel engine is made by Engine.from_pretrained")
+        self.tp = tp
+        check_supported(mc if tp is None else tp.shard.config, config)
         dtype = config.torch_dtype() or next(model.parameters()).dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
         if config.batch_invariant:
             make_batch_invariant(self.model)  # refuses dynamic RoPE (ValueError)
         self.dtype = dtype
         self.model_path = model_path
-        self.vocab_size = mc.vocab_size
+        self.vocab_size = mc.vocab_size if tp is None else tp.vocab_size
         self.max_context_len = config.max_context_len or mc.max_position_embeddings
         self.num_moe_layers = model.num_moe_layers
         self.top_k = model.top_k
         self.eos_token_ids = eos_token_ids(mc.eos_token_id, model_path)
 
-        bs = config.block_size
-        # MLA models cache the compressed latent (+ DSA indexer keys), the others per-head K/V (latent_cache.py).
-        rec = config.record_indexer_topk  # DSA: each slot keeps its token's indexer selections too
-        self.geometry = geometry(mc, dtype, self.num_moe_layers * self.top_k, record_indexer_topk=rec)
-        num_blocks = config.num_blocks or self._auto_num_blocks()
-        # One block more than the allocator hands out: the scratch block that padding rows of captured decode
-        # batches write to (cuda_graphs.py), so they never touch a real request's KV.
-        self.cache = make_cache(
-            mc,
-            num_blocks=num_blocks + 1,
-            block_size=bs,
-            dtype=dtype,
-            device=self.device,
-            num_moe_layers=self.num_moe_layers,
-            top_k=self.top_k,
-            record_indexer_topk=rec,
-        )
-        self.blocks = BlockManager(
-            num_blocks, bs, max_rows=config.max_running_requests, max_blocks_per_seq=-(-self.max_context_len // bs)
-        )
+        num_blocks = self._allocate_cache(mc, dtype, tp)
         self.scheduler = Scheduler(
             self.blocks,
             max_running=config.max_running_requests,
@@ -107,15 +97,16 @@ class Engine:
             fused_extend_tokens=config.fused_extend_tokens,
             loras=self.loras,
             batch_invariant=config.batch_invariant,
+            tp=tp,
         )
         self.limits = Limits(
             vocab_size=self.vocab_size,
             max_context_len=self.max_context_len,
-            kv_capacity_tokens=num_blocks * bs,
+            kv_capacity_tokens=num_blocks * config.block_size,
             num_moe_layers=self.num_moe_layers,
             model_type=mc.model_type,
             dsa=mc.is_dsa,
-            records_indexer_topk=rec,
+            records_indexer_topk=config.record_indexer_topk,
         )
 
         self._lock = threading.Lock()  # inbox, live rids, paused flag; held briefly, never across a step
@@ -133,6 +124,33 @@ class Engine:
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._counters = Counters()
 
+    def _allocate_cache(self, mc: ModelConfig, dtype: torch.dtype, tp: TPDriver | None) -> int:
+        """The KV cache (and, on a TP engine, the other ranks' of the same geometry) and its block allocator; the
+        number of blocks the allocator hands out."""
+        config, bs = self.config, self.config.block_size
+        # MLA models cache the compressed latent (+ DSA indexer keys), the others per-head K/V (latent_cache.py).
+        rec = config.record_indexer_topk  # DSA: each slot keeps its token's indexer selections too
+        self.geometry = geometry(mc, dtype, self.num_moe_layers * self.top_k, record_indexer_topk=rec)
+        num_blocks = config.num_blocks or self._auto_num_blocks()
+        # One block more than the allocator hands out: the scratch block that padding rows of captured decode
+        # batches write to (cuda_graphs.py), so they never touch a real request's KV.
+        self.cache = make_cache(
+            mc,
+            num_blocks=num_blocks + 1,
+            block_size=bs,
+            dtype=dtype,
+            device=self.device,
+            num_moe_layers=self.num_moe_layers,
+            top_k=self.top_k,
+            record_indexer_topk=rec,
+        )
+        if tp is not None:
+            tp.start_cache(num_blocks=num_blocks + 1, block_size=bs, record_indexer_topk=rec)
+        self.blocks = BlockManager(
+            num_blocks, bs, max_rows=config.max_running_requests, max_blocks_per_seq=-(-self.max_context_len // bs)
+        )
+        return num_blocks
+
     def _auto_num_blocks(self) -> int:
         if self.device.type != "cuda":
             return -(-self.config.max_total_tokens // self.config.block_size)
@@ -144,6 +162,9 @@ class Engine:
     def from_pretrained(cls, path: str, config: EngineConfig) -> Engine:
         """Load an HF-format checkpoint directory (config.json + safetensors [+ generation_config.json])."""
         check_supported(read_config(path), config)  # before the (maybe long) load
+        if config.tp_size > 1:
+            model, driver = start_tp(str(path), config)
+            return cls(model, config, model_path=str(path), tp=driver)
         model = load_pretrained(path, dtype=config.torch_dtype(), device=config.device)
         return cls(model, config, model_path=str(path))
 
@@ -166,6 +187,8 @@ class Engine:
         if thread is not None:
             thread.join()
         self.abort(None, message="engine shut down")
+        if self.tp is not None:
+            self.tp.shutdown()
 
     def _loop(self) -> None:
         while True:
@@ -328,7 +351,8 @@ class Engine:
             try:
                 if self._paused and version is None:
                     self._half_updated = True  # a bucket of a multi-part update: committed by a versioned one
-                applied = apply_named(self.model, _recording(named, started))
+                apply = apply_named if self.tp is None else self.tp.apply
+                applied = apply(self.model, _recording(named, started))
             finally:
                 if flush_cache and started:
                     self.blocks.flush()
@@ -340,7 +364,8 @@ class Engine:
     def update_weights_from_disk(self, path: str, *, version: str | None, flush_cache: bool = True) -> None:
         """Load every tensor of the HF checkpoint at `path` (same architecture) via `update_weights`.
         The checkpoint's names and shapes are all checked before any tensor is applied."""
-        self.update_weights(iter_checkpoint(self.model, path), version=version, flush_cache=flush_cache)
+        full = self.model if self.tp is None else self.tp.shard.full_meta  # names and whole shapes
+        self.update_weights(iter_checkpoint(full, path), version=version, flush_cache=flush_cache)
         self.model_path = str(path)
         self._half_updated = False  # every tensor of a whole checkpoint: consistent weights again
 
@@ -348,6 +373,8 @@ class Engine:
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Serve the PEFT adapter at `path` as `name` (replacing one of that name: generation must then be paused,
         as a weight update's). The prefix cache is flushed: KV computed under the old adapter is never reused."""
+        if self.tp is not None:
+            raise RequestError(f"LoRA adapters are not served by tensor-parallel engines (tp_size={self.tp.tp_size})")
         with self._between_steps():
             if name in self.loras and not self._paused and self._uses(name):
                 raise RequestError(
@@ -401,11 +428,15 @@ class Engine:
     def checksums(self) -> dict[str, str]:
         """HF name -> `sync.wire.checksum.tensor_checksum` of the engine's tensor (Hub per-expert layout for MoE)."""
         with self._between_steps():
+            if self.tp is not None:  # every rank's part, assembled (tp.py)
+                return tensor_checksums(self.tp.gather(self.model))
             return checksums(self.model)
 
     def piece_checksums(self, boxes: dict[str, list[list[int]]]) -> dict[str, str]:
         """`sync.wire.checksum.piece_key` -> checksum of each box (``[lo0, hi0, lo1, hi1, ...]``) of each HF tensor."""
         with self._between_steps():
+            if self.tp is not None:
+                return piece_checksums(self.model, boxes, tensors=dict(self.tp.gather(self.model)))
             return piece_checksums(self.model, boxes)
 
     def flush_cache(self) -> bool:
@@ -442,6 +473,8 @@ class Engine:
         with self._between_steps():
             if self.device.type != "cuda":
                 raise RequestError(f"direct weight writes need an engine on a GPU (this one runs on {self.device})")
+            if self.tp is not None:
+                raise RequestError("direct weight writes go to engines of tp_size 1 (this one is tensor-parallel)")
             if not self._paused:
                 raise RequestError("pause generation (POST /pause_generation) before a direct weight write")
             self._half_updated = True
@@ -487,6 +520,7 @@ class Engine:
             "weight_version": self._version,
             "weights_half_updated": self._half_updated,
             "vocab_size": self.vocab_size,
+            "tp_size": self.config.tp_size,
             "max_context_len": self.max_context_len,
             "num_moe_layers": self.num_moe_layers,
             "top_k": self.top_k,
@@ -518,6 +552,10 @@ def check_supported(mc: ModelConfig, config: EngineConfig) -> None:
             "indexer's scores and top-k choice are not batch-invariant on either side, so engine and trainer "
             "log-probs could not be bit-identical; serve it without --batch-invariant"
         )
+    if config.tp_size > 1:
+        check_tp(mc, config.tp_size)
+        if config.batch_invariant:
+            raise ValueError("batch_invariant (zero-KL mode) runs on engines of tp_size 1")
     if config.record_indexer_topk and not mc.is_dsa:
         raise ValueError(
             f"record_indexer_topk (--enable-return-indexer-topk) is for DeepSeek sparse attention models "

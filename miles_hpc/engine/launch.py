@@ -36,6 +36,7 @@ class EngineLaunch:
     admin_api_key_file: str | None = _flag(None, "file holding --admin-api-key")
     device: str = _flag("cpu", "torch device: cpu, cuda, cuda:1, ...")
     dtype: str | None = _flag(None, "weights/KV dtype: float32, bfloat16, float16 (default: the checkpoint's)")
+    tp_size: int = _flag(1, "tensor-parallel ranks serving the model (one process and device each; SGLang's flag)", int)
     max_total_tokens: int = _flag(65536, "KV-cache capacity in tokens (CPU)", int)
     kv_cache_fraction: float = _flag(
         0.85, "GPU: fraction of the memory free after loading weights for the KV cache", float

@@ -31,6 +31,7 @@ import importlib.util
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +47,9 @@ from .paged_attention import AttentionMetadata, DecodeKernel, PagedAttention
 from .sampling import SamplingBatch, sample
 from .scheduler import Scheduled
 
+if TYPE_CHECKING:
+    from .tp import TPDriver
+
 _LP_CHUNK_ROWS = 1024
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,71 @@ class StepOutput:
     tokens: list[int | None]  # per scheduled sequence: the sampled token, None if it did not sample
     logprobs: list[float | None]
     input_logprobs: list[list[float] | None]  # per sequence: log-probs of prompt tokens a+1..b for lp_rows (a, b)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """What one step's forward needs beyond the weights and the cache: the same on every tensor-parallel rank."""
+
+    ids: list[int]  # the step's new tokens, sequences concatenated
+    starts: list[int]  # per sequence: its first new token's position (tokens already cached before it)
+    lens: list[int]  # per sequence: new tokens
+    tables: torch.Tensor  # int, host: the sequences' block-table rows, as wide as the longest needs
+    logits_indices: torch.Tensor  # int64, host: packed rows whose logits come back
+    adapters: list[str | None]  # per packed row: the LoRA adapter, or None
+
+
+class StepExecutor:
+    """One packed forward of the model over the paged cache (module docstring), from `StepInputs`: what a
+    ModelRunner runs each eager step and what each other tensor-parallel rank runs on its shard (tp.py)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: KVCache | LatentCache,
+        block_size: int,
+        device: torch.device,
+        *,
+        decode_kernel: DecodeKernel | None = None,
+        loras: AdapterSet | None = None,
+        batch_invariant: bool = False,
+    ) -> None:
+        self.model, self.cache, self.block_size, self.device = model, cache, block_size, device
+        self.decode_kernel, self.loras, self.batch_invariant = decode_kernel, loras, batch_invariant
+        self.is_moe = model.num_moe_layers > 0
+
+    def __call__(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [len(logits_indices), vocab]; MoE routing of every new token goes into the cache's store."""
+        meta = AttentionMetadata.build(
+            inputs.starts,
+            inputs.lens,
+            inputs.tables.to(self.device, non_blocking=True),
+            self.block_size,
+            self.device,
+            gather_decode=self.decode_kernel is None,
+            batch_invariant=self.batch_invariant,
+        )
+        backend: PagedAttention | LatentAttention
+        if isinstance(self.cache, LatentCache):
+            backend = LatentAttention(self.cache, meta)
+        else:
+            backend = PagedAttention(self.cache, meta, self.decode_kernel)
+        loras = self.loras.step(inputs.adapters) if self.loras is not None else contextlib.nullcontext()
+        with loras:
+            out = self.model(
+                torch.tensor(inputs.ids, dtype=torch.int64, device=self.device)[None],
+                position_ids=meta.positions[None],
+                cu_seqlens=meta.query_start_loc,
+                return_routed_experts=self.is_moe,
+                attn_backend=backend,
+                logits_indices=inputs.logits_indices.to(self.device),
+            )
+        if not self.is_moe:
+            return out[0]
+        logits, routed = out
+        assert self.cache.routing is not None
+        self.cache.routing.index_copy_(0, meta.slot_mapping, routed[0].to(self.cache.routing.dtype))
+        return logits[0]
 
 
 class ModelRunner:
@@ -70,21 +139,37 @@ class ModelRunner:
         fused_extend_tokens: int = 0,
         loras: AdapterSet | None = None,
         batch_invariant: bool = False,
+        tp: TPDriver | None = None,
     ) -> None:
         """`triton_kernels` / `cuda_graphs` take effect on CUDA where Triton imports (EngineConfig's knobs).
         `loras`: the engine's LoRA adapters; a step with a request that names one runs eagerly (the hooks that
         apply adapters run in the model's own forward, not in the fused decode step).
-        `batch_invariant`: zero-KL mode (module docstring); the caller has made `model` invariant."""
+        `batch_invariant`: zero-KL mode (module docstring); the caller has made `model` invariant.
+        `tp`: rank 0 of a tensor-parallel engine (`model` is its shard): every step is eager, the other ranks run
+        it too (tp.py), and the logits of the vocabulary-parallel head come back whole."""
         self.model, self.cache, self.bm, self.device = model, cache, blocks, device
         self.loras = loras
         self.fused_extend_tokens = fused_extend_tokens
-        self.vocab = model.config.vocab_size
+        self.tp = tp
+        self.vocab = model.config.vocab_size if tp is None else tp.vocab_size
         self.is_moe = model.num_moe_layers > 0
         self.decode_kernel: DecodeKernel | None = None
         self.decode: DecodeRunner | None = None  # decode-only steps; tests may inject a CPU one
         self.batch_invariant = batch_invariant
-        if batch_invariant:
-            return  # always eager, no decode kernel (module docstring)
+        if not batch_invariant and tp is None:  # else always eager (module docstring)
+            self._gpu_decode(triton_kernels, cuda_graphs)
+        self.executor = StepExecutor(
+            model,
+            cache,
+            blocks.block_size,
+            device,
+            decode_kernel=self.decode_kernel,
+            loras=loras,
+            batch_invariant=batch_invariant,
+        )
+
+    def _gpu_decode(self, triton_kernels: bool, cuda_graphs: bool) -> None:
+        model, cache, blocks, device = self.model, self.cache, self.bm, self.device
         if not (triton_kernels and device.type == "cuda" and _triton_available()):
             return
         if not isinstance(cache, KVCache):  # MLA: a latent cache (latent_attention.py)
@@ -114,10 +199,9 @@ class ModelRunner:
         with_lora = any(s.r.req.lora_path is not None for s in batch)
         if self.decode is not None and not with_lora and self._fits_rows(batch, self.decode.max_batch):
             return self._run_rows(batch, self.decode)
-        meta = self._metadata(batch)
         lp_counts = [0 if s.lp_rows is None else s.lp_rows[1] - s.lp_rows[0] for s in batch]
         n_lp = sum(lp_counts)
-        logits = self._forward(batch, meta)  # [n_lp + n_sample, vocab]: input log-prob rows, then sampling rows
+        logits = self._forward(batch)  # [n_lp + n_sample, vocab]: input log-prob rows, then sampling rows
         tokens, logprobs = self._sample(batch, logits[n_lp:])
         input_lps: list[list[float] | None] = [None] * len(batch)
         if n_lp:
@@ -159,23 +243,7 @@ class ModelRunner:
         tokens, logprobs = self._sample(batch, logits, sb)
         return StepOutput(tokens, logprobs, [None] * len(batch))
 
-    def _metadata(self, batch: Sequence[Scheduled]) -> AttentionMetadata:
-        bs = self.bm.block_size
-        starts, lens = [s.start for s in batch], [s.n for s in batch]
-        rows = torch.tensor([s.r.row for s in batch], dtype=torch.int64)
-        width = max(-(-(st + n) // bs) for st, n in zip(starts, lens))
-        tables = self.bm.tables[rows, :width].to(self.device, non_blocking=True)
-        return AttentionMetadata.build(
-            starts,
-            lens,
-            tables,
-            bs,
-            self.device,
-            gather_decode=self.decode_kernel is None,
-            batch_invariant=self.batch_invariant,
-        )
-
-    def _forward(self, batch: Sequence[Scheduled], meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, batch: Sequence[Scheduled]) -> torch.Tensor:
         ids: list[int] = []
         pieces: list[torch.Tensor] = []  # packed rows whose logits are needed
         sample_rows: list[int] = []
@@ -188,27 +256,19 @@ class ModelRunner:
                 sample_rows.append(q0 + s.n - 1)
             q0 += s.n
         pieces.append(torch.tensor(sample_rows, dtype=torch.int64))
-        adapters = [s.r.req.lora_path for s in batch for _ in range(s.n)]  # per packed row
-        backend: PagedAttention | LatentAttention
-        if isinstance(self.cache, LatentCache):
-            backend = LatentAttention(self.cache, meta)
-        else:
-            backend = PagedAttention(self.cache, meta, self.decode_kernel)
-        with self.loras.step(adapters) if self.loras is not None else contextlib.nullcontext():
-            out = self.model(
-                torch.tensor(ids, dtype=torch.int64, device=self.device)[None],
-                position_ids=meta.positions[None],
-                cu_seqlens=meta.query_start_loc,
-                return_routed_experts=self.is_moe,
-                attn_backend=backend,
-                logits_indices=torch.cat(pieces).to(self.device),
-            )
-        if not self.is_moe:
-            return out[0]
-        logits, routed = out
-        assert self.cache.routing is not None
-        self.cache.routing.index_copy_(0, meta.slot_mapping, routed[0].to(self.cache.routing.dtype))
-        return logits[0]
+        starts, lens = [s.start for s in batch], [s.n for s in batch]
+        width = max(-(-(st + n) // self.bm.block_size) for st, n in zip(starts, lens))
+        inputs = StepInputs(
+            ids=ids,
+            starts=starts,
+            lens=lens,
+            tables=self.bm.tables[torch.tensor([s.r.row for s in batch], dtype=torch.int64), :width],
+            logits_indices=torch.cat(pieces),
+            adapters=[s.r.req.lora_path for s in batch for _ in range(s.n)],  # per packed row
+        )
+        if self.tp is not None:
+            self.tp.step(inputs)  # the other ranks run the same forward on their shards (tp.py)
+        return self.executor(inputs)
 
     def _sampling_batch(self, batch: Sequence[Scheduled]) -> SamplingBatch | None:
         reqs = [s.r for s in batch if s.sample]

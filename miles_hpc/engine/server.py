@@ -57,6 +57,7 @@ from .core import Engine, RequestError
 from .launch import EngineLaunch
 from .pause_lease import PauseLease
 from .protocol import BadRequest
+from .tp import rank_device
 from .types import GenerateRequest, GenerateResult, SamplingParams
 from .weight_receiver import WeightEndpoints, WeightReceiver
 
@@ -464,8 +465,8 @@ async def run_server(engine: Engine, config: ServerConfig, model_path: str, sock
         "pid": os.getpid(),
         "url": url,
         "model_path": model_path,
-        "tp_size": 1,
-        "gpu_ids": _gpu_ids(str(engine.device)),
+        "tp_size": engine.config.tp_size,
+        "gpu_ids": [g for r in range(engine.config.tp_size) for g in _gpu_ids(rank_device(str(engine.device), r))],
     }
     if config.rendezvous:
         write_rendezvous(config.rendezvous, info)
@@ -505,6 +506,7 @@ def configs_of(launch: EngineLaunch) -> tuple[EngineConfig, ServerConfig]:
         seed=launch.seed,
         batch_invariant=launch.batch_invariant,
         record_indexer_topk=launch.enable_return_indexer_topk,
+        tp_size=launch.tp_size,
     )
     server_cfg = ServerConfig(
         host=launch.host,
@@ -542,10 +544,16 @@ def serve(model_path: str, engine_config: EngineConfig, config: ServerConfig) ->
         print(f"error: {e}", file=sys.stderr)
         return 2
     engine.start()
+    lost: list[str] = []
+    if engine.tp is not None:  # a rank that dies ends the server (tp.py): its supervisor restarts the engine
+        engine.tp.watch(lambda msg: (lost.append(msg), os.kill(os.getpid(), signal.SIGTERM)))
     try:
         asyncio.run(run_server(engine, config, str(model_path), sock))
     finally:
         engine.shutdown()
         sock.close()
+    if lost:
+        print(f"error: {lost[0]}", file=sys.stderr, flush=True)
+        return 1
     print("[miles-hpc serve] stopped", flush=True)
     return 0

@@ -110,10 +110,13 @@ def checksums(model: CausalLM) -> dict[str, str]:
     return tensor_checksums(iter_hf_tensors(model))
 
 
-def piece_checksums(model: CausalLM, boxes: dict[str, list[list[int]]]) -> dict[str, str]:
+def piece_checksums(
+    model: CausalLM, boxes: dict[str, list[list[int]]], *, tensors: dict[str, torch.Tensor] | None = None
+) -> dict[str, str]:
     """`piece_key` -> tensor_checksum of each box (``[lo0, hi0, lo1, hi1, ...]``) of each named HF tensor; an
-    unknown name is a KeyError, a box outside its tensor a ValueError (both name the tensor)."""
-    tensors = dict(iter_hf_tensors(model))
+    unknown name is a KeyError, a box outside its tensor a ValueError (both name the tensor). `tensors`: the HF
+    tensors to read instead of `model`'s (a tensor-parallel engine's, assembled)."""
+    tensors = dict(iter_hf_tensors(model)) if tensors is None else tensors
     pieces: list[tuple[str, torch.Tensor]] = []
     for name, flat_boxes in boxes.items():
         if name not in tensors:

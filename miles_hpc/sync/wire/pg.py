@@ -179,6 +179,17 @@ class CustomGroup:
         if self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()
 
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over every rank, in place (a tensor-parallel engine's partial outputs)."""
+        self._run(tensor, lambda t: self._backend().allreduce([t]))
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype everywhere), in rank order."""
+        work = tensor.contiguous()
+        out = [torch.empty_like(work) for _ in range(self.world_size)]
+        self._run(work, lambda t: self._backend().allgather([out], [t]), write_back=False)
+        return out
+
     def barrier(self) -> None:
         # An all-reduce of one element works the same on gloo and NCCL (NCCL's own barrier guesses a device).
         flag = torch.ones(1, device=self._device)
