@@ -145,7 +145,13 @@ class RolloutConfig:
     engine_timeout_s: float = field(
         default=600.0, metadata=_help("how long the controller waits for the engines to listen (names the missing)")
     )
-    engine_tp: int = field(default=1, metadata=_help("GPUs per engine (SGLang --tp-size); one rollout task each"))
+    engine_tp: int = field(
+        default=1,
+        metadata=_help(
+            "tensor-parallel ranks per engine (SGLang's and our serve's --tp-size; GPUs per engine on GPUs); "
+            "one rollout task each"
+        ),
+    )
     engine_restarts: int = field(
         default=3,
         metadata=_help("times a dead engine is started again (each with a longer backoff) before it stays out"),
@@ -523,6 +529,18 @@ class RunConfig:
         )
         if self.zero_kl:
             self._check_zero_kl()
+        if self.rollout.engine_tp > 1 and self.rollout.backend == "embedded":
+            self._check_embedded_tp()
+
+    def _check_embedded_tp(self) -> None:
+        """What tensor-parallel embedded engines (engine/tp.py) do not serve yet, by key."""
+        tp = f"rollout.engine_tp={self.rollout.engine_tp} (embedded engines)"
+        _require(
+            self.sync.strategy not in ("delta", "lora"),
+            "sync.strategy",
+            f"{self.sync.strategy} into {tp} is not built yet (broadcast, p2p as broadcast, colocated are)",
+        )
+        _require(not self.zero_kl, "zero_kl", f"zero-KL mode runs on engines of tp size 1, not {tp}")
 
     def _check_indexer_replay(self) -> None:
         """Only our engine records indexer selections and only FSDP replays them (a model.path is checked where its

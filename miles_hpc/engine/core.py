@@ -337,7 +337,12 @@ class Engine:
 
     # ---------------------------------------------------------------- weights
     def update_weights(
-        self, named: Iterable[tuple[str, torch.Tensor]], *, version: str | None, flush_cache: bool = True
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: str | None,
+        flush_cache: bool = True,
+        local_part: bool = False,
     ) -> list[str]:
         """Copy HF-named tensors into the model (cast to the engine dtype/device); returns the names applied.
 
@@ -351,7 +356,8 @@ class Engine:
             try:
                 if self._paused and version is None:
                     self._half_updated = True  # a bucket of a multi-part update: committed by a versioned one
-                apply = apply_named if self.tp is None else self.tp.apply
+                # TP: whole tensors go to every rank (tp.apply); `local_part`: the others have theirs already
+                apply = apply_named if self.tp is None else self.tp.shard.apply if local_part else self.tp.apply
                 applied = apply(self.model, _recording(named, started))
             finally:
                 if flush_cache and started:
@@ -360,6 +366,22 @@ class Engine:
                 self._version = str(version)
                 self._half_updated = False
         return applied
+
+    def update_weights_from_group(
+        self,
+        receive: Callable[[], list[tuple[str, torch.Tensor]]],
+        *,
+        version: str | None,
+        flush_cache: bool = True,
+    ) -> list[str]:
+        """`update_weights` of the bucket `receive()` takes from a weight-update group (`/update_weights_from_
+        distributed`). A tensor-parallel engine receives between steps (its other ranks receive the same
+        broadcasts and keep their parts, tp.py), so no step runs on half-updated ranks; rank 0 keeps its part."""
+        if self.tp is None:
+            return self.update_weights(receive(), version=version, flush_cache=flush_cache)
+        with self._between_steps():
+            named = receive()
+            return self.update_weights(named, version=version, flush_cache=flush_cache, local_part=True)
 
     def update_weights_from_disk(self, path: str, *, version: str | None, flush_cache: bool = True) -> None:
         """Load every tensor of the HF checkpoint at `path` (same architecture) via `update_weights`.

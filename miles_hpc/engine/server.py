@@ -115,7 +115,9 @@ class EngineServer:
     def __init__(self, engine: Engine, config: ServerConfig, *, receiver: WeightReceiver | None = None) -> None:
         self.engine = engine
         self.config = config
-        self.receiver = receiver or WeightReceiver(str(engine.device), timeout_s=config.weight_sync_timeout_s)
+        self.receiver = receiver or WeightReceiver(
+            str(engine.device), timeout_s=config.weight_sync_timeout_s, tp=engine.tp
+        )
         self.closing = False
         self.limits = protocol.ModelLimits(vocab_size=engine.vocab_size, max_context_len=engine.max_context_len)
         self.lease = PauseLease(config.lease_s())
@@ -290,7 +292,7 @@ class EngineServer:
             **self.engine.server_info(),
             "host": self.config.host,
             "port": request.url.port,
-            "tp_size": 1,
+            "tp_size": self.engine.config.tp_size,
             "dp_size": 1,
             "version": __version__,
             "internal_states": [self.engine.stats()],
@@ -546,6 +548,9 @@ def serve(model_path: str, engine_config: EngineConfig, config: ServerConfig) ->
     engine.start()
     lost: list[str] = []
     if engine.tp is not None:  # a rank that dies ends the server (tp.py): its supervisor restarts the engine
+        devices = [rank_device(str(engine.device), r) for r in range(engine.tp.tp_size)]
+        pids = [os.getpid(), *(p.pid for p in engine.tp.procs)]
+        print(f"[miles-hpc serve] tensor-parallel: {engine.tp.tp_size} ranks on {devices} (pids {pids})", flush=True)
         engine.tp.watch(lambda msg: (lost.append(msg), os.kill(os.getpid(), signal.SIGTERM)))
     try:
         asyncio.run(run_server(engine, config, str(model_path), sock))

@@ -197,13 +197,24 @@ class TPShard:
                 f"weight {name!r}: shape {tuple(value.shape)} does not match the model's {self.shapes[name]}"
             )
 
-    def assemble(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        """The whole tensor `name` from every rank's local tensor (rank order)."""
+    def assemble(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor | None:
+        """The whole tensor `name` from every rank's local tensor (rank order); None when ranks holding the same
+        elements (replicated tensors, shared KV heads) disagree, or a rank's padding or zero bias is not zero."""
         full = parts[0].new_zeros(self.shapes[name])
+        seen = torch.zeros(self.shapes[name], dtype=torch.bool)
         for r, part in enumerate(parts):
             box = self.box(name, r)
-            if box is not None and not (r and tp_layout.row_bias(name)):
-                full[box.slices()] = part[tuple(slice(0, n) for n in box.shape)]
+            inside = tuple(slice(0, n) for n in box.shape) if box is not None else None
+            rest = part.clone()
+            if box is not None and inside is not None and not (r and tp_layout.row_bias(name)):
+                mine, held = part[inside], seen[box.slices()]
+                if bool(held.any()) and not torch.equal(full[box.slices()][held], mine[held]):
+                    return None
+                full[box.slices()] = mine
+                seen[box.slices()] = True
+                rest[inside] = 0
+            if bool(rest.ne(0).any()):
+                return None
         return full
 
 
@@ -251,6 +262,27 @@ class TPDriver:
                 applied += self.shard.apply(model, [(name, t)])
         return applied
 
+    def join_group(self, spec: GroupSpec, join: Callable[[], Any]) -> Any:
+        """Weight-update group `spec` (this engine's rank 0 at `spec.rank`): every other rank joins at
+        `spec.rank + tp_rank` while `join()` joins rank 0 (SGLang's layout, `/init_weights_update_group`)."""
+        with self._lock:
+            self._alive()
+            self.comm.send({"op": "join", **_fields(spec)})
+            return join()
+
+    def receive_group(self, group_name: str, names: Any, dtypes: Any, shapes: Any) -> None:
+        """Tell the other ranks to receive the announced bucket from group `group_name` (rank 0 receives it next,
+        between steps: the caller holds the engine's step lock)."""
+        with self._lock:
+            self._alive()
+            bucket = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(x) for x in shapes]}
+            self.comm.send({"op": "receive", "group_name": group_name, **bucket})
+
+    def destroy_group(self, group_name: str) -> None:
+        with self._lock:
+            if self.dead_rank() is None:
+                self.comm.send({"op": "destroy_group", "group_name": group_name})
+
     def gather(self, model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, whole tensor) of the weights every rank holds now, in the Hub layout."""
         with self._lock:
@@ -258,7 +290,10 @@ class TPDriver:
             self.comm.send({"op": "gather"})
             for name, t in iter_hf_tensors(model):
                 parts = self.comm.control.all_gather(t.detach().to("cpu").contiguous())
-                yield name, self.shard.assemble(name, parts)
+                whole = self.shard.assemble(name, parts)
+                if whole is None:  # no checksum can match: the ranks' copies differ
+                    whole = torch.full((1,), float("nan"))
+                yield name, whole
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         self._stopping.set()
@@ -417,24 +452,70 @@ def _worker(argv: list[str]) -> int:
         record_indexer_topk=geo["record_indexer_topk"],
     )
     execute = StepExecutor(model, cache, geo["block_size"], device)
+    groups: dict[str, Any] = {}  # weight-update groups joined (SGLang's layout)
     with torch.inference_mode():
         while True:
             msg = comm.recv()
             op = msg.pop("op")
             if op == "step":
                 execute(StepInputs(**msg))
-            elif op == "tensor":
-                t = torch.empty(msg["shape"], dtype=getattr(torch, msg["dtype"]))
-                comm.control.broadcast(t, src=0)
-                shard.apply(model, [(msg["name"], t)])
-            elif op == "gather":
-                for _, t in iter_hf_tensors(model):
-                    comm.control.all_gather(t.detach().to("cpu").contiguous())
             elif op == "stop":
+                for g in groups.values():
+                    g.destroy()
                 comm.destroy()
                 return 0
             else:
-                raise RuntimeError(f"tensor-parallel rank {a.rank}: unknown message {op!r}")
+                _weights_op(op, msg, a.rank, shard, model, comm, groups, device)
+
+
+def _weights_op(
+    op: str,
+    msg: dict[str, Any],
+    rank: int,
+    shard: TPShard,
+    model: CausalLM,
+    comm: TPComm,
+    groups: dict[str, Any],
+    device: torch.device,
+) -> None:
+    """A rank's part of a weight operation (TPDriver's other messages). What fails here fails on rank 0 too and is
+    reported there; this rank logs it and goes on serving."""
+    from miles_hpc.sync.wire.pg import open_group
+
+    if op == "tensor":
+        t = torch.empty(msg["shape"], dtype=getattr(torch, msg["dtype"]))
+        comm.control.broadcast(t, src=0)
+        _apply_logged(shard, model, [(msg["name"], t)])
+    elif op == "gather":
+        for _, t in iter_hf_tensors(model):
+            comm.control.all_gather(t.detach().to("cpu").contiguous())
+    elif op == "join":
+        spec = dataclasses.replace(GroupSpec(**msg), rank=msg["rank"] + rank)
+        try:
+            groups[spec.group_name] = open_group(spec, None if spec.backend == "gloo" else device)
+        except Exception as e:  # noqa: BLE001 (rank 0's join fails alike and answers the trainer)
+            log.warning("rank %d: joining weight-update group %r failed: %s", rank, spec.group_name, e)
+    elif op == "receive":
+        group = groups[msg["group_name"]]
+        bucket = []
+        for name, dtype, shape in zip(msg["names"], msg["dtypes"], msg["shapes"], strict=True):
+            t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=group.device)
+            group.broadcast(t, src=0)
+            bucket.append((name, t))
+        _apply_logged(shard, model, bucket)
+    elif op == "destroy_group":
+        g = groups.pop(msg["group_name"], None)
+        if g is not None:
+            g.destroy()
+    else:
+        raise RuntimeError(f"tensor-parallel rank {rank}: unknown message {op!r}")
+
+
+def _apply_logged(shard: TPShard, model: CausalLM, named: list[tuple[str, torch.Tensor]]) -> None:
+    try:
+        shard.apply(model, named)
+    except RequestError as e:
+        log.warning("rank %d: weight update: %s", shard.rank, e)
 
 
 if __name__ == "__main__":

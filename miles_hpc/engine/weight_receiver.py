@@ -31,7 +31,7 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from aiohttp import web
@@ -45,6 +45,9 @@ from .core import Engine, RequestError
 from .delta_receiver import apply_version
 from .direct_weights import weight_handles
 from .pause_lease import PauseLease
+
+if TYPE_CHECKING:
+    from .tp import TPDriver
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +71,19 @@ class JoinRequest:
 class WeightReceiver:
     """Process groups this engine joined for weight updates, by name, and the receive of one bucket."""
 
-    def __init__(self, device: str, *, timeout_s: float = 600.0, make_group: GroupFactory | None = None) -> None:
+    def __init__(
+        self,
+        device: str,
+        *,
+        timeout_s: float = 600.0,
+        make_group: GroupFactory | None = None,
+        tp: TPDriver | None = None,
+    ) -> None:
         """``device``: the engine's torch device (NCCL groups receive there; gloo groups receive on the CPU).
-        ``make_group`` builds the group (default ``sync.wire.pg.open_group``; tests inject fakes)."""
+        ``make_group`` builds the group (default ``sync.wire.pg.open_group``; tests inject fakes).
+        ``tp``: a tensor-parallel engine's rank 0: its other ranks join at ``rank_offset + tp_rank`` and receive
+        every broadcast too, each keeping its part (engine/tp.py), as SGLang's TP ranks do."""
+        self._tp = tp
         self._device = device
         self._timeout_s = timeout_s
         self._make_group: GroupFactory = make_group or (lambda spec, dev: open_group(spec, dev))
@@ -87,16 +100,22 @@ class WeightReceiver:
                 raise ValueError(f"weight update group {req.group_name!r} already exists on this engine")
             self._joining.add(req.group_name)
         try:
+            if self._tp is not None and req.backend == "mpi":
+                raise ValueError("backend 'mpi' weight-update groups are for engines of tp_size 1: use gloo or nccl")
             spec = GroupSpec(
                 backend=req.backend,  # type: ignore[arg-type]  # any string: GroupSpec checks it
                 master_address=req.master_address,
                 master_port=req.master_port,
-                rank=req.rank_offset,  # + tp_rank, which is always 0 here
+                rank=req.rank_offset,  # + tp_rank, 0 here: the other TP ranks join in tp.py
                 world_size=req.world_size,
                 group_name=req.group_name,
                 timeout_s=self._timeout_s,
             )
-            group = self._make_group(spec, None if req.backend == "gloo" else self._device)
+            device = None if req.backend == "gloo" else self._device
+            if self._tp is None:
+                group = self._make_group(spec, device)
+            else:
+                group = self._tp.join_group(spec, lambda: self._make_group(spec, device))
             with self._lock:
                 self._groups[req.group_name] = group
         finally:
@@ -106,8 +125,12 @@ class WeightReceiver:
     def receive(
         self, group_name: str, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
     ) -> list[tuple[str, torch.Tensor]]:
-        """Allocate and receive one announced bucket, in order, by broadcast from rank 0."""
+        """Allocate and receive one announced bucket, in order, by broadcast from rank 0. On a tensor-parallel
+        engine its other ranks receive the same broadcasts and apply their parts at once: call this between the
+        engine's steps (`Engine.update_weights_from_group`)."""
         group = self._group(group_name)
+        if self._tp is not None:
+            self._tp.receive_group(group_name, names, dtypes, shapes)
         bucket: list[tuple[str, torch.Tensor]] = []
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
             if dtype not in TORCH_DTYPES:
@@ -162,6 +185,8 @@ class WeightReceiver:
             group = self._groups.pop(group_name, None)
         if group is None:
             raise KeyError(f"no weight update group {group_name!r} on this engine")
+        if self._tp is not None:
+            self._tp.destroy_group(group_name)
         group.destroy()
 
     def destroy_all(self) -> None:
@@ -350,8 +375,10 @@ class WeightEndpoints:
         p = await self._parse("update_weights_from_distributed", request)
 
         def work() -> None:
-            named = self.receiver.receive(p["group_name"], p["names"], p["dtypes"], p["shapes"])
-            self.engine.update_weights(named, version=p["weight_version"], flush_cache=p["flush_cache"])
+            def receive() -> list[tuple[str, torch.Tensor]]:
+                return self.receiver.receive(p["group_name"], p["names"], p["dtypes"], p["shapes"])
+
+            self.engine.update_weights_from_group(receive, version=p["weight_version"], flush_cache=p["flush_cache"])
 
         return await self._apply(p, work, "Succeeded to update parameter online.")
 

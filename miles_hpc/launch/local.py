@@ -58,8 +58,13 @@ def gpu_plan(cfg: RunConfig, num_gpus: int) -> GpuPlan:
     if r.device == "cuda" and num_gpus == 0:
         raise ConfigError("rollout.device: cuda, but this machine has no GPU torch can use")
     trainer = tuple(range(t.world_size)) if t.device == "cuda" else ()
-    first = len(trainer)
-    engines = tuple((first + i) % num_gpus for i in range(r.num_engines)) if r.device == "cuda" else ()
+    first, tp = len(trainer), r.engine_tp
+    if r.device == "cuda" and tp > num_gpus:
+        raise ConfigError(f"rollout.engine_tp: {tp} GPUs per engine, this machine has {num_gpus}")
+    # Engine i's first GPU (its TP ranks take the next engine_tp - 1): whole blocks of engine_tp GPUs after the
+    # trainer's, then from GPU 0 again (sharing the trainer's), in turn.
+    starts = [*range(first, num_gpus - tp + 1, tp), *range(0, num_gpus - tp + 1, tp)]
+    engines = tuple(starts[i % len(starts)] for i in range(r.num_engines)) if r.device == "cuda" else ()
     plan = GpuPlan(trainer, engines)
     strategy_class(cfg).check_placement(cfg, plan.trainer, plan.engines)
     return plan
@@ -81,6 +86,7 @@ def engine_launch(
         weight_update_timeout=cfg.sync.timeout_s,
         batch_invariant=cfg.zero_kl,
         enable_return_indexer_topk=cfg.algo.indexer_replay,  # engines record only what a run replays
+        tp_size=cfg.rollout.engine_tp,
         **placement,
     )
 

@@ -77,7 +77,7 @@ def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
             return _start_sglang(cfg, paths, model_dir, index, place)
         placement = {"host": "0.0.0.0"}
         if place.source != "single" and _cuda_available():
-            placement["device"] = f"cuda:{place.local_rank}"
+            placement["device"] = f"cuda:{place.local_rank * cfg.rollout.engine_tp}"  # its TP ranks: the next GPUs
         argv = engine_launch(
             cfg, model_dir, paths.root / "keys", paths.rendezvous / f"engine-{index}.json", index, **placement
         ).argv()

@@ -426,6 +426,15 @@ def group_rank(rank: int | EngineRank, *, world: int, tp_size: int) -> int:
     return world + rank.replica * tp_size + rank.rank if isinstance(rank, EngineRank) else rank
 
 
+def update_group_ranks(tp_sizes: Sequence[int], senders: int = 1) -> tuple[int, list[int]]:
+    """SGLang's weight-update group: the ``senders`` trainer ranks first, then engine ``i``'s TP ranks at
+    ``rank_offset_i + tp_rank``; returns (world size, each engine's ``rank_offset``)."""
+    if senders < 1 or any(t < 1 for t in tp_sizes):
+        raise ValueError(f"senders and every engine's tp size must be >= 1, got {senders}, {list(tp_sizes)}")
+    offsets = list(itertools.accumulate(tp_sizes, initial=senders))
+    return offsets[-1], offsets[:-1]
+
+
 def link_bytes(plan: Iterable[Transfer]) -> dict[tuple[int, EngineRank], int]:
     """Bytes per (trainer rank, engine rank) link."""
     out: dict[tuple[int, EngineRank], int] = defaultdict(int)

@@ -74,6 +74,19 @@ class WeightSync(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
+async def engine_tp_sizes(clients: Sequence[EngineClient]) -> list[int]:
+    """Each engine's tensor-parallel size, from ``/get_server_info``'s ``tp_size`` (SGLang's server argument; our
+    engine's EngineConfig field); an engine that reports none counts as 1."""
+    infos = await asyncio.gather(*(c.server_info() for c in clients))
+    sizes = []
+    for c, info in zip(clients, infos):
+        tp = info.get("tp_size", 1)
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise WeightSyncError(f"{c.url}: /get_server_info tp_size is {tp!r}, expected a positive int")
+        sizes.append(tp)
+    return sizes
+
+
 async def verify_checksums(clients: Sequence[EngineClient], expected: dict[str, str]) -> None:
     """Every engine holds exactly the tensors sent: compare its per-tensor checksums (HF names) with `expected`;
     raise naming the engine and the first tensor that differs."""

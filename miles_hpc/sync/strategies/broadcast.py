@@ -1,6 +1,6 @@
 """Broadcast weight sync, the trainer side (stage: sync; docs/design.md section 6).
 
-Trainer rank 0 and every engine rank form one process group (``sync/wire/pg.py``; gloo on CPU, NCCL/RCCL on GPU).
+Trainer rank 0 and every engine rank (each engine's TP ranks, SGLang's layout) form one process group (``sync/wire/pg.py``; gloo on CPU, NCCL/RCCL on GPU).
 Per bucket of HF-named tensors, rank 0 announces names/dtypes/shapes to every engine with
 ``/update_weights_from_distributed`` and, concurrently, broadcasts the tensors in that order; the engines receive
 and load them. The last bucket carries the new ``weight_version`` and flushes the prefix cache. Verification and
@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from miles_hpc.config import RunConfig
+from miles_hpc.planner.transfer import update_group_ranks
 from miles_hpc.rollout.client import EngineClient
-from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, verify_checksums
+from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, engine_tp_sizes, verify_checksums
 from miles_hpc.sync.strategies.base import GroupSyncSpec, Strategy, check_group_placement
 from miles_hpc.sync.wire.checksum import tensor_checksum
 from miles_hpc.sync.wire.pg import GroupSpec, open_group
@@ -32,7 +33,7 @@ __all__ = ["BroadcastSync"]
 
 
 class BroadcastSync(Strategy):
-    """Rank-0 side of the broadcast strategy (engines of tp size 1: one rank each)."""
+    """Rank-0 side of the broadcast strategy (into engines of any tp size)."""
 
     name = "broadcast"
     takes_named = True
@@ -53,11 +54,13 @@ class BroadcastSync(Strategy):
         return tuple(self._clients)
 
     async def connect(self, clients: Sequence[EngineClient]) -> None:
-        """Create the group: rank 0 here, engine i at rank 1 + i; the engines join while we do."""
+        """Create the group as SGLang lays it out: rank 0 here, then each engine's TP ranks at its
+        ``rank_offset + tp_rank`` (`planner.transfer.update_group_ranks`; each engine says its ``tp_size`` in
+        ``/get_server_info``); the engines join while we do, every rank of one receiving each broadcast."""
         await self.close()
         s = self.spec
         port = s.next_port()
-        world = 1 + len(clients)
+        world, offsets = update_group_ranks(await engine_tp_sizes(clients))
         group_spec = GroupSpec(
             backend=s.backend,
             master_address=s.master_address,
@@ -69,9 +72,9 @@ class BroadcastSync(Strategy):
         )
         joins = [
             c.init_weights_update_group(
-                s.master_address, port, 1 + i, world, group_name=self.group_name, backend=s.backend
+                s.master_address, port, offset, world, group_name=self.group_name, backend=s.backend
             )
-            for i, c in enumerate(clients)
+            for c, offset in zip(clients, offsets, strict=True)
         ]
         results = await asyncio.gather(
             asyncio.to_thread(open_group, group_spec, mpi_gpu_aware=s.mpi_gpu_aware), *joins, return_exceptions=True

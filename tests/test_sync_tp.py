@@ -1,0 +1,141 @@
+"""Weight sync into tensor-parallel engines, laid out as for SGLang: the broadcast group is trainer rank 0, then each
+engine's TP ranks at rank_offset + tp_rank (planner.transfer.update_group_ranks); every rank of an engine receives
+each broadcast and keeps its part; /weights_checker then checks every rank's bytes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from engine_support import make_ckpt, run
+from server_fixtures import start_server
+from test_loop_e2e import REPO
+from test_loop_e2e import metrics as loop_metrics
+from test_loop_e2e import run as loop_run
+
+from miles_hpc.engine.config import EngineConfig
+from miles_hpc.engine.core import Engine
+from miles_hpc.engine.tp import TPShard
+from miles_hpc.engine.types import GenerateRequest, SamplingParams
+from miles_hpc.launch.local import free_port
+from miles_hpc.models import iter_hf_tensors, load_pretrained, read_config
+from miles_hpc.planner.transfer import update_group_ranks
+from miles_hpc.rollout.client import EngineClient
+from miles_hpc.sync.protocol import WeightSyncError, engine_tp_sizes, verify_checksums
+from miles_hpc.sync.strategies.base import GroupSyncSpec
+from miles_hpc.sync.strategies.broadcast import BroadcastSync
+
+
+def test_update_group_ranks_is_sglangs_layout() -> None:
+    assert update_group_ranks([1, 1, 1]) == (4, [1, 2, 3])
+    assert update_group_ranks([8, 8, 8, 8]) == (33, [1, 9, 17, 25])  # the flagship: 4 engines of TP 8
+    assert update_group_ranks([2, 4, 1], senders=2) == (9, [2, 4, 8])
+    with pytest.raises(ValueError, match="tp size must be >= 1"):
+        update_group_ranks([2, 0])
+
+
+def test_assembled_weights_catch_ranks_that_disagree(tmp_path: Path) -> None:
+    """A replicated tensor (a norm) or a shared KV head whose copies differ between ranks assembles to None, and a
+    rank's vocabulary padding that is not zero too: no checksum of such an engine can match the trainer's."""
+    mc = read_config(make_ckpt(tmp_path / "m", "qwen3", 0))
+    mc = mc.replace(num_key_value_heads=1, vocab_size=321)
+    shards = [TPShard(mc, 2, r) for r in range(2)]
+    torch.manual_seed(0)
+    for name in ("model.norm.weight", "model.layers.0.self_attn.k_proj.weight", "lm_head.weight"):
+        t = torch.randn(shards[0].shapes[name])
+        parts = [s.local(name, t) for s in shards]
+        assert torch.equal(shards[0].assemble(name, parts), t)
+        bad = [p.clone() for p in parts]
+        bad[1].view(-1)[-1] += 1.0  # rank 1's copy of the norm / of the one KV head / its padding row
+        assert shards[0].assemble(name, bad) is None, name
+
+
+def _weights(ckpt: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
+    model = load_pretrained(str(ckpt))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return [(n, t.clone()) for n, t in iter_hf_tensors(model)]
+
+
+@pytest.mark.process
+def test_broadcast_into_two_tp2_engines(tmp_path: Path) -> None:
+    """Two `miles-hpc serve --tp-size 2` engines (a MoE model) join one 5-rank gloo group; a push in many buckets
+    reaches every rank; checksums verify; both engines then generate what a TP 1 engine with those weights does."""
+    ckpt = make_ckpt(tmp_path / "m", "qwen3_moe", 0)
+    w = _weights(ckpt, 1)
+    ref = Engine.from_pretrained(str(ckpt), EngineConfig(dtype="float32", max_total_tokens=4096))
+    ref.update_weights(w, version="1")
+    req = GenerateRequest(
+        rid="x", input_ids=tuple(range(30, 60)), sampling=SamplingParams(max_new_tokens=8, temperature=0.0)
+    )
+    want = run(ref, req)["x"].output_ids
+    ref.shutdown()
+    servers = [start_server(ckpt, tmp_path / f"s{i}", "--tp-size", "2", "--dtype", "float32") for i in range(2)]
+    try:
+
+        async def main() -> None:
+            clients = [EngineClient(s.url, connect_retries=0) for s in servers]
+            spec = GroupSyncSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=1 << 15, timeout_s=60)
+            sync = BroadcastSync(spec)
+            try:
+                assert await engine_tp_sizes(clients) == [2, 2]
+                await sync.connect(clients)
+                assert sync.group.world_size == 5
+                sums = await sync.push(iter(w), "1")
+                await verify_checksums(clients, sums)
+                for c in clients:
+                    out = await c.generate(list(req.input_ids), {"max_new_tokens": 8, "temperature": 0.0})
+                    assert out.output_ids == want and out.weight_version == "1"
+                # Expected checksums the engines do not hold fail the check, naming the tensor.
+                with pytest.raises(WeightSyncError, match="checksum mismatch"):
+                    await verify_checksums(clients, {**sums, w[0][0]: "0" * len(sums[w[0][0]])})
+            finally:
+                await sync.close()
+                for c in clients:
+                    await c.close()
+
+        asyncio.run(main())
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("strategy", ["broadcast", "p2p", "colocated"])
+def test_run_with_two_tp2_engines(strategy: str, tmp_path: Path) -> None:
+    """`miles-hpc run` with 2 trainer ranks and 2 engines of TP 2 on CPU: every version reaches (and is verified on)
+    both engines; the trainer's log-probs of the engines' samples agree to fp32 noise. (p2p goes as broadcast into
+    TP engines until the resharded p2p exists: `sync.factory.strategy_class`.)"""
+    run_dir = tmp_path / "run"
+    extra = ("steps=2", f"sync.strategy={strategy}", "rollout.num_engines=2", "rollout.engine_tp=2")
+    loop_run(run_dir, *extra)
+    m = loop_metrics(run_dir)
+    assert [r["weight_version"] for r in m] == [1, 2] and all(r["sync/engines"] == 2 for r in m)
+    assert all(r["mismatch/max_abs_logprob_diff"] < 1e-4 for r in m)
+    for i in range(2):
+        assert "tensor-parallel: 2 ranks" in (run_dir / "logs" / f"engine-{i}.log").read_text()
+
+
+def test_embedded_tp_refusals_name_the_key() -> None:
+    from miles_hpc.config import ConfigError, load_config
+    from miles_hpc.launch.local import gpu_plan
+    from miles_hpc.sync.factory import strategy_class
+
+    base = REPO / "configs/tiny_cpu.yaml"
+    for strategy in ("delta", "lora"):
+        with pytest.raises(ConfigError, match=f"sync.strategy.*{strategy} into rollout.engine_tp=2"):
+            load_config(base, [f"sync.strategy={strategy}", "rollout.engine_tp=2", "lora.rank=4"])
+    with pytest.raises(ConfigError, match="zero_kl.*tp size 1"):
+        load_config(base, ["zero_kl=true", "rollout.engine_tp=2"])
+    assert strategy_class(load_config(base, ["sync.strategy=p2p", "rollout.engine_tp=2"])) is BroadcastSync
+    gpu = ["rollout.device=cuda", "train.device=cuda", "train.world_size=2", "rollout.num_engines=3"]
+    plan = gpu_plan(load_config(base, [*gpu, "rollout.engine_tp=2"]), 8)
+    assert plan.trainer == (0, 1) and plan.engines == (2, 4, 6)
+    wrapped = load_config(base, [*gpu, "rollout.engine_tp=4", "sync.strategy=colocated"])  # shares the trainer's GPU
+    assert gpu_plan(wrapped, 8).engines == (2, 0, 4)
+    with pytest.raises(ConfigError, match="rollout.engine_tp: 4 GPUs per engine, this machine has 2"):
+        gpu_plan(load_config(base, [*gpu, "rollout.engine_tp=4"]), 2)
