@@ -68,6 +68,9 @@ def test_hetjob_components_and_preemption() -> None:
     # Training's end, whatever it was, stops the rollout step; a USR2 requeues after the checkpoint.
     assert script.index("worker --role shutdown") > script.index('wait_for "$TRAIN"')
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+    over = ["rollout.backend=sglang", "rollout.engine_tp=16", "rollout.engine_nodes=2", "rollout.num_engines=2"]
+    lines = sbatch_lines(render_sbatch(load_config(REPO / "configs/tiny_cpu.yaml", over), "c.yaml"))
+    assert "#SBATCH --ntasks=4" in lines  # a rollout task per node of each engine
     cfg = load_config(REPO / "configs/tiny_cpu.yaml", ["slurm.signal_s=0", "slurm.requeue=false"])
     lines = sbatch_lines(render_sbatch(cfg, "c.yaml"))
     assert not any("--signal" in x or "--requeue" in x for x in lines)

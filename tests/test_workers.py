@@ -163,7 +163,7 @@ def test_sglang_backend_worker_waits_for_health_and_writes_the_record(tmp_path: 
                 p.kill()
     record = json.loads((run_dir / "rendezvous" / "engine-0.json").read_text())
     assert record["backend"] == "sglang" and record["tp_size"] == 1
-    assert oct((run_dir / "keys" / "sglang-0.yaml").stat().st_mode & 0o777) == "0o600"
+    assert oct((run_dir / "keys" / "sglang-0-0.yaml").stat().st_mode & 0o777) == "0o600"
 
 
 @pytest.mark.process

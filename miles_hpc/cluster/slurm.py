@@ -106,7 +106,7 @@ exit "$TRAIN_RC"
 def render_sbatch(cfg: RunConfig, config_path: str, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """The batch script for ``cfg``, read by the job from ``config_path`` with ``overrides`` (a pure function)."""
     s = cfg.slurm
-    ntrain, nroll = cfg.train.world_size, cfg.rollout.num_engines
+    ntrain, nroll = cfg.train.world_size, cfg.rollout.num_engines * cfg.rollout.engine_nodes  # a task per engine node
     lines = _header(cfg)
     if s.mode == "hetjob":
         lines += ["# component 0: training"]

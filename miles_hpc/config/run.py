@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from miles_hpc.config import loader
+from miles_hpc.config import checks, loader
+from miles_hpc.config.checks import DSA_ARCHS
 from miles_hpc.config.loader import meta as _help
 from miles_hpc.config.loader import require as _require
 
 Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "deepseek_v32"]
-DSA_ARCHS = ("glm_moe_dsa", "deepseek_v32")  # DeepSeek sparse attention (an indexer per layer or per full layer)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,6 +152,10 @@ class RolloutConfig:
             "one rollout task each"
         ),
     )
+    engine_nodes: int = field(
+        default=1, metadata=_help("nodes one engine spans (SGLang --nnodes; engine_tp / engine_nodes GPUs on each)")
+    )
+    engine_ep: int = field(default=1, metadata=_help("expert-parallel size inside an engine (SGLang --ep-size)"))
     engine_restarts: int = field(
         default=3,
         metadata=_help("times a dead engine is started again (each with a longer backoff) before it stays out"),
@@ -188,6 +192,10 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_engines >= 1, "num_engines", f"must be >= 1, got {self.num_engines}")
+        for key in ("engine_tp", "engine_nodes", "engine_ep"):
+            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        _require(self.engine_tp % self.engine_nodes == 0, "engine_nodes", f"must divide engine_tp={self.engine_tp}")
+        _require(self.engine_tp % self.engine_ep == 0, "engine_ep", f"must divide engine_tp={self.engine_tp}")
         _require(self.engine_restarts >= 0, "engine_restarts", f"must be >= 0, got {self.engine_restarts}")
         _require(self.engine_down_timeout_s > 0, "engine_down_timeout_s", "must be > 0")
         _require(self.max_turns >= 1, "max_turns", f"must be >= 1, got {self.max_turns}")
@@ -498,7 +506,7 @@ class RunConfig:
             "are not stitched yet)",
         )
         if self.algo.indexer_replay:
-            self._check_indexer_replay()
+            checks.indexer_replay(self)
         _require(
             self.mode == "sync" or self.fully_async.buffer_groups >= self.rollout.prompts_per_step,
             "fully_async.buffer_groups",
@@ -528,63 +536,9 @@ class RunConfig:
             "with LoRA the indexer is frozen with the base weights (no adapter on it): the loss would train nothing",
         )
         if self.zero_kl:
-            self._check_zero_kl()
-        if self.rollout.engine_tp > 1 and self.rollout.backend == "embedded":
-            self._check_embedded_tp()
-
-    def _check_embedded_tp(self) -> None:
-        """What tensor-parallel embedded engines (engine/tp.py) do not serve yet, by key."""
-        tp = f"rollout.engine_tp={self.rollout.engine_tp} (embedded engines)"
-        _require(
-            self.sync.strategy not in ("delta", "lora"),
-            "sync.strategy",
-            f"{self.sync.strategy} into {tp} is not built yet (broadcast, p2p as broadcast, colocated are)",
-        )
-        _require(not self.zero_kl, "zero_kl", f"zero-KL mode runs on engines of tp size 1, not {tp}")
-
-    def _check_indexer_replay(self) -> None:
-        """Only our engine records indexer selections and only FSDP replays them (a model.path is checked where its
-        config is read: launch/run_dir.py)."""
-        arch = self.model.init_arch
-        for ok, why in (
-            (self.model.path or arch in DSA_ARCHS, f"needs a DSA model ({'/'.join(DSA_ARCHS)}), not {arch}"),
-            (self.rollout.backend == "embedded", "needs rollout.backend=embedded (return_indexer_topk is ours)"),
-            (self.train.backend == "fsdp", "needs train.backend=fsdp (megatron does not replay the records)"),
-            (self.rollout.agent is None, "with multi-turn agents is not supported yet (no indexer rows per turn)"),
-            (self.mode == "sync", "runs in mode sync so far, as R3 (the fully async loop asks for no records)"),
-        ):
-            _require(bool(ok), "algo.indexer_replay", why)
-
-    def _check_zero_kl(self) -> None:
-        """Zero-KL mode needs both sides to run the same batch-invariant kernels on the same numbers."""
-        why = "zero_kl needs the same batch-invariant kernels on both sides"
-        _require(not self.lora.enabled, "lora.rank", f"{why}: LoRA adapters (hooks) are not batch-invariant")
-        _require(self.train.backend == "fsdp", "train.backend", f"{why}: only train.backend=fsdp has them")
-        _require(
-            self.rollout.backend == "embedded",
-            "rollout.backend",
-            f"{why}: only rollout.backend=embedded has them (SGLang's kernels are its own)",
-        )
-        _require(
-            self.rollout.device == self.train.device,
-            "rollout.device",
-            f"{why} on one kind of device: rollout.device={self.rollout.device}, train.device={self.train.device}",
-        )
-        _require(not self.train.compile, "train.compile", f"{why}: compiled (fused) layers change the bits")
-        _require(
-            self.model.path is not None or self.model.init_arch not in DSA_ARCHS,
-            "model.init_arch",
-            f"{why}: the DSA indexer's scoring and top-k ({self.model.init_arch}) have no batch-invariant kernels",
-        )
-        mixed = self.train.device == "cuda" and self.train.mixed_precision
-        compute = "bfloat16" if mixed else "float32"
-        _require(
-            self.model.dtype == compute,
-            "model.dtype",
-            f"{why} in one dtype: the engines compute in model.dtype={self.model.dtype}, the trainer in "
-            f"{compute} (train.device={self.train.device}, "
-            f"train.mixed_precision={self.train.mixed_precision})",
-        )
+            checks.zero_kl(self)
+        if self.rollout.backend == "embedded":
+            checks.embedded_engines(self)
 
 
 def config_from_dict(data: Any, *, source: str = "<dict>") -> RunConfig:

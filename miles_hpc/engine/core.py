@@ -40,9 +40,8 @@ from .report import Counters, build_result, engine_stats
 from .runner import ModelRunner
 from .scheduler import Req, Scheduler
 from .tp import TPDriver, start_tp
-from .tp_layout import check_tp
 from .types import FinishReason, GenerateRequest, GenerateResult
-from .validate import Limits, RequestError, validate_request
+from .validate import Limits, RequestError, check_supported, validate_request
 from .weights import apply_named, checksums, eos_token_ids, iter_checkpoint, piece_checksums
 
 __all__ = ["DoneCallback", "Engine", "PauseMode", "RequestError"]
@@ -564,25 +563,6 @@ class Engine:
             **self.model_info(),
             **self.stats(),
         }
-
-
-def check_supported(mc: ModelConfig, config: EngineConfig) -> None:
-    """Refuse (ValueError) what this engine does not serve, before anything is allocated."""
-    if config.batch_invariant and mc.is_dsa:
-        raise ValueError(
-            f"batch_invariant (zero-KL mode) is not available for {mc.model_type} (DeepSeek sparse attention): the "
-            "indexer's scores and top-k choice are not batch-invariant on either side, so engine and trainer "
-            "log-probs could not be bit-identical; serve it without --batch-invariant"
-        )
-    if config.tp_size > 1:
-        check_tp(mc, config.tp_size)
-        if config.batch_invariant:
-            raise ValueError("batch_invariant (zero-KL mode) runs on engines of tp_size 1")
-    if config.record_indexer_topk and not mc.is_dsa:
-        raise ValueError(
-            f"record_indexer_topk (--enable-return-indexer-topk) is for DeepSeek sparse attention models "
-            f"(deepseek_v32, glm_moe_dsa); {mc.model_type} has no indexer to record"
-        )
 
 
 def _deliver(results: list[tuple[GenerateResult, DoneCallback]]) -> None:

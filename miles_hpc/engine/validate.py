@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .types import GenerateRequest
+
+if TYPE_CHECKING:
+    from miles_hpc.models import ModelConfig
+
+    from .config import EngineConfig
 
 
 class RequestError(ValueError):
@@ -103,3 +109,24 @@ def validate_request(req: GenerateRequest, lim: Limits) -> None:
                 f"indexer_topk_start_len must be in [0, {len(ids)}] (the prompt length), "
                 f"got {req.indexer_topk_start_len}"
             )
+
+
+def check_supported(mc: ModelConfig, config: EngineConfig) -> None:
+    """Refuse (ValueError) what this engine does not serve, before anything is allocated."""
+    if config.batch_invariant and mc.is_dsa:
+        raise ValueError(
+            f"batch_invariant (zero-KL mode) is not available for {mc.model_type} (DeepSeek sparse attention): the "
+            "indexer's scores and top-k choice are not batch-invariant on either side, so engine and trainer "
+            "log-probs could not be bit-identical; serve it without --batch-invariant"
+        )
+    if config.tp_size > 1:
+        from .tp_layout import check_tp
+
+        check_tp(mc, config.tp_size)
+        if config.batch_invariant:
+            raise ValueError("batch_invariant (zero-KL mode) runs on engines of tp_size 1")
+    if config.record_indexer_topk and not mc.is_dsa:
+        raise ValueError(
+            f"record_indexer_topk (--enable-return-indexer-topk) is for DeepSeek sparse attention models "
+            f"(deepseek_v32, glm_moe_dsa); {mc.model_type} has no indexer to record"
+        )

@@ -30,6 +30,7 @@ from miles_hpc.cluster.lease import PARENT_PID_ENV
 from miles_hpc.config import RunConfig
 from miles_hpc.launch.local import engine_launch, write_key
 from miles_hpc.launch.run_dir import RunPaths, prepare_run_dir, resolve_model
+from miles_hpc.launch.sglang_engine import dist_attempt, engine_task, start_sglang
 
 SHUTDOWN = "shutdown"
 KEYS = ("api_key", "admin_api_key")
@@ -58,23 +59,29 @@ def _read_key(paths: RunPaths, name: str) -> str:
 
 
 def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
-    """One engine per task: ``miles-hpc serve`` for the run's model, index = the task's rank in its step; returns
-    when ``RUN/rendezvous/shutdown`` appears (or Slurm signals us). An engine that dies is started again, at most
-    ``rollout.engine_restarts`` times (its record is removed first; the controller follows the new one)."""
+    """One engine (or, for SGLang engines spanning nodes, one node of one) per task: ``miles-hpc serve`` for the
+    run's model, index = the task's rank in its step (launch/sglang_engine.py for SGLang); returns when
+    ``RUN/rendezvous/shutdown`` appears (or Slurm signals us). An engine that dies is started again, at most
+    ``rollout.engine_restarts`` times (its record is removed first; the controller follows the new one); the other
+    nodes of a multi-node engine restart theirs when its node 0 does."""
     from miles_hpc.rollout.sglang import mark_engine_starting
 
     paths = RunPaths(Path(cfg.run_dir))
     place = bootstrap(het_group=het_group)
-    index = place.rank
+    index, node_rank = engine_task(place.rank, cfg.rollout.engine_nodes)
     _read_key(paths, "api_key")  # fail here, with the fix, rather than in the engine
     model_dir = resolve_model(cfg, paths) if cfg.model.path else paths.init_model
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: run `miles-hpc prepare` first")
-    mark_engine_starting(paths.rendezvous, index, node=place.node)
+    if node_rank == 0:
+        mark_engine_starting(paths.rendezvous, index, node=place.node)
+    attempt = -1
 
     def start() -> subprocess.Popen[bytes]:
+        nonlocal attempt
         if cfg.rollout.backend == "sglang":
-            return _start_sglang(cfg, paths, model_dir, index, place)
+            child, attempt = start_sglang(cfg, paths, model_dir, place.rank, place, after=attempt)
+            return child
         placement = {"host": "0.0.0.0"}
         if place.source != "single" and _cuda_available():
             placement["device"] = f"cuda:{place.local_rank * cfg.rollout.engine_tp}"  # its TP ranks: the next GPUs
@@ -95,6 +102,12 @@ def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
                     child.send_signal(signal.SIGTERM)
                     child.wait(60)
                 return 0
+            if node_rank and (seen := dist_attempt(paths, index)) is not None and seen[0] > attempt:
+                print(f"[miles-hpc] engine {index}: node 0 restarted (attempt {seen[0]}): restarting node {node_rank}")
+                child.kill()
+                child.wait()
+                child = start()
+                continue
             code = child.poll()
             if code is not None:
                 if restarts >= cfg.rollout.engine_restarts:
@@ -102,7 +115,8 @@ def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
                     return code
                 restarts += 1
                 # The controller follows engine-<i>.json: it must never see the dead engine's URL again.
-                (paths.rendezvous / f"engine-{index}.json").unlink(missing_ok=True)
+                if node_rank == 0:
+                    (paths.rendezvous / f"engine-{index}.json").unlink(missing_ok=True)
                 print(f"[miles-hpc] engine {index} on {place.node} exited with code {code}: restart {restarts}")
                 time.sleep(min(30.0, 2.0**restarts))
                 child = start()
@@ -110,75 +124,6 @@ def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
     finally:
         if child.poll() is None:
             child.kill()
-
-
-def _start_sglang(
-    cfg: RunConfig, paths: RunPaths, model_dir: Path, index: int, place: Placement
-) -> subprocess.Popen[bytes]:
-    """A real SGLang server for engine ``index`` on this node: keys through a 0600 ``--config`` file, a port free
-    here; once it answers ``/health`` its record goes to ``RUN/rendezvous/engine-<i>.json`` (SGLang writes none)."""
-    import socket
-    import urllib.request
-
-    from miles_hpc.rollout.sglang import EngineRecord, SGLangLaunchSpec, write_engine_record
-    from miles_hpc.sync.factory import strategy_class
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = int(s.getsockname()[1])
-    keys = paths.root / "keys"
-    needs = strategy_class(cfg).engine_needs(cfg)  # e.g. LoRA sync: SGLang serves adapters only when started for them
-    spec = SGLangLaunchSpec(
-        model_path=str(model_dir),
-        tp_size=cfg.rollout.engine_tp,
-        host="0.0.0.0",
-        port=port,
-        api_key_file=str(keys / "api_key"),
-        admin_api_key_file=str(keys / "admin_api_key"),
-        secrets_config_file=str(keys / f"sglang-{index}.yaml"),
-        random_seed=cfg.seed + index,
-        weight_version="0",
-        python=cfg.rollout.sglang_python,
-        base_gpu_id=0 if place.source == "single" else place.local_rank * cfg.rollout.engine_tp,
-        enable_lora=needs.lora_rank is not None,
-        max_lora_rank=needs.lora_rank,
-        lora_target_modules=needs.lora_target_modules,
-        extra_args=tuple(cfg.rollout.sglang_args),
-    )
-    spec.write_secrets_config()
-    child = subprocess.Popen(spec.command())
-    deadline = time.monotonic() + cfg.rollout.engine_timeout_s
-    while True:
-        if child.poll() is not None:
-            raise RuntimeError(
-                f"SGLang engine {index} on {place.node} exited with code {child.returncode} before "
-                f"it answered /health: {' '.join(spec.command())}"
-            )
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            child.kill()
-            raise TimeoutError(
-                f"SGLang engine {index} on {place.node}: no /health after {cfg.rollout.engine_timeout_s:.0f} s"
-            )
-        time.sleep(1.0)
-    write_engine_record(
-        paths.rendezvous,
-        EngineRecord(
-            index=index,
-            host=socket.gethostname(),
-            port=port,
-            pid=child.pid,
-            tp_size=cfg.rollout.engine_tp,
-            node=place.node,
-            backend="sglang",
-        ),
-    )
-    return child
 
 
 def _cuda_available() -> bool:
