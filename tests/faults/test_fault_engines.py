@@ -70,3 +70,29 @@ def test_an_engine_killed_mid_weight_update_is_restarted_and_nothing_is_lost(tmp
     assert "exited with code -9" in out and "restarting engine" in out, out[-3000:]
     assert_exactly_once(run_dir, 6)
     no_orphans(run_dir)
+
+
+def test_a_killed_tensor_parallel_rank_takes_its_engine_out_until_restarted(tmp_path: Path) -> None:
+    """Engines of TP 2: SIGKILL to rank 1 of engine 0 (a process of its own) ends that engine's server (exit 1: it
+    cannot serve half a model); it is restarted whole, caught up and re-admitted while the other engine serves;
+    nothing is lost or stored twice, no rank is left behind."""
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "steps=8", "rollout.num_engines=2", "rollout.engine_tp=2", "rollout.max_new_tokens=24")
+    try:
+        wait_for("step 2", lambda: len(steps_logged(run_dir)) >= 2, proc=proc)
+        server = engine_pids(run_dir)[0]
+        ranks = subprocess.run(["pgrep", "-P", str(server)], capture_output=True, text=True).stdout.split()
+        assert len(ranks) == 1, ranks
+        os.kill(int(ranks[0]), signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, output(run_dir)[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = output(run_dir)
+    assert "exited with code 1" in out and "restarting engine 0 (1/3)" in out, out[-3000:]
+    engine_log = (run_dir / "logs" / "engine-0.log").read_text()
+    assert "tensor-parallel rank 1 of this engine exited (code -9)" in engine_log, engine_log[-3000:]
+    assert_exactly_once(run_dir, 8)
+    no_orphans(run_dir)
