@@ -139,3 +139,55 @@ def test_embedded_tp_refusals_name_the_key() -> None:
     assert gpu_plan(wrapped, 8).engines == (2, 0, 4)
     with pytest.raises(ConfigError, match="rollout.engine_tp: 4 GPUs per engine, this machine has 2"):
         gpu_plan(load_config(base, [*gpu, "rollout.engine_tp=4"]), 2)
+
+
+@pytest.mark.process
+def test_run_attaches_to_engines_it_did_not_start(tmp_path: Path) -> None:
+    """`rollout.engine_urls`: two `miles-hpc serve --tp-size 2` engines started beforehand (with keys) serve the
+    run; it starts no engine, reads their TP sizes, and every version is verified on both; afterwards they still
+    serve, at the last version (the run does not own them)."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "model"
+    subprocess.run(
+        [sys.executable, "-m", "miles_hpc.cli", "init-model", "--arch", "qwen3", "--size", "tiny", str(model)],
+        check=True,
+        capture_output=True,
+    )
+    key, admin = tmp_path / "key", tmp_path / "admin"
+    key.write_text("k-123\n")
+    admin.write_text("a-456\n")
+    auth = ("--api-key-file", str(key), "--admin-api-key-file", str(admin), "--dtype", "float32")
+    servers = [start_server(model, tmp_path / f"s{i}", "--tp-size", "2", *auth) for i in range(2)]
+    try:
+        urls = ",".join(s.url for s in servers)
+        run_dir = tmp_path / "run"
+        extra = [f"model.path={model}", f"rollout.engine_urls=[{urls}]", "rollout.num_engines=2"]
+        extra += [f"rollout.engine_api_key_file={key}", f"rollout.engine_admin_api_key_file={admin}", "steps=2"]
+        loop_run(run_dir, *extra)
+        m = loop_metrics(run_dir)
+        assert [r["weight_version"] for r in m] == [1, 2] and all(r["sync/engines"] == 2 for r in m)
+        assert not list((run_dir / "logs").glob("engine-*.log"))  # none started by the run
+
+        async def versions() -> list[str]:
+            out = []
+            for s in servers:
+                async with EngineClient(s.url, api_key="k-123") as c:
+                    out.append(str((await c.model_info())["weight_version"]))
+            return out
+
+        assert asyncio.run(versions()) == ["2", "2"]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_weight_groups_listen_where_the_engines_reach_this_host() -> None:
+    from miles_hpc.sync.factory import master_address_for
+
+    assert master_address_for(["http://127.0.0.1:30000", "http://localhost:30001"]) == "127.0.0.1"
+    assert master_address_for(["http://10.0.0.7:30000"], "ib0-host") == "ib0-host"  # sync.master_address
+    # An engine on another host: an address of this host on the route there (or its name), never loopback.
+    got = master_address_for(["http://127.0.0.1:1", "http://192.0.2.10:30000"])
+    assert got and got != "127.0.0.1"

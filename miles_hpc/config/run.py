@@ -156,6 +156,19 @@ class RolloutConfig:
         default=1, metadata=_help("nodes one engine spans (SGLang --nnodes; engine_tp / engine_nodes GPUs on each)")
     )
     engine_ep: int = field(default=1, metadata=_help("expert-parallel size inside an engine (SGLang --ep-size)"))
+    engine_urls: tuple[str, ...] = field(
+        default=(),
+        metadata=_help(
+            "engines already running (SGLang or `miles-hpc serve`, a shared pool or another job): the run starts "
+            "none and uses these (num_engines must equal their number; TP sizes are read from the servers)"
+        ),
+    )
+    engine_api_key_file: str | None = field(
+        default=None, metadata=_help("with engine_urls: file holding those engines' --api-key (null: none)")
+    )
+    engine_admin_api_key_file: str | None = field(
+        default=None, metadata=_help("with engine_urls: file holding their --admin-api-key (null: none)")
+    )
     engine_restarts: int = field(
         default=3,
         metadata=_help("times a dead engine is started again (each with a longer backoff) before it stays out"),
@@ -196,6 +209,13 @@ class RolloutConfig:
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         _require(self.engine_tp % self.engine_nodes == 0, "engine_nodes", f"must divide engine_tp={self.engine_tp}")
         _require(self.engine_tp % self.engine_ep == 0, "engine_ep", f"must divide engine_tp={self.engine_tp}")
+        _require(
+            not self.engine_urls or len(self.engine_urls) == self.num_engines,
+            "num_engines",
+            f"must equal the number of engine_urls ({len(self.engine_urls)}), got {self.num_engines}",
+        )
+        bad = [u for u in self.engine_urls if not u.startswith(("http://", "https://"))]
+        _require(not bad, "engine_urls", f"each must be an http(s):// URL, got {bad[:1]}")
         _require(self.engine_restarts >= 0, "engine_restarts", f"must be >= 0, got {self.engine_restarts}")
         _require(self.engine_down_timeout_s > 0, "engine_down_timeout_s", "must be > 0")
         _require(self.max_turns >= 1, "max_turns", f"must be >= 1, got {self.max_turns}")
@@ -321,6 +341,13 @@ class SyncConfig:
             "strategy delta: where the last published copy lives and the codec runs: host memory, or "
             "the trainer's device (GPU coding, ~300x faster, for one rollout-dtype copy of the model in "
             "trainer rank 0's GPU memory)"
+        ),
+    )
+    master_address: str | None = field(
+        default=None,
+        metadata=_help(
+            "address of trainer rank 0 that engines join weight-update groups at (null: the address this host "
+            "reaches the first engine from; loopback when every engine is local). Set it to pick a NIC"
         ),
     )
     mpi_gpu_aware: Literal["auto", "on", "off"] = field(

@@ -376,13 +376,14 @@ async def _run_async(
     from miles_hpc.rollout.client import EngineClient
     from miles_hpc.rollout.plugins import load_object
     from miles_hpc.rollout.router import Router, RouterConfig
-    from miles_hpc.sync.factory import build_sync, strategy_class
+    from miles_hpc.sync.factory import build_sync, master_address_for, strategy_class
     from miles_hpc.sync.publish import Publisher
     from miles_hpc.sync.wire.pg import Backend
 
     clients = [EngineClient(u, api_key=api_key, admin_api_key=admin_key) for u in urls]
     backend: Backend = "nccl" if cfg.train.device == cfg.rollout.device == "cuda" else "gloo"
-    sync = build_sync(cfg, paths.root, "127.0.0.1", free_port, backend=backend, trainer=trainer)
+    address = master_address_for(urls, cfg.sync.master_address)  # engines on other nodes reach it there
+    sync = build_sync(cfg, paths.root, address, free_port, backend=backend, trainer=trainer)
     # e.g. LoRA sync: the engines serve the trained adapter by name, so every generation names it
     lora_path = strategy_class(cfg).engine_needs(cfg).adapter_name
     r = cfg.rollout  # generations wait for a restarted engine a little longer than the supervisor (names each)
@@ -420,7 +421,8 @@ async def _run_async(
         try:
             loop_run = (fully_async.run if cfg.mode == "fully_async" else run)(ctx, start_step)
             factory = lambda url: EngineClient(url, api_key=api_key, admin_api_key=admin_key)  # noqa: E731
-            return await _supervised(cfg, loop_run, EngineSupervisor(router, paths.rendezvous, factory, owner=cluster))
+            owner = None if cfg.rollout.engine_urls else cluster  # attached engines are not ours to restart
+            return await _supervised(cfg, loop_run, EngineSupervisor(router, paths.rendezvous, factory, owner=owner))
         finally:
             await sync.close()
             if ctx.teacher is not None:

@@ -64,7 +64,8 @@ def gpu_plan(cfg: RunConfig, num_gpus: int) -> GpuPlan:
     # Engine i's first GPU (its TP ranks take the next engine_tp - 1): whole blocks of engine_tp GPUs after the
     # trainer's, then from GPU 0 again (sharing the trainer's), in turn.
     starts = [*range(first, num_gpus - tp + 1, tp), *range(0, num_gpus - tp + 1, tp)]
-    engines = tuple(starts[i % len(starts)] for i in range(r.num_engines)) if r.device == "cuda" else ()
+    on_gpus = r.device == "cuda" and not r.engine_urls  # attached engines run elsewhere
+    engines = tuple(starts[i % len(starts)] for i in range(r.num_engines)) if on_gpus else ()
     plan = GpuPlan(trainer, engines)
     strategy_class(cfg).check_placement(cfg, plan.trainer, plan.engines)
     return plan
@@ -89,6 +90,31 @@ def engine_launch(
         tp_size=cfg.rollout.engine_tp,
         **placement,
     )
+
+
+def attached_engines(cfg: RunConfig) -> tuple[list[str], str, str]:
+    """`rollout.engine_urls` (engines this run did not start) once each answers `/health` within
+    `rollout.engine_timeout_s`, with the keys of `rollout.engine_api_key_file` / `engine_admin_api_key_file` ("":
+    none); an engine that does not answer is named."""
+    import urllib.request
+
+    r = cfg.rollout
+    keys = [Path(f).read_text().strip() if f else "" for f in (r.engine_api_key_file, r.engine_admin_api_key_file)]
+    deadline = time.monotonic() + r.engine_timeout_s
+    for url in r.engine_urls:
+        while True:
+            req = urllib.request.Request(url.rstrip("/") + "/health")
+            try:
+                with urllib.request.urlopen(req, timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"rollout.engine_urls: {url} did not answer /health within {r.engine_timeout_s:.0f} s ({e})"
+                    ) from None
+            time.sleep(1.0)
+    return [u.rstrip("/") for u in r.engine_urls], keys[0], keys[1]
 
 
 def free_port() -> int:
@@ -143,8 +169,12 @@ class LocalCluster:
         return proc
 
     def start_engines(self, timeout_s: float = 300.0) -> list[str]:
-        """Start `rollout.num_engines` servers; return their URLs once every one is listening."""
+        """Start `rollout.num_engines` servers; return their URLs once every one is listening. With
+        `rollout.engine_urls` none is started: those engines (and their keys) are the run's once they answer."""
         self.rendezvous.mkdir(parents=True, exist_ok=True)
+        if self.cfg.rollout.engine_urls:
+            urls, self.api_key, self.admin_key = attached_engines(self.cfg)
+            return urls
         keys = self.run_dir / "keys"
         self.api_key = write_key(keys / "api_key")
         self.admin_key = write_key(keys / "admin_api_key")

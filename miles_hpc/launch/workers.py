@@ -28,7 +28,7 @@ from miles_hpc.atomic import write_text_atomic
 from miles_hpc.cluster.bootstrap import Placement, bootstrap, master_port
 from miles_hpc.cluster.lease import PARENT_PID_ENV
 from miles_hpc.config import RunConfig
-from miles_hpc.launch.local import engine_launch, write_key
+from miles_hpc.launch.local import attached_engines, engine_launch, write_key
 from miles_hpc.launch.run_dir import RunPaths, prepare_run_dir, resolve_model
 from miles_hpc.launch.sglang_engine import dist_attempt, engine_task, start_sglang
 
@@ -165,17 +165,12 @@ def run_scheduled_train_worker(cfg: RunConfig, het_group: int | None = None) -> 
     # SIGTERM/SIGINT/USR2 to the task (scancel, `--signal=USR2@N` without `B:`): checkpoint after this step.
     control = StopControl(paths.rendezvous).install()
     try:
-        records = wait_for_engines(paths.rendezvous, cfg.rollout.num_engines, timeout=cfg.rollout.engine_timeout_s)
-        return controller(
-            cfg,
-            paths,
-            model_dir,
-            [r.url for r in records],
-            _read_key(paths, "api_key"),
-            _read_key(paths, "admin_api_key"),
-            world_env,
-            control=control,
-        )
+        if cfg.rollout.engine_urls:  # engines this run did not start (a shared pool, another job)
+            urls, key, admin = attached_engines(cfg)
+        else:
+            records = wait_for_engines(paths.rendezvous, cfg.rollout.num_engines, timeout=cfg.rollout.engine_timeout_s)
+            urls, key, admin = [r.url for r in records], _read_key(paths, "api_key"), _read_key(paths, "admin_api_key")
+        return controller(cfg, paths, model_dir, urls, key, admin, world_env, control=control)
     finally:
         control.restore()
         request_shutdown(paths)

@@ -8,8 +8,11 @@ single-machine `miles-hpc run` cannot drive raise a `ConfigError` naming the key
 
 from __future__ import annotations
 
+import ipaddress
 import logging
-from collections.abc import Callable
+import socket
+import urllib.parse
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -25,7 +28,7 @@ from miles_hpc.sync.strategies.lora import LoraSync, LoraSyncSpec
 from miles_hpc.sync.strategies.p2p import P2PSync, ShardSource
 from miles_hpc.sync.wire.pg import Backend
 
-__all__ = ["RUNNABLE", "build_sync", "check_strategy", "strategy_class"]
+__all__ = ["RUNNABLE", "build_sync", "check_strategy", "master_address_for", "strategy_class"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,34 @@ def check_strategy(cfg: RunConfig) -> None:
         )
 
 
+def master_address_for(urls: Sequence[str], configured: str | None = None) -> str:
+    """Where engines at `urls` join trainer rank 0's weight-update groups: `configured` (sync.master_address), else
+    loopback when every engine is on this host, else the local address this host reaches the first remote engine
+    from (a UDP "connect" picks the route; nothing is sent). Rank 0's store listens on that address only."""
+    if configured:
+        return configured
+    hosts = [urllib.parse.urlsplit(u).hostname or "" for u in urls]
+    remote = [h for h in hosts if not _loopback(h)]
+    if not remote:
+        return "127.0.0.1"
+    try:
+        info = socket.getaddrinfo(remote[0], 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(info[0], socket.SOCK_DGRAM) as s:
+            s.connect(info[4])
+            return str(s.getsockname()[0])
+    except OSError:  # no route from here (yet): this host's name, which the cluster resolves
+        return socket.getfqdn()
+
+
+def _loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def build_sync(
     cfg: RunConfig,
     run_dir: Path,
@@ -83,7 +114,10 @@ def build_sync(
         Path(master_address).mkdir(parents=True, exist_ok=True)
     if cls is not STRATEGIES[s.strategy]:
         log.warning(
-            "sync.strategy %s: SGLang engines receive weights by broadcast only; using %s", s.strategy, cls.name
+            "sync.strategy %s: SGLang engines and tensor-parallel embedded engines receive weights by broadcast "
+            "only (so far); using %s",
+            s.strategy,
+            cls.name,
         )
     if cls is P2PSync:
         if trainer is None:
