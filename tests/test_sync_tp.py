@@ -108,8 +108,8 @@ def test_broadcast_into_two_tp2_engines(tmp_path: Path) -> None:
 @pytest.mark.parametrize("strategy", ["broadcast", "p2p", "colocated"])
 def test_run_with_two_tp2_engines(strategy: str, tmp_path: Path) -> None:
     """`miles-hpc run` with 2 trainer ranks and 2 engines of TP 2 on CPU: every version reaches (and is verified on)
-    both engines; the trainer's log-probs of the engines' samples agree to fp32 noise. (p2p goes as broadcast into
-    TP engines until the resharded p2p exists: `sync.factory.strategy_class`.)"""
+    both engines (p2p: each engine rank receives its own part from the trainer ranks); the trainer's log-probs of
+    the engines' samples agree to fp32 noise."""
     run_dir = tmp_path / "run"
     extra = ("steps=2", f"sync.strategy={strategy}", "rollout.num_engines=2", "rollout.engine_tp=2")
     loop_run(run_dir, *extra)
@@ -131,7 +131,7 @@ def test_embedded_tp_refusals_name_the_key() -> None:
             load_config(base, [f"sync.strategy={strategy}", "rollout.engine_tp=2", "lora.rank=4"])
     with pytest.raises(ConfigError, match="zero_kl.*tp size 1"):
         load_config(base, ["zero_kl=true", "rollout.engine_tp=2"])
-    assert strategy_class(load_config(base, ["sync.strategy=p2p", "rollout.engine_tp=2"])) is BroadcastSync
+    assert strategy_class(load_config(base, ["sync.strategy=p2p", "rollout.engine_tp=2"])).name == "p2p"
     gpu = ["rollout.device=cuda", "train.device=cuda", "train.world_size=2", "rollout.num_engines=3"]
     plan = gpu_plan(load_config(base, [*gpu, "rollout.engine_tp=2"]), 8)
     assert plan.trainer == (0, 1) and plan.engines == (2, 4, 6)
@@ -191,3 +191,57 @@ def test_weight_groups_listen_where_the_engines_reach_this_host() -> None:
     # An engine on another host: an address of this host on the route there (or its name), never loopback.
     got = master_address_for(["http://127.0.0.1:1", "http://192.0.2.10:30000"])
     assert got and got != "127.0.0.1"
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_p2p_resharded_into_tp2_engines(arch: str, tmp_path: Path) -> None:
+    """p2p into two engines of TP 2 from two FSDP2-style trainer ranks (threads): each engine rank receives only
+    its part, straight from the trainer ranks holding it (per-rank pieces in the announcement); the piece checksums
+    verify; both engines generate what a TP 1 engine with those weights does; a trainer rank sends each element to
+    each engine once, and no engine rank receives a whole sharded tensor."""
+    from miles_hpc.planner.transfer import EngineRank, engine_layout, link_bytes, plan_transfers
+    from miles_hpc.sync.strategies.p2p import P2PSync, ThreadedRanks
+
+    ckpt = make_ckpt(tmp_path / "m", arch, 0)
+    w = _weights(ckpt, 1)
+    ref = Engine.from_pretrained(str(ckpt), EngineConfig(dtype="float32", max_total_tokens=4096))
+    ref.update_weights(w, version="1")
+    req = GenerateRequest(
+        rid="x", input_ids=tuple(range(30, 60)), sampling=SamplingParams(max_new_tokens=8, temperature=0.0)
+    )
+    want = run(ref, req)["x"].output_ids
+    ref.shutdown()
+    servers = [start_server(ckpt, tmp_path / f"s{i}", "--tp-size", "2", "--dtype", "float32") for i in range(2)]
+    world = ThreadedRanks(w, 2)
+    try:
+
+        async def main() -> None:
+            clients = [EngineClient(s.url, connect_retries=0) for s in servers]
+            spec = GroupSyncSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=1 << 15, timeout_s=60)
+            sync = P2PSync(spec, world)
+            try:
+                await sync.connect(clients)
+                sums = await sync.push(iter(()), "1")
+                await sync.verify(clients, sums)
+                for c in clients:
+                    out = await c.generate(list(req.input_ids), {"max_new_tokens": 8, "temperature": 0.0})
+                    assert out.output_ids == want and out.weight_version == "1"
+            finally:
+                await sync.close()
+                for c in clients:
+                    await c.close()
+
+        asyncio.run(main())
+    finally:
+        for s in servers:
+            s.stop()
+    # What moved, by the plan the strategy used: every engine rank gets its part only (half of each split tensor).
+    kv = None if read_config(ckpt).is_mla else read_config(ckpt).num_key_value_heads
+    plan = plan_transfers(world.shapes, world.layout, engine_layout(world.shapes, 2, 2, kv_heads=kv), 4)
+    per_link = link_bytes(plan)
+    whole = 4 * sum(t.numel() for t in world.named.values())
+    to_rank = {r: sum(b for (_, d), b in per_link.items() if d == EngineRank(0, r)) for r in range(2)}
+    assert all(b < 0.75 * whole for b in to_rank.values()), (to_rank, whole)
+    sent = {s: sum(b for (src, _), b in per_link.items() if src == s) for s in range(2)}
+    assert sum(sent.values()) < 2 * 2 * whole * 0.75  # not every element to every engine rank

@@ -25,7 +25,7 @@ def embedded_engines(cfg: RunConfig) -> None:
     _require(
         cfg.sync.strategy not in ("delta", "lora"),
         "sync.strategy",
-        f"{cfg.sync.strategy} into {tp} is not built yet (broadcast, p2p as broadcast, colocated are)",
+        f"{cfg.sync.strategy} into {tp} is not built yet (broadcast, p2p, colocated are)",
     )
     _require(not cfg.zero_kl, "zero_kl", f"zero-KL mode runs on engines of tp size 1, not {tp}")
 

@@ -65,7 +65,8 @@ class Engine:
         if (tp is None) != (config.tp_size == 1):
             raise ValueError(f"tp_size={config.tp_size}: a tensor-parallel engine is made by Engine.from_pretrained")
         self.tp = tp
-        check_supported(mc if tp is None else tp.shard.config, config)
+        self._full_config = mc if tp is None else tp.shard.config
+        check_supported(self._full_config, config)
         dtype = config.torch_dtype() or next(model.parameters()).dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
         if config.batch_invariant:
@@ -341,7 +342,7 @@ class Engine:
         *,
         version: str | None,
         flush_cache: bool = True,
-        local_part: bool = False,
+        apply: Callable[[CausalLM, Iterable[tuple[str, torch.Tensor]]], list[str]] | None = None,
     ) -> list[str]:
         """Copy HF-named tensors into the model (cast to the engine dtype/device); returns the names applied.
 
@@ -355,8 +356,9 @@ class Engine:
             try:
                 if self._paused and version is None:
                     self._half_updated = True  # a bucket of a multi-part update: committed by a versioned one
-                # TP: whole tensors go to every rank (tp.apply); `local_part`: the others have theirs already
-                apply = apply_named if self.tp is None else self.tp.shard.apply if local_part else self.tp.apply
+                # TP: whole tensors go to every rank (tp.apply); an `apply` given: the others have theirs already
+                if apply is None:
+                    apply = apply_named if self.tp is None else self.tp.apply
                 applied = apply(self.model, _recording(named, started))
             finally:
                 if flush_cache and started:
@@ -372,15 +374,18 @@ class Engine:
         *,
         version: str | None,
         flush_cache: bool = True,
+        parts: bool = False,
     ) -> list[str]:
         """`update_weights` of the bucket `receive()` takes from a weight-update group (`/update_weights_from_
         distributed`). A tensor-parallel engine receives between steps (its other ranks receive the same
-        broadcasts and keep their parts, tp.py), so no step runs on half-updated ranks; rank 0 keeps its part."""
+        broadcasts and keep their parts, tp.py), so no step runs on half-updated ranks; rank 0 keeps its part.
+        `parts`: `receive()` gave rank 0's parts (the resharded p2p), not whole tensors."""
         if self.tp is None:
             return self.update_weights(receive(), version=version, flush_cache=flush_cache)
         with self._between_steps():
             named = receive()
-            return self.update_weights(named, version=version, flush_cache=flush_cache, local_part=True)
+            apply = self.tp.shard.apply_parts if parts else self.tp.shard.apply
+            return self.update_weights(named, version=version, flush_cache=flush_cache, apply=apply)
 
     def update_weights_from_disk(self, path: str, *, version: str | None, flush_cache: bool = True) -> None:
         """Load every tensor of the HF checkpoint at `path` (same architecture) via `update_weights`.
@@ -542,6 +547,8 @@ class Engine:
             "weights_half_updated": self._half_updated,
             "vocab_size": self.vocab_size,
             "tp_size": self.config.tp_size,
+            # the KV heads its TP layout splits or replicates (null: MLA), for a trainer planning per-rank sends
+            "layout_kv_heads": None if self._full_config.is_mla else self._full_config.num_key_value_heads,
             "max_context_len": self.max_context_len,
             "num_moe_layers": self.num_moe_layers,
             "top_k": self.top_k,

@@ -416,6 +416,8 @@ SCHEMAS: dict[str, dict[str, F]] = {
         "dtypes": F(list_of(one_of(*DTYPE_NAMES, *(f"torch.{d}" for d in DTYPE_NAMES))), required=True),
         "shapes": F(list_of(list_of(at_least(0))), required=True),
         "pieces": F(list_of(list_of(list_of(at_least(0)))), required=True),
+        # a tensor-parallel engine: per tensor, per TP rank, its pieces (dims within that rank's part of the tensor)
+        "tp_pieces": F(list_of(list_of(list_of(list_of(at_least(0)))))),
         "group_name": F(string, "weight_update_group"),
     },
     "weights_piece_checksums": {  # our extension: checksums of boxes of tensors (p2p verification)
@@ -462,6 +464,14 @@ def parse_control(endpoint: str, body: Any) -> dict[str, Any]:
             [(p[0], parse_box(p[1:], shape, f"pieces[{i}][{j}]", name)) for j, p in enumerate(ps)]
             for i, (name, shape, ps) in enumerate(zip(out["names"], out["shapes"], out["pieces"]))
         ]
+        if out.get("tp_pieces") is not None:
+            if len(out["tp_pieces"]) != len(out["names"]):
+                raise BadRequest(f"field `tp_pieces`: {len(out['tp_pieces'])} entries for {len(out['names'])} names")
+            out["tp_pieces"] = [
+                [[(p[0], parse_box(p[1:], shape, f"tp_pieces[{i}][{r}][{j}]", name)) for j, p in enumerate(ps)]
+                 for r, ps in enumerate(ranks)]
+                for i, (name, shape, ranks) in enumerate(zip(out["names"], out["shapes"], out["tp_pieces"]))
+            ]  # fmt: skip
     if endpoint == "weights_piece_checksums":
         if len(out["boxes"]) != len(out["names"]):
             raise BadRequest(f"field `boxes`: {len(out['boxes'])} entries for {len(out['names'])} names")

@@ -163,6 +163,30 @@ class TPShard:
             return full.new_zeros(shape)
         return tp_layout.take(full, box, shape)
 
+    def from_part(self, name: str, part: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """The rank-local tensor of `name` from exactly its box of the whole tensor (what the resharded p2p
+        delivers): the box at the start, zeros after it (a vocabulary block's padding), zeros for a row bias."""
+        r = self.rank if rank is None else rank
+        box = self.box(name, r)
+        shape = tp_layout.local_shape(self.shapes[name], box, name, self.config, self.tp)
+        if (box is not None and tuple(part.shape) != box.shape) or (box is None and part.numel()):
+            raise RequestError(f"weight {name!r}: part of shape {tuple(part.shape)}, rank {r} holds {box}")
+        if box is not None and box.shape == shape and not (r and tp_layout.row_bias(name)):
+            return part
+        out = part.new_zeros(shape)
+        if box is not None and not (r and tp_layout.row_bias(name)):
+            out[tuple(slice(0, n) for n in box.shape)] = part
+        return out
+
+    def apply_parts(self, model: CausalLM, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy this rank's parts (per-expert HF names, each exactly this rank's box) into its model."""
+        return apply_named(model, ((n, self.from_part(n, t)) for n, t in named))
+
+    def part_shape(self, name: str, rank: int | None = None) -> tuple[int, ...]:
+        """The shape of rank `rank`'s box of tensor `name` (what it receives of it; () holds nothing)."""
+        box = self.box(name, rank)
+        return (0,) if box is None else box.shape
+
     def build(self, comm: TPComm, device: torch.device, dtype: torch.dtype) -> CausalLM:
         """This rank's model (uninitialised weights), wired for the collectives."""
         c, lc = self.config, self.local_config
@@ -277,6 +301,17 @@ class TPDriver:
             self._alive()
             bucket = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(x) for x in shapes]}
             self.comm.send({"op": "receive", "group_name": group_name, **bucket})
+
+    def receive_parts(self, group_name: str, names: Any, dtypes: Any, tp_pieces: Any) -> None:
+        """Tell the other ranks to receive their pieces of the announced bucket (the resharded p2p: each rank's
+        own parts, straight from the trainer ranks); rank 0 receives its own next, between steps."""
+        with self._lock:
+            self._alive()
+            self.comm.send(
+                {"op": "p2p", "group_name": group_name, "names": list(names), "dtypes": list(dtypes),
+                 "tp_pieces": [[[(src, [list(d) for d in dims]) for src, dims in ps] for ps in ranks]
+                               for ranks in tp_pieces]}
+            )  # fmt: skip
 
     def destroy_group(self, group_name: str) -> None:
         with self._lock:
@@ -503,6 +538,18 @@ def _weights_op(
             group.broadcast(t, src=0)
             bucket.append((name, t))
         _apply_logged(shard, model, bucket)
+    elif op == "p2p":
+        from .weight_receiver import receive_into
+
+        group = groups[msg["group_name"]]
+        names = msg["names"]
+        shapes = [shard.part_shape(n) for n in names]
+        mine = [[(src, tuple(tuple(d) for d in dims)) for src, dims in ranks[rank]] for ranks in msg["tp_pieces"]]
+        bucket = receive_into(group, names, msg["dtypes"], shapes, mine)
+        try:
+            shard.apply_parts(model, bucket)
+        except RequestError as e:
+            log.warning("rank %d: weight update: %s", rank, e)
     elif op == "destroy_group":
         g = groups.pop(msg["group_name"], None)
         if g is not None:

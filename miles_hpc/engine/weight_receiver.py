@@ -148,37 +148,32 @@ class WeightReceiver:
         dtypes: Sequence[str],
         shapes: Sequence[Sequence[int]],
         pieces: Sequence[Sequence[tuple[int, tuple[tuple[int, int], ...]]]],
+        tp_pieces: Sequence[Sequence[Sequence[tuple[int, tuple[tuple[int, int], ...]]]]] | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
         """Allocate one announced bucket and receive each tensor's pieces from the trainer ranks that hold them
         (the p2p strategy): receives are posted in the announced order, which is the order the ranks send in.
-        The pieces of a tensor must cover it exactly once (checked before anything is posted)."""
-        for name, dtype, shape, ps in zip(names, dtypes, shapes, pieces, strict=True):
+        The pieces of a tensor must cover it exactly once (checked before anything is posted). `tp_pieces` (a
+        tensor-parallel engine, resharded): every rank receives its own parts, rank 0 returns its parts; call it
+        between the engine's steps."""
+        for name, dtype in zip(names, dtypes, strict=True):
             if dtype not in TORCH_DTYPES:
                 raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
-            _check_cover(name, shape, [dims for _, dims in ps])
+        if tp_pieces is None or self._tp is None:
+            if tp_pieces is not None:
+                raise ValueError("tp_pieces: this engine is not tensor-parallel")
+            for name, shape, ps in zip(names, shapes, pieces, strict=True):
+                _check_cover(name, shape, [dims for _, dims in ps])
+            return receive_into(self._group(group_name), names, dtypes, shapes, pieces)
+        shard = self._tp.shard
+        for name, ranks in zip(names, tp_pieces, strict=True):
+            if len(ranks) != shard.tp:
+                raise ValueError(f"tensor {name!r}: tp_pieces for {len(ranks)} ranks, this engine has {shard.tp}")
+            for r, ps in enumerate(ranks):
+                _check_cover(name, shard.part_shape(name, r), [dims for _, dims in ps])
         group = self._group(group_name)
-        for name, ps in zip(names, pieces, strict=True):
-            bad = [src for src, _ in ps if not 0 <= src < group.world_size]
-            if bad:
-                raise ValueError(
-                    f"tensor {name!r}: piece from rank {bad[0]}, outside the {group.world_size}-rank group"
-                )
-        bucket: list[tuple[str, torch.Tensor]] = []
-        recvs: list[tuple[torch.Tensor, int]] = []
-        landing = []
-        for name, dtype, shape, ps in zip(names, dtypes, shapes, pieces, strict=True):
-            t = torch.empty(tuple(shape), dtype=TORCH_DTYPES[dtype], device=group.device)
-            for src, dims in ps:
-                view = t[tuple(slice(lo, hi) for lo, hi in dims)]
-                buf = view if view.is_contiguous() else torch.empty_like(view, memory_format=torch.contiguous_format)
-                recvs.append((buf, src))
-                if buf is not view:
-                    landing.append((view, buf))
-            bucket.append((name, t))
-        group.exchange([], recvs)
-        for view, buf in landing:
-            view.copy_(buf)
-        return bucket
+        self._tp.receive_parts(group_name, names, dtypes, tp_pieces)
+        mine = [ranks[0] for ranks in tp_pieces]
+        return receive_into(group, names, dtypes, [shard.part_shape(n) for n in names], mine)
 
     def destroy(self, group_name: str) -> None:
         with self._lock:
@@ -204,6 +199,36 @@ class WeightReceiver:
             if name not in self._groups:
                 raise KeyError(f"no weight update group {name!r} on this engine: call /init_weights_update_group")
             return self._groups[name]
+
+
+def receive_into(
+    group: Any,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    pieces: Sequence[Sequence[tuple[int, tuple[tuple[int, int], ...]]]],
+) -> list[tuple[str, torch.Tensor]]:
+    """Tensors of `shapes`, each filled by its pieces ``(group rank, dims)`` received in the listed order."""
+    for name, ps in zip(names, pieces, strict=True):
+        bad = [src for src, _ in ps if not 0 <= src < group.world_size]
+        if bad:
+            raise ValueError(f"tensor {name!r}: piece from rank {bad[0]}, outside the {group.world_size}-rank group")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    recvs: list[tuple[torch.Tensor, int]] = []
+    landing = []
+    for name, dtype, shape, ps in zip(names, dtypes, shapes, pieces, strict=True):
+        t = torch.empty(tuple(shape), dtype=TORCH_DTYPES[dtype], device=group.device)
+        for src, dims in ps:
+            view = t[tuple(slice(lo, hi) for lo, hi in dims)]
+            buf = view if view.is_contiguous() else torch.empty_like(view, memory_format=torch.contiguous_format)
+            recvs.append((buf, src))
+            if buf is not view:
+                landing.append((view, buf))
+        bucket.append((name, t))
+    group.exchange([], recvs)
+    for view, buf in landing:
+        view.copy_(buf)
+    return bucket
 
 
 def _check_cover(name: str, shape: Sequence[int], boxes: Sequence[tuple[tuple[int, int], ...]]) -> None:
@@ -387,8 +412,14 @@ class WeightEndpoints:
         p = await self._parse("update_weights_from_p2p", request)
 
         def work() -> None:
-            named = self.receiver.receive_pieces(p["group_name"], p["names"], p["dtypes"], p["shapes"], p["pieces"])
-            self.engine.update_weights(named, version=p["weight_version"], flush_cache=p["flush_cache"])
+            def receive() -> list[tuple[str, torch.Tensor]]:
+                args = (p["group_name"], p["names"], p["dtypes"], p["shapes"], p["pieces"])
+                return self.receiver.receive_pieces(*args, tp_pieces=p.get("tp_pieces"))
+
+            tp = p.get("tp_pieces") is not None
+            self.engine.update_weights_from_group(
+                receive, version=p["weight_version"], flush_cache=p["flush_cache"], parts=tp
+            )
 
         return await self._apply(p, work, "Succeeded to update parameter online.")
 

@@ -26,7 +26,8 @@ each piece into ``dst_box`` of its slice; fusing slices into its parameters (qkv
 padded vocab shard, which starts at the slice's first row) is the loader's business, as in SGLang's
 ``weight_loader``.
 
-Engines. Our embedded engine implements the per-rank receive (``sync/strategies/p2p.py``, tp size 1). SGLang 0.5.x, as far as we know, takes updates over
+Engines. Our embedded engine implements the per-rank receive (``sync/strategies/p2p.py``, any tp size: each TP rank
+receives its own part). SGLang 0.5.x, as far as we know, takes updates over
 HTTP only as a broadcast group (``/update_weights_from_distributed``) or in-process tensors
 (``/update_weights_from_tensor``) and has no per-rank receive endpoint, so against SGLang the p2p strategy falls
 back to broadcast (``sync/factory.py``). (RDMA writes into registered SGLang memory are in progress upstream; this

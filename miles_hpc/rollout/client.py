@@ -403,11 +403,19 @@ class EngineClient:
         group_name: str = rq.DEFAULT_GROUP,
         weight_version: str | None = None,
         flush_cache: bool | None = None,
+        tp_pieces: Sequence[Sequence[Sequence[Sequence[int]]]] | None = None,
     ) -> str:
         """Our extension (embedded engine only): announce one bucket the trainer ranks send point-to-point (the
         p2p strategy, ``sync/strategies/p2p.py``); returns when the engine has received and applied it."""
         body = rq.update_weights_from_p2p_body(
-            names, dtypes, shapes, pieces, group_name=group_name, weight_version=weight_version, flush_cache=flush_cache
+            names,
+            dtypes,
+            shapes,
+            pieces,
+            group_name=group_name,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            tp_pieces=tp_pieces,
         )
         return _message(await self._call(rq.EXTENSIONS["update_weights_from_p2p"], body))
 

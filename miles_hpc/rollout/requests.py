@@ -321,16 +321,24 @@ def update_weights_from_p2p_body(
     group_name: str = DEFAULT_GROUP,
     weight_version: str | None = None,
     flush_cache: bool | None = None,
+    tp_pieces: Sequence[Sequence[Sequence[Sequence[int]]]] | None = None,
 ) -> dict[str, Any]:
     """``POST /update_weights_from_p2p`` (our extension, docs/engine.md): one bucket that the trainer ranks send
     point-to-point; ``pieces[i]`` lists what arrives of ``names[i]``, each ``[trainer rank, lo0, hi0, lo1, ...]``,
-    in the order the sends are posted."""
+    in the order the sends are posted. A tensor-parallel engine: ``tp_pieces[i][r]`` lists what TP rank ``r``
+    receives, its dims within that rank's part of the tensor (``pieces`` is then rank 0's)."""
     body = update_weights_from_distributed_body(
         names, dtypes, shapes, group_name=group_name, weight_version=weight_version, flush_cache=flush_cache
     )
     if len(pieces) != len(names):
         raise ValueError(f"pieces has {len(pieces)} entries for {len(names)} names")
     body["pieces"] = [[_ints(p, f"piece of {n}") for p in ps] for n, ps in zip(names, pieces)]
+    if tp_pieces is not None:
+        if len(tp_pieces) != len(names):
+            raise ValueError(f"tp_pieces has {len(tp_pieces)} entries for {len(names)} names")
+        body["tp_pieces"] = [
+            [[_ints(p, f"piece of {n}") for p in ps] for ps in ranks] for n, ranks in zip(names, tp_pieces)
+        ]
     return body
 
 

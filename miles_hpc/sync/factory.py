@@ -39,14 +39,11 @@ RUNNABLE = tuple(STRATEGIES)
 
 
 def strategy_class(cfg: RunConfig) -> type[Strategy]:
-    """The strategy `build_sync` builds for ``cfg`` (p2p against SGLang or tensor-parallel engines falls back to
-    broadcast)."""
+    """The strategy `build_sync` builds for ``cfg`` (p2p against SGLang engines falls back to broadcast)."""
     if cfg.sync.strategy not in STRATEGIES:
         raise ConfigError(f"sync.strategy: {cfg.sync.strategy!r} is not built; use one of {', '.join(RUNNABLE)}")
     if cfg.sync.strategy == "p2p" and cfg.rollout.backend == "sglang":
         return BroadcastSync  # SGLang has no per-rank receive endpoint (docs/weight_sync.md)
-    if cfg.sync.strategy == "p2p" and cfg.rollout.engine_tp > 1:
-        return BroadcastSync  # p2p resharded into each TP rank's part is not built yet (docs/weight_sync.md)
     return STRATEGIES[cfg.sync.strategy]
 
 
@@ -114,8 +111,7 @@ def build_sync(
         Path(master_address).mkdir(parents=True, exist_ok=True)
     if cls is not STRATEGIES[s.strategy]:
         log.warning(
-            "sync.strategy %s: SGLang engines and tensor-parallel embedded engines receive weights by broadcast "
-            "only (so far); using %s",
+            "sync.strategy %s: SGLang engines receive weights by broadcast only; using %s",
             s.strategy,
             cls.name,
         )

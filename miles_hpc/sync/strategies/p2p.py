@@ -1,12 +1,16 @@
 """Point-to-point weight sync: every trainer rank sends its own shards straight to the engines (stage: sync;
 docs/design.md section 6, strategy "p2p"; the plan is ``planner/transfer.py``).
 
-One process group spans trainer ranks ``0..R-1`` and engine ``i`` at rank ``R + i`` (engines of tp size 1: each
-needs every tensor whole). Per bucket of HF tensors (``bucket_bytes`` of full tensors, in Hub order), trainer
-rank 0 tells each engine which pieces to expect from which trainer rank (``/update_weights_from_p2p``, our
-extension); meanwhile every trainer rank posts one send per piece it holds, per engine, in plan order, and the
-engines post the matching receives in the same order. Nothing is gathered: a trainer rank's link carries its shard
-bytes times the number of engines, the bound of the p2p design.
+One process group spans trainer ranks ``0..R-1`` and then each engine's TP ranks (engine ``i`` rank ``r`` at
+``R + i * T + r``, SGLang's layout, ``planner.transfer.update_group_ranks``; engines of one tp size ``T``, read
+from their ``/get_server_info``). Each engine rank needs its part of each tensor (the engines' own layout,
+``engine_layout`` with the KV heads they report): resharded, it receives exactly the pieces of that part, from the
+trainer ranks that hold them. Per bucket of HF tensors (``bucket_bytes`` of full tensors, in Hub order), trainer
+rank 0 tells each engine which pieces each of its ranks expects from which trainer rank (``/update_weights_from_
+p2p``, our extension: ``pieces``, and ``tp_pieces`` per TP rank); meanwhile every trainer rank posts one send per
+piece, per engine rank, in plan order, and the engine ranks post the matching receives in the same order. Nothing
+is gathered: a trainer rank's link carries its shard bytes times the number of engines, and an engine rank
+receives its part only.
 
 The trainer side runs on every trainer rank: the strategy hands the trainer handle (``ShardSource``; the
 controller's ``RankedTrainer``, launch/trainer_ranks.py) one of three typed actions, :class:`JoinGroup`,
@@ -32,9 +36,18 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from miles_hpc.config import RunConfig
-from miles_hpc.planner.transfer import Box, EngineRank, ShardMap, Transfer, engine_layout, plan_transfers
+from miles_hpc.planner.transfer import (
+    Box,
+    EngineRank,
+    ShardMap,
+    Transfer,
+    engine_layout,
+    group_rank,
+    plan_transfers,
+    update_group_ranks,
+)
 from miles_hpc.rollout.client import EngineClient
-from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, verify_pieces
+from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, engine_tp_sizes, verify_pieces
 from miles_hpc.sync.strategies.base import GroupSyncSpec, Strategy, check_group_placement
 from miles_hpc.sync.wire.checksum import piece_key, tensor_checksum
 from miles_hpc.sync.wire.pg import Backend, GroupSpec, open_group
@@ -130,6 +143,7 @@ class P2PSync(Strategy):
         self._clients: list[EngineClient] = []
         self._joined = False
         self._pieces: dict[str, list[Box]] = {}  # boxes of the last push, for verify
+        self._tp, self._kv_heads = 1, None  # the engines' TP layout (read at connect)
 
     @property
     def clients(self) -> Sequence[EngineClient]:
@@ -141,8 +155,14 @@ class P2PSync(Strategy):
     async def connect(self, clients: Sequence[EngineClient]) -> None:
         await self.close()
         s, world = self.spec, self.trainer.world_size
+        tps = await engine_tp_sizes(clients)
+        if len(set(tps)) > 1:
+            raise WeightSyncError(f"p2p needs engines of one tp size; {[c.url for c in clients]} have {tps}")
+        self._tp = tps[0] if tps else 1
+        if self._tp > 1:  # each engine rank receives its own part: plan with the engines' own layout
+            self._kv_heads = (await clients[0].model_info()).get("layout_kv_heads")
         port = s.next_port()
-        size = world + len(clients)
+        size, offsets = update_group_ranks(tps, senders=world)
         join = JoinGroup(
             group_name=self.group_name,
             master_address=s.master_address,
@@ -154,9 +174,9 @@ class P2PSync(Strategy):
         )
         joins = [
             c.init_weights_update_group(
-                s.master_address, port, world + i, size, group_name=self.group_name, backend=s.backend
+                s.master_address, port, offset, size, group_name=self.group_name, backend=s.backend
             )
-            for i, c in enumerate(clients)
+            for c, offset in zip(clients, offsets, strict=True)
         ]
         results = await asyncio.gather(
             asyncio.to_thread(self.trainer.on_every_rank, join), *joins, return_exceptions=True
@@ -183,15 +203,20 @@ class P2PSync(Strategy):
         dtype = self._dtype(like)
         esize = torch.empty((), dtype=dtype).element_size()
         buckets = buckets_of(sm.shapes, esize, self.spec.bucket_bytes)
-        # Engines of tp size 1 each need every tensor whole: every replica expects the same pieces, so one
-        # engine's part of the plan serves all (computing it per replica would repeat the work E times).
-        layout = engine_layout(sm.shapes, 1, 1)
-        expected = _by_name(plan_transfers(sm.shapes, sm.layout, layout, esize, only=EngineRank(0, 0)))
+        # Every replica (engine) expects the same pieces, so one engine's part of the plan serves all (computing it
+        # per replica would repeat the work E times); a TP engine's rank r expects the pieces of its own part.
+        tp = self._tp
+        layout = engine_layout(sm.shapes, tp, 1, kv_heads=self._kv_heads)
+        expected = [
+            _by_name(plan_transfers(sm.shapes, sm.layout, layout, esize, only=EngineRank(0, r))) for r in range(tp)
+        ]
         action = PushShards(
             group_name=self.group_name,
             replicas=replicas,
             bucket_bytes=self.spec.bucket_bytes,
             dtype=str(dtype).removeprefix("torch."),
+            tp_size=tp,
+            kv_heads=self._kv_heads,
         )
         sending = asyncio.ensure_future(asyncio.to_thread(self.trainer.on_every_rank, action))
         failed: list[tuple[str, BaseException]] = []
@@ -200,15 +225,17 @@ class P2PSync(Strategy):
             for b, names in enumerate(buckets):
                 last = b == len(buckets) - 1
                 shapes = [list(sm.shapes[n]) for n in names]
+                per_rank = [[[_piece(t) for t in expected[r].get(n, ())] for r in range(tp)] for n in names]
                 calls = [
                     c.update_weights_from_p2p(
                         names,
                         [dtype_name] * len(names),
                         shapes,
-                        [[_piece(t) for t in expected[n]] for n in names],
+                        [ranks[0] for ranks in per_rank],
                         group_name=self.group_name,
                         weight_version=version if last else None,
                         flush_cache=last,
+                        tp_pieces=per_rank if tp > 1 else None,
                     )
                     for c in self._clients
                 ]
@@ -310,6 +337,8 @@ class PushShards:
     replicas: int
     bucket_bytes: int
     dtype: str  # the rollout dtype's torch name ("bfloat16")
+    tp_size: int = 1  # the engines' (each rank is sent its own part)
+    kv_heads: int | None = None  # their layout's KV heads (engine_layout's kv_heads)
 
     def __call__(self, trainer: RankView) -> RankResult:
         def run() -> RankResult:
@@ -324,6 +353,8 @@ class PushShards:
                 self.replicas,
                 self.bucket_bytes,
                 getattr(torch, self.dtype),
+                tp=self.tp_size,
+                kv_heads=self.kv_heads,
             )
             return RankResult(sums=sums)
 
@@ -359,12 +390,23 @@ def _leave(name: str, rank: int) -> None:
 
 
 def send_shards(
-    group: Any, sm: Any, rank: int, world: int, replicas: int, bucket_bytes: int, dtype: torch.dtype
+    group: Any,
+    sm: Any,
+    rank: int,
+    world: int,
+    replicas: int,
+    bucket_bytes: int,
+    dtype: torch.dtype,
+    *,
+    tp: int = 1,
+    kv_heads: int | None = None,
 ) -> dict[str, str]:
     """Post this rank's sends bucket by bucket (each bucket waited on before the next), hashing each held piece
-    in worker threads meanwhile; returns ``piece_key`` -> checksum of the pieces this rank holds."""
+    in worker threads meanwhile; returns ``piece_key`` -> checksum of the pieces this rank holds. Engines of TP
+    ``tp``: each engine rank is sent the pieces of its own part (group rank ``world + replica * tp + rank``)."""
     esize = torch.empty((), dtype=dtype).element_size()
-    plan = _by_name(plan_transfers(sm.shapes, sm.layout, engine_layout(sm.shapes, 1, replicas), esize, only=rank))
+    layout = engine_layout(sm.shapes, tp, replicas, kv_heads=kv_heads)
+    plan = _by_name(plan_transfers(sm.shapes, sm.layout, layout, esize, only=rank))
     sums: dict[str, Future[str]] = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
         for names in buckets_of(sm.shapes, esize, bucket_bytes):
@@ -378,7 +420,7 @@ def send_shards(
                 box = sm.layout[name][rank]
                 sums[piece_key(name, box.dims)] = pool.submit(tensor_checksum, src)
                 for t in plan.get(name, ()):
-                    sends.append((src[t.src_box.slices()].contiguous(), world + t.dst.replica))
+                    sends.append((src[t.src_box.slices()].contiguous(), group_rank(t.dst, world=world, tp_size=tp)))
             group.exchange(sends, [])
         return {k: f.result() for k, f in sums.items()}
 
