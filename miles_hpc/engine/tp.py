@@ -183,7 +183,7 @@ class TPShard:
         return apply_named(model, ((n, self.from_part(n, t)) for n, t in named))
 
     def part_shape(self, name: str, rank: int | None = None) -> tuple[int, ...]:
-        """The shape of rank `rank`'s box of tensor `name` (what it receives of it; () holds nothing)."""
+        """The shape of rank `rank`'s box of tensor `name` (what it receives of it; (0,): nothing)."""
         box = self.box(name, rank)
         return (0,) if box is None else box.shape
 
