@@ -60,6 +60,19 @@ class Server:
         return int(self.proc.returncode)
 
 
+def children_of(pid: int) -> list[int]:
+    """Child processes of `pid`, from /proc (no procps needed)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def start_server(model_dir: Path, workdir: Path, *args: str, timeout: float = 90.0) -> Server:
     """Start `miles-hpc serve` on a free port and wait for its rendezvous file (the launcher's contract)."""
     workdir.mkdir(parents=True, exist_ok=True)

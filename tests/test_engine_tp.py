@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import aiohttp
 import pytest
 import torch
 from engine_support import make_ckpt, run
-from server_fixtures import acall, start_server
+from server_fixtures import acall, children_of, start_server
 
 from miles_hpc.engine.config import EngineConfig
 from miles_hpc.engine.core import Engine, RequestError
@@ -217,11 +216,6 @@ def _model(arch: str, seed: int) -> CausalLM:
 
 
 # ---------------------------------------------------------------------- over HTTP, and a rank dying
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(x) for x in out]
-
-
 def _generate(url: str, ids: list[int]) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         async with aiohttp.ClientSession() as s:
@@ -262,14 +256,14 @@ def test_serve_tp2_over_http_and_a_dead_rank_ends_the_server(tmp_path: Path) -> 
         assert got["output_ids"] == want.output_ids and got["info"]["tp_size"] == 2
         lps = [x[0] for x in got["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(lps, want.output_logprobs, strict=True)) < 1e-4
-        (rank1,) = _children(server.proc.pid)
+        (rank1,) = children_of(server.proc.pid)
         os.kill(rank1, signal.SIGKILL)
         assert server.proc.wait(timeout=30) == 1
         assert "tensor-parallel rank 1 of this engine exited" in server.log_tail()
     finally:
         server.stop(signal.SIGKILL)
     server = start_server(ckpt, tmp_path / "s2", "--tp-size", "2")
-    (rank1,) = _children(server.proc.pid)
+    (rank1,) = children_of(server.proc.pid)
     server.stop(signal.SIGKILL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and os.path.exists(f"/proc/{rank1}") and _state(rank1) != "Z":

@@ -76,16 +76,16 @@ def test_a_killed_tensor_parallel_rank_takes_its_engine_out_until_restarted(tmp_
     """Engines of TP 2: SIGKILL to rank 1 of engine 0 (a process of its own) ends that engine's server (exit 1: it
     cannot serve half a model); it is restarted whole, caught up and re-admitted while the other engine serves;
     nothing is lost or stored twice, no rank is left behind."""
-    import subprocess
+    from server_fixtures import children_of
 
     run_dir = tmp_path / "run"
     proc = start(run_dir, "steps=8", "rollout.num_engines=2", "rollout.engine_tp=2", "rollout.max_new_tokens=24")
     try:
         wait_for("step 2", lambda: len(steps_logged(run_dir)) >= 2, proc=proc)
         server = engine_pids(run_dir)[0]
-        ranks = subprocess.run(["pgrep", "-P", str(server)], capture_output=True, text=True).stdout.split()
+        ranks = children_of(server)
         assert len(ranks) == 1, ranks
-        os.kill(int(ranks[0]), signal.SIGKILL)
+        os.kill(ranks[0], signal.SIGKILL)
         assert proc.wait(timeout=300) == 0, output(run_dir)[-4000:]
     finally:
         if proc.poll() is None:
