@@ -171,6 +171,12 @@ class WeightReceiver:
             for r, ps in enumerate(ranks):
                 _check_cover(name, shard.part_shape(name, r), [dims for _, dims in ps])
         group = self._group(group_name)
+        for name, ranks in zip(names, tp_pieces, strict=True):  # before any rank posts a receive
+            bad = [src for ps in ranks for src, _ in ps if not 0 <= src < group.world_size]
+            if bad:
+                raise ValueError(
+                    f"tensor {name!r}: piece from rank {bad[0]}, outside the {group.world_size}-rank group"
+                )
         self._tp.receive_parts(group_name, names, dtypes, tp_pieces)
         mine = [ranks[0] for ranks in tp_pieces]
         return receive_into(group, names, dtypes, [shard.part_shape(n) for n in names], mine)
