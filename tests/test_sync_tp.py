@@ -61,12 +61,8 @@ def _weights(ckpt: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
     return [(n, t.clone()) for n, t in iter_hf_tensors(model)]
 
 
-@pytest.mark.process
-def test_broadcast_into_two_tp2_engines(tmp_path: Path) -> None:
-    """Two `miles-hpc serve --tp-size 2` engines (a MoE model) join one 5-rank gloo group; a push in many buckets
-    reaches every rank; checksums verify; both engines then generate what a TP 1 engine with those weights does."""
-    ckpt = make_ckpt(tmp_path / "m", "qwen3_moe", 0)
-    w = _weights(ckpt, 1)
+def _tp1_greedy(ckpt: Path, w: list[tuple[str, torch.Tensor]]) -> tuple[GenerateRequest, list[int]]:
+    """A greedy request and what a TP 1 engine holding weights `w` answers it (the reference for TP engines)."""
     ref = Engine.from_pretrained(str(ckpt), EngineConfig(dtype="float32", max_total_tokens=4096))
     ref.update_weights(w, version="1")
     req = GenerateRequest(
@@ -74,6 +70,16 @@ def test_broadcast_into_two_tp2_engines(tmp_path: Path) -> None:
     )
     want = run(ref, req)["x"].output_ids
     ref.shutdown()
+    return req, want
+
+
+@pytest.mark.process
+def test_broadcast_into_two_tp2_engines(tmp_path: Path) -> None:
+    """Two `miles-hpc serve --tp-size 2` engines (a MoE model) join one 5-rank gloo group; a push in many buckets
+    reaches every rank; checksums verify; both engines then generate what a TP 1 engine with those weights does."""
+    ckpt = make_ckpt(tmp_path / "m", "qwen3_moe", 0)
+    w = _weights(ckpt, 1)
+    req, want = _tp1_greedy(ckpt, w)
     servers = [start_server(ckpt, tmp_path / f"s{i}", "--tp-size", "2", "--dtype", "float32") for i in range(2)]
     try:
 
@@ -205,13 +211,7 @@ def test_p2p_resharded_into_tp2_engines(arch: str, tmp_path: Path) -> None:
 
     ckpt = make_ckpt(tmp_path / "m", arch, 0)
     w = _weights(ckpt, 1)
-    ref = Engine.from_pretrained(str(ckpt), EngineConfig(dtype="float32", max_total_tokens=4096))
-    ref.update_weights(w, version="1")
-    req = GenerateRequest(
-        rid="x", input_ids=tuple(range(30, 60)), sampling=SamplingParams(max_new_tokens=8, temperature=0.0)
-    )
-    want = run(ref, req)["x"].output_ids
-    ref.shutdown()
+    req, want = _tp1_greedy(ckpt, w)
     servers = [start_server(ckpt, tmp_path / f"s{i}", "--tp-size", "2", "--dtype", "float32") for i in range(2)]
     world = ThreadedRanks(w, 2)
     try:
