@@ -211,9 +211,11 @@ def test_demo_config_learns(tmp_path: Path) -> None:
     assert last - first >= 0.15, (first, last)
 
 
-# LoRA RL on the tiny echo model learns slowly next to full fine-tuning (measured, docs/lora.md): 150 steps, and a
-# rise of the mean reward of the last 30 steps over the first 30 (about +0.1 measured; the bar leaves room for noise).
-LORA_STEPS, LORA_GAIN = 150, 0.05
+# LoRA RL on the tiny echo model (measured, docs/lora.md): sampled at temperature 0.6, 150 steps raise the mean
+# reward of the last 30 steps over the first 30 by about +0.2 (the bar leaves room for noise: a step's reward has a
+# standard deviation of ~0.06). At temperature 1.0 the rise is ~+0.04, too close to the noise for a test: the tiny
+# model's frozen tied embeddings and final norm bound how sharp its logits can get, which a cooler sampler offsets.
+LORA_STEPS, LORA_GAIN, LORA_TEMP = 150, 0.1, 0.6
 
 
 @pytest.mark.slow
@@ -238,7 +240,7 @@ def test_lora_rl_learns_and_moves_only_the_adapter(tmp_path: Path) -> None:
     cli("run", str(echo), f"run_dir={tmp_path / 'base'}", "steps=1")  # 60 warm-up steps, full fine-tuning
     cli("export", str(tmp_path / "base"), str(tmp_path / "base_hf"))
     run_dir = tmp_path / "lora"
-    lora = ["lora.rank=32", "lora.alpha=128", "sync.strategy=lora", "train.lr=1e-3"]
+    lora = ["lora.rank=32", "lora.alpha=128", "sync.strategy=lora", "train.lr=1e-3", f"rollout.temperature={LORA_TEMP}"]
     cli(
         "run",
         str(echo),
