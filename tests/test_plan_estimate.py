@@ -312,6 +312,7 @@ def test_arithmetic_by_hand() -> None:
     assert d["bytes_gb"] == pytest.approx(236 / gb) and d["transfer_s"] == pytest.approx(236 / gb)
     assert d["encode_s"] == pytest.approx(236 / gb) and d["decode_s"] == pytest.approx(236 / gb)  # 472 B at 2 GB/s
     assert d["seconds"] == pytest.approx(708 / gb) and d["encode_rank0_s"] == pytest.approx(472 / gb)
+    assert d["decode_rank0_s"] == pytest.approx(236 / gb)  # the whole 472 B at 2 GB/s
     # a codec at v GB/s matches broadcast when (236 + 472) / v + 236 = 472 (ns): v = 3 GB/s
     assert d["breakeven_codec_gbps"] == pytest.approx(3.0)
     mem = r["memory"]

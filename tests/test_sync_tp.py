@@ -111,7 +111,7 @@ def test_broadcast_into_two_tp2_engines(tmp_path: Path) -> None:
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("strategy", ["broadcast", "p2p", "colocated"])
+@pytest.mark.parametrize("strategy", ["broadcast", "p2p", "delta", "colocated"])
 def test_run_with_two_tp2_engines(strategy: str, tmp_path: Path) -> None:
     """`miles-hpc run` with 2 trainer ranks and 2 engines of TP 2 on CPU: every version reaches (and is verified on)
     both engines (p2p: each engine rank receives its own part from the trainer ranks); the trainer's log-probs of
@@ -124,6 +124,12 @@ def test_run_with_two_tp2_engines(strategy: str, tmp_path: Path) -> None:
     assert all(r["mismatch/max_abs_logprob_diff"] < 1e-4 for r in m)
     for i in range(2):
         assert "tensor-parallel: 2 ranks" in (run_dir / "logs" / f"engine-{i}.log").read_text()
+    if strategy == "delta":  # the second version went as a delta against the first, not in full
+        from miles_hpc.sync.codec.delta_manifest import read_manifest
+
+        m2 = read_manifest(run_dir / "weights" / "v2")
+        assert m2.base_version == "1" and "delta" in {e.kind for e in m2.tensors}
+        assert not (run_dir / "weights" / "v2" / "full").exists()
 
 
 def test_embedded_tp_refusals_name_the_key() -> None:
@@ -132,9 +138,8 @@ def test_embedded_tp_refusals_name_the_key() -> None:
     from miles_hpc.sync.factory import strategy_class
 
     base = REPO / "configs/tiny_cpu.yaml"
-    for strategy in ("delta", "lora"):
-        with pytest.raises(ConfigError, match=f"sync.strategy.*{strategy} into rollout.engine_tp=2"):
-            load_config(base, [f"sync.strategy={strategy}", "rollout.engine_tp=2", "lora.rank=4"])
+    with pytest.raises(ConfigError, match="sync.strategy.*lora into rollout.engine_tp=2"):
+        load_config(base, ["sync.strategy=lora", "rollout.engine_tp=2", "lora.rank=4"])
     with pytest.raises(ConfigError, match="zero_kl.*tp size 1"):
         load_config(base, ["zero_kl=true", "rollout.engine_tp=2"])
     assert strategy_class(load_config(base, ["sync.strategy=p2p", "rollout.engine_tp=2"])).name == "p2p"
@@ -245,3 +250,69 @@ def test_p2p_resharded_into_tp2_engines(arch: str, tmp_path: Path) -> None:
     assert all(b < 0.75 * whole for b in to_rank.values()), (to_rank, whole)
     sent = {s: sum(b for (src, _), b in per_link.items() if src == s) for s in range(2)}
     assert sum(sent.values()) < 2 * 2 * whole * 0.75  # not every element to every engine rank
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("arch,grouped", [("qwen3", False), ("qwen3_moe", True)])
+def test_delta_into_a_tp2_engine(arch: str, grouped: bool, tmp_path: Path) -> None:
+    """The delta strategy's files applied by an engine of TP 2 (`delta_receiver`: the base gathered whole from its
+    ranks, decoded on rank 0, each rank keeping its part) hold exactly the trainer's bits on every rank, as at TP 1;
+    tensor by tensor (the tied qwen3: its LM head decoded against the embedding) and as one group (experts). A rank
+    whose part is not the base the delta was coded against fails the tensor's checksum, named, before anything of
+    the group is applied."""
+    from sync_support import tiny_model
+    from test_sync_delta import step
+
+    from miles_hpc.engine.delta_receiver import apply_version
+    from miles_hpc.engine.validate import RequestError
+    from miles_hpc.sync.strategies.delta import DeltaSpec, DeltaSync
+
+    ckpt = Path(tiny_model()) if arch == "qwen3" else make_ckpt(tmp_path / "m", arch, 0)
+    w1 = [(n, t.to(torch.bfloat16)) for n, t in _weights(ckpt, 1)]
+    w2 = step(w1, seed=2)
+    sync = DeltaSync(
+        DeltaSpec(
+            run_dir=tmp_path / "run",
+            rollout_dtype=torch.bfloat16,
+            keep_versions=3,
+            group_bytes=1 << 30 if grouped else 1,
+        )
+    )
+    staged = []
+    for version, w in (("1", w1), ("2", w2), ("3", step(w2, seed=3))):
+        staged.append(asyncio.run(sync.stage(iter(w), version, full=False)))
+        sync.commit(staged[-1])
+    assert staged[1].manifest is not None and "delta" in {e.kind for e in staged[1].manifest.tensors}
+    engines = [
+        Engine.from_pretrained(str(ckpt), EngineConfig(dtype="bfloat16", max_total_tokens=1024, tp_size=tp))
+        for tp in (2, 1)
+    ]
+    try:
+        for e in engines:
+            for base, s in zip((None, "1"), staged[:2]):
+                apply_version(e, s.directory, base_version=base, weight_version=None, flush_cache=True)
+            assert e.weight_version == "2"
+            assert {k: v for k, v in e.checksums().items() if k in staged[1].checksums} == staged[1].checksums
+        tp = engines[0]
+        whole = tp.whole_weights([n for n, _ in w2])
+        assert set(whole) == {n for n, _ in w2} and all(torch.equal(whole[n], t) for n, t in w2)
+        # Rank 1 alone gets other values for a tensor the next delta changes; the engine still says version "2".
+        delta3 = [e.name for e in staged[2].manifest.tensors if e.kind == "delta"]  # type: ignore[union-attr]
+        for pattern, error in (("norm", "tensor-parallel ranks disagree"), ("q_proj", "checksum mismatch")):
+            bad = next(n for n in delta3 if pattern in n)
+            _rank1_only(tp, bad, (dict(w2)[bad].float() + 1.0).to(torch.bfloat16))
+            with pytest.raises(RequestError, match=rf"tensor '{bad}'.*{error}"):
+                apply_version(tp, staged[2].directory, base_version="2", weight_version=None, flush_cache=True)
+            tp.update_weights([(bad, dict(w2)[bad])], version="2")  # every rank right again
+    finally:
+        for e in engines:
+            e.shutdown()
+
+
+def _rank1_only(engine: Engine, name: str, value: torch.Tensor) -> None:
+    """Write whole tensor `value` of `name` into rank 1 of a TP 2 engine only: every rank takes it (the broadcast),
+    then rank 0 puts its old part back."""
+    assert engine.tp is not None
+    old = engine.whole_weights([name])[name]
+    engine.tp.apply(engine.model, [(name, value)])
+    engine.tp.shard.apply(engine.model, [(name, old)])

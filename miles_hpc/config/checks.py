@@ -15,7 +15,7 @@ DSA_ARCHS = ("glm_moe_dsa", "deepseek_v32")  # DeepSeek sparse attention (an ind
 
 def embedded_engines(cfg: RunConfig) -> None:
     """What our embedded engines (engine/tp.py) do not do yet, by key: span nodes, expert parallelism, and with TP
-    > 1 the delta and LoRA syncs and zero-KL mode."""
+    > 1 the LoRA sync and zero-KL mode."""
     r = cfg.rollout
     _require(r.engine_nodes == 1, "rollout.engine_nodes", "embedded engines run on one node (SGLang's span nodes)")
     _require(r.engine_ep == 1, "rollout.engine_ep", "embedded engines have no expert parallelism (SGLang's do)")
@@ -23,9 +23,10 @@ def embedded_engines(cfg: RunConfig) -> None:
         return
     tp = f"rollout.engine_tp={r.engine_tp} (embedded engines)"
     _require(
-        cfg.sync.strategy not in ("delta", "lora"),
+        cfg.sync.strategy != "lora",
         "sync.strategy",
-        f"{cfg.sync.strategy} into {tp} is not built yet (broadcast, p2p, colocated are)",
+        f"lora into {tp} is not built yet (tensor-parallel engines serve no adapters; broadcast, p2p, delta and "
+        "colocated sync full weights into them)",
     )
     _require(not cfg.zero_kl, "zero_kl", f"zero-KL mode runs on engines of tp size 1, not {tp}")
 

@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from miles_hpc.models import CausalLM, ModelConfig, load_pretrained, read_config
+from miles_hpc.models import CausalLM, ModelConfig, iter_hf_tensors, load_pretrained, read_config
 from miles_hpc.models.batch_invariant import make_batch_invariant
 from miles_hpc.sync.wire.checksum import tensor_checksums
 
@@ -457,6 +457,15 @@ class Engine:
             if self.tp is not None:  # every rank's part, assembled (tp.py)
                 return tensor_checksums(self.tp.gather(self.model))
             return checksums(self.model)
+
+    def whole_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """HF name -> the whole tensor the engine holds now, for each of `names` the model has (Hub per-expert
+        layout; a tensor-parallel engine's ranks' parts assembled on the CPU, tp.py; TP 1: copies)."""
+        with self._between_steps():
+            if self.tp is not None:
+                return dict(self.tp.gather(self.model, names))
+            keep = set(names)
+            return {n: t.detach().clone() for n, t in iter_hf_tensors(self.model) if n in keep}
 
     def piece_checksums(self, boxes: dict[str, list[list[int]]]) -> dict[str, str]:
         """`sync.wire.checksum.piece_key` -> checksum of each box (``[lo0, hi0, lo1, hi1, ...]``) of each HF tensor."""

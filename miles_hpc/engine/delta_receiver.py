@@ -100,22 +100,45 @@ def apply_version(
 
 
 def _targets(engine: Engine, m: Manifest, directory: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """(HF name -> the view of the model's parameter it fills, names to decode but not apply); checks names, shapes
-    and delta dtypes."""
+    """(HF name -> the engine's current value it is decoded against, names to decode but not apply); checks names,
+    shapes and delta dtypes. TP 1: views of the model's parameters. A tensor-parallel engine: the whole tensors its
+    ranks hold, gathered on rank 0's CPU (the codec's context classes span the whole tensor, so no rank can decode
+    its part alone); "full" entries, which need no base, get a shape-only (meta) stand-in."""
     model = engine.model
-    params = dict(model.named_parameters())
+    tied = model.config.tie_word_embeddings
+    skip = {e.name for e in m.tensors if tied and e.name == "lm_head.weight"}
+    # The tied LM head is the embedding itself, which loading and every other update skip; a group that holds it
+    # still needs its current values (the embedding's) to decode against.
+    held_as = {e.name: "model.embed_tokens.weight" if e.name in skip else e.name for e in m.tensors}
+    if engine.tp is None:
+        params = dict(model.named_parameters())
+
+        def lookup(name: str) -> torch.Tensor:
+            return hf_target(model, name, params)
+    else:
+        shapes = engine.tp.shard.shapes
+        wanted = {held_as[e.name] for e in m.tensors if e.kind != "full" and held_as[e.name] in shapes}
+        whole = engine.whole_weights(wanted)
+        dtype = next(model.parameters()).dtype
+
+        def lookup(name: str) -> torch.Tensor:
+            if name not in shapes:
+                raise KeyError(name)
+            if name not in whole:
+                return torch.empty(shapes[name], dtype=dtype, device="meta")
+            if tuple(whole[name].shape) != shapes[name]:  # tp.py's assembly found the ranks' copies differ
+                raise RequestError(
+                    f"tensor {name!r} of {directory}: this engine's tensor-parallel ranks disagree on its values "
+                    "(a replicated tensor or a padding differs between ranks): a delta cannot apply; it needs the "
+                    "full tensors"
+                )
+            return whole[name]
+
     out: dict[str, torch.Tensor] = {}
-    skip: set[str] = set()
     for e in m.tensors:
         where = f"tensor {e.name!r} of {directory}"
-        name = e.name
-        if model.config.tie_word_embeddings and e.name == "lm_head.weight":
-            # The embedding itself, which loading and every other update skip; a group that holds it still needs
-            # its current values (the embedding's) to decode against.
-            skip.add(e.name)
-            name = "model.embed_tokens.weight"
         try:
-            target = hf_target(model, name, params)
+            target = lookup(held_as[e.name])
         except KeyError:
             raise RequestError(f"{where}: no such tensor in this {model.config.model_type} model") from None
         if tuple(target.shape) != e.shape:
@@ -147,7 +170,7 @@ def _decoded(directory: Path, m: Manifest, targets: dict[str, torch.Tensor]) -> 
 def _decode(directory: Path, e: Entry, target: torch.Tensor) -> torch.Tensor:
     payload = read_payload(directory, e)
     # "full" needs no base: decode against an empty tensor of its own dtype (update_weights casts it).
-    old = target if e.kind != "full" else torch.empty(e.shape, dtype=getattr(torch, e.dtype), device=target.device)
+    old = target if e.kind != "full" else torch.empty(e.shape, dtype=getattr(torch, e.dtype), device=_real(target))
     try:
         return decode(old, payload)
     except DeltaError as err:
@@ -172,7 +195,7 @@ def _decode_group(
     payload = read_payload(directory, first)
     if payload.shape != (at,):
         raise RequestError(f"{where}: the group's tensors hold {at} values, its payload {payload.shape}")
-    dtype, device = getattr(torch, payload.dtype), targets[first.name].device
+    dtype, device = getattr(torch, payload.dtype), _real(targets[first.name])
     if payload.kind == "full":
         old = torch.empty(at, dtype=dtype, device=device)
     else:
@@ -191,3 +214,8 @@ def _decode_group(
                 "tensor is not the one the delta was made against)"
             )
     yield from news
+
+
+def _real(t: torch.Tensor) -> torch.device:
+    """Where to decode next to `t`: its device, the CPU for a shape-only (meta) stand-in."""
+    return torch.device("cpu") if t.device.type == "meta" else t.device

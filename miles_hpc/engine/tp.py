@@ -17,7 +17,9 @@ plain values and tensors), and for the model's collectives the same group on CPU
 Invariants:
 - Messages go out only from rank 0, under its engine's step lock (one step or control call at a time), and every
   rank handles them in order: a step, a tensor of a weight update, a gather of the weights, stop.
-- Weight updates arrive whole at rank 0 (disk, tensor routes) and are broadcast; each rank keeps its box.
+- Weight updates arrive whole at rank 0 (disk, tensor, delta routes) and are broadcast; each rank keeps its box. A
+  delta is decoded on rank 0 against the whole tensors gathered from the ranks (the codec's classes span the whole
+  tensor), then broadcast as any whole tensor.
 - A rank that dies takes the engine down: rank 0's next collective fails (the run's supervisor restarts the
   engine); ranks die with rank 0 (`cluster.lease.watch_parent`) and when it stops them.
 """
@@ -318,12 +320,14 @@ class TPDriver:
             if self.dead_rank() is None:
                 self.comm.send({"op": "destroy_group", "group_name": group_name})
 
-    def gather(self, model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, whole tensor) of the weights every rank holds now, in the Hub layout."""
+    def gather(self, model: CausalLM, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, whole tensor) of the weights every rank holds now, in the Hub layout: every one, or those
+        `names` lists (in the model's order; a name the model lacks is skipped)."""
+        wanted = None if names is None else sorted(set(names))
         with self._lock:
             self._alive()
-            self.comm.send({"op": "gather"})
-            for name, t in iter_hf_tensors(model):
+            self.comm.send({"op": "gather", "names": wanted})
+            for name, t in _selected(model, wanted):
                 parts = self.comm.control.all_gather(t.detach().to("cpu").contiguous())
                 whole = self.shard.assemble(name, parts)
                 if whole is None:  # no checksum can match: the ranks' copies differ
@@ -373,6 +377,12 @@ class TPDriver:
         msg = self.dead_rank()
         if msg is not None:
             raise RuntimeError(msg)
+
+
+def _selected(model: CausalLM, names: list[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's HF tensors, or those `names` lists (the same order on every rank: the model's)."""
+    keep = None if names is None else set(names)
+    return ((n, t) for n, t in iter_hf_tensors(model) if keep is None or n in keep)
 
 
 def _fields(inputs: Any) -> dict[str, Any]:
@@ -522,7 +532,7 @@ def _weights_op(
         comm.control.broadcast(t, src=0)
         _apply_logged(shard, model, [(msg["name"], t)])
     elif op == "gather":
-        for _, t in iter_hf_tensors(model):
+        for _, t in _selected(model, msg.get("names")):
             comm.control.all_gather(t.detach().to("cpu").contiguous())
     elif op == "join":
         spec = dataclasses.replace(GroupSpec(**msg), rank=msg["rank"] + rank)

@@ -256,8 +256,9 @@ def assumptions(c: Cluster, cfg: Mapping[str, Any] | None = None, batch: TrainBa
             f"delta: {c.delta_ratio:g} of the full bytes (measured for bf16 at lr 1e-6 on a 25M model: larger "
             f"steps change more); encode {c.encode_gbps:g} GB/s and decode {c.decode_gbps:g} GB/s per process "
             "(measured on one CPU thread; GPU not measured); each trainer rank encodes its own shard and each "
-            "engine rank decodes its slice, in parallel (today's delta strategy encodes on trainer rank 0: see "
-            "encode_rank0_s); the delta moves like a broadcast; encode, transfer and decode do not overlap; "
+            "engine rank decodes its slice, in parallel (today's delta strategy encodes on trainer rank 0 and "
+            "decodes whole tensors on each engine's rank 0: see encode_rank0_s, decode_rank0_s); the delta moves "
+            "like a broadcast; encode, transfer and decode do not overlap; "
             "breakeven_codec_gbps is the codec speed (encode = decode) at which delta would match broadcast"
         ),
         (
@@ -401,6 +402,7 @@ def estimate(
             "decode_s": decode_s,
             "seconds": encode_s + delta / bw + decode_s,
             "encode_rank0_s": full / (c.encode_gbps * gb),
+            "decode_rank0_s": full / (c.decode_gbps * gb),
             "breakeven_codec_gbps": coded / spare / gb if spare > 0 else None,  # None: no codec speed is enough
         },
     }
@@ -491,7 +493,11 @@ def format_table(report: Mapping[str, Any]) -> str:
         ("sync: broadcast", f"{_secs(bc['seconds']):>10}  ({_gb(bc['bytes_gb'])} over rank 0's link)"),
         ("sync: p2p", f"{_secs(p2p['seconds']):>10}  (busiest link {busiest}; {_gb(p2p['total_gb'])} in all)"),
         ("sync: delta", f"{_secs(d['seconds']):>10}  ({_gb(d['bytes_gb'])}: {wire} + {codec})"),
-        ("  delta codec", f"on rank 0 alone: encode {_secs(d['encode_rank0_s'])}; {breakeven} would match broadcast"),
+        (
+            "  delta codec",
+            f"on rank 0 alone: encode {_secs(d['encode_rank0_s'])}, decode {_secs(d['decode_rank0_s'])}; "
+            f"{breakeven} would match broadcast",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
