@@ -122,52 +122,14 @@ def need_command():
 
 
 def megatron_cpu_shims() -> None:
-    """Test-only: let megatron-core's forward run on a CPU-only torch. It calls CUDA-only helpers, none of which
-    does anything a CPU run needs: `torch.cuda.current_device()` (the device of its global memory buffer, of
-    RoPE's inverse frequencies and of the MoE router's weight: here the CPU), the CUDA RNG tracker's `fork`
-    (dropout under tensor parallelism; our configs have none), the MoE dispatcher's side stream, and the pipeline
-    schedule's device syncs and "cuda" tensors. Library code
-    never patches these (`train/megatron.py`)."""
-    import contextlib
-    import types
-
+    """Let megatron-core's forward run in a CPU-only test process: the library's own CPU mode
+    (`train/mcore_cpu.py`, what `miles-hpc run` uses with `train.device=cpu`); a no-op where CUDA is available."""
     import torch
-    from megatron.core.tensor_parallel import random as mrandom
-
-    import miles_hpc.train.mcore_model  # noqa: F401  (its import-time fixes for megatron-core 0.16 without TE)
 
     if torch.cuda.is_available():
+        import miles_hpc.train.mcore_model  # noqa: F401  (its import-time fixes for megatron-core 0.16 without TE)
+
         return
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # type: ignore[method-assign]
-    # The MoE all-to-all dispatcher moves its split sizes to the host on a side CUDA stream: one stand-in stream
-    # that is also the current one makes that a plain copy (the tensors are on the CPU already).
-    done = types.SimpleNamespace(synchronize=lambda: None)
-    stream = types.SimpleNamespace(
-        wait_stream=lambda other: None, synchronize=lambda: None, record_event=lambda *args: done
-    )
-    torch.cuda.Stream = lambda *args, **kwargs: stream  # type: ignore[assignment,misc]
-    torch.cuda.current_stream = lambda *args, **kwargs: stream  # type: ignore[assignment]
-    torch.cuda.stream = lambda s: contextlib.nullcontext()  # type: ignore[assignment]
-    # ... and converts them to numpy only when they come from a GPU; all_to_all_single wants sequences.
-    from megatron.core.transformer.moe import token_dispatcher
+    from miles_hpc.train import mcore_cpu
 
-    def to_host(tensor, as_numpy=False, record_stream=False):  # noqa: ANN001, ANN202
-        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
-
-    token_dispatcher.maybe_move_tensor_to_cpu = to_host
-    # Pipeline stages: the schedule counts tokens in a tensor it makes on "cuda", the p2p exchange synchronises the
-    # device after its batched sends, and the tied embedding's first sync moves the weight with `.cuda()`.
-    from megatron.core.pipeline_parallel import schedules
-
-    class _CpuTorch(types.ModuleType):
-        def __getattr__(self, name: str):  # noqa: ANN204
-            return getattr(torch, name)
-
-        @staticmethod
-        def zeros(*args, device=None, **kwargs):  # noqa: ANN001, ANN205
-            return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
-
-    schedules.torch = _CpuTorch("torch")
-    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    mcore_cpu.enable()

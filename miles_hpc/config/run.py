@@ -562,6 +562,12 @@ class RunConfig:
             "train.indexer_loss_coef",
             "with LoRA the indexer is frozen with the base weights (no adapter on it): the loss would train nothing",
         )
+        _require(
+            self.train.backend != "megatron" or self.train.device == "cuda" or not self.megatron.distributed_optimizer,
+            "megatron.distributed_optimizer",
+            "megatron's distributed optimizer is CUDA-only: set megatron.distributed_optimizer=false with "
+            f"train.device={self.train.device} (torch's AdamW then steps on megatron's reduced gradients)",
+        )
         if self.zero_kl:
             checks.zero_kl(self)
         if self.rollout.backend == "embedded":

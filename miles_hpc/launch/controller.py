@@ -29,11 +29,6 @@ if TYPE_CHECKING:  # imported where used, as the functions below do: importing t
 def build_trainer(cfg: RunConfig, model_dir: Path) -> Any:
     total_steps = cfg.steps * cfg.train.updates_per_step
     if cfg.train.backend == "megatron":
-        if cfg.train.device != "cuda":
-            raise ValueError(
-                "train.backend=megatron runs on GPUs (megatron-core's forward, optimizer and checkpoints "
-                "are CUDA-only): set train.device=cuda, or use train.backend=fsdp on the CPU"
-            )
         from miles_hpc.train.megatron import MegatronTrainer
 
         return MegatronTrainer(
