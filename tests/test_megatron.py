@@ -219,6 +219,8 @@ def _free_port() -> int:
         ("qwen3_moe", {"norm_topk_prob": False}, 1, 2),
         ("glm4_moe", {}, 1, 1),
         ("glm4_moe", {}, 1, 2),
+        ("qwen3_moe", {}, 2, 1),  # MoE under TP: megatron's sequence parallelism, the row padded to a multiple of 2
+        ("glm4_moe", {}, 2, 2),
     ],
 )
 @pytest.mark.process
@@ -297,6 +299,8 @@ def tiny_glm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (2, 1, 1, 2, "qwen3"),
         (4, 2, 1, 2, "qwen3"),
         (4, 1, 2, 2, "qwen3_moe"),
+        (2, 2, 1, 1, "qwen3_moe"),  # MoE under TP: sequence parallelism, experts whole on both TP ranks
+        (4, 2, 2, 1, "glm4_moe"),  # TP 2 x EP 2 (2 data-parallel ranks)
     ],
 )
 @pytest.mark.process
@@ -385,17 +389,18 @@ def _compare_step_with_fsdp(
     return got["metrics"]
 
 
-@pytest.mark.parametrize("world_size,ep,pp", [(1, 1, 1), (2, 2, 1), (2, 1, 2)])
+@pytest.mark.parametrize("world_size,tp,ep,pp", [(1, 1, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (2, 2, 1, 1), (4, 2, 2, 1)])
 @pytest.mark.process
 def test_r3_replays_recorded_experts_like_fsdp(
-    world: None, tiny_moe_model: Path, tmp_path: Path, world_size: int, ep: int, pp: int
+    world: None, tiny_moe_model: Path, tmp_path: Path, world_size: int, tp: int, ep: int, pp: int
 ) -> None:
     """R3 in megatron (its router-replay hook, recorded ids where there are records, the live top-k elsewhere) and
     in our model give the same step; the records, mostly unlike the router's own choice, cover all but the last
     rows of each sample. With pipeline stages each stage replays its own layers' records (the records' layer axis
-    counts the MoE layers of earlier stages)."""
+    counts the MoE layers of earlier stages); under TP (sequence parallelism) each TP rank replays the records of
+    its chunk of the padded row, and the statistics add up over the TP ranks without the padding."""
     metrics = _compare_step_with_fsdp(
-        tiny_moe_model, tmp_path, world_size, 1, False, "cpu", atol=1e-5, ep=ep, r3=True, pp=pp
+        tiny_moe_model, tmp_path, world_size, tp, False, "cpu", atol=1e-5, ep=ep, r3=True, pp=pp
     )
     ref = run_fsdp_once(str(tiny_moe_model), r3=True)["metrics"]
     for key in ("r3/coverage", "r3/topk_agreement"):
@@ -459,13 +464,52 @@ def run_fsdp_once(model_dir: str, r3: bool = False, indexer_loss: float = 0.0) -
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_run_refuses_megatron_where_it_cannot_run(tmp_path: Path) -> None:
-    from miles_hpc.config import load_config
-    from miles_hpc.launch.controller import build_trainer
+def test_megatron_on_the_cpu_needs_the_plain_optimizer() -> None:
+    from miles_hpc.config import ConfigError, load_config
 
-    cfg = load_config(REPO / "configs/tiny_cpu.yaml", ["train.backend=megatron"])
-    with pytest.raises(ValueError, match="megatron runs on GPUs.*train.device=cuda"):
-        build_trainer(cfg, tmp_path)
+    with pytest.raises(ConfigError, match="megatron.distributed_optimizer.*CUDA-only"):
+        load_config(REPO / "configs/tiny_cpu.yaml", ["train.backend=megatron"])
+    cfg = load_config(
+        REPO / "configs/tiny_cpu.yaml", ["train.backend=megatron", "megatron.distributed_optimizer=false"]
+    )
+    assert cfg.train.device == "cpu" and not cfg.megatron.distributed_optimizer
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_megatron_runs_in_miles_hpc_run_on_the_cpu(tmp_path: Path) -> None:
+    """`miles-hpc run` with the megatron trainer on the CPU (train/mcore_cpu.py): GLM-5 tiny (MLA, DSA indexers,
+    MoE with R3, the indexer loss) at EP 2 over two gloo ranks, broadcast sync verified by checksums, megatron's
+    dist checkpoint written, and a second run resumes from it."""
+    import json
+
+    run_dir = tmp_path / "run"
+    argv = [
+        str(REPO / "configs/tiny_dsa_cpu.yaml"),
+        f"run_dir={run_dir}",
+        "train.backend=megatron",
+        "megatron.distributed_optimizer=false",
+        "megatron.expert_parallel=2",
+        "train.sft_warmup_steps=2",
+        "train.checkpoint_interval=2",
+    ]
+    for steps in (2, 3):
+        proc = subprocess.run(
+            [sys.executable, "-m", "miles_hpc.cli", "run", *argv, f"steps={steps}"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=REPO,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout + proc.stderr
+    m = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in m] == [0, 1, 2] and [r["weight_version"] for r in m] == [1, 2, 3]
+    assert all(r["sync/engines"] == 1 and math.isfinite(r["loss"]) for r in m)
+    assert all(r["r3/coverage"] > 0.5 and math.isfinite(r["dsa/indexer_kl"]) for r in m)
+    meta = json.loads((run_dir / "checkpoints" / "step_2" / "meta.json").read_text())
+    assert meta["backend"] == "megatron"
+    assert (run_dir / "checkpoints" / "step_2" / "mcore").is_dir()
 
 
 def test_a_checkpoint_names_its_backend(world: None, tiny_model: Path, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ try:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -133,11 +136,15 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
     moe: dict[str, Any] = {}
     # (a deepseek_v3 config may have experts configured and only dense layers; MTP layers count: they are built)
     if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers)):
-        if tp > 1:
+        if tp > 1 and cfg.is_mla:
             raise NotImplementedError(
-                "megatron backend: MoE with megatron.tensor_parallel > 1 needs megatron's "
-                "sequence parallelism, not wired yet; split the experts with expert_parallel"
+                "megatron backend: an MLA MoE model with megatron.tensor_parallel > 1 (sequence parallelism through "
+                "MLA and the DSA indexer) is not wired yet; split the experts with expert_parallel"
             )
+        # megatron runs MoE under TP with sequence parallelism only: each TP rank holds T / tp tokens between the
+        # attention and MLP blocks (the packed row is padded to a multiple of tp: `packed_logits`), and routes and
+        # dispatches those; the experts are whole on each TP rank (expert TP 1), split by expert_parallel.
+        sequence_parallel = tp > 1
         if cfg.num_experts % parallel_state.get_expert_model_parallel_world_size():
             raise ValueError(f"megatron.expert_parallel does not divide num_experts={cfg.num_experts}")
         # Qwen3-MoE routing: softmax over all experts then top-k, renormalised when norm_topk_prob; megatron's
@@ -180,6 +187,7 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
             moe_grouped_gemm=False,
             moe_layer_freq=[int(cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)],
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            sequence_parallel=sequence_parallel,
         )
     attention = (
         {**mla_kwargs(cfg), **(dsa_kwargs(cfg) if cfg.is_dsa else {})}
@@ -264,6 +272,8 @@ def build_gpt(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, train_ind
     # dense and MoE layers mixed (`moe_layer_freq`), or DSA's full and shared layers: one spec per layer
     if tcfg.num_moe_experts or cfg.is_dsa:
         spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
+    if tcfg.sequence_parallel:
+        spec = _sp_norms(spec)
     core_attention = dsa_core_attention if cfg.is_dsa else None
     if cfg.is_mla:
         first = stage_layout(cfg).layer_index(pipeline_stage(), 0)
@@ -282,6 +292,8 @@ def build_gpt(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, train_ind
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
+    if tcfg.sequence_parallel:
+        _experts_reduce_over_tp(model)
     if cfg.is_mla and tp > 1:
         for layer in model.decoder.layers:
             layer.self_attention.linear_kv_down_proj.register_forward_hook(KVDownGather(cfg.kv_lora_rank))
@@ -425,15 +437,93 @@ def full_hf_state(model: GPTModel, cfg: ModelConfig, *, grads: bool = False) -> 
 
 def packed_logits(model: GPTModel, mb: PackedMicroBatch, vocab_size: int) -> torch.Tensor:
     """Logits [1, T, vocab] of a packed micro-batch: one row, block-diagonal causal mask (True = masked, megatron's
-    convention), the vocabulary padding cut off (before the last pipeline stage: the stage's hidden states)."""
+    convention), the vocabulary padding cut off (before the last pipeline stage: the stage's hidden states). Under
+    sequence parallelism the row is padded to `sp_length` with tokens that attend to themselves only, and cut
+    back."""
     t = mb.num_tokens
-    seq = mb.seq_ids.to(mb.input_ids.device)
-    allowed = (seq[:, None] == seq[None, :]) & torch.ones(t, t, dtype=torch.bool, device=seq.device).tril()
-    positions = torch.arange(t, device=mb.input_ids.device)[None]
-    logits = model(mb.input_ids, positions, attention_mask=~allowed[None, None])
+    padded = sp_length(t, sequence_parallel(model))
+    ids, seq = mb.input_ids, mb.seq_ids.to(mb.input_ids.device)
+    if padded > t:  # each pad token its own sequence (ids past every real one): no real token sees it
+        pad = padded - t
+        ids = torch.cat([ids, ids.new_zeros(ids.shape[0], pad)], dim=1)
+        seq = torch.cat([seq, seq.max() + 1 + torch.arange(pad, device=seq.device, dtype=seq.dtype)])
+    allowed = (seq[:, None] == seq[None, :]) & torch.ones(padded, padded, dtype=torch.bool, device=seq.device).tril()
+    positions = torch.arange(padded, device=ids.device)[None]
+    logits = model(ids, positions, attention_mask=~allowed[None, None])
     if not parallel_state.is_pipeline_last_stage():
-        return logits  # hidden states [T, 1, hidden] for the next pipeline stage
-    return logits[..., :vocab_size]
+        return logits  # hidden states [T, 1, hidden] for the next pipeline stage (T padded under SP)
+    return logits[:, :t, :vocab_size]
+
+
+class SequenceParallelNorm:
+    """megatron's torch norm (`WrappedTorchNorm`: RMSNorm or LayerNorm by the config) for sequence parallelism,
+    which megatron's own refuses without Transformer Engine: under SP a norm sees only its TP rank's chunk of the
+    tokens, so its weight's gradient is a partial sum; `sequence_parallel` on the weight makes megatron's
+    `finalize_model_grads` sum it over the TP ranks, as it does for TE's norms."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> torch.nn.Module:
+        norm = WrappedTorchNorm(
+            config=dataclasses.replace(config, sequence_parallel=False), hidden_size=hidden_size, eps=eps, **kwargs
+        )
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+        return norm
+
+
+def _sp_norms(spec: Any) -> Any:
+    """`spec` (a layer or block spec, nested) with megatron's torch norms replaced by `SequenceParallelNorm`. The QK
+    norms too (megatron refuses its own under SP): their gradients are partial sums over the heads, and megatron
+    sums them over the TP ranks once, by name or by the attribute."""
+    if spec is WrappedTorchNorm:
+        return SequenceParallelNorm
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, submodules=_sp_norms(spec.submodules))
+    if isinstance(spec, list):
+        return [_sp_norms(x) for x in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: _sp_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+        return dataclasses.replace(spec, **changes)
+    return spec
+
+
+def _experts_reduce_over_tp(model: GPTModel) -> None:
+    """Under sequence parallelism each TP rank runs the (whole, expert TP 1) experts on its own chunk of tokens, so
+    their gradients are partial sums to be added over the TP ranks. megatron reduces expert-parallel parameters
+    over the expert-data-parallel group, which holds the TP ranks (TP x DP / EP ranks); with expert_parallel=1 it
+    takes experts for dense parameters (reduced over data-parallel ranks only). Marking them expert-parallel
+    (`allreduce` False, as EP > 1 does) gives them that reduction at every EP size."""
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            p.allreduce = False  # type: ignore[attr-defined]
+
+
+def sequence_parallel(model: Any) -> bool:
+    """Whether `model` (a GPTModel or megatron's DDP around one) runs with sequence parallelism (MoE under TP)."""
+    return bool(getattr(model.config, "sequence_parallel", False))
+
+
+def sp_length(tokens: int, sp: bool) -> int:
+    """The packed row's length as the model runs it: `tokens` rounded up to a multiple of the TP size under
+    sequence parallelism `sp` (megatron splits the row evenly over the TP ranks)."""
+    if not sp:
+        return tokens
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return -(-tokens // tp) * tp
+
+
+def sp_slice(rows: torch.Tensor, sp: bool, fill: int = -1) -> torch.Tensor:
+    """This TP rank's share of per-token `rows` [T, ...] under sequence parallelism `sp` (the tokens its MoE layers
+    route: T padded with `fill` rows to `sp_length`, then the rank's contiguous chunk); `rows` itself without."""
+    if not sp:
+        return rows
+    t = rows.shape[0]
+    padded = sp_length(t, sp)
+    if padded > t:
+        rows = torch.cat([rows, rows.new_full((padded - t, *rows.shape[1:]), fill)])
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    chunk = padded // tp
+    r = parallel_state.get_tensor_model_parallel_rank()
+    return rows[r * chunk : (r + 1) * chunk]
 
 
 class R3Replay(RouterReplay):

@@ -11,7 +11,8 @@ raises an ImportError that says so.
 Invariants:
 - Ranks r*TP .. r*TP+TP-1 form tensor-parallel group r; pipeline stages are the outermost split (megatron's rank
   order); a data-parallel rank's TP and pipeline ranks all run the same micro-batches.
-- megatron's optimizers are CUDA-only: on the CPU (tests) torch's AdamW steps on megatron's reduced gradients, with
+- On the CPU (`train.device=cpu`: CI, laptops) `train/mcore_cpu.py` stands in for megatron-core's CUDA-only
+  helpers, and, as megatron's optimizers are CUDA-only, torch's AdamW steps on megatron's reduced gradients, with
   the same clipping; checkpoints then hold its state keyed like megatron's.
 """
 
@@ -31,6 +32,7 @@ from miles_hpc.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_hpc.models import iter_hf_tensors, read_config
 from miles_hpc.planner.transfer import Box
 from miles_hpc.train import checkpoint as ckpt
+from miles_hpc.train import mcore_cpu
 from miles_hpc.train.logprobs import PackedMicroBatch, token_logprobs
 from miles_hpc.train.losses import policy_loss
 from miles_hpc.train.mcore_checkpoint import (
@@ -54,6 +56,9 @@ from miles_hpc.train.mcore_model import (
     moe_router,
     packed_logits,
     pipeline_stage,
+    sequence_parallel,
+    sp_length,
+    sp_slice,
     stage_layout,
     transformer_config,
     wrap_ddp,
@@ -114,6 +119,8 @@ class MegatronTrainer(PackedTrainer):
             raise RuntimeError("MegatronTrainer needs the trainer process group: call dist.init_trainer_world first")
         self.train_cfg, self.algo_cfg, self.loss_fn = train_cfg, algo_cfg, loss_fn
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            mcore_cpu.enable()
         self._rank, self._world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         init_model_parallel(
             megatron_cfg.tensor_parallel,
@@ -201,7 +208,7 @@ class MegatronTrainer(PackedTrainer):
                 use_distributed_optimizer=distributed,
             )
             return fix_group_order(get_megatron_optimizer(opt, [self.model]))
-        # megatron's optimizers are CUDA-only (CUDA tensor type checks, CUDA scalars): on the CPU (tests) the same
+        # megatron's optimizers are CUDA-only (CUDA tensor type checks, CUDA scalars): on the CPU the same
         # AdamW as the FSDP backend over this rank's shards, fed megatron's reduced gradients.
         if distributed:
             raise ValueError(
@@ -223,8 +230,9 @@ class MegatronTrainer(PackedTrainer):
 
     def _stage_forward(self, model: Any, mb: PackedMicroBatch) -> torch.Tensor:
         """This pipeline stage's forward of `mb` (logits on the last stage), with its R3 records and statistics."""
+        sp = sequence_parallel(model)  # MoE under TP: each TP rank routes its chunk of the (padded) row
         for j, replay in zip(self._replay_ids, self._replays):
-            replay.record = None if mb.routing is None else mb.routing[0, :, j, :]
+            replay.record = None if mb.routing is None else sp_slice(mb.routing[0, :, j, :], sp)
             replay.compare = not self.algo_cfg.routing_replay
         out = packed_logits(model, mb, self.config.vocab_size)
         if self._selection is not None and self._selection.kl:  # the indexer loss of this training forward
@@ -235,6 +243,9 @@ class MegatronTrainer(PackedTrainer):
             stats = torch.stack([r.stats for r in self._replays if r.stats is not None]).sum(0)
             for replay in self._replays:
                 replay.stats = None
+            if sp:  # the TP ranks' chunks together, less the padding's rows (no record: not "recorded")
+                torch.distributed.all_reduce(stats, group=parallel_state.get_tensor_model_parallel_group())
+                stats[2] -= (sp_length(mb.num_tokens, sp) - mb.num_tokens) * len(self._replays)
             self._r3 = stats if self._r3 is None else self._r3 + stats
         return out
 
@@ -301,6 +312,7 @@ class MegatronTrainer(PackedTrainer):
         """The CPU optimizer's half of megatron's step: gradients from the fp32 buffers, the global norm with
         replicated (non-TP) parameters counted once, clipping by `train.grad_clip`."""
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        expert_replica = parallel_state.get_expert_data_parallel_rank()
         sq, sq_experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         grads = []
         for p in self.model.module.parameters():
@@ -313,11 +325,13 @@ class MegatronTrainer(PackedTrainer):
             if getattr(p, "allreduce", True):  # dense: TP shards count everywhere, TP replicas on TP rank 0
                 if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
                     sq += p.grad.double().pow(2).sum()
-            elif tp_rank == 0:  # an expert: whole (expert TP 1), distinct on each expert-parallel rank
+            elif expert_replica == 0:  # an expert: whole (expert TP 1), counted on one of its replicas
                 sq_experts += p.grad.double().pow(2).sum()
+        # each expert once: summed over the expert-parallel ranks holding distinct experts, then to every replica
         torch.distributed.all_reduce(sq_experts, group=parallel_state.get_expert_model_parallel_group())
-        sq += sq_experts
+        torch.distributed.all_reduce(sq_experts, group=parallel_state.get_expert_data_parallel_group())
         torch.distributed.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
+        sq += sq_experts
         if self._pp > 1:
             torch.distributed.all_reduce(sq, group=parallel_state.get_pipeline_model_parallel_group())
         norm = float(sq.sqrt())
