@@ -7,7 +7,7 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
     python mcore_worker.py train MODEL_DIR TP EP OUT_FILE DISTRIBUTED_OPTIMIZER [DEVICE [R3]]
         MegatronTrainer (fp32): compute_logprobs, one train_step (2 mini-batches), the full weights after it;
         R3=1: the batch carries routing records and algo.routing_replay is on. MCORE_PP in the environment: the
-        number of pipeline stages (default 1).
+        number of pipeline stages (default 1); MCORE_RECOMPUTE=1: train.activation_checkpointing.
 
 Rank 0 saves what it got to OUT_FILE.
 """
@@ -64,7 +64,14 @@ def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, dev
     )
     indexer_loss = float(os.environ.get("MCORE_INDEXER_LOSS", "0"))  # train.indexer_loss_coef
     mode = os.environ.get("MCORE_INDEXER_MODE", "sparse")
-    cfg = dataclasses.replace(STEP_CFG, mixed_precision=False, indexer_loss_coef=indexer_loss, indexer_loss=mode)
+    recompute = os.environ.get("MCORE_RECOMPUTE") == "1"  # train.activation_checkpointing
+    cfg = dataclasses.replace(
+        STEP_CFG,
+        mixed_precision=False,
+        indexer_loss_coef=indexer_loss,
+        indexer_loss=mode,
+        activation_checkpointing=recompute,
+    )
     algo = dataclasses.replace(STEP_ALGO, routing_replay=r3)
     trainer = mg.MegatronTrainer(model_dir, cfg, algo, mcfg, device=world.device, seed=0)
     batch = r3_batch(trainer.config) if r3 else make_batch(TRAIN_LENGTHS)
@@ -83,6 +90,7 @@ def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, dev
         "weights": weights,
         "step": trainer.step,
         "shard_map_mismatch": mismatch,
+        "recompute": trainer.model.module.config.recompute_granularity,
     }
 
 

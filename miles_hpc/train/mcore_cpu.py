@@ -3,7 +3,7 @@
 megatron-core's forward, pipeline schedule and MoE dispatcher call CUDA-only helpers that do nothing a CPU run
 needs: `torch.cuda.current_device()` (the device of its global memory buffer, of RoPE's inverse frequencies and of
 the MoE router's weight: here the CPU), the CUDA RNG tracker's `fork` (dropout under tensor parallelism; our
-configs have none), the MoE all-to-all dispatcher's side stream and its numpy conversion of split sizes (done only
+configs have none) and the CUDA RNG state that activation recompute saves and restores, the MoE all-to-all dispatcher's side stream and its numpy conversion of split sizes (done only
 for GPU tensors), and the pipeline schedule's device syncs and "cuda" tensors. `enable()` replaces exactly those,
 process-wide, and only in a process whose torch has no CUDA device: there each call would raise, so nothing that
 worked before changes. A process with a GPU is refused (megatron would place its buffers on it).
@@ -43,6 +43,11 @@ def enable() -> None:
     tracker: Any = mrandom.CudaRNGStatesTracker
     cuda.current_device = lambda: "cpu"
     tracker.fork = lambda self, name=None: contextlib.nullcontext()
+    # Activation recompute saves and restores the CUDA RNG state around a layer; a CPU run has none (its CPU state
+    # is saved and restored beside it).
+    mrandom_any: Any = mrandom
+    mrandom_any._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom_any._set_cuda_rng_state = lambda *args, **kwargs: None
     # The MoE all-to-all dispatcher moves its split sizes to the host on a side CUDA stream: one stand-in stream
     # that is also the current one makes that a plain copy (the tensors are on the CPU already).
     done = types.SimpleNamespace(synchronize=lambda: None)

@@ -35,6 +35,7 @@ try:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel.random import is_checkpointing
     from megatron.core.transformer.moe.router_replay import RouterReplay
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -119,9 +120,12 @@ def init_model_parallel(
         model_parallel_cuda_manual_seed(seed)
 
 
-def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> TransformerConfig:
+def transformer_config(
+    cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, recompute: bool = False
+) -> TransformerConfig:
     """megatron's `TransformerConfig` for our model config (after `init_model_parallel`). Raises, naming the
-    field, for what the mapping does not cover yet. Long: a field-by-field map, one entry per megatron field."""
+    field, for what the mapping does not cover yet. Long: a field-by-field map, one entry per megatron field.
+    `recompute`: megatron's full activation recompute, one layer at a time (each layer keeps only its input)."""
     mcore_rules(cfg)  # the family check, with its message
     if cfg.rope_scaling is not None and not cfg.is_mla:  # MLA's yarn: `mla_kwargs`
         raise NotImplementedError(f"megatron backend: rope_scaling {cfg.rope_scaling.rope_type!r} is not mapped yet")
@@ -215,6 +219,7 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         **_pipeline_kwargs(cfg, dtype),
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -258,10 +263,19 @@ def pipeline_stage() -> int:
     return parallel_state.get_pipeline_model_parallel_rank()
 
 
-def build_gpt(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, train_indexers: bool = False) -> GPTModel:
+def build_gpt(
+    cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, train_indexers: bool = False, recompute: bool = False
+) -> GPTModel:
     """A randomly initialised `GPTModel` (this rank's TP shard; on the current GPU, else the CPU) for `cfg`; fill it
-    with `load_hf_weights`. `train_indexers`: the DSA indexers get gradients (the indexer loss), else frozen."""
-    tcfg = transformer_config(cfg, dtype=dtype)
+    with `load_hf_weights`. `train_indexers`: the DSA indexers get gradients (the indexer loss), else frozen.
+    `recompute`: full activation recompute (`transformer_config`)."""
+    if recompute and cfg.is_dsa:
+        raise NotImplementedError(
+            f"train.activation_checkpointing with the megatron backend and {cfg.model_type}: DSA's shared layers "
+            "read the selection their full layer made in the forward, which a recompute in backward does not "
+            "restore yet; use train.backend=fsdp"
+        )
+    tcfg = transformer_config(cfg, dtype=dtype, recompute=recompute)
     spec = get_gpt_layer_local_spec(
         num_experts=tcfg.num_moe_experts,
         moe_grouped_gemm=False,
@@ -553,5 +567,6 @@ class R3Replay(RouterReplay):
         if self.record is None:
             return probs, live
         ids, stats = merge_replay(self.record, live, self.num_experts, self.compare)
-        self.stats = stats if self.stats is None else self.stats + stats
+        if not (is_checkpointing() and torch.is_grad_enabled()):  # backward's recompute counts nothing again
+            self.stats = stats if self.stats is None else self.stats + stats
         return (probs, live) if ids is live else (scores.gather(1, ids), ids)

@@ -111,9 +111,13 @@ class MegatronTrainer(PackedTrainer):
                 f"train.mtp_loss_coef={train_cfg.mtp_loss_coef}: the megatron backend holds the "
                 "multi-token-prediction layers (loaded, saved, synced) but does not train them; use train.backend=fsdp"
             )
-        if train_cfg.activation_checkpointing or train_cfg.compile:
+        if train_cfg.compile:
+            raise NotImplementedError("train.compile: not with the megatron backend yet")
+        if train_cfg.activation_checkpointing and algo_cfg.routing_replay and megatron_cfg.pipeline_parallel > 1:
             raise NotImplementedError(
-                "train.activation_checkpointing / train.compile: not with the megatron backend yet"
+                "train.activation_checkpointing with algo.routing_replay and megatron.pipeline_parallel > 1: a "
+                "layer recomputed in backward would replay the records of the micro-batch the 1F1B schedule runs "
+                "then, not its own; use pipeline_parallel=1 or no recompute"
             )
         if not torch.distributed.is_initialized():
             raise RuntimeError("MegatronTrainer needs the trainer process group: call dist.init_trainer_world first")
@@ -175,7 +179,12 @@ class MegatronTrainer(PackedTrainer):
                 f"train.indexer_loss_coef with megatron.pipeline_parallel={self._pp}: the indexer loss is added on "
                 "the stage that computes the loss; use pipeline_parallel=1 (tensor/expert parallelism work)"
             )
-        model = build_gpt(self.config, dtype=torch.bfloat16 if bf16 else torch.float32, train_indexers=coef > 0)
+        model = build_gpt(
+            self.config,
+            dtype=torch.bfloat16 if bf16 else torch.float32,
+            train_indexers=coef > 0,
+            recompute=self.train_cfg.activation_checkpointing,
+        )
         self._selection = decoder_selection(model) if coef else None
         if self._selection is not None:
             self._selection.loss_mode = self.train_cfg.indexer_loss
