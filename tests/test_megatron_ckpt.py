@@ -148,6 +148,15 @@ def test_moe_resumes_with_another_expert_parallel_size(tiny_moe_model: Path, tmp
     _assert_resumed(saved, got)
 
 
+def test_moe_under_tp_resumes_on_one_rank(tiny_moe_model: Path, tmp_path: Path) -> None:
+    """Qwen3-MoE saved at TP 2 x EP 2 (sequence parallelism, the experts whole on both TP ranks of their EP rank;
+    4 ranks) and resumed on one rank: weights, moments and the next step as the run that never stopped."""
+    saved = _run("save", tiny_moe_model, tmp_path / "step_1", tmp_path / "saved.pt", world=4, tp=2, ep=2)
+    assert json.loads((tmp_path / "step_1" / "megatron.json").read_text())["tensor_parallel"] == 2
+    got = _run("resume", tiny_moe_model, tmp_path / "step_1", tmp_path / "got.pt", world=1)
+    _assert_resumed(saved, got)
+
+
 def test_dsa_resumes_with_another_expert_parallel_size(tmp_path: Path) -> None:
     """GLM-5 (DSA indexers on full layers, the MTP layer in megatron's MTP modules, all frozen) saved at EP 2 and
     resumed on one rank: the frozen tensors come back from the checkpoint too, unchanged by the next step."""
