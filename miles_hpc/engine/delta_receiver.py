@@ -103,7 +103,8 @@ def _targets(engine: Engine, m: Manifest, directory: Path) -> tuple[dict[str, to
     """(HF name -> the engine's current value it is decoded against, names to decode but not apply); checks names,
     shapes and delta dtypes. TP 1: views of the model's parameters. A tensor-parallel engine: the whole tensors its
     ranks hold, gathered on rank 0's CPU (the codec's context classes span the whole tensor, so no rank can decode
-    its part alone); "full" entries, which need no base, get a shape-only (meta) stand-in."""
+    its part alone); "full" and "same" entries, which are not decoded against a base, get a shape-only (meta)
+    stand-in."""
     model = engine.model
     tied = model.config.tie_word_embeddings
     skip = {e.name for e in m.tensors if tied and e.name == "lm_head.weight"}
@@ -117,7 +118,7 @@ def _targets(engine: Engine, m: Manifest, directory: Path) -> tuple[dict[str, to
             return hf_target(model, name, params)
     else:
         shapes = engine.tp.shard.shapes
-        wanted = {held_as[e.name] for e in m.tensors if e.kind != "full" and held_as[e.name] in shapes}
+        wanted = {held_as[e.name] for e in m.tensors if e.kind == "delta" and held_as[e.name] in shapes}
         whole = engine.whole_weights(wanted)
         dtype = next(model.parameters()).dtype
 

@@ -3,10 +3,11 @@
 megatron-core's forward, pipeline schedule and MoE dispatcher call CUDA-only helpers that do nothing a CPU run
 needs: `torch.cuda.current_device()` (the device of its global memory buffer, of RoPE's inverse frequencies and of
 the MoE router's weight: here the CPU), the CUDA RNG tracker's `fork` (dropout under tensor parallelism; our
-configs have none) and the CUDA RNG state that activation recompute saves and restores, the MoE all-to-all dispatcher's side stream and its numpy conversion of split sizes (done only
-for GPU tensors), and the pipeline schedule's device syncs and "cuda" tensors. `enable()` replaces exactly those,
-process-wide, and only in a process whose torch has no CUDA device: there each call would raise, so nothing that
-worked before changes. A process with a GPU is refused (megatron would place its buffers on it).
+configs have none), the CUDA RNG state that activation recompute saves and restores, the MoE all-to-all
+dispatcher's side stream and its numpy conversion of split sizes (done only for GPU tensors), and the pipeline
+schedule's device syncs and "cuda" tensors. `enable()` replaces exactly those, process-wide, and only in a process
+whose torch has no CUDA device: there each call would raise, so nothing that worked before changes. A process with
+a GPU is refused (megatron would place its buffers on it).
 
 Invariant: called before the first megatron model is built in the process; calling it again changes nothing.
 """
