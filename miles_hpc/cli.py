@@ -297,6 +297,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "delta_ratio": args.delta_ratio,
         "rollout_bytes": {"bf16": 2, "fp8": 1}.get(args.rollout_dtype),
     }
+    if args.layouts:
+        return _plan_layouts(args)
     try:
         cfg, source, name, cluster = _plan_inputs(args)
         check_spec(cfg, source)
@@ -313,6 +315,67 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(report) if args.json else format_table(report))
     return 0
+
+
+def _plan_layouts(args: argparse.Namespace) -> int:
+    """`plan --layouts`: every megatron layout of the trainer GPUs on `--node`, best first (docs/planning.md)."""
+    import dataclasses
+    import json
+
+    from miles_hpc.planner.estimate import ModelSpecError, check_spec
+    from miles_hpc.planner.layouts import NODES, Batch, assumptions, search
+
+    if args.node not in NODES:
+        print(f"error: --node {args.node}: one of {', '.join(NODES)}", file=sys.stderr)
+        return 2
+    node = NODES[args.node]
+    over = {"gpus": args.gpus_per_node, "gpu_mem_gb": args.gpu_mem_gb, "host_mem_gb": args.host_mem_gb}
+    try:
+        cfg, source, name, cluster = _plan_inputs(args)
+        check_spec(cfg, source)
+        node = dataclasses.replace(node, **{k: v for k, v in over.items() if v is not None})
+        gpus = args.train_gpus or cluster.get("train_gpus") or 32
+        batch = Batch(seq_len=args.seq_len or 4096)
+        found = search(cfg, gpus, node, batch, limits=not args.unbuilt)
+    except ModelSpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = [c.summary(node) for c in found]
+    if args.json:
+        print(json.dumps({"model": name, "gpus": gpus, "node": dataclasses.asdict(node), "layouts": rows}))
+        return 0
+    print(
+        f"{name}: {gpus} training GPUs on {node.name} nodes ({node.gpus} x {node.gpu_mem_gb:g} GB, "
+        f"{node.host_mem_gb:g} GB host); micro-batch {batch.seq_len} tokens"
+    )
+    fits = [r for r in rows if r["fits"]]
+    unbuilt = " (counting what the trainer does not build yet: --unbuilt)" if args.unbuilt else ""
+    print(f"{len(fits)} of {len(rows)} layouts fit{unbuilt}" + ("" if fits else "; the closest:"))
+    for r in (fits or rows)[: args.top]:
+        print(f"  {r['layout']}: " + _layout_line(r))
+    failing = [r for r in rows if not r["fits"]]
+    if fits and failing:
+        print("the others fail, e.g.:")
+        for r in failing[: args.top]:
+            print(f"  {r['layout']}: {'; '.join(r['problems'])}")
+    for line in assumptions(node, batch):
+        print(f"- {line}")
+    return 0
+
+
+def _layout_line(r: dict[str, Any]) -> str:
+    if "gpu_gb" not in r:
+        return "; ".join(r["problems"])
+    opts = [f"offload {r['offload_fraction']:g}" if r["offload_fraction"] else "no offload"]
+    opts += ["precision-aware"] if r["precision_aware"] else []
+    opts += ["bf16 grads"] if r["main_grads_bf16"] else []
+    opts += ["full recompute"] if r["recompute"] == "full" else []
+    line = (
+        f"{', '.join(opts)}: {r['gpu_gb']:.1f} GB/GPU (weights {r['weights_gb']:.1f}, grads {r['grads_gb']:.1f}, "
+        f"optimizer {r['optimizer_gpu_gb']:.1f}, activations {r['activations_gb']:.1f}; stage {r['stage']}), "
+        f"host {r['host_per_node_gb']:.1f} GB/node"
+    )
+    return line + (f" -- {'; '.join(r['problems'])}" if r["problems"] else "")
 
 
 def _add_plan_parser(sub: Any) -> None:
@@ -335,6 +398,23 @@ def _add_plan_parser(sub: Any) -> None:
     pl.add_argument("--gpu-mem-gb", type=float, help="GPU memory in GB for the fit checks (default 141, H200)")
     pl.add_argument("--delta-ratio", type=float, help="delta bytes / full bytes (default 0.0112, measured)")
     pl.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    pl.add_argument(
+        "--layouts",
+        action="store_true",
+        help="megatron training layouts: the best that fits --node (with its memory options) and why others fail",
+    )
+    pl.add_argument("--node", default="h200", help="with --layouts: node kind (h200, b300, gb300, mi300x)")
+    pl.add_argument("--gpus-per-node", type=int, help="with --layouts: override the node's GPUs")
+    pl.add_argument("--host-mem-gb", type=float, help="with --layouts: override the node's host memory (GB)")
+    pl.add_argument(
+        "--seq-len", type=int, help="with --layouts: tokens per micro-batch (train.max_tokens_per_microbatch)"
+    )
+    pl.add_argument("--top", type=int, default=5, help="with --layouts: how many layouts to print")
+    pl.add_argument(
+        "--unbuilt",
+        action="store_true",
+        help="with --layouts: also layouts and options the megatron trainer does not build yet (what they would buy)",
+    )
     pl.set_defaults(func=_cmd_plan)
 
 

@@ -7,7 +7,8 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
     python mcore_worker.py train MODEL_DIR TP EP OUT_FILE DISTRIBUTED_OPTIMIZER [DEVICE [R3]]
         MegatronTrainer (fp32): compute_logprobs, one train_step (2 mini-batches), the full weights after it;
         R3=1: the batch carries routing records and algo.routing_replay is on. MCORE_PP in the environment: the
-        number of pipeline stages (default 1); MCORE_RECOMPUTE=1: train.activation_checkpointing.
+        number of pipeline stages (default 1); MCORE_RECOMPUTE=1: train.activation_checkpointing; MCORE_OFFLOAD:
+        megatron.optimizer_offload_fraction (precision-aware when > 0; a GPU and the distributed optimizer).
 
 Rank 0 saves what it got to OUT_FILE.
 """
@@ -56,11 +57,14 @@ def model_run(model_dir: str, tp: int, ep: int, device: str = "cpu") -> dict:
 def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, device: str, r3: bool = False) -> dict:
     world = tdist.world_from_env(device=device)
     tdist.init_trainer_world(world)
+    offload = float(os.environ.get("MCORE_OFFLOAD", "0"))  # megatron.optimizer_offload_fraction (GPU only)
     mcfg = MegatronConfig(
         tensor_parallel=tp,
         expert_parallel=ep,
         distributed_optimizer=distributed_optimizer,
         pipeline_parallel=int(os.environ.get("MCORE_PP", "1")),
+        optimizer_offload_fraction=offload,
+        precision_aware_optimizer=offload > 0,
     )
     indexer_loss = float(os.environ.get("MCORE_INDEXER_LOSS", "0"))  # train.indexer_loss_coef
     mode = os.environ.get("MCORE_INDEXER_MODE", "sparse")
@@ -91,6 +95,18 @@ def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, dev
         "step": trainer.step,
         "shard_map_mismatch": mismatch,
         "recompute": trainer.model.module.config.recompute_granularity,
+        "elements": _elements(trainer.model.module),
+    }
+
+
+def _elements(module: torch.nn.Module) -> dict[str, int]:
+    """This rank's parameter elements, trained and frozen (GLM's router bias, a buffer, counts as trained: the
+    planner counts it with its rule)."""
+    params = list(module.parameters())
+    bias = sum(b.numel() for n, b in module.named_buffers() if n.endswith("router.expert_bias"))
+    return {
+        "trained": sum(p.numel() for p in params if p.requires_grad) + bias,
+        "frozen": sum(p.numel() for p in params if not p.requires_grad),
     }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -23,6 +24,7 @@ from miles_hpc.data.sample import token_hash
 from miles_hpc.models import ModelConfig, build_model, iter_hf_tensors, load_pretrained, read_config, save_pretrained
 from miles_hpc.models.hf_io import hf_parts
 from miles_hpc.models.presets import preset_config
+from miles_hpc.planner.layouts import Layout, rank_elements
 from miles_hpc.train.batch import TrainBatch
 from miles_hpc.train.logprobs import PackedMicroBatch, pack_samples, token_logprobs
 from miles_hpc.train.mcore_weights import (
@@ -337,6 +339,17 @@ def test_trainer_step_equals_fsdp_gpu(
     _compare_step_with_fsdp(tiny_model, tmp_path, 1, 1, distributed_optimizer, "cuda", atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", [0.5, 1.0])
+def test_offloaded_optimizer_steps_like_fsdp_gpu(
+    world: None, tiny_moe_model: Path, tmp_path: Path, offload: float
+) -> None:
+    """megatron.optimizer_offload_fraction (megatron's HybridDeviceOptimizer, precision-aware: no fp32 master left
+    on the GPU; torch's AdamW on the host for that share of the distributed optimizer's shard): the same step as
+    the FSDP backend's (fp32 both), on a MoE model."""
+    _compare_step_with_fsdp(tiny_moe_model, tmp_path, 1, 1, True, "cuda", atol=1e-4, offload=offload)
+
+
 def _compare_step_with_fsdp(
     model_dir: Path,
     tmp_path: Path,
@@ -350,6 +363,7 @@ def _compare_step_with_fsdp(
     pp: int = 1,
     indexer_loss: float = 0.0,
     recompute: bool = False,
+    offload: float = 0.0,
 ) -> dict:
     """The megatron step (in `world_size` processes) against FSDP's on one rank. `indexer_loss`: both with
     train.indexer_loss_coef (the workers read it from MCORE_INDEXER_LOSS); `recompute`: megatron with
@@ -357,6 +371,7 @@ def _compare_step_with_fsdp(
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
     os.environ["MCORE_INDEXER_LOSS"] = str(indexer_loss)
     os.environ["MCORE_RECOMPUTE"] = str(int(recompute))
+    os.environ["MCORE_OFFLOAD"] = str(offload)
     try:
         got = _run_world(
             "train",
@@ -371,7 +386,7 @@ def _compare_step_with_fsdp(
             pp=pp,
         )
     finally:
-        del os.environ["MCORE_INDEXER_LOSS"], os.environ["MCORE_RECOMPUTE"]
+        del os.environ["MCORE_INDEXER_LOSS"], os.environ["MCORE_RECOMPUTE"], os.environ["MCORE_OFFLOAD"]
     assert got["recompute"] == ("full" if recompute else None)
     ref = run_fsdp_once(str(model_dir), r3=r3, indexer_loss=indexer_loss)
     assert got["step"] == 2
@@ -390,6 +405,12 @@ def _compare_step_with_fsdp(
         else:  # the step changed every other tensor: equality is not trivial
             assert not torch.equal(w, ref["before"][name]), name
     assert got["shard_map_mismatch"] == []  # rank 0's p2p shard map holds what its boxes say
+    # the layout planner counts what rank 0 (TP rank 0, EP rank 0, stage 0) built
+    layout = Layout(tp=tp, pp=pp, ep=ep, dp=world_size // (tp * pp))
+    planned = rank_elements(json.loads((model_dir / "config.json").read_text()), layout, 0)
+    assert sum(got["elements"].values()) == planned.total
+    if not indexer_loss:  # the indexer loss trains the indexers the planner counts as frozen
+        assert got["elements"]["frozen"] == planned.dense_frozen + planned.expert_frozen
     return got["metrics"]
 
 

@@ -14,6 +14,7 @@ from miles_hpc.config import checks, loader
 from miles_hpc.config.checks import DSA_ARCHS
 from miles_hpc.config.loader import meta as _help
 from miles_hpc.config.loader import require as _require
+from miles_hpc.config.megatron import MegatronConfig
 
 Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "deepseek_v32"]
 
@@ -394,27 +395,6 @@ class FullyAsyncConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class MegatronConfig:
-    """`train.backend: megatron` (train/megatron.py): megatron-core's parallel layout over the trainer ranks."""
-
-    tensor_parallel: int = field(default=1, metadata=_help("TP: ranks that split each layer (consecutive ranks)"))
-    pipeline_parallel: int = field(
-        default=1, metadata=_help("PP: pipeline stages (megatron's 1F1B schedule; they split the layers evenly)")
-    )
-    expert_parallel: int = field(default=1, metadata=_help("EP: data-parallel ranks that split the MoE experts"))
-    context_parallel: int = field(
-        default=1, metadata=_help("CP: ranks that split the sequence (1 so far: megatron's needs Transformer Engine)")
-    )
-    distributed_optimizer: bool = field(
-        default=True, metadata=_help("shard fp32 master weights and Adam state over data-parallel ranks")
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel"):
-            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class LoraConfig:
     """LoRA RL (models/lora.py): train adapters only, the base weights frozen; with `sync.strategy: lora` only the
     adapters travel to the engines, which apply them per request (SGLang's /load_lora_adapter)."""
@@ -467,6 +447,13 @@ class SlurmConfig:
     gpus_per_node: int = field(default=0, metadata=_help("GPUs per node (0: CPU only)"))
     cpus_per_task: int = field(default=1, metadata=_help("CPUs per task"))
     mem: str | None = field(default=None, metadata=_help("memory per node, e.g. 200G (None: the default)"))
+    gpu_memory_gb: float = field(
+        default=0.0,
+        metadata=_help("GB of memory per training GPU: `prepare` checks the megatron layout fits (0: no check)"),
+    )
+    host_memory_gb: float = field(
+        default=0.0, metadata=_help("GB of host memory per training node, for offloaded optimizer states (0: no check)")
+    )
     site: str | None = field(default=None, metadata=_help("site file sourced first (slurm/sites/*.sh: ROCm, NICs)"))
     setup: tuple[str, ...] = field(default=(), metadata=_help("# EDIT: shell lines before the run (modules, venv)"))
     signal_s: int = field(default=180, metadata=_help("USR2 this long before the walltime: checkpoint + requeue"))
@@ -480,6 +467,8 @@ class SlurmConfig:
         _require(self.train_nodes >= 1 and self.rollout_nodes >= 1, "train_nodes", "nodes must be >= 1")
         _require(self.gpus_per_node >= 0 and self.cpus_per_task >= 1, "gpus_per_node", "must be >= 0 (cpus >= 1)")
         _require(self.signal_s >= 0, "signal_s", f"must be >= 0, got {self.signal_s}")
+        for key in ("gpu_memory_gb", "host_memory_gb"):
+            _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,11 @@ KEYS = ("api_key", "admin_api_key")
 
 def prepare(cfg: RunConfig) -> RunPaths:
     """Once per job, before any worker: the run directory, the resolved config, the starting model, the API keys
-    (kept across requeues: engines and trainer of one run share them), and no rendezvous left from before."""
+    (kept across requeues: engines and trainer of one run share them), and no rendezvous left from before. First
+    the megatron layout is checked against the training nodes' memory (`launch/layout_check.py`: ConfigError)."""
+    from miles_hpc.launch.layout_check import check_train_layout
+
+    print(f"[miles-hpc] {check_train_layout(cfg)}", file=sys.stderr, flush=True)
     paths = prepare_run_dir(cfg)
     resolve_model(cfg, paths)
     for name in KEYS:

@@ -53,8 +53,8 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from miles_hpc.models import ModelConfig
+from miles_hpc.planner.mcore_layout import StageLayout, layout_limits
 from miles_hpc.train.mcore_mla import FixedEpsNorm
-from miles_hpc.train.mcore_pipeline import StageLayout
 
 __all__ = [
     "SharedSelection",
@@ -82,15 +82,8 @@ def dsa_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 def check_dsa_pipeline(cfg: ModelConfig, layout: StageLayout) -> None:
     """Refuse pipeline stages that start with a GLM-5.2 "shared" layer: its selection is the previous full layer's,
     on the stage before, and megatron's pipeline passes only hidden states between stages."""
-    for stage in range(1, layout.pp):
-        first = layout.layer_index(stage, 0)
-        if not cfg.indexer_full(first):
-            full = max(i for i in range(first) if cfg.indexer_full(i))
-            raise NotImplementedError(
-                f"megatron.pipeline_parallel={layout.pp}: indexer_types[{first}] is 'shared' and starts stage "
-                f"{stage}; it reuses the top-k of layer {full} on stage {stage - 1}, and megatron's pipeline "
-                "passes only hidden states between stages"
-            )
+    if problems := layout_limits(cfg, pp=layout.pp):
+        raise NotImplementedError(problems[0])
 
 
 def dsa_core_attention(cfg: ModelConfig, layer_idx: int) -> ModuleSpec:

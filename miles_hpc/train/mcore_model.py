@@ -46,23 +46,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "Python 3.11, newer releases on 3.12)"
     ) from e
 
-from megatron.core.extensions import transformer_engine as _te_extension
-from megatron.core.transformer import multi_latent_attention as _mla_module
-from megatron.core.transformer.moe import moe_utils as _moe_utils
-
-# megatron-core 0.16 without Transformer Engine (what this backend builds on), fixed at import as later releases do:
-if not hasattr(_moe_utils, "te_general_gemm"):
-    # its MoE router's gating tests an undefined `te_general_gemm` against None on CUDA (a NameError on every MoE
-    # model on a GPU); 0.17+ define it as None.
-    _moe_utils.te_general_gemm = None
-if not _te_extension.HAVE_TE:
-    # MLA sets its HAVE_TE when the TE extension imports, which it does without TE (a mock in TE's place), then
-    # tests `isinstance(linear_proj, TELinear)` against that mock (a TypeError building any MLA model); the
-    # extension's own HAVE_TE says whether TE is there (0.19 reads that one).
-    _mla_module.HAVE_TE = False
-
 from miles_hpc.models import CausalLM, ModelConfig, iter_hf_tensors, load_pretrained
 from miles_hpc.models.moe import merge_replay
+from miles_hpc.planner.mcore_layout import layout_limits
+from miles_hpc.train import mcore_fixes  # noqa: F401  (megatron-core 0.16's TE-less fixes, at import)
 from miles_hpc.train.logprobs import PackedMicroBatch
 from miles_hpc.train.mcore_dsa import check_dsa_pipeline, dsa_core_attention, dsa_kwargs, share_selections
 from miles_hpc.train.mcore_mla import KVDownGather, held_mtp_block, local_mla_spec, mla_kwargs
@@ -141,10 +128,7 @@ def transformer_config(
     # (a deepseek_v3 config may have experts configured and only dense layers; MTP layers count: they are built)
     if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers)):
         if tp > 1 and cfg.is_mla:
-            raise NotImplementedError(
-                "megatron backend: an MLA MoE model with megatron.tensor_parallel > 1 (sequence parallelism through "
-                "MLA and the DSA indexer) is not wired yet; split the experts with expert_parallel"
-            )
+            raise NotImplementedError(layout_limits(cfg, tp=tp)[0])
         # megatron runs MoE under TP with sequence parallelism only: each TP rank holds T / tp tokens between the
         # attention and MLP blocks (the packed row is padded to a multiple of tp: `packed_logits`), and routes and
         # dispatches those; the experts are whole on each TP rank (expert TP 1), split by expert_parallel.
@@ -270,11 +254,7 @@ def build_gpt(
     with `load_hf_weights`. `train_indexers`: the DSA indexers get gradients (the indexer loss), else frozen.
     `recompute`: full activation recompute (`transformer_config`)."""
     if recompute and cfg.is_dsa:
-        raise NotImplementedError(
-            f"train.activation_checkpointing with the megatron backend and {cfg.model_type}: DSA's shared layers "
-            "read the selection their full layer made in the forward, which a recompute in backward does not "
-            "restore yet; use train.backend=fsdp"
-        )
+        raise NotImplementedError(layout_limits(cfg, recompute=True)[0])
     tcfg = transformer_config(cfg, dtype=dtype, recompute=recompute)
     spec = get_gpt_layer_local_spec(
         num_experts=tcfg.num_moe_experts,
@@ -355,10 +335,14 @@ def load_hf_weights(model: GPTModel, cfg: ModelConfig, path: str | Path) -> None
         raise KeyError(f"megatron parameters with no HF source: {sorted(unfilled)}")
 
 
-def wrap_ddp(model: GPTModel, *, distributed_optimizer: bool = False) -> DistributedDataParallel:
-    """megatron's data-parallel wrapper: gradients accumulate in fp32 buffers (`param.main_grad`) and are reduced
-    over the data-parallel group by `finalize_grads`."""
-    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer)
+def wrap_ddp(
+    model: GPTModel, *, distributed_optimizer: bool = False, fp32_grads: bool = True
+) -> DistributedDataParallel:
+    """megatron's data-parallel wrapper: gradients accumulate in fp32 buffers (`param.main_grad`; in the weights'
+    dtype with `fp32_grads=False`) and are reduced over the data-parallel group by `finalize_grads`."""
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=fp32_grads, use_distributed_optimizer=distributed_optimizer
+    )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
 
 

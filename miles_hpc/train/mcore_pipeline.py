@@ -16,64 +16,17 @@ Invariants:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from miles_hpc.planner.mcore_layout import StageLayout
 from miles_hpc.train.logprobs import PackedMicroBatch
 
 __all__ = ["StageLayout", "run_schedule"]
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-@dataclass(frozen=True, slots=True)
-class StageLayout:
-    """Where megatron's tensors live over `pp` pipeline stages of a `num_layers`-layer model (names as
-    `mcore_weights.mcore_rules` gives them: global layer indices)."""
-
-    pp: int
-    num_layers: int
-    tied_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_layers % self.pp:
-            raise ValueError(
-                f"megatron.pipeline_parallel={self.pp} does not divide num_hidden_layers="
-                f"{self.num_layers} (stages hold equal numbers of layers)"
-            )
-
-    @property
-    def per_stage(self) -> int:
-        return self.num_layers // self.pp
-
-    def stage_of(self, name: str) -> int:
-        """The stage holding megatron tensor `name` (global layer index)."""
-        m = _LAYER.match(name)
-        if m:
-            return int(m.group(1)) // self.per_stage
-        return 0 if name.startswith("embedding.") else self.pp - 1
-
-    def local_name(self, name: str) -> str:
-        """`name` as its stage's module calls it (the layer index relative to the stage)."""
-        return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) % self.per_stage}.", name, count=1)
-
-    def layer_index(self, stage: int, local: int) -> int:
-        return stage * self.per_stage + local
-
-    def copies(self, name: str, stage: int) -> list[str]:
-        """Local names under which `stage` holds megatron tensor `name`: the tensor itself on its stage, and the
-        last stage's copy of a tied embedding."""
-        out = [self.local_name(name)] if self.stage_of(name) == stage else []
-        tied_copy = self.tied_embeddings and self.pp > 1 and name == "embedding.word_embeddings.weight"
-        if tied_copy and stage == self.pp - 1:
-            out.append("output_layer.weight")
-        return out
 
 
 def run_schedule(

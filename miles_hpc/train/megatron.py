@@ -30,6 +30,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 import miles_hpc.train.mcore_model  # noqa: F401  first: without megatron-core it raises the ImportError that says so
 from miles_hpc.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_hpc.models import iter_hf_tensors, read_config
+from miles_hpc.planner.mcore_layout import layout_limits
 from miles_hpc.planner.transfer import Box
 from miles_hpc.train import checkpoint as ckpt
 from miles_hpc.train import mcore_cpu
@@ -101,11 +102,7 @@ class MegatronTrainer(PackedTrainer):
         loss_fn: LossFn = policy_loss,
     ) -> None:
         if megatron_cfg.context_parallel != 1:
-            raise NotImplementedError(
-                f"megatron.context_parallel={megatron_cfg.context_parallel}: megatron's context "
-                "parallelism needs Transformer Engine's attention, which this backend does "
-                "not build yet"
-            )
+            raise NotImplementedError(layout_limits(read_config(model_path), cp=megatron_cfg.context_parallel)[0])
         if getattr(train_cfg, "mtp_loss_coef", 0.0):
             raise NotImplementedError(
                 f"train.mtp_loss_coef={train_cfg.mtp_loss_coef}: the megatron backend holds the "
@@ -161,10 +158,14 @@ class MegatronTrainer(PackedTrainer):
         model = self._build(model_path, bf16)
         load_hf_weights(model, self.config, model_path)
         self._install_replays(model)
-        self.model = wrap_ddp(model.to(self.device), distributed_optimizer=megatron_cfg.distributed_optimizer)
+        self.model = wrap_ddp(
+            model.to(self.device),
+            distributed_optimizer=megatron_cfg.distributed_optimizer,
+            fp32_grads=megatron_cfg.main_grads_dtype == "fp32",
+        )
         self.model.train()
         self._lr_at = lr_lambda(train_cfg, total_steps)
-        self.optimizer: Any = self._optimizer(megatron_cfg.distributed_optimizer, bf16)
+        self.optimizer: Any = self._optimizer(megatron_cfg, bf16)
 
     def _build(self, model_path: str | Path, bf16: bool) -> Any:
         """This rank's GPTModel (random init), its indexers trained when `train.indexer_loss_coef` > 0."""
@@ -201,10 +202,24 @@ class MegatronTrainer(PackedTrainer):
         for layer, replay in zip(routed, self._replays):
             moe_router(layer).router_replay = replay
 
-    def _optimizer(self, distributed: bool, bf16: bool) -> Any:
-        train_cfg = self.train_cfg
+    def _optimizer(self, megatron_cfg: MegatronConfig, bf16: bool) -> Any:
+        """megatron's optimizer on a GPU (distributed or not, optimizer states partly offloaded to the host by
+        megatron's HybridDeviceOptimizer, precision-aware); on the CPU torch's AdamW (below)."""
+        train_cfg, distributed = self.train_cfg, megatron_cfg.distributed_optimizer
+        offload = megatron_cfg.optimizer_offload_fraction
         if self.device.type == "cuda":
+            precision = dict(
+                use_precision_aware_optimizer=megatron_cfg.precision_aware_optimizer,
+                main_grads_dtype=torch.bfloat16 if megatron_cfg.main_grads_dtype == "bf16" else torch.float32,
+            )
+            offloading = dict(
+                optimizer_cpu_offload=offload > 0,
+                optimizer_offload_fraction=offload,
+                overlap_cpu_optimizer_d2h_h2d=offload > 0,
+            )
             opt = OptimizerConfig(
+                **precision,
+                **offloading,
                 optimizer="adam",
                 lr=train_cfg.lr,
                 weight_decay=train_cfg.weight_decay,
@@ -219,10 +234,10 @@ class MegatronTrainer(PackedTrainer):
             return fix_group_order(get_megatron_optimizer(opt, [self.model]))
         # megatron's optimizers are CUDA-only (CUDA tensor type checks, CUDA scalars): on the CPU the same
         # AdamW as the FSDP backend over this rank's shards, fed megatron's reduced gradients.
-        if distributed:
+        if distributed or offload:
             raise ValueError(
-                "megatron.distributed_optimizer needs CUDA (megatron's optimizer is CUDA-only); "
-                "set megatron.distributed_optimizer=false on the CPU"
+                "megatron.distributed_optimizer and megatron.optimizer_offload_fraction need CUDA (megatron's "
+                "optimizer is CUDA-only); set megatron.distributed_optimizer=false on the CPU"
             )
         return build_optimizer(train_cfg, self.model.module.named_parameters(), self.device)
 

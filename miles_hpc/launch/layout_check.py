@@ -1,0 +1,101 @@
+"""Does the configured megatron layout fit the training nodes? (stage: launch; `miles-hpc prepare`, docs/planning.md,
+"Megatron layouts"). The figures are the layout planner's (`planner/layouts.py`), for the run's model, layout, memory
+options and micro-batch, against `slurm.gpu_memory_gb` and `slurm.host_memory_gb`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from miles_hpc.config import RunConfig
+from miles_hpc.config.loader import ConfigError
+from miles_hpc.planner.layouts import Batch, Candidate, Layout, MemoryOptions, Node, evaluate, search
+
+__all__ = ["check_train_layout", "configured"]
+
+
+def configured(cfg: RunConfig) -> tuple[Layout, MemoryOptions, Batch]:
+    """The run's megatron layout, memory options and micro-batch as the planner takes them."""
+    m, t = cfg.megatron, cfg.train
+    split = m.tensor_parallel * m.pipeline_parallel * m.context_parallel
+    layout = Layout(
+        tp=m.tensor_parallel,
+        pp=m.pipeline_parallel,
+        ep=m.expert_parallel,
+        cp=m.context_parallel,
+        dp=max(t.world_size // split, 1),
+    )
+    opts = MemoryOptions(
+        distributed_optimizer=m.distributed_optimizer,
+        offload_fraction=m.optimizer_offload_fraction,
+        precision_aware=m.precision_aware_optimizer,
+        main_grads_bf16=m.main_grads_dtype == "bf16",
+        recompute="full" if t.activation_checkpointing else "none",
+        mixed_precision=t.mixed_precision and t.device == "cuda",
+    )
+    return layout, opts, Batch(seq_len=t.max_tokens_per_microbatch, micro_batch=1)
+
+
+def _model_config(cfg: RunConfig) -> dict | None:
+    import json
+
+    if cfg.model.path is None:
+        from miles_hpc.models.presets import preset_config
+
+        return preset_config(cfg.model.init_arch, cfg.model.init_size)
+    path = Path(cfg.model.path) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_train_layout(cfg: RunConfig) -> str:
+    """A line saying what was checked; raises ConfigError naming the keys when the megatron layout does not fit the
+    training nodes (with the planner's best layout for the same GPUs). Nothing is checked for the FSDP backend, a
+    CPU run, without `slurm.gpu_memory_gb`, or while the model's config.json is not readable here."""
+    if cfg.train.backend != "megatron" or cfg.train.device != "cuda":
+        return "train layout: not checked (FSDP or CPU trainer)"
+    s = cfg.slurm
+    if not s.gpu_memory_gb:
+        return "train layout: not checked (set slurm.gpu_memory_gb and slurm.host_memory_gb to check it)"
+    model = _model_config(cfg)
+    if model is None:
+        return f"train layout: not checked ({cfg.model.path}/config.json is not readable here)"
+    gpus_per_node = s.gpus_per_node or max(cfg.train.world_size // s.train_nodes, 1)
+    node = Node(
+        name="slurm",
+        gpus=gpus_per_node,
+        gpu_mem_gb=s.gpu_memory_gb,
+        host_mem_gb=s.host_memory_gb or float("inf"),
+        source="slurm.gpu_memory_gb, slurm.host_memory_gb",
+    )
+    layout, opts, batch = configured(cfg)
+    got = evaluate(model, layout, opts, batch, node)
+    if got.fits:
+        assert got.memory is not None
+        return (
+            f"train layout: {layout} fits: {got.memory.gpu / 1e9:.1f} GB per GPU of {s.gpu_memory_gb:g}, "
+            f"{got.memory.optimizer_host * node.gpus / 1e9:.1f} GB of host memory per node"
+        )
+    raise ConfigError(_refusal(cfg, got, search(model, cfg.train.world_size, node, batch)))
+
+
+def _refusal(cfg: RunConfig, got: Candidate, found: list[Candidate]) -> str:
+    m = cfg.megatron
+    keys = (
+        f"megatron.tensor_parallel={m.tensor_parallel}, pipeline_parallel={m.pipeline_parallel}, "
+        f"expert_parallel={m.expert_parallel}, optimizer_offload_fraction={m.optimizer_offload_fraction}, "
+        f"precision_aware_optimizer={m.precision_aware_optimizer}, main_grads_dtype={m.main_grads_dtype}, "
+        f"train.activation_checkpointing={cfg.train.activation_checkpointing}"
+    )
+    msg = f"the megatron layout does not fit the training nodes ({keys}): {'; '.join(got.problems)}"
+    msg += f" (slurm.gpu_memory_gb={cfg.slurm.gpu_memory_gb:g}, slurm.host_memory_gb={cfg.slurm.host_memory_gb:g})"
+    best = found[0] if found else None
+    if best is not None and best.fits:
+        o = best.options
+        msg += (
+            f"; the planner's best layout for {cfg.train.world_size} GPUs: {best.layout}, "
+            f"optimizer_offload_fraction={o.offload_fraction}, precision_aware_optimizer={o.precision_aware}, "
+            f"main_grads_dtype={'bf16' if o.main_grads_bf16 else 'fp32'}, activation_checkpointing="
+            f"{o.recompute == 'full'} (miles-hpc plan CONFIG --layouts)"
+        )
+    else:
+        msg += f"; no layout of {cfg.train.world_size} GPUs fits (miles-hpc plan CONFIG --layouts says by how much)"
+    return msg

@@ -1,0 +1,539 @@
+"""Megatron training layouts: the GPU and host memory of one trainer rank for a (TP, PP, EP, CP, DP) layout and the
+memory options, and the search for the layouts that fit a cluster (stage: planner; `miles-hpc plan --layouts`,
+`miles-hpc prepare`; docs/planning.md, "Megatron layouts").
+
+Invariants.
+- What a rank holds is counted from `planner/mcore_layout.mcore_rules`, the tensors the megatron trainer builds
+  (expert tensor parallelism 1: a routed expert is whole on one expert-parallel rank; TP splits rows or columns;
+  the vocabulary padded to a multiple of 128 x TP; pipeline stages split the decoder layers evenly, the embedding
+  on the first, the final norm, the output layer and the MTP layers on the last). Per layer the tensors are summed
+  by (replicated | TP-split | expert) x (trained | frozen), so one layout costs O(layers); `rank_elements` equals
+  the sum of `mcore_boxes` over the rules (tested).
+- Bytes per element (megatron-core 0.16 without Transformer Engine): weights in bf16 (`train.mixed_precision` on a
+  GPU), gradients in the DDP buffer in fp32 (`grad_reduce_in_fp32`) or bf16 (`megatron.main_grads_dtype`), and per
+  trained element of the optimizer's shard (the data-parallel group with CP for dense tensors, the expert
+  data-parallel group for experts, with the distributed optimizer; every element without it) fp32 master + Adam's
+  two moments, 12 B. Offloaded (`megatron.optimizer_offload_fraction` f, megatron's HybridDeviceOptimizer): a
+  fraction f of the shard's elements lives on the host as fp32 master, fp32 gradient copy and two fp32 moments
+  (16 B); without `megatron.precision_aware_optimizer` the GPU keeps the fp32 master of the offloaded part too.
+- Activations of one micro-batch follow `accounting.layer_saved` (what our model keeps, per token) split over
+  TP (sequence parallelism) and CP, plus megatron's unfused local attention (no Transformer Engine): the
+  softmax's float32 output and its bf16 copy, [heads / TP, S / CP, S] per sequence and layer. Under the 1F1B
+  schedule stage s holds PP - s micro-batches in flight; the last stage also the logits. With full recompute a
+  layer keeps its input and one layer's whole set is the largest temporary.
+- Nothing is measured here; `assumptions()` lists what the figures rest on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Any, Literal
+
+from miles_hpc.models import ModelConfig
+from miles_hpc.planner.accounting import (
+    ACT_BYTES,
+    F32,
+    ModelSpecError,
+    indexer_peak,
+    layer_saved,
+    model_config,
+    model_tensors,
+)
+from miles_hpc.planner.mcore_layout import StageLayout, is_frozen, layout_limits, mcore_rules, padded_vocab_size
+
+GB = 1e9
+USABLE = 0.9  # of a GPU's and a node's memory: CUDA context, NCCL buffers, fragmentation; the OS, pinned limits
+MASTER_ADAM = 12  # fp32 master + Adam m + v, bytes per trained element of the optimizer's shard
+HOST_ADAM = 16  # offloaded: fp32 master, fp32 gradient copy, m, v on the host
+Recompute = Literal["none", "full"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Node:
+    """One node of the training cluster: GPUs, memory per GPU, host memory usable for optimizer states."""
+
+    name: str
+    gpus: int
+    gpu_mem_gb: float
+    host_mem_gb: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("gpus", "gpu_mem_gb", "host_mem_gb"):
+            if getattr(self, key) <= 0:
+                raise ModelSpecError(f"{key}: must be > 0, got {getattr(self, key)}")
+
+    @property
+    def gpu_bytes(self) -> float:
+        """What a plan may fill of one GPU (`USABLE` of it)."""
+        return USABLE * self.gpu_mem_gb * GB
+
+    @property
+    def host_bytes(self) -> float:
+        """What a plan may fill of one node's host memory (`USABLE` of it)."""
+        return USABLE * self.host_mem_gb * GB
+
+
+# Vendors' figures (the source says which); a site's nodes may differ: override with --gpu-mem-gb / --host-mem-gb.
+NODES: dict[str, Node] = {
+    n.name: n
+    for n in (
+        Node(name="h200", gpus=8, gpu_mem_gb=141, host_mem_gb=2048, source="DGX H200: 8 x 141 GB, 2 TB system memory"),
+        Node(
+            name="b300",
+            gpus=8,
+            gpu_mem_gb=288,
+            host_mem_gb=2048,
+            source="HGX / DGX B300: 8 x 288 GB; 2 TB host memory assumed (vendors' configurations differ)",
+        ),
+        Node(
+            name="gb300",
+            gpus=4,
+            gpu_mem_gb=288,
+            host_mem_gb=944,
+            source="GB300 NVL72 compute tray: 4 Blackwell Ultra GPUs of 288 GB, 2 Grace CPUs; up to 17 TB LPDDR5X per "
+            "18-tray rack = 944 GB per tray",
+        ),
+        Node(
+            name="mi300x",
+            gpus=8,
+            gpu_mem_gb=192,
+            host_mem_gb=1986,
+            source="8 x MI300X of 192 GB; 1,850 GiB host memory as Azure's ND MI300X v5 (sites differ)",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """Megatron's parallel sizes: TP x CP x DP x PP = trainer ranks; experts split over EP inside TP x CP x DP
+    (expert tensor parallelism 1, expert data parallelism the rest)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        return self.tp * self.cp * self.dp // self.ep
+
+    def __str__(self) -> str:
+        return f"TP {self.tp} x PP {self.pp} x EP {self.ep} x CP {self.cp} x DP {self.dp}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryOptions:
+    """The megatron memory options (`megatron.*` keys, `train.activation_checkpointing` = full recompute)."""
+
+    distributed_optimizer: bool = True
+    offload_fraction: float = 0.0
+    precision_aware: bool = False
+    main_grads_bf16: bool = False
+    recompute: Recompute = "none"
+    mixed_precision: bool = True  # bf16 weights (a GPU run); fp32 weights otherwise
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.offload_fraction <= 1.0:
+            raise ModelSpecError(f"offload_fraction: must be in [0, 1], got {self.offload_fraction}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Batch:
+    """One training micro-batch: `micro_batch` packed sequences of `seq_len` tokens."""
+
+    seq_len: int = 4096
+    micro_batch: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerSums:
+    """Elements of one megatron module group (a decoder layer, or the first / last stage's extras) by kind."""
+
+    replicated: tuple[int, int] = (0, 0)  # (trained, frozen)
+    split: tuple[int, int] = (0, 0)  # TP-split rows or columns: / tp
+    expert: tuple[int, int] = (0, 0)  # all routed experts of the group: / ep
+    vocab: tuple[int, int] = (0, 0)  # (rows, width) of a vocabulary-parallel tensor (padded per TP)
+    split_dims: frozenset[int] = frozenset()  # sizes TP must divide
+
+
+@dataclass(frozen=True, slots=True)
+class RankElements:
+    """Elements one rank of a pipeline stage holds (TP rank 0, EP rank 0: the largest share)."""
+
+    dense_trained: int
+    dense_frozen: int
+    expert_trained: int
+    expert_frozen: int
+
+    @property
+    def total(self) -> int:
+        return self.dense_trained + self.dense_frozen + self.expert_trained + self.expert_frozen
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """Bytes on one GPU (its busiest pipeline stage) and on the host for that GPU."""
+
+    stage: int
+    elements: RankElements
+    weights: int
+    grads: int
+    optimizer_gpu: int
+    optimizer_host: int
+    activations: int
+    activation_terms: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def gpu(self) -> int:
+        return self.weights + self.grads + self.optimizer_gpu + self.activations
+
+
+def _key(cfg: Mapping[str, Any]) -> str:
+    import json
+
+    return json.dumps(dict(cfg), sort_keys=True, default=str)
+
+
+@lru_cache(maxsize=8)
+def _sums(key: str) -> tuple[tuple[_LayerSums, ...], _LayerSums, _LayerSums]:
+    """(per decoder layer, the first stage's extras, the last stage's extras: final norm, output layer, MTP)."""
+    import json
+
+    cfg = json.loads(key)
+    mc = model_config(cfg)
+    shapes = model_tensors(cfg).all()
+    layers: list[dict[str, Any]] = [_empty() for _ in range(mc.num_hidden_layers)]
+    first, last = _empty(), _empty()
+    layout = StageLayout(1, mc.num_hidden_layers)
+    for rule in mcore_rules(mc):
+        numel = sum(math.prod(shapes[n]) for n in rule.hf)
+        frozen = int(is_frozen(rule.mcore))
+        m = layout.layer_of(rule.mcore)
+        group = layers[m] if m is not None else first if rule.mcore.startswith("embedding.") else last
+        if rule.expert is not None:
+            group["expert"][frozen] += numel
+        elif rule.kind == "replicated":
+            group["replicated"][frozen] += numel
+        elif rule.kind == "vocab":
+            group["vocab"] = (mc.vocab_size, shapes[rule.hf[0]][1])
+            group["vocab_frozen"] = frozen
+        else:
+            group["split"][frozen] += numel
+            dim = mc.num_key_value_heads if rule.kind == "qkv" else shapes[rule.hf[0]][1 if rule.kind == "cols" else 0]
+            group["dims"].add(dim)
+    return tuple(_freeze(g) for g in layers), _freeze(first), _freeze(last)
+
+
+def _empty() -> dict[str, Any]:
+    return {"replicated": [0, 0], "split": [0, 0], "expert": [0, 0], "vocab": (0, 0), "dims": set()}
+
+
+def _freeze(g: dict[str, Any]) -> _LayerSums:
+    return _LayerSums(
+        tuple(g["replicated"]), tuple(g["split"]), tuple(g["expert"]), tuple(g["vocab"]), frozenset(g["dims"])
+    )
+
+
+def layout_problems(cfg: Mapping[str, Any], layout: Layout, *, limits: bool = True) -> list[str]:
+    """Why megatron cannot build `cfg` in `layout` (empty: it can), each naming the size and what it must divide;
+    with `limits`, also what the trainer does not implement yet (`mcore_layout.layout_limits`)."""
+    mc = model_config(cfg)
+    out = []
+    if mc.num_hidden_layers % layout.pp:
+        out.append(f"PP {layout.pp} does not divide the {mc.num_hidden_layers} decoder layers")
+    layers, first, last = _sums(_key(cfg))
+    dims = sorted({d for g in (*layers, first, last) for d in g.split_dims if d % layout.tp})
+    if dims:
+        out.append(f"TP {layout.tp} does not divide the split dimension(s) {', '.join(map(str, dims))}")
+    if mc.num_experts:
+        if mc.num_experts % layout.ep:
+            out.append(f"EP {layout.ep} does not divide the {mc.num_experts} routed experts")
+        if (layout.tp * layout.cp * layout.dp) % layout.ep:
+            out.append(f"EP {layout.ep} does not divide TP x CP x DP = {layout.tp * layout.cp * layout.dp}")
+    elif layout.ep > 1:
+        out.append(f"EP {layout.ep} on a dense model")
+    return out + (layout_limits(mc, tp=layout.tp, pp=layout.pp, cp=layout.cp) if limits else [])
+
+
+def rank_elements(cfg: Mapping[str, Any], layout: Layout, stage: int) -> RankElements:
+    """Elements that TP rank 0 / EP rank 0 of pipeline `stage` holds (TP ranks hold equal shares but the last
+    vocabulary rows; EP ranks equal shares)."""
+    mc = model_config(cfg)
+    layers, first, last = _sums(_key(cfg))
+    per = mc.num_hidden_layers // layout.pp
+    groups = list(layers[stage * per : (stage + 1) * per])
+    if stage == 0:
+        groups.append(first)
+    if stage == layout.pp - 1:
+        groups.append(last)
+        if mc.tie_word_embeddings and layout.pp > 1:  # the last stage's copy of the embedding
+            groups.append(replace(first, replicated=(0, 0), split=(0, 0), expert=(0, 0)))
+    dense, expert = [0, 0], [0, 0]
+    for g in groups:
+        for f in (0, 1):
+            dense[f] += g.replicated[f] + g.split[f] // layout.tp
+            expert[f] += g.expert[f] // layout.ep
+        rows, width = g.vocab
+        if rows:
+            dense[0] += padded_vocab_size(rows, layout.tp) // layout.tp * width
+    return RankElements(dense[0], dense[1], expert[0], expert[1])
+
+
+def _activations(mc: ModelConfig, layout: Layout, opts: MemoryOptions, batch: Batch, stage: int) -> dict[str, int]:
+    """Activation bytes of `stage`'s rank under 1F1B: PP - stage micro-batches in flight (docstring)."""
+    a, n, s = ACT_BYTES if opts.mixed_precision else F32, batch.micro_batch, batch.seq_len
+    split = layout.tp * layout.cp
+    per = mc.num_hidden_layers // layout.pp
+    ids = range(stage * per, (stage + 1) * per)
+    heads = mc.num_attention_heads // layout.tp
+    probs = n * heads * (s // layout.cp) * s * (F32 + a)  # megatron's local attention: softmax out, float32 + copy
+    layer_sets = []
+    for i in ids:
+        saved = layer_saved(mc, i, seq_len=s, micro_batch=n, act_bytes=a)
+        layer_sets.append(sum(saved.values()) // split + probs)
+    in_flight = layout.pp - stage
+    out: dict[str, int] = {}
+    if opts.recompute == "none":
+        out["layers"] = in_flight * sum(layer_sets)
+    else:
+        out["layer_inputs"] = in_flight * per * n * s * mc.hidden_size * a // split
+        out["recompute"] = max(layer_sets) + max((indexer_peak(mc, seq_len=s, micro_batch=n) for _ in ids), default=0)
+    if stage == layout.pp - 1:
+        vocab = padded_vocab_size(mc.vocab_size, layout.tp) // layout.tp
+        out["logits"] = 2 * n * (s // layout.cp) * vocab * a  # the logits and their gradient
+    return out
+
+
+def rank_memory(cfg: Mapping[str, Any], layout: Layout, opts: MemoryOptions, batch: Batch) -> RankMemory:
+    """The memory of the busiest pipeline stage's rank (most GPU bytes)."""
+    mc = model_config(cfg)
+    best: RankMemory | None = None
+    for stage in range(layout.pp):
+        el = rank_elements(cfg, layout, stage)
+        w = 2 if opts.mixed_precision else 4
+        g = 2 if opts.main_grads_bf16 else 4
+        trained_dense, trained_expert = el.dense_trained, el.expert_trained
+        shard = (
+            trained_dense / (layout.dp * layout.cp) + trained_expert / layout.expert_dp
+            if opts.distributed_optimizer
+            else trained_dense + trained_expert
+        )
+        f = opts.offload_fraction
+        master_adam = MASTER_ADAM if opts.mixed_precision else MASTER_ADAM - 4  # fp32 weights are their own master
+        gpu_opt = (1 - f) * master_adam * shard + (0 if opts.precision_aware else f * 4 * shard)
+        acts = _activations(mc, layout, opts, batch, stage)
+        mem = RankMemory(
+            stage=stage,
+            elements=el,
+            weights=w * el.total,
+            grads=g * (trained_dense + trained_expert),
+            optimizer_gpu=int(gpu_opt),
+            optimizer_host=int(f * HOST_ADAM * shard),
+            activations=sum(acts.values()),
+            activation_terms=acts,
+        )
+        if best is None or mem.gpu > best.gpu:
+            best = mem
+    assert best is not None
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One layout with the options that make it fit (or the smallest shortfall, `short`)."""
+
+    layout: Layout
+    options: MemoryOptions
+    memory: RankMemory | None
+    problems: tuple[str, ...] = ()
+    short_gb: float = 0.0  # GPU bytes short per GPU + host bytes short per node (inf: the layout is invalid)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def summary(self, node: Node) -> dict[str, Any]:
+        out: dict[str, Any] = {"layout": str(self.layout), "fits": self.fits, "problems": list(self.problems)}
+        if self.memory is not None:
+            m = self.memory
+            out.update(
+                offload_fraction=self.options.offload_fraction,
+                precision_aware=self.options.precision_aware,
+                main_grads_bf16=self.options.main_grads_bf16,
+                recompute=self.options.recompute,
+                stage=m.stage,
+                gpu_gb=m.gpu / GB,
+                weights_gb=m.weights / GB,
+                grads_gb=m.grads / GB,
+                optimizer_gpu_gb=m.optimizer_gpu / GB,
+                activations_gb=m.activations / GB,
+                host_per_node_gb=m.optimizer_host * node.gpus / GB,
+            )
+        return out
+
+
+def evaluate(
+    cfg: Mapping[str, Any], layout: Layout, opts: MemoryOptions, batch: Batch, node: Node, *, limits: bool = True
+) -> Candidate:
+    """`layout` with exactly `opts`: fits, or the resources it is short of and by how much (`limits`:
+    `layout_problems`)."""
+    problems = layout_problems(cfg, layout, limits=limits)
+    if opts.recompute != "none" and limits:
+        problems += layout_limits(model_config(cfg), recompute=True)
+    if problems:
+        return Candidate(layout, opts, None, tuple(problems), math.inf)
+    mem = rank_memory(cfg, layout, opts, batch)
+    short, gpu_short = [], max(0.0, (mem.gpu - node.gpu_bytes) / GB)
+    host_short = max(0.0, (mem.optimizer_host * node.gpus - node.host_bytes) / GB)
+    if gpu_short:
+        short.append(f"GPU memory short by {gpu_short:.1f} GB per GPU")
+    if host_short:
+        short.append(f"host memory short by {host_short:.1f} GB per node")
+    return Candidate(layout, opts, mem, tuple(short), gpu_short + host_short)
+
+
+def fit_options(
+    cfg: Mapping[str, Any],
+    layout: Layout,
+    batch: Batch,
+    node: Node,
+    base: MemoryOptions | None = None,
+    *,
+    limits: bool = True,
+) -> Candidate:
+    """The cheapest options that fit `layout` on `node`, trying in turn: `base` as it is; full recompute (where the
+    trainer can recompute the family); full recompute and the smallest optimizer offload fraction (steps of 0.05, precision-aware) that fits the GPU, if the
+    host holds it; the same with bf16 main gradients. Without a fit: the last of these, with its shortfall."""
+    base = base or MemoryOptions()
+    problems = layout_problems(cfg, layout, limits=limits)
+    if problems:
+        return Candidate(layout, base, None, tuple(problems), math.inf)
+    c = evaluate(cfg, layout, base, batch, node, limits=limits)
+    if c.fits:
+        return c
+    recompute = base
+    if not limits or not layout_limits(model_config(cfg), recompute=True):  # the trainer can recompute this family
+        recompute = replace(base, recompute="full")
+        c = evaluate(cfg, layout, recompute, batch, node, limits=limits)
+        if c.fits:
+            return c
+    for bf16_grads in (base.main_grads_bf16, True):
+        opts = replace(recompute, precision_aware=True, main_grads_bf16=bf16_grads, offload_fraction=1.0)
+        f = min_offload(cfg, layout, opts, batch, node)
+        c = evaluate(cfg, layout, replace(opts, offload_fraction=f), batch, node, limits=limits)
+        if c.fits:
+            return c
+    return c
+
+
+def min_offload(cfg: Mapping[str, Any], layout: Layout, opts: MemoryOptions, batch: Batch, node: Node) -> float:
+    """The smallest offload fraction (a multiple of 0.05) with which `opts` fit the GPU (1.0 when none does)."""
+    gpu = node.gpu_bytes
+    none = rank_memory(cfg, layout, replace(opts, offload_fraction=0.0), batch)
+    spare = gpu - (none.gpu - none.optimizer_gpu)  # room for optimizer states on the GPU
+    need = none.optimizer_gpu
+    if need <= 0 or spare >= need:
+        return 0.0
+    step = math.ceil(20 * (1 - max(spare, 0) / need) - 1e-9)
+    for k in range(step, 21):  # GPU bytes fall with f; the busiest stage may change: check each step up
+        if rank_memory(cfg, layout, replace(opts, offload_fraction=k / 20), batch).gpu <= gpu:
+            return k / 20
+    return 1.0
+
+
+def layouts(cfg: Mapping[str, Any], gpus: int, node: Node, *, max_cp: int = 1) -> Iterable[Layout]:
+    """Every layout of `gpus` ranks: TP a power of two within a node, PP dividing the layers, EP dividing the
+    experts and TP x CP x DP, CP up to `max_cp` (1: megatron.context_parallel is not implemented yet)."""
+    mc = model_config(cfg)
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= node.gpus and gpus % t == 0]
+    for tp in tps:
+        for pp in (p for p in range(1, mc.num_hidden_layers + 1) if mc.num_hidden_layers % p == 0):
+            for cp in (c for c in (1, 2, 4, 8) if c <= max_cp):
+                if gpus % (tp * pp * cp):
+                    continue
+                dp = gpus // (tp * pp * cp)
+                eps = [e for e in range(1, tp * cp * dp + 1) if (tp * cp * dp) % e == 0] if mc.num_experts else [1]
+                for ep in eps:
+                    if not mc.num_experts or mc.num_experts % ep == 0:
+                        yield Layout(tp=tp, pp=pp, ep=ep, cp=cp, dp=dp)
+
+
+def _cost(c: Candidate) -> tuple[Any, ...]:
+    """Cheaper first: fits (else the smaller shortfall); no recompute; fp32 gradients; less offloaded; fewer pipeline stages (bubble); smaller TP (its
+    all-reduces); then fewer GPU bytes."""
+    m = c.memory
+    return (
+        not c.fits,
+        c.short_gb,
+        c.options.recompute != "none",
+        c.options.main_grads_bf16,
+        c.options.offload_fraction,
+        c.layout.pp,
+        c.layout.tp,
+        m.gpu if m else math.inf,
+    )
+
+
+def search(
+    cfg: Mapping[str, Any],
+    gpus: int,
+    node: Node,
+    batch: Batch,
+    base: MemoryOptions | None = None,
+    *,
+    limits: bool = True,
+) -> list[Candidate]:
+    """Every valid layout of `gpus` ranks with its cheapest fitting options, best first (`_cost`); those that do
+    not fit follow, with their shortfall. `limits=False`: as if the trainer built every layout and option (what
+    the missing pieces would buy)."""
+    found = [fit_options(cfg, layout, batch, node, base, limits=limits) for layout in layouts(cfg, gpus, node)]
+    return sorted(found, key=_cost)
+
+
+def assumptions(node: Node, batch: Batch) -> list[str]:
+    return [
+        f"node: {node.name}, {node.gpus} GPUs of {node.gpu_mem_gb:g} GB, {node.host_mem_gb:g} GB host memory for "
+        f"optimizer states ({node.source or 'given'}); a plan fills at most {USABLE:.0%} of either (CUDA context, "
+        "NCCL buffers and fragmentation; the OS and pinned-memory limits)",
+        f"micro-batch: {batch.micro_batch} packed sequence(s) of {batch.seq_len} tokens; 1F1B keeps PP - s "
+        "micro-batches in flight on stage s (at least PP micro-batches per step)",
+        "weights bf16; gradients fp32 (bf16 with main_grads bf16); fp32 master + Adam m, v = 12 B per trained "
+        "element of the optimizer's shard; offloaded: 16 B on the host (master, gradient copy, m, v), and the GPU "
+        "keeps the fp32 master unless precision-aware",
+        "activations: our model's saved tensors per token over TP x CP, plus megatron's unfused attention "
+        "(float32 softmax + bf16 copy per score); frozen tensors (MTP, indexers) hold weights only; NCCL buffers, "
+        "the allocator's fragmentation and CUDA context excluded",
+        "search: TP within a node (power of two), PP dividing the layers, EP dividing the experts and TP x CP x DP, "
+        "CP 1 (context parallelism not implemented yet); offload in steps of 0.05",
+    ]
+
+
+__all__ = [
+    "NODES",
+    "Batch",
+    "Candidate",
+    "Layout",
+    "MemoryOptions",
+    "Node",
+    "RankElements",
+    "RankMemory",
+    "assumptions",
+    "evaluate",
+    "fit_options",
+    "layout_problems",
+    "layouts",
+    "min_offload",
+    "rank_elements",
+    "rank_memory",
+    "search",
+]

@@ -1,0 +1,57 @@
+"""Fixes to megatron-core 0.16 without Transformer Engine (what the megatron backend builds on), applied once when
+`train/mcore_model.py` imports this module, as later megatron-core releases fix them (stage: train)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.extensions import transformer_engine as _te_extension
+from megatron.core.optimizer import optimizer_config as _optimizer_config
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as _DistributedOptimizer
+from megatron.core.transformer import multi_latent_attention as _mla_module
+from megatron.core.transformer.moe import moe_utils as _moe_utils
+
+# megatron-core 0.16 without Transformer Engine (what this backend builds on), fixed at import as later releases do:
+if not hasattr(_moe_utils, "te_general_gemm"):
+    # its MoE router's gating tests an undefined `te_general_gemm` against None on CUDA (a NameError on every MoE
+    # model on a GPU); 0.17+ define it as None.
+    _moe_utils.te_general_gemm = None
+if not _te_extension.HAVE_TE:
+    # MLA sets its HAVE_TE when the TE extension imports, which it does without TE (a mock in TE's place), then
+    # tests `isinstance(linear_proj, TELinear)` against that mock (a TypeError building any MLA model); the
+    # extension's own HAVE_TE says whether TE is there (0.19 reads that one).
+    _mla_module.HAVE_TE = False
+    # The precision-aware optimizer's config check compares TE's version, None without TE (a TypeError); the check
+    # only picks TE's parameter-remainder storage, which the CPU-offload optimizer (the one TE-less path) ignores.
+    _optimizer_config.is_te_min_version = lambda *args, **kwargs: False
+
+
+def _leaf_fp32_shards(build: Any) -> Any:
+    """megatron-core 0.16's distributed optimizer hands the optimizer its shards of float32 parameters as views that
+    autograd tracks (non-leaf); the CPU-offload optimizer builds torch optimizers over them, which refuse them
+    ("can't optimize a non-leaf Tensor"). With offload on, each such shard is replaced by the same view detached
+    (same storage, the parallel attributes kept), wherever megatron keeps it."""
+
+    def wrapped(cls: Any, gbuf_ranges: Any, param_gbuf_map: Any, opt_group_ranges: Any, config: Any) -> Any:
+        out = build.__func__(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+        if not config.optimizer_cpu_offload:
+            return out
+        swap: dict[int, torch.Tensor] = {}
+        for group in out[3]:  # shard_fp32_groups
+            for i, shard in enumerate(group):
+                if not shard.is_leaf:
+                    leaf = shard.detach()
+                    leaf.__dict__.update(shard.__dict__)
+                    swap[id(shard)] = group[i] = leaf
+        for group_range in opt_group_ranges:
+            params = group_range["orig_group"]["params"]
+            group_range["orig_group"]["params"] = [swap.get(id(q), q) for q in params]
+        return out
+
+    return classmethod(wrapped)
+
+
+_DistributedOptimizer._build_model_and_main_param_groups = _leaf_fp32_shards(
+    _DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+)
