@@ -100,13 +100,15 @@ def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, dev
 
 
 def _elements(module: torch.nn.Module) -> dict[str, int]:
-    """This rank's parameter elements, trained and frozen (GLM's router bias, a buffer, counts as trained: the
-    planner counts it with its rule)."""
+    """This rank's parameter elements, trained and frozen (GLM's router bias, a buffer, counts as its rule does:
+    trained in a decoder layer, frozen in an MTP layer)."""
+    from miles_hpc.planner.mcore_layout import is_frozen
+
     params = list(module.parameters())
-    bias = sum(b.numel() for n, b in module.named_buffers() if n.endswith("router.expert_bias"))
+    bias = [(is_frozen(n), b.numel()) for n, b in module.named_buffers() if n.endswith("router.expert_bias")]
     return {
-        "trained": sum(p.numel() for p in params if p.requires_grad) + bias,
-        "frozen": sum(p.numel() for p in params if not p.requires_grad),
+        "trained": sum(p.numel() for p in params if p.requires_grad) + sum(n for f, n in bias if not f),
+        "frozen": sum(p.numel() for p in params if not p.requires_grad) + sum(n for f, n in bias if f),
     }
 
 
