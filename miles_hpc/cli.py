@@ -369,7 +369,7 @@ def _layout_line(r: dict[str, Any]) -> str:
     opts = [f"offload {r['offload_fraction']:g}" if r["offload_fraction"] else "no offload"]
     opts += ["precision-aware"] if r["precision_aware"] else []
     opts += ["bf16 grads"] if r["main_grads_bf16"] else []
-    opts += ["full recompute"] if r["recompute"] == "full" else []
+    opts += [f"{r['recompute']} recompute"] if r["recompute"] != "none" else []
     line = (
         f"{', '.join(opts)}: {r['gpu_gb']:.1f} GB/GPU (weights {r['weights_gb']:.1f}, grads {r['grads_gb']:.1f}, "
         f"optimizer {r['optimizer_gpu_gb']:.1f}, activations {r['activations_gb']:.1f}; stage {r['stage']}), "

@@ -9,7 +9,8 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
     python mcore_ckpt_worker.py refuse MODEL_DIR TP EP CKPT OUT_FILE
         `load(CKPT)` into a trainer of MODEL_DIR, which must raise ValueError: its message.
 
-DEVICE cuda: megatron's own optimizer (DISTRIBUTED_OPTIMIZER 1: the distributed one) instead of the CPU path's AdamW.
+MCORE_RECOMPUTE=full or selective in the environment: train.activation_checkpointing with that
+megatron.recompute_granularity. DEVICE cuda: megatron's own optimizer (DISTRIBUTED_OPTIMIZER 1: the distributed one) instead of the CPU path's AdamW.
 Rank 0 saves what it got to OUT_FILE: weights and (CPU) Adam moments under HF names (gathered over TP and EP), Adam's
 and our step, lr, four draws of torch's RNG, the loop's state and the next step's metrics and weights.
 """
@@ -17,6 +18,7 @@ and our step, lr, four draws of torch's RNG, the loop's state and the next step'
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -112,10 +114,15 @@ def main(
     torch.set_num_threads(1)
     world = tdist.world_from_env(device=device)
     tdist.init_trainer_world(world)
+    recompute = os.environ.get("MCORE_RECOMPUTE", "")  # full / selective: train.activation_checkpointing
     mcfg = MegatronConfig(
-        tensor_parallel=int(tp), expert_parallel=int(ep), distributed_optimizer=distributed_optimizer == "1"
+        tensor_parallel=int(tp),
+        expert_parallel=int(ep),
+        distributed_optimizer=distributed_optimizer == "1",
+        recompute_granularity=recompute or "full",
     )
-    trainer = mg.MegatronTrainer(model_dir, CKPT_CFG, STEP_ALGO, mcfg, device=world.device, seed=0)
+    train_cfg = dataclasses.replace(CKPT_CFG, activation_checkpointing=bool(recompute))
+    trainer = mg.MegatronTrainer(model_dir, train_cfg, STEP_ALGO, mcfg, device=world.device, seed=0)
     if mode == "save":
         trainer.train_step(make_batch(TRAIN_LENGTHS))
         trainer.save(ckpt, EXTRA)

@@ -7,8 +7,9 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
     python mcore_worker.py train MODEL_DIR TP EP OUT_FILE DISTRIBUTED_OPTIMIZER [DEVICE [R3]]
         MegatronTrainer (fp32): compute_logprobs, one train_step (2 mini-batches), the full weights after it;
         R3=1: the batch carries routing records and algo.routing_replay is on. MCORE_PP in the environment: the
-        number of pipeline stages (default 1); MCORE_RECOMPUTE=1: train.activation_checkpointing; MCORE_OFFLOAD:
-        megatron.optimizer_offload_fraction (precision-aware when > 0; a GPU and the distributed optimizer).
+        number of pipeline stages (default 1); MCORE_RECOMPUTE=full or selective: train.activation_checkpointing
+        with that megatron.recompute_granularity; MCORE_OFFLOAD: megatron.optimizer_offload_fraction
+        (precision-aware when > 0; a GPU and the distributed optimizer).
 
 Rank 0 saves what it got to OUT_FILE.
 """
@@ -58,6 +59,7 @@ def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, dev
     world = tdist.world_from_env(device=device)
     tdist.init_trainer_world(world)
     offload = float(os.environ.get("MCORE_OFFLOAD", "0"))  # megatron.optimizer_offload_fraction (GPU only)
+    recompute = os.environ.get("MCORE_RECOMPUTE", "")  # full / selective: train.activation_checkpointing
     mcfg = MegatronConfig(
         tensor_parallel=tp,
         expert_parallel=ep,
@@ -65,16 +67,16 @@ def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, dev
         pipeline_parallel=int(os.environ.get("MCORE_PP", "1")),
         optimizer_offload_fraction=offload,
         precision_aware_optimizer=offload > 0,
+        recompute_granularity=recompute or "full",
     )
     indexer_loss = float(os.environ.get("MCORE_INDEXER_LOSS", "0"))  # train.indexer_loss_coef
     mode = os.environ.get("MCORE_INDEXER_MODE", "sparse")
-    recompute = os.environ.get("MCORE_RECOMPUTE") == "1"  # train.activation_checkpointing
     cfg = dataclasses.replace(
         STEP_CFG,
         mixed_precision=False,
         indexer_loss_coef=indexer_loss,
         indexer_loss=mode,
-        activation_checkpointing=recompute,
+        activation_checkpointing=bool(recompute),
     )
     algo = dataclasses.replace(STEP_ALGO, routing_replay=r3)
     trainer = mg.MegatronTrainer(model_dir, cfg, algo, mcfg, device=world.device, seed=0)

@@ -362,15 +362,15 @@ def _compare_step_with_fsdp(
     r3: bool = False,
     pp: int = 1,
     indexer_loss: float = 0.0,
-    recompute: bool = False,
+    recompute: str | None = None,
     offload: float = 0.0,
 ) -> dict:
     """The megatron step (in `world_size` processes) against FSDP's on one rank. `indexer_loss`: both with
     train.indexer_loss_coef (the workers read it from MCORE_INDEXER_LOSS); `recompute`: megatron with
-    train.activation_checkpointing (MCORE_RECOMPUTE)."""
+    train.activation_checkpointing and that megatron.recompute_granularity, "full" or "selective" (MCORE_RECOMPUTE)."""
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
     os.environ["MCORE_INDEXER_LOSS"] = str(indexer_loss)
-    os.environ["MCORE_RECOMPUTE"] = str(int(recompute))
+    os.environ["MCORE_RECOMPUTE"] = recompute or ""
     os.environ["MCORE_OFFLOAD"] = str(offload)
     try:
         got = _run_world(
@@ -387,7 +387,7 @@ def _compare_step_with_fsdp(
         )
     finally:
         del os.environ["MCORE_INDEXER_LOSS"], os.environ["MCORE_RECOMPUTE"], os.environ["MCORE_OFFLOAD"]
-    assert got["recompute"] == ("full" if recompute else None)
+    assert got["recompute"] == recompute
     ref = run_fsdp_once(str(model_dir), r3=r3, indexer_loss=indexer_loss)
     assert got["step"] == 2
     assert len(got["logprobs"]) == len(TRAIN_LENGTHS)
@@ -435,7 +435,16 @@ def test_r3_replays_recorded_experts_like_fsdp(
     assert metrics["r3/topk_agreement"] < 0.5
 
 
-@pytest.mark.parametrize("world_size,tp,ep,arch", [(2, 2, 1, "qwen3"), (2, 1, 2, "qwen3_moe"), (2, 2, 1, "qwen3_moe")])
+@pytest.mark.parametrize(
+    "world_size,tp,ep,arch,granularity",
+    [
+        (2, 2, 1, "qwen3", "full"),
+        (2, 1, 2, "qwen3_moe", "full"),
+        (2, 2, 1, "qwen3_moe", "full"),
+        (2, 2, 1, "qwen3", "selective"),
+        (2, 2, 1, "qwen3_moe", "selective"),
+    ],
+)
 @pytest.mark.process
 def test_activation_recompute_trains_the_same(
     world: None,
@@ -446,14 +455,16 @@ def test_activation_recompute_trains_the_same(
     tp: int,
     ep: int,
     arch: str,
+    granularity: str,
 ) -> None:
-    """train.activation_checkpointing with the megatron backend (megatron's full recompute, one layer at a time):
-    the step equals FSDP's, R3 on for the MoE model (each layer recomputed in backward replays the same records, and
-    its statistics are counted once); under TP with sequence parallelism too."""
+    """train.activation_checkpointing with the megatron backend (megatron's full recompute, one layer at a time, or
+    its selective one, the core attention): the step equals FSDP's, R3 on for the MoE model (each layer recomputed
+    in backward replays the same records, and its statistics are counted once); under TP with sequence parallelism
+    too."""
     moe = arch == "qwen3_moe"
     model = tiny_moe_model if moe else tiny_model
     metrics = _compare_step_with_fsdp(
-        model, tmp_path, world_size, tp, False, "cpu", atol=1e-5, ep=ep, r3=moe, recompute=True
+        model, tmp_path, world_size, tp, False, "cpu", atol=1e-5, ep=ep, r3=moe, recompute=granularity
     )
     if moe:
         ref = run_fsdp_once(str(model), r3=True)["metrics"]
@@ -463,7 +474,7 @@ def test_activation_recompute_trains_the_same(
 
 def test_layout_refusals_name_the_key(world: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """What this backend does not do yet is refused by key before a model is built: recompute with R3 under
-    pipeline stages, recompute for the DSA families, an MLA MoE model under TP."""
+    pipeline stages, selective recompute for the DSA families."""
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
     from megatron.core import parallel_state
 
@@ -478,11 +489,8 @@ def test_layout_refusals_name_the_key(world: None, monkeypatch: pytest.MonkeyPat
         MegatronTrainer("unused", recompute, r3, MegatronConfig(pipeline_parallel=2), device="cpu", seed=0)
     mcore_model.init_model_parallel(1, 1)
     try:
-        with pytest.raises(NotImplementedError, match="activation_checkpointing .*glm_moe_dsa: DSA's shared layers"):
-            mcore_model.build_gpt(tiny_config("glm_moe_dsa"), recompute=True)
-        monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
-        with pytest.raises(NotImplementedError, match="an MLA MoE model with megatron.tensor_parallel > 1"):
-            mcore_model.transformer_config(tiny_config("deepseek_v3"))
+        with pytest.raises(NotImplementedError, match="recompute_granularity=selective with glm_moe_dsa"):
+            mcore_model.build_gpt(tiny_config("glm_moe_dsa"), recompute="selective")
     finally:
         monkeypatch.undo()
         parallel_state.destroy_model_parallel()

@@ -43,6 +43,7 @@ def _run(
     ep: int = 1,
     device: str = "cpu",
     distributed_optimizer: bool = False,
+    recompute: str = "",
 ) -> dict:
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
     env = {
@@ -50,6 +51,7 @@ def _run(
         "WORLD_SIZE": str(world),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
+        "MCORE_RECOMPUTE": recompute,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
     }
     argv = [
@@ -168,6 +170,23 @@ def test_dsa_resumes_with_another_expert_parallel_size(tmp_path: Path) -> None:
     assert any(".self_attn.indexer." in n for n in got["at_save"]["weights"])
     assert any(n.startswith("model.layers.4.") for n in got["at_save"]["weights"])  # the MTP layer
     _assert_resumed(saved, got, cfg=read_config(model))
+
+
+def test_glm5_under_tp_with_recompute_resumes_without(tmp_path: Path) -> None:
+    """GLM-5 in the flagship's CPU-testable options: MoE under TP 2 x EP 2 (sequence parallelism through MLA and the
+    DSA indexer) with full recompute, 4 ranks; resumed at EP 2 without recompute (2 ranks), and on one rank with
+    full recompute: weights, moments, step and the next step as the run that never stopped."""
+    from miles_hpc.models.presets import init_model
+
+    model = init_model("glm_moe_dsa", "tiny", tmp_path / "model")
+    ckpt = tmp_path / "step_1"
+    saved = _run("save", model, ckpt, tmp_path / "saved.pt", world=4, tp=2, ep=2, recompute="full")
+    assert json.loads((ckpt / "megatron.json").read_text())["tensor_parallel"] == 2
+    cfg = read_config(model)
+    got = _run("resume", model, ckpt, tmp_path / "ep2.pt", world=2, ep=2)
+    _assert_resumed(saved, got, cfg=cfg)
+    got = _run("resume", model, ckpt, tmp_path / "one.pt", world=1, recompute="full")
+    _assert_resumed(saved, got, cfg=cfg)
 
 
 def test_another_model_config_is_refused(dense_ckpt: tuple[Path, dict], tiny_model: Path, tmp_path: Path) -> None:

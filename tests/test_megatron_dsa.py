@@ -36,8 +36,8 @@ from miles_hpc.train.mcore_pipeline import StageLayout  # noqa: E402
 from miles_hpc.train.mcore_weights import is_frozen, mcore_rules  # noqa: E402
 
 ARCHS = ("glm_moe_dsa", "deepseek_v32")
-# All-dense variants for TP 2 (MoE with TP > 1 is refused): decoder layers dense, and the MTP layer too (it follows
-# first_k_dense_replace).
+# All-dense variants for TP 2 without sequence parallelism (MoE under TP runs with it): decoder layers dense, and the
+# MTP layer too (it follows first_k_dense_replace).
 DENSE = {
     "glm_moe_dsa": {"mlp_layer_types": ["dense"] * 4, "first_k_dense_replace": 5},
     "deepseek_v32": {"first_k_dense_replace": 4},
@@ -106,6 +106,8 @@ def test_pipeline_stage_starting_with_a_shared_layer_is_refused() -> None:
         ("deepseek_v32", TOPK, 1, 2),
         ("deepseek_v32", {**TOPK, **YARN}, 1, 1),
         ("deepseek_v32", {**DENSE["deepseek_v32"], **BIG_EPS}, 2, 1),
+        ("glm_moe_dsa", TOPK, 2, 1),
+        ("deepseek_v32", {**TOPK, **BIG_EPS}, 2, 2),
     ],
 )
 @pytest.mark.process
@@ -150,6 +152,7 @@ def tiny_dsa_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         ("deepseek_v32-dense", 2, 2, 1, 1),
         ("deepseek_v32", 2, 1, 2, 1),
         ("glm_moe_dsa", 2, 1, 1, 2),
+        ("glm_moe_dsa", 4, 2, 2, 1),
     ],
 )
 @pytest.mark.process
@@ -165,14 +168,19 @@ def test_dsa_trainer_step_equals_fsdp(
 ) -> None:
     """MegatronTrainer and FSDPTrainer (one rank) on the same batch and weights: the same log-probs, step metrics
     and weights after two mini-batches, the indexers and the MTP layer unchanged in both. TP 2 on the all-dense
-    variants, EP 2 on the MoE ones; PP 2 on GLM-5 (stage 1 starts with a full indexer layer; the MTP layer on the
-    last stage)."""
+    variants, EP 2 on the MoE ones, TP 2 x EP 2 on GLM-5's (sequence parallelism: each TP rank's indexers score the
+    whole row); PP 2 on GLM-5 (stage 1 starts with a full indexer layer; the MTP layer on the last stage)."""
     _compare_step_with_fsdp(tiny_dsa_models[model], tmp_path, world_size, tp, False, "cpu", atol=1e-5, ep=ep, pp=pp)
 
 
 @pytest.mark.parametrize(
     "model,tp,ep,mode",
-    [("glm_moe_dsa-dense", 2, 1, "sparse"), ("deepseek_v32", 1, 2, "sparse"), ("glm_moe_dsa", 1, 2, "dense")],
+    [
+        ("glm_moe_dsa-dense", 2, 1, "sparse"),
+        ("deepseek_v32", 1, 2, "sparse"),
+        ("glm_moe_dsa", 1, 2, "dense"),
+        ("glm_moe_dsa", 2, 1, "sparse"),
+    ],
 )
 @pytest.mark.process
 def test_indexer_loss_step_equals_fsdp(
@@ -186,7 +194,8 @@ def test_indexer_loss_step_equals_fsdp(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """train.indexer_loss_coef on both backends (megatron's compute_dsa_indexer_loss, ours): the same step, the
-    indexers trained alike (every indexer tensor changed, equal in both), the same dsa/indexer_kl."""
+    indexers trained alike (every indexer tensor changed, equal in both), the same dsa/indexer_kl; GLM-5's MoE at
+    TP 2 too, where the indexers, replicated over TP, train on the whole row gathered from the sequence chunks."""
     monkeypatch.setenv("MCORE_INDEXER_MODE", mode)  # train.indexer_loss, for the workers and the FSDP reference
     m = _compare_step_with_fsdp(
         tiny_dsa_models[model], tmp_path, 2, tp, False, "cpu", atol=1e-5, ep=ep, indexer_loss=1.0
@@ -194,17 +203,64 @@ def test_indexer_loss_step_equals_fsdp(
     assert m["dsa/indexer_kl"] > 0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch,world_size,tp", [(a, 2, 1) for a in ARCHS] + [("deepseek_v32", 4, 2)])
 @pytest.mark.process
 def test_dsa_r3_replays_recorded_experts_like_fsdp(
-    world: None, tiny_dsa_models: dict[str, Path], tmp_path: Path, arch: str
+    world: None, tiny_dsa_models: dict[str, Path], tmp_path: Path, arch: str, world_size: int, tp: int
 ) -> None:
-    """R3 on the DSA families' MoE layers at EP 2: the same step, coverage and agreement as FSDP's."""
-    metrics = _compare_step_with_fsdp(tiny_dsa_models[arch], tmp_path, 2, 1, False, "cpu", atol=1e-5, ep=2, r3=True)
+    """R3 on the DSA families' MoE layers at EP 2, and at TP 2 x EP 2 (each TP rank replays the records of its chunk
+    of the tokens): the same step, coverage and agreement as FSDP's."""
+    metrics = _compare_step_with_fsdp(
+        tiny_dsa_models[arch], tmp_path, world_size, tp, False, "cpu", atol=1e-5, ep=2, r3=True
+    )
     ref = run_fsdp_once(str(tiny_dsa_models[arch]), r3=True)["metrics"]
     for key in ("r3/coverage", "r3/topk_agreement"):
         assert metrics[key] == pytest.approx(ref[key], abs=1e-9), key
     assert metrics["r3/topk_agreement"] < 0.5
+
+
+@pytest.mark.parametrize(
+    "model,world_size,tp,ep,pp,r3,indexer_loss",
+    [
+        ("glm_moe_dsa", 2, 2, 1, 1, True, 0.0),
+        ("deepseek_v32", 2, 1, 2, 1, False, 1.0),
+        ("glm_moe_dsa", 2, 1, 1, 2, False, 0.0),
+    ],
+)
+@pytest.mark.process
+def test_dsa_activation_recompute_trains_the_same(
+    world: None,
+    tiny_dsa_models: dict[str, Path],
+    tmp_path: Path,
+    model: str,
+    world_size: int,
+    tp: int,
+    ep: int,
+    pp: int,
+    r3: bool,
+    indexer_loss: float,
+) -> None:
+    """Full activation recompute on the DSA families: GLM-5's shared layers (1 and 3) recomputed in backward, after
+    their full layer's forward and before its recompute, use the selection of their own micro-batch's forward, so
+    the step equals FSDP's: under TP 2 with sequence parallelism and R3, with the indexer loss (computed once, in
+    the checkpointed forward) at EP 2, and at PP 2, where the 1F1B schedule runs a micro-batch's forward before the
+    previous one's backward."""
+    m = _compare_step_with_fsdp(
+        tiny_dsa_models[model],
+        tmp_path,
+        world_size,
+        tp,
+        False,
+        "cpu",
+        atol=1e-5,
+        ep=ep,
+        pp=pp,
+        r3=r3,
+        indexer_loss=indexer_loss,
+        recompute="full",
+    )
+    if indexer_loss:
+        assert m["dsa/indexer_kl"] > 0
 
 
 @pytest.mark.gpu

@@ -25,7 +25,7 @@ from miles_hpc.models import build_model, iter_hf_tensors, save_pretrained  # no
 from miles_hpc.train.mcore_weights import from_mcore, mcore_rules, to_mcore  # noqa: E402
 
 ARCH = "deepseek_v3"
-DENSE = {"first_k_dense_replace": 2}  # both tiny layers dense: MLA alone (MoE with TP > 1 is refused)
+DENSE = {"first_k_dense_replace": 2}  # both tiny layers dense: MLA alone, without sequence parallelism
 NO_Q_LORA = {"q_lora_rank": None}  # one q_proj (DeepSeek-V2-Lite style) instead of q_a/q_b
 HALVES = {"rope_interleave": False}  # RoPE rotates halves, not interleaved pairs
 # yarn as DeepSeek-V3/Kimi-K2 have it, with mscale != mscale_all_dim so both of megatron's factors are checked, and
@@ -108,13 +108,16 @@ def test_mla_attention_bias_is_refused() -> None:
         (DENSE, 2, 1),
         ({**DENSE, **NO_Q_LORA, **HALVES}, 2, 1),
         ({**DENSE, **YARN}, 2, 1),
+        ({}, 2, 1),
+        ({**NO_Q_LORA, **YARN}, 2, 2),
     ],
 )
 @pytest.mark.process
 def test_megatron_mla_matches_ours(overrides: dict, tp: int, ep: int, tmp_path: Path) -> None:
     """Same logits, loss and HF-named gradients as our CausalLM (fp32, packed sequences, random router correction
     bias) and the weights gathered back bit for bit: MLA with and without q LoRA, both RoPE layouts, plain and yarn
-    RoPE; TP 2 on the all-dense variant, EP 2 on the MoE one."""
+    RoPE; TP 2 on the all-dense variant (MLA split by heads) and on the MoE one (sequence parallelism: the latent
+    norms, the rotary key and the experts see each rank's chunk of the tokens), alone and with EP 2."""
     _compare_with_ours(tiny_config(ARCH, **overrides), tp, tmp_path, "cpu", atol=2e-5, ep=ep)
 
 
@@ -156,15 +159,29 @@ def tiny_mla_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     return {"moe": init_model(ARCH, "tiny", root / "moe"), "dense": root / "dense"}
 
 
-@pytest.mark.parametrize("world_size,tp,ep,model", [(1, 1, 1, "moe"), (2, 1, 2, "moe"), (2, 2, 1, "dense")])
+@pytest.mark.parametrize(
+    "world_size,tp,ep,model", [(1, 1, 1, "moe"), (2, 1, 2, "moe"), (2, 2, 1, "dense"), (4, 2, 2, "moe")]
+)
 @pytest.mark.process
 def test_mla_trainer_step_equals_fsdp(
     world: None, tiny_mla_models: dict[str, Path], tmp_path: Path, world_size: int, tp: int, ep: int, model: str
 ) -> None:
     """MegatronTrainer and FSDPTrainer (one rank) on the same batch and DeepSeek-V3 weights: the same log-probs,
     step metrics and weights after two mini-batches (test_megatron's check), on one rank, with the experts split
-    over two ranks, and with MLA split over two TP ranks."""
+    over two ranks, with MLA split over two TP ranks, and the MoE model at TP 2 x EP 2 (sequence parallelism)."""
     _compare_step_with_fsdp(tiny_mla_models[model], tmp_path, world_size, tp, False, "cpu", atol=1e-5, ep=ep)
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+@pytest.mark.process
+def test_mla_activation_recompute_trains_the_same(
+    world: None, tiny_mla_models: dict[str, Path], tmp_path: Path, granularity: str
+) -> None:
+    """Megatron's full and selective (core attention) recompute on DeepSeek-V3's MoE at TP 2 (sequence
+    parallelism), R3 on: the same step as FSDP's."""
+    _compare_step_with_fsdp(
+        tiny_mla_models["moe"], tmp_path, 2, 2, False, "cpu", atol=1e-5, r3=True, recompute=granularity
+    )
 
 
 @pytest.mark.gpu

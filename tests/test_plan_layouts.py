@@ -95,6 +95,13 @@ def test_memory_terms_follow_the_options() -> None:
     assert bf16.grads == 2 * trained and bf16.optimizer_gpu == 0
     full = rank_memory(cfg, layout, MemoryOptions(recompute="full"), batch)
     assert full.activations < base.activations and set(full.activation_terms) >= {"layer_inputs", "recompute"}
+    # selective: every layer's saved set but the softmax, one layer's softmax recomputed at a time
+    selective = rank_memory(cfg, layout, MemoryOptions(recompute="selective"), batch)
+    assert full.activations < selective.activations < base.activations
+    mc = ModelConfig.from_hf_dict(cfg)
+    probs = (mc.num_attention_heads // layout.tp) * batch.seq_len**2 * (4 + 2)  # float32 softmax + its bf16 copy
+    assert selective.activation_terms["recompute"] == probs
+    assert base.activation_terms["layers"] - selective.activation_terms["layers"] == mc.num_hidden_layers * probs
 
 
 def test_min_offload_is_the_smallest_step_that_fits() -> None:
@@ -120,22 +127,29 @@ def test_layout_problems_name_the_size() -> None:
     got = layout_problems(cfg, Layout(tp=1, pp=3, ep=3, dp=3))
     assert f"PP 3 does not divide the {mc.num_hidden_layers} decoder layers" in got
     assert f"EP 3 does not divide the {mc.num_experts} routed experts" in got
-    mla = preset_config("glm_moe_dsa", "tiny")
-    assert any("MLA MoE model with megatron.tensor_parallel > 1" in p for p in layout_problems(mla, Layout(tp=2)))
-    assert not layout_problems(mla, Layout(tp=2), limits=False)
+    dsa = preset_config("glm_moe_dsa", "tiny")
+    assert not layout_problems(dsa, Layout(tp=2))  # MLA MoE under TP: built (sequence parallelism)
+    assert any("context_parallel=2" in p for p in layout_problems(dsa, Layout(tp=1, cp=2)))
+    assert not layout_problems(dsa, Layout(tp=1, cp=2), limits=False)
+    batch, node = Batch(seq_len=64), Node(name="t", gpus=2, gpu_mem_gb=80, host_mem_gb=100)
+    selective = evaluate(dsa, Layout(tp=2), MemoryOptions(recompute="selective"), batch, node)
+    assert any("recompute_granularity=selective with glm_moe_dsa" in p for p in selective.problems)
+    assert evaluate(dsa, Layout(tp=2), MemoryOptions(recompute="full"), batch, node).fits
 
 
 def test_glm52_on_32_gpus() -> None:
-    """The issue's question: on 32 GB300 a layout fits once MLA MoE under TP and DSA recompute exist (not before:
-    the activations of unfused attention at TP 1); on 32 MI300X host memory is short even then."""
+    """The issue's question: on 32 GB300 the trainer as built has a layout that fits (MLA MoE under TP, full
+    recompute with DSA, offload), the one the flagship config carries; without recompute it does not fit (the
+    activations of megatron's unfused attention); on 32 MI300X host memory is short."""
     cfg, _ = load_model_config("glm52")
     batch = Batch()
-    built = search(cfg, 32, NODES["gb300"], batch)
-    assert not built[0].fits and all("GPU memory short" in p for p in built[0].problems[:1])
-    unbuilt = search(cfg, 32, NODES["gb300"], batch, limits=False)
-    best = unbuilt[0]
-    assert best.fits and best.layout.world == 32 and best.memory is not None
+    best = search(cfg, 32, NODES["gb300"], batch)[0]
+    assert best.fits and best.layout == Layout(tp=4, ep=32, dp=8) and best.memory is not None
+    assert best.options.recompute == "full" and 0 < best.options.offload_fraction < 1
     assert best.memory.gpu <= NODES["gb300"].gpu_bytes and best.memory.optimizer_host * 4 <= NODES["gb300"].host_bytes
+    assert search(cfg, 32, NODES["gb300"], batch, limits=False)[0] == best  # nothing unbuilt would do better
+    kept = evaluate(cfg, best.layout, dataclasses.replace(best.options, recompute="none"), batch, NODES["gb300"])
+    assert not kept.fits and "GPU memory short" in kept.problems[0]
     mi = search(cfg, 32, NODES["mi300x"], batch, limits=False)
     assert not mi[0].fits and any("host memory short by" in p for p in mi[0].problems)
     assert all(math.isfinite(c.short_gb) or c.memory is None for c in mi)

@@ -39,6 +39,13 @@ class MegatronConfig:
     main_grads_dtype: Literal["fp32", "bf16"] = field(
         default="fp32", metadata=_help("gradient buffer dtype (bf16 needs precision_aware_optimizer)")
     )
+    recompute_granularity: Literal["full", "selective"] = field(
+        default="full",
+        metadata=_help(
+            "with train.activation_checkpointing: full (each layer keeps its input) or selective (megatron's "
+            "core_attn: the attention scores and softmax are recomputed)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel"):

@@ -29,7 +29,7 @@ def configured(cfg: RunConfig) -> tuple[Layout, MemoryOptions, Batch]:
         offload_fraction=m.optimizer_offload_fraction,
         precision_aware=m.precision_aware_optimizer,
         main_grads_bf16=m.main_grads_dtype == "bf16",
-        recompute="full" if t.activation_checkpointing else "none",
+        recompute=m.recompute_granularity if t.activation_checkpointing else "none",
         mixed_precision=t.mixed_precision and t.device == "cuda",
     )
     return layout, opts, Batch(seq_len=t.max_tokens_per_microbatch, micro_batch=1)
@@ -83,6 +83,7 @@ def _refusal(cfg: RunConfig, got: Candidate, found: list[Candidate]) -> str:
         f"megatron.tensor_parallel={m.tensor_parallel}, pipeline_parallel={m.pipeline_parallel}, "
         f"expert_parallel={m.expert_parallel}, optimizer_offload_fraction={m.optimizer_offload_fraction}, "
         f"precision_aware_optimizer={m.precision_aware_optimizer}, main_grads_dtype={m.main_grads_dtype}, "
+        f"recompute_granularity={m.recompute_granularity}, "
         f"train.activation_checkpointing={cfg.train.activation_checkpointing}"
     )
     msg = f"the megatron layout does not fit the training nodes ({keys}): {'; '.join(got.problems)}"
@@ -93,8 +94,13 @@ def _refusal(cfg: RunConfig, got: Candidate, found: list[Candidate]) -> str:
         msg += (
             f"; the planner's best layout for {cfg.train.world_size} GPUs: {best.layout}, "
             f"optimizer_offload_fraction={o.offload_fraction}, precision_aware_optimizer={o.precision_aware}, "
-            f"main_grads_dtype={'bf16' if o.main_grads_bf16 else 'fp32'}, activation_checkpointing="
-            f"{o.recompute == 'full'} (miles-hpc plan CONFIG --layouts)"
+            f"main_grads_dtype={'bf16' if o.main_grads_bf16 else 'fp32'}, "
+            + (
+                f"activation_checkpointing=true, recompute_granularity={o.recompute}"
+                if o.recompute != "none"
+                else "activation_checkpointing=false"
+            )
+            + " (miles-hpc plan CONFIG --layouts)"
         )
     else:
         msg += f"; no layout of {cfg.train.world_size} GPUs fits (miles-hpc plan CONFIG --layouts says by how much)"

@@ -20,7 +20,9 @@ Invariants.
   TP (sequence parallelism) and CP, plus megatron's unfused local attention (no Transformer Engine): the
   softmax's float32 output and its bf16 copy, [heads / TP, S / CP, S] per sequence and layer. Under the 1F1B
   schedule stage s holds PP - s micro-batches in flight; the last stage also the logits. With full recompute a
-  layer keeps its input and one layer's whole set is the largest temporary.
+  layer keeps its input and one layer's whole set is the largest temporary; with selective recompute (megatron's
+  core_attn) a layer keeps all but the softmax, one layer's softmax the temporary. A DSA full layer's selection
+  (int32 [S, min(index_topk, S)] per sequence) is held per micro-batch in flight in every mode.
 - Nothing is measured here; `assumptions()` lists what the figures rest on.
 """
 
@@ -48,7 +50,8 @@ GB = 1e9
 USABLE = 0.9  # of a GPU's and a node's memory: CUDA context, NCCL buffers, fragmentation; the OS, pinned limits
 MASTER_ADAM = 12  # fp32 master + Adam m + v, bytes per trained element of the optimizer's shard
 HOST_ADAM = 16  # offloaded: fp32 master, fp32 gradient copy, m, v on the host
-Recompute = Literal["none", "full"]
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}  # the search tries them in this order
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -133,7 +136,8 @@ class Layout:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryOptions:
-    """The megatron memory options (`megatron.*` keys, `train.activation_checkpointing` = full recompute)."""
+    """The megatron memory options (`megatron.*` keys; `recompute`: `train.activation_checkpointing` with
+    `megatron.recompute_granularity`)."""
 
     distributed_optimizer: bool = True
     offload_fraction: float = 0.0
@@ -262,7 +266,7 @@ def layout_problems(cfg: Mapping[str, Any], layout: Layout, *, limits: bool = Tr
             out.append(f"EP {layout.ep} does not divide TP x CP x DP = {layout.tp * layout.cp * layout.dp}")
     elif layout.ep > 1:
         out.append(f"EP {layout.ep} on a dense model")
-    return out + (layout_limits(mc, tp=layout.tp, pp=layout.pp, cp=layout.cp) if limits else [])
+    return out + (layout_limits(mc, pp=layout.pp, cp=layout.cp) if limits else [])
 
 
 def rank_elements(cfg: Mapping[str, Any], layout: Layout, stage: int) -> RankElements:
@@ -305,9 +309,15 @@ def _activations(mc: ModelConfig, layout: Layout, opts: MemoryOptions, batch: Ba
     out: dict[str, int] = {}
     if opts.recompute == "none":
         out["layers"] = in_flight * sum(layer_sets)
+    elif opts.recompute == "selective":
+        out["layers"] = in_flight * sum(x - probs for x in layer_sets)
+        out["recompute"] = probs
     else:
         out["layer_inputs"] = in_flight * per * n * s * mc.hidden_size * a // split
         out["recompute"] = max(layer_sets) + max((indexer_peak(mc, seq_len=s, micro_batch=n) for _ in ids), default=0)
+    if mc.is_dsa:  # each full layer's selection, held for its micro-batch's backward (train/mcore_dsa.py)
+        full = sum(mc.indexer_full(i) for i in ids)
+        out["dsa_selections"] = in_flight * full * n * s * min(mc.index_topk, s) * 4
     if stage == layout.pp - 1:
         vocab = padded_vocab_size(mc.vocab_size, layout.tp) // layout.tp
         out["logits"] = 2 * n * (s // layout.cp) * vocab * a  # the logits and their gradient
@@ -388,8 +398,8 @@ def evaluate(
     """`layout` with exactly `opts`: fits, or the resources it is short of and by how much (`limits`:
     `layout_problems`)."""
     problems = layout_problems(cfg, layout, limits=limits)
-    if opts.recompute != "none" and limits:
-        problems += layout_limits(model_config(cfg), recompute=True)
+    if opts.recompute == "selective" and limits:
+        problems += layout_limits(model_config(cfg), recompute="selective")
     if problems:
         return Candidate(layout, opts, None, tuple(problems), math.inf)
     mem = rank_memory(cfg, layout, opts, batch)
@@ -411,9 +421,10 @@ def fit_options(
     *,
     limits: bool = True,
 ) -> Candidate:
-    """The cheapest options that fit `layout` on `node`, trying in turn: `base` as it is; full recompute (where the
-    trainer can recompute the family); full recompute and the smallest optimizer offload fraction (steps of 0.05, precision-aware) that fits the GPU, if the
-    host holds it; the same with bf16 main gradients. Without a fit: the last of these, with its shortfall."""
+    """The cheapest options that fit `layout` on `node`, trying in turn: `base` as it is; selective recompute
+    (where the trainer builds it for the family); full recompute; full recompute and the smallest optimizer offload
+    fraction (steps of 0.05, precision-aware) that fits the GPU, if the host holds it; the same with bf16 main
+    gradients. Without a fit: the last of these, with its shortfall."""
     base = base or MemoryOptions()
     problems = layout_problems(cfg, layout, limits=limits)
     if problems:
@@ -422,8 +433,12 @@ def fit_options(
     if c.fits:
         return c
     recompute = base
-    if not limits or not layout_limits(model_config(cfg), recompute=True):  # the trainer can recompute this family
-        recompute = replace(base, recompute="full")
+    for mode in ("selective", "full"):
+        if RECOMPUTE_COST[mode] <= RECOMPUTE_COST[base.recompute]:
+            continue
+        if limits and layout_limits(model_config(cfg), recompute=mode):  # not built for this family
+            continue
+        recompute = replace(base, recompute=mode)
         c = evaluate(cfg, layout, recompute, batch, node, limits=limits)
         if c.fits:
             return c
@@ -469,13 +484,13 @@ def layouts(cfg: Mapping[str, Any], gpus: int, node: Node, *, max_cp: int = 1) -
 
 
 def _cost(c: Candidate) -> tuple[Any, ...]:
-    """Cheaper first: fits (else the smaller shortfall); no recompute; fp32 gradients; less offloaded; fewer pipeline stages (bubble); smaller TP (its
-    all-reduces); then fewer GPU bytes."""
+    """Cheaper first: fits (else the smaller shortfall); less recompute; fp32 gradients; less offloaded; fewer
+    pipeline stages (bubble); smaller TP (its all-reduces); then fewer GPU bytes."""
     m = c.memory
     return (
         not c.fits,
         c.short_gb,
-        c.options.recompute != "none",
+        RECOMPUTE_COST[c.options.recompute],
         c.options.main_grads_bf16,
         c.options.offload_fraction,
         c.layout.pp,

@@ -273,21 +273,15 @@ class StageLayout:
         return out
 
 
-def layout_limits(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, recompute: bool = False) -> list[str]:
-    """What the megatron trainer refuses to build for `cfg` in this layout (empty: nothing), each message naming
-    the key; `train/mcore_model.py` raises the first, the layout planner reports them all."""
+def layout_limits(cfg: ModelConfig, *, pp: int = 1, cp: int = 1, recompute: str | None = None) -> list[str]:
+    """What the megatron trainer refuses to build for `cfg` in this layout and activation `recompute` (None,
+    "full" or "selective"), empty: nothing; each message names the key; `train/mcore_model.py` raises the first,
+    the layout planner reports them all."""
     out = []
-    moe = any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers))
-    if moe and tp > 1 and cfg.is_mla:
+    if recompute == "selective" and cfg.is_dsa:
         out.append(
-            "megatron backend: an MLA MoE model with megatron.tensor_parallel > 1 (sequence parallelism through "
-            "MLA and the DSA indexer) is not wired yet; split the experts with expert_parallel"
-        )
-    if recompute and cfg.is_dsa:
-        out.append(
-            f"train.activation_checkpointing with the megatron backend and {cfg.model_type}: DSA's shared layers "
-            "read the selection their full layer made in the forward, which a recompute in backward does not "
-            "restore yet; use train.backend=fsdp"
+            f"megatron.recompute_granularity=selective with {cfg.model_type}: megatron-core's MLA does not hand a "
+            "checkpointed core attention the DSA indexer's inputs; use recompute_granularity=full"
         )
     if cp > 1:
         out.append(

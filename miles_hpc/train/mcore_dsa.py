@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings import apply_rotary_pos_emb
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexer,
     DSAIndexerSubmodules,
@@ -51,6 +53,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 )
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from miles_hpc.models import ModelConfig
 from miles_hpc.planner.mcore_layout import StageLayout, layout_limits
@@ -100,33 +103,50 @@ def dsa_core_attention(cfg: ModelConfig, layer_idx: int) -> ModuleSpec:
         indexer = ModuleSpec(
             module=_DSAIndexer, params={"rope_halves": not cfg.indexer_rope_interleave}, submodules=parts
         )
-    return ModuleSpec(module=_DSACoreAttention, submodules=DSAttentionSubmodules(indexer=indexer))
+    source = max(i for i in range(layer_idx + 1) if cfg.indexer_full(i))  # a shared layer's full layer
+    return ModuleSpec(
+        module=_DSACoreAttention, params={"source": source}, submodules=DSAttentionSubmodules(indexer=indexer)
+    )
+
+
+class _Forward:
+    """One forward of the decoder (one micro-batch, keyed by its mask): its packed sequences' bounds and each full
+    layer's selection (global layer index -> top-k [b, T, K] int32), which the layer's "shared" followers read."""
+
+    def __init__(self, spans: list[tuple[int, int]]) -> None:
+        self.spans = spans
+        self.topk: dict[int, torch.Tensor] = {}
 
 
 class SharedSelection:
-    """The DSA state one forward of a decoder shares between its layers: the packed sequences' bounds (from the
-    attention mask, computed once per mask) and the last full layer's selection, which "shared" layers reuse.
-    Within a pipeline stage a forward runs its layers in order, so a full layer (`check_dsa_pipeline`: every stage
-    starts with one) sets the selection before a shared layer reads it."""
+    """The DSA state the forwards of a decoder share between its layers, per forward (`_Forward`, keyed by the
+    storage of its attention mask): the packed sequences' bounds and each full layer's selection, which "shared"
+    layers reuse. Under activation recompute (megatron's full or selective) a layer runs again in backward, in
+    reverse order and, under the 1F1B schedule, after later micro-batches' forwards: keyed by the mask its
+    checkpoint saved, a recomputed shared layer reads the selection its full layer made in that micro-batch's
+    forward, and a recomputed full layer reuses its own. A forward's entry lives as long as its mask does (until
+    its backward is done)."""
 
     def __init__(self) -> None:
-        self.mask: torch.Tensor | None = None
-        self.spans: list[tuple[int, int]] = []
-        self.topk: torch.Tensor | None = None
+        self._forwards: dict[StorageWeakRef, _Forward] = {}
         self.loss_mode: str | None = None  # the indexer loss: None (off), "sparse" or "dense"
+        self.collect_kl = False  # set by the trainer for the forwards that train (the indexer loss is computed)
         self.kl: list[torch.Tensor] = []  # each full layer's KL sum over its rows in the training forwards since read
 
-    def spans_of(self, mask: torch.Tensor) -> list[tuple[int, int]]:
-        """[(start, end)] of the packed sequences of the block-diagonal causal mask [1, 1, T, T] (True = masked);
-        a new mask starts a new forward (no selection yet)."""
-        if mask is not self.mask:
-            if mask.dim() != 4 or mask.shape[:2] != (1, 1) or mask.dtype != torch.bool:
-                raise ValueError(f"DSA needs the packed row's boolean mask [1, 1, T, T], got {tuple(mask.shape)}")
-            t = mask.shape[-1]
-            first_key = (~mask[0, 0]).int().argmax(-1)  # each row's first visible key: its sequence's start
-            starts = torch.nonzero(first_key == torch.arange(t, device=mask.device)).flatten().tolist()
-            self.mask, self.spans, self.topk = mask, list(zip(starts, [*starts[1:], t])), None
-        return self.spans
+    def forward_of(self, mask: torch.Tensor) -> _Forward:
+        """The forward that `mask` (the packed row's block-diagonal causal mask [1, 1, T, T], True = masked)
+        belongs to; a new mask starts a new one, with the bounds of its packed sequences."""
+        key = StorageWeakRef(mask.untyped_storage())
+        if (found := self._forwards.get(key)) is not None:
+            return found
+        if mask.dim() != 4 or mask.shape[:2] != (1, 1) or mask.dtype != torch.bool:
+            raise ValueError(f"DSA needs the packed row's boolean mask [1, 1, T, T], got {tuple(mask.shape)}")
+        self._forwards = {k: f for k, f in self._forwards.items() if not k.expired()}  # backward done: dropped
+        t = mask.shape[-1]
+        first_key = (~mask[0, 0]).int().argmax(-1)  # each row's first visible key: its sequence's start
+        starts = torch.nonzero(first_key == torch.arange(t, device=mask.device)).flatten().tolist()
+        self._forwards[key] = _Forward(list(zip(starts, [*starts[1:], t])))
+        return self._forwards[key]
 
 
 def share_selections(module: torch.nn.Module) -> None:
@@ -168,12 +188,11 @@ class _DSAIndexer(DSAIndexer):
     def _project(self, x: torch.Tensor, qr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The indexer's rotated queries [T, b, heads, dim], keys [T, b, dim] and float32 head weights [T, b, heads]
         (with the softmax scale folded in, as megatron does)."""
-        t, b, _ = x.shape
-        seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, x, self.config, None)
+        t, b, _ = x.shape  # the whole row (megatron's `get_rotary_seq_len` would take x for a TP rank's chunk)
         if self.config.rope_type == "rope":
-            freqs, mscale = self.rotary_pos_emb(seq_len, packed_seq=False), 1.0
+            freqs, mscale = self.rotary_pos_emb(t, packed_seq=False), 1.0
         else:
-            freqs, mscale = self.rotary_pos_emb(seq_len, packed_seq=False)
+            freqs, mscale = self.rotary_pos_emb(t, packed_seq=False)
         q, _ = self.linear_wq_b(qr)
         q = self._apply_rope(q.reshape(t, b, self.index_n_heads, self.index_head_dim), freqs, mscale)
         k, _ = self.linear_wk(x)
@@ -195,7 +214,7 @@ class _DSAIndexer(DSAIndexer):
             future = torch.ones(e - s, e - s, dtype=torch.bool, device=scores.device).triu(1)
             top = scores.masked_fill(future, float("-inf")).topk(min(self.index_topk, e - s), dim=-1).indices + s
             parts.append(torch.cat([top, top[..., :1].expand(-1, -1, width - top.shape[-1])], dim=-1))
-        return torch.cat(parts, dim=1)
+        return torch.cat(parts, dim=1).to(torch.int32)  # held per forward until its backward: half of int64
 
     def kl_sum(
         self,
@@ -234,10 +253,14 @@ class _DSAIndexer(DSAIndexer):
 
 class _DSACoreAttention(DSAttention):
     """megatron's DSA core attention over packed sequences: the selection of this layer's indexer (a full layer)
-    or of the last full one (a shared layer), then megatron's `unfused_dsa_fn`; the indexer loss of a full layer
-    when `SharedSelection.loss_mode` is set (module docstring)."""
+    or of `source`, the last full layer before it (a shared layer), then megatron's `unfused_dsa_fn`; the indexer
+    loss of a full layer in the forwards that train, with `SharedSelection.loss_mode` set (module docstring)."""
 
     shared: SharedSelection | None = None
+
+    def __init__(self, *args: Any, source: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.source = source  # global index of the full layer whose selection this layer uses (itself if full)
 
     def forward(  # megatron's signature (MLA passes x and qr with experimental_attention_variant="dsa")
         self,
@@ -255,19 +278,33 @@ class _DSACoreAttention(DSAttention):
             raise NotImplementedError("megatron DSA here runs one packed row with its block-diagonal mask")
         if self.shared is None:
             raise RuntimeError("DSA core attention without its SharedSelection (share_selections)")
-        spans = self.shared.spans_of(attention_mask)
-        if isinstance(self.indexer, DSAIndexer):
+        fwd = self.shared.forward_of(attention_mask)
+        recompute = is_checkpointing() and torch.is_grad_enabled()  # megatron's recompute of this layer in backward
+        if isinstance(self.indexer, DSAIndexer) and not (recompute and self.source in fwd.topk):
             assert x is not None and qr is not None
-            self.shared.topk = self.indexer.select(x.detach(), qr.detach(), spans)
-            if self.shared.loss_mode is not None and self.training and torch.is_grad_enabled():
-                sparse = self.shared.loss_mode == "sparse"
-                kl = self.indexer.kl_sum(
-                    x, qr, spans, self.shared.topk, query, key, attn_scale=self.softmax_scale, sparse=sparse
-                )
+            if self.config.sequence_parallel:  # MLA hands this rank's chunk of the tokens: the indexer scores all
+                x, qr = _whole_row(x), _whole_row(qr)
+            fwd.topk[self.source] = topk = self.indexer.select(x.detach(), qr.detach(), fwd.spans)
+            if self.shared.loss_mode is not None and self.shared.collect_kl and self.training:
+                # in a checkpointed forward (no grad) too: the loss trains the indexer alone, from detached inputs
+                with torch.enable_grad():
+                    sparse = self.shared.loss_mode == "sparse"
+                    kl = self.indexer.kl_sum(
+                        x, qr, fwd.spans, topk, query, key, attn_scale=self.softmax_scale, sparse=sparse
+                    )
                 self.shared.kl.append(kl)
-        elif self.shared.topk is None:
-            raise RuntimeError(f"layer {self.layer_number}: a shared DSA layer before any full layer in this forward")
-        return unfused_dsa_fn(query, key, value, self.shared.topk, self.softmax_scale)
+        if self.source not in fwd.topk:
+            raise RuntimeError(
+                f"layer {self.layer_number}: a shared DSA layer before its full layer {self.source} in this forward"
+            )
+        return unfused_dsa_fn(query, key, value, fwd.topk[self.source].long(), self.softmax_scale)
+
+
+def _whole_row(chunk: torch.Tensor) -> torch.Tensor:
+    """The whole packed row [T, b, *] from each TP rank's chunk under sequence parallelism, detached: the indexer
+    selects without gradient, and its loss (`_DSAIndexer.kl_sum`) trains the indexer only, replicated over TP, from
+    the same whole row on every rank."""
+    return gather_from_sequence_parallel_region(chunk.detach(), tensor_parallel_output_grad=False)
 
 
 class _IndexerKNorm(FixedEpsNorm):

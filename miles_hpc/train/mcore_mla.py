@@ -15,7 +15,11 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import ColumnParallelLinear, gather_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -113,11 +117,17 @@ def local_mla_spec(spec: Any, cfg: ModelConfig, first_layer: int = 0, core_atten
     )
 
 
-def held_mtp_block(cfg: ModelConfig, tcfg: Any, core_attention: CoreAttention = None) -> MultiTokenPredictionBlock:
+def held_mtp_block(
+    cfg: ModelConfig,
+    tcfg: Any,
+    core_attention: CoreAttention = None,
+    norms: Callable[[ModuleSpec], ModuleSpec] = lambda spec: spec,
+) -> MultiTokenPredictionBlock:
     """The multi-token-prediction layers as megatron's `MultiTokenPredictionBlock` (enorm, hnorm, the column-parallel
     eh_proj, the decoder layer of index N + j, final_layernorm), held to be loaded, saved and synced, never run:
     `build_gpt` attaches it as `model.mtp` without megatron's `mtp_process`, whose forward computes its own MTP loss
-    from labels (our loss takes the logits; MTP training is `train.mtp_loss_coef`, FSDP only)."""
+    from labels (our loss takes the logits; MTP training is `train.mtp_loss_coef`, FSDP only). `norms`: the
+    decoder's norm substitution for each layer's spec (sequence parallelism: `mcore_model._sp_norms`)."""
     layers = []
     for j in range(cfg.num_nextn_predict_layers):
         i = cfg.num_hidden_layers + j
@@ -134,7 +144,7 @@ def held_mtp_block(cfg: ModelConfig, tcfg: Any, core_attention: CoreAttention = 
             transformer_layer=local_mla_spec(layer, cfg, i, core_attention),
             layer_norm=WrappedTorchNorm,
         )
-        layers.append(ModuleSpec(module=MultiTokenPredictionLayer, submodules=parts))
+        layers.append(norms(ModuleSpec(module=MultiTokenPredictionLayer, submodules=parts)))
     mtp_cfg = copy.copy(tcfg)  # the model's own config keeps mtp_num_layers=None: GPTModel runs no MTP
     mtp_cfg.mtp_num_layers = cfg.num_nextn_predict_layers
     return MultiTokenPredictionBlock(config=mtp_cfg, spec=MultiTokenPredictionBlockSubmodules(layer_specs=layers))
@@ -145,19 +155,29 @@ class FixedEpsNorm:
     megatron passes: transformers builds MLA's latent norms and the DSA indexer's k_norm with 1e-6 whatever
     rms_norm_eps is (1e-5 in GLM-5). Subclasses set `eps`; the kind (RMSNorm, LayerNorm) is the config's. Its
     weights in `config.params_dtype`, as megatron's other parameters (torch builds them in float32: under bf16
-    training LayerNorm then refuses the bf16 input)."""
+    training LayerNorm then refuses the bf16 input). `sequence_sharded`: under sequence parallelism the norm sees
+    its TP rank's chunk of the tokens, so its weights' gradients are summed over TP (megatron's
+    `finalize_model_grads` does, for weights marked `sequence_parallel`; its torch norm refuses SP itself)."""
 
     eps: float
+    sequence_sharded: bool = False
 
     def __new__(cls, config: Any, hidden_size: int, eps: float | None = None, **kwargs: Any) -> Any:
+        sp = config.sequence_parallel
+        config = dataclasses.replace(config, sequence_parallel=False) if sp else config
         norm = WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=cls.eps, **kwargs)
-        return norm.to(dtype=config.params_dtype)
+        norm = norm.to(dtype=config.params_dtype)
+        for p in norm.parameters():
+            p.sequence_parallel = sp and cls.sequence_sharded
+        return norm
 
 
 class _LatentNorm(FixedEpsNorm):
-    """MLA's q_a_layernorm / kv_a_layernorm (megatron's q_layernorm / kv_layernorm)."""
+    """MLA's q_a_layernorm / kv_a_layernorm (megatron's q_layernorm / kv_layernorm): under sequence parallelism
+    they norm the compressed q and kv of this rank's chunk of the tokens."""
 
     eps = LATENT_NORM_EPS
+    sequence_sharded = True
 
 
 class KVDownGather:
@@ -167,16 +187,23 @@ class KVDownGather:
     projection all-reduces its input gradient) but not for the rotary key part, shared by all heads: each rank's
     gradient there comes from its own heads only, and the split keeps one rank's (megatron-core 0.16
     multi_latent_attention.py get_query_key_value_tensors, 0.19 the same; only its sequence-parallel path with a
-    replicated down projection sums it). Given the whole width, megatron takes its non-gathering branch."""
+    replicated down projection sums it). Given the whole width, megatron takes its non-gathering branch.
 
-    def __init__(self, kv_lora_rank: int) -> None:
+    Under sequence parallelism (MoE under TP) that branch expects what a replicated down projection gives, this
+    rank's chunk of the tokens: the gathered output is split over the sequence here, and megatron's branch
+    gathers the rotary key back over the sequence, whose backward (a reduce-scatter) sums its gradient over TP."""
+
+    def __init__(self, kv_lora_rank: int, sequence_parallel: bool = False) -> None:
         self.kv_lora_rank = kv_lora_rank
+        self.sequence_parallel = sequence_parallel
 
     def __call__(
         self, module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, Any]
     ) -> tuple[torch.Tensor, Any]:
         local, bias = output
         full = gather_from_tensor_model_parallel_region(local)  # backward: this rank's columns of the gradient
+        if self.sequence_parallel:  # backward: the chunks' gradients gathered back into the whole row
+            return scatter_to_sequence_parallel_region(full), bias
         latent, rope = full.split([self.kv_lora_rank, full.shape[-1] - self.kv_lora_rank], dim=-1)
         return torch.cat([latent, _SumGradOverTP.apply(rope)], dim=-1), bias
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,8 @@ __all__ = [
     "wrap_ddp",
 ]
 
+Recompute = Literal["full", "selective"] | None  # megatron activation recompute (`transformer_config`)
+
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu}
 
@@ -108,11 +110,13 @@ def init_model_parallel(
 
 
 def transformer_config(
-    cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, recompute: bool = False
+    cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, recompute: Recompute = None
 ) -> TransformerConfig:
     """megatron's `TransformerConfig` for our model config (after `init_model_parallel`). Raises, naming the
     field, for what the mapping does not cover yet. Long: a field-by-field map, one entry per megatron field.
-    `recompute`: megatron's full activation recompute, one layer at a time (each layer keeps only its input)."""
+    `recompute`: megatron's activation recompute, "full" (one layer at a time: each layer keeps only its input) or
+    "selective" (its `core_attn`: the attention's scores and softmax, the largest saved tensors of the unfused
+    local attention, are recomputed); None: off."""
     mcore_rules(cfg)  # the family check, with its message
     if cfg.rope_scaling is not None and not cfg.is_mla:  # MLA's yarn: `mla_kwargs`
         raise NotImplementedError(f"megatron backend: rope_scaling {cfg.rope_scaling.rope_type!r} is not mapped yet")
@@ -127,8 +131,6 @@ def transformer_config(
     moe: dict[str, Any] = {}
     # (a deepseek_v3 config may have experts configured and only dense layers; MTP layers count: they are built)
     if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers)):
-        if tp > 1 and cfg.is_mla:
-            raise NotImplementedError(layout_limits(cfg, tp=tp)[0])
         # megatron runs MoE under TP with sequence parallelism only: each TP rank holds T / tp tokens between the
         # attention and MLP blocks (the packed row is padded to a multiple of tp: `packed_logits`), and routes and
         # dispatches those; the experts are whole on each TP rank (expert TP 1), split by expert_parallel.
@@ -203,7 +205,7 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         **_pipeline_kwargs(cfg, dtype),
-        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
+        **_recompute_kwargs(cfg, recompute),
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -220,6 +222,18 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
     )
+
+
+def _recompute_kwargs(cfg: ModelConfig, recompute: Recompute) -> dict[str, Any]:
+    if problems := layout_limits(cfg, recompute=recompute):
+        raise NotImplementedError(problems[0])
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if recompute is not None:
+        raise ValueError(f"recompute: full, selective or None, got {recompute!r}")
+    return {}
 
 
 def _pipeline_kwargs(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -248,13 +262,11 @@ def pipeline_stage() -> int:
 
 
 def build_gpt(
-    cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, train_indexers: bool = False, recompute: bool = False
+    cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, train_indexers: bool = False, recompute: Recompute = None
 ) -> GPTModel:
     """A randomly initialised `GPTModel` (this rank's TP shard; on the current GPU, else the CPU) for `cfg`; fill it
     with `load_hf_weights`. `train_indexers`: the DSA indexers get gradients (the indexer loss), else frozen.
-    `recompute`: full activation recompute (`transformer_config`)."""
-    if recompute and cfg.is_dsa:
-        raise NotImplementedError(layout_limits(cfg, recompute=True)[0])
+    `recompute`: activation recompute, "full" or "selective" (`transformer_config`)."""
     tcfg = transformer_config(cfg, dtype=dtype, recompute=recompute)
     spec = get_gpt_layer_local_spec(
         num_experts=tcfg.num_moe_experts,
@@ -290,11 +302,13 @@ def build_gpt(
         _experts_reduce_over_tp(model)
     if cfg.is_mla and tp > 1:
         for layer in model.decoder.layers:
-            layer.self_attention.linear_kv_down_proj.register_forward_hook(KVDownGather(cfg.kv_lora_rank))
+            hook = KVDownGather(cfg.kv_lora_rank, sequence_parallel=tcfg.sequence_parallel)
+            layer.self_attention.linear_kv_down_proj.register_forward_hook(hook)
     if cfg.is_dsa:
         share_selections(model.decoder)
     if cfg.num_nextn_predict_layers and parallel_state.is_pipeline_last_stage():
-        model.mtp = held_mtp_block(cfg, tcfg, core_attention)  # held, not run (`held_mtp_block`)
+        norms = _sp_norms if tcfg.sequence_parallel else lambda spec: spec
+        model.mtp = held_mtp_block(cfg, tcfg, core_attention, norms)  # held, not run (`held_mtp_block`)
         for mtp_layer in model.mtp.layers if cfg.is_dsa else []:
             share_selections(mtp_layer)
     for name, p in model.named_parameters():

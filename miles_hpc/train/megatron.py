@@ -119,6 +119,7 @@ class MegatronTrainer(PackedTrainer):
         if not torch.distributed.is_initialized():
             raise RuntimeError("MegatronTrainer needs the trainer process group: call dist.init_trainer_world first")
         self.train_cfg, self.algo_cfg, self.loss_fn = train_cfg, algo_cfg, loss_fn
+        self._recompute = megatron_cfg.recompute_granularity if train_cfg.activation_checkpointing else None
         self.device = torch.device(device)
         if self.device.type == "cpu":
             mcore_cpu.enable()
@@ -184,7 +185,7 @@ class MegatronTrainer(PackedTrainer):
             self.config,
             dtype=torch.bfloat16 if bf16 else torch.float32,
             train_indexers=coef > 0,
-            recompute=self.train_cfg.activation_checkpointing,
+            recompute=self._recompute,
         )
         self._selection = decoder_selection(model) if coef else None
         if self._selection is not None:
@@ -258,6 +259,8 @@ class MegatronTrainer(PackedTrainer):
         for j, replay in zip(self._replay_ids, self._replays):
             replay.record = None if mb.routing is None else sp_slice(mb.routing[0, :, j, :], sp)
             replay.compare = not self.algo_cfg.routing_replay
+        if self._selection is not None:  # the indexer loss in the forwards that train (not the log-prob ones)
+            self._selection.collect_kl = torch.is_grad_enabled()
         out = packed_logits(model, mb, self.config.vocab_size)
         if self._selection is not None and self._selection.kl:  # the indexer loss of this training forward
             if torch.is_grad_enabled() and not mb.is_dummy:
