@@ -336,7 +336,7 @@ def _plan_layouts(args: argparse.Namespace) -> int:
         node = dataclasses.replace(node, **{k: v for k, v in over.items() if v is not None})
         gpus = args.train_gpus or cluster.get("train_gpus") or 32
         batch = Batch(seq_len=args.seq_len or 4096)
-        found = search(cfg, gpus, node, batch, limits=not args.unbuilt)
+        found = search(cfg, gpus, node, batch, limits=not args.unbuilt, max_cp=args.max_cp)
     except ModelSpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -408,6 +408,12 @@ def _add_plan_parser(sub: Any) -> None:
     pl.add_argument("--host-mem-gb", type=float, help="with --layouts: override the node's host memory (GB)")
     pl.add_argument(
         "--seq-len", type=int, help="with --layouts: tokens per micro-batch (train.max_tokens_per_microbatch)"
+    )
+    pl.add_argument(
+        "--max-cp",
+        type=int,
+        default=1,
+        help="with --layouts: also try context parallelism up to this size (1, 2, 4, 8)",
     )
     pl.add_argument("--top", type=int, default=5, help="with --layouts: how many layouts to print")
     pl.add_argument(

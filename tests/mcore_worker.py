@@ -7,7 +7,7 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
     python mcore_worker.py train MODEL_DIR TP EP OUT_FILE DISTRIBUTED_OPTIMIZER [DEVICE [R3]]
         MegatronTrainer (fp32): compute_logprobs, one train_step (2 mini-batches), the full weights after it;
         R3=1: the batch carries routing records and algo.routing_replay is on. MCORE_PP in the environment: the
-        number of pipeline stages (default 1); MCORE_RECOMPUTE=full or selective: train.activation_checkpointing
+        number of pipeline stages (default 1); MCORE_CP: megatron.context_parallel (default 1); MCORE_RECOMPUTE=full or selective: train.activation_checkpointing
         with that megatron.recompute_granularity; MCORE_OFFLOAD: megatron.optimizer_offload_fraction
         (precision-aware when > 0; a GPU and the distributed optimizer).
 
@@ -65,6 +65,7 @@ def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, dev
         expert_parallel=ep,
         distributed_optimizer=distributed_optimizer,
         pipeline_parallel=int(os.environ.get("MCORE_PP", "1")),
+        context_parallel=int(os.environ.get("MCORE_CP", "1")),
         optimizer_offload_fraction=offload,
         precision_aware_optimizer=offload > 0,
         recompute_granularity=recompute or "full",

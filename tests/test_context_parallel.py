@@ -19,7 +19,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train_fsdp import free_port, worker_main  # noqa: E402
 
-from miles_hpc.train.context_parallel import cp_attention, cp_layout  # noqa: E402
+from miles_hpc.train.context_parallel import allowed_rows, cp_attention, cp_layout  # noqa: E402
 
 
 # ---------------------------------------------------------------- the layout (pure)
@@ -93,7 +93,8 @@ def check_rank(config: str) -> dict:
     ref = _reference(seqs, heads, kv, d, dv, lay.padded)
     pos = lay.positions(rank)
     q, k, v = (ref[n].detach()[pos].clone().requires_grad_() for n in ("q", "k", "v"))
-    out = cp_attention(q, k, v, ref["seq"], lay, torch.distributed.group.WORLD)
+    allowed = allowed_rows(ref["seq"], lay, rank)
+    out = cp_attention(q, k, v, allowed, lay, torch.distributed.group.WORLD)
     (out * ref["w"][pos]).sum().backward()
     err = {
         "out": (out.detach() - ref["out"][pos]).abs().max().item(),

@@ -176,7 +176,7 @@ def test_experts_live_on_their_expert_parallel_rank() -> None:
 
 # ---------------------------------------------------------------- megatron's model on our weights
 def _run_world(
-    mode: str, model_dir: Path, world: int, tp: int, out: Path, *extra: str, ep: int = 1, pp: int = 1
+    mode: str, model_dir: Path, world: int, tp: int, out: Path, *extra: str, ep: int = 1, pp: int = 1, cp: int = 1
 ) -> dict:
     env = {
         **os.environ,
@@ -184,6 +184,7 @@ def _run_world(
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "MCORE_PP": str(pp),
+        "MCORE_CP": str(cp),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
     }
     procs = [
@@ -329,6 +330,49 @@ def test_trainer_step_equals_fsdp(
     _compare_step_with_fsdp(model, tmp_path, world_size, tp, False, "cpu", atol=1e-5, ep=ep, pp=pp)
 
 
+@pytest.mark.parametrize(
+    "world_size,tp,ep,pp,cp,arch,r3,recompute",
+    [
+        (2, 1, 1, 1, 2, "qwen3", False, None),
+        (4, 1, 1, 1, 4, "qwen3", False, None),
+        (4, 2, 1, 1, 2, "qwen3_moe", True, None),  # CP 2 x TP 2: sequence parallelism within each CP share
+        (4, 1, 2, 1, 2, "glm4_moe", True, None),  # CP 2 x EP 2 (DP 2)
+        (4, 1, 1, 2, 2, "qwen3", False, None),  # CP 2 x PP 2: each stage's CP ranks exchange their shares' states
+        (2, 1, 1, 1, 2, "qwen3_moe", True, "full"),  # the gathers run again in the recompute
+        (2, 1, 1, 1, 2, "qwen3", False, "selective"),
+    ],
+)
+@pytest.mark.process
+def test_context_parallel_step_equals_fsdp(
+    world: None,
+    tiny_model: Path,
+    tiny_moe_model: Path,
+    tiny_glm_model: Path,
+    tmp_path: Path,
+    world_size: int,
+    tp: int,
+    ep: int,
+    pp: int,
+    cp: int,
+    arch: str,
+    r3: bool,
+    recompute: str | None,
+) -> None:
+    """megatron.context_parallel: each packed row split over the CP ranks (load-balanced chunks, megatron's RoPE
+    slicing), all-gather attention (train/mcore_cp.py), the log-probs gathered into the whole row: the same
+    log-probs, metrics and weights after a train step as FSDP on one rank; with R3 each CP rank replays the records
+    of its share (coverage and agreement as FSDP's); with megatron's full and selective recompute. Under PP 2
+    megatron's schedule multiplies the loss by the CP size (without undoing it the gradients double)."""
+    model = {"qwen3": tiny_model, "qwen3_moe": tiny_moe_model, "glm4_moe": tiny_glm_model}[arch]
+    metrics = _compare_step_with_fsdp(
+        model, tmp_path, world_size, tp, False, "cpu", atol=1e-5, ep=ep, pp=pp, cp=cp, r3=r3, recompute=recompute
+    )
+    if r3:
+        ref = run_fsdp_once(str(model), r3=True)["metrics"]
+        for key in ("r3/coverage", "r3/topk_agreement"):
+            assert metrics[key] == pytest.approx(ref[key], abs=1e-9), key
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
 def test_trainer_step_equals_fsdp_gpu(
@@ -364,6 +408,7 @@ def _compare_step_with_fsdp(
     indexer_loss: float = 0.0,
     recompute: str | None = None,
     offload: float = 0.0,
+    cp: int = 1,
 ) -> dict:
     """The megatron step (in `world_size` processes) against FSDP's on one rank. `indexer_loss`: both with
     train.indexer_loss_coef (the workers read it from MCORE_INDEXER_LOSS); `recompute`: megatron with
@@ -384,6 +429,7 @@ def _compare_step_with_fsdp(
             str(int(r3)),
             ep=ep,
             pp=pp,
+            cp=cp,
         )
     finally:
         del os.environ["MCORE_INDEXER_LOSS"], os.environ["MCORE_RECOMPUTE"], os.environ["MCORE_OFFLOAD"]
@@ -406,7 +452,7 @@ def _compare_step_with_fsdp(
             assert not torch.equal(w, ref["before"][name]), name
     assert got["shard_map_mismatch"] == []  # rank 0's p2p shard map holds what its boxes say
     # the layout planner counts what rank 0 (TP rank 0, EP rank 0, stage 0) built
-    layout = Layout(tp=tp, pp=pp, ep=ep, dp=world_size // (tp * pp))
+    layout = Layout(tp=tp, pp=pp, ep=ep, cp=cp, dp=world_size // (tp * pp * cp))
     planned = rank_elements(json.loads((model_dir / "config.json").read_text()), layout, 0)
     assert sum(got["elements"].values()) == planned.total
     if not indexer_loss:  # the indexer loss trains the indexers the planner counts as frozen
@@ -474,7 +520,7 @@ def test_activation_recompute_trains_the_same(
 
 def test_layout_refusals_name_the_key(world: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """What this backend does not do yet is refused by key before a model is built: recompute with R3 under
-    pipeline stages, selective recompute for the DSA families."""
+    pipeline stages, selective recompute for the DSA families, the DSA indexer loss under context parallelism."""
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
     from megatron.core import parallel_state
 
@@ -487,10 +533,20 @@ def test_layout_refusals_name_the_key(world: None, monkeypatch: pytest.MonkeyPat
         NotImplementedError, match="activation_checkpointing with algo.routing_replay and megatron.pipe"
     ):
         MegatronTrainer("unused", recompute, r3, MegatronConfig(pipeline_parallel=2), device="cpu", seed=0)
+    with pytest.raises(NotImplementedError, match="indexer_loss_coef with megatron.context_parallel=2"):
+        MegatronTrainer(
+            "unused",
+            TrainConfig(indexer_loss_coef=1.0),
+            AlgoConfig(),
+            MegatronConfig(context_parallel=2),
+            device="cpu",
+            seed=0,
+        )
     mcore_model.init_model_parallel(1, 1)
     try:
         with pytest.raises(NotImplementedError, match="recompute_granularity=selective with glm_moe_dsa"):
             mcore_model.build_gpt(tiny_config("glm_moe_dsa"), recompute="selective")
+
     finally:
         monkeypatch.undo()
         parallel_state.destroy_model_parallel()

@@ -263,6 +263,44 @@ def test_dsa_activation_recompute_trains_the_same(
         assert m["dsa/indexer_kl"] > 0
 
 
+@pytest.mark.parametrize(
+    "model,world_size,tp,ep,r3,recompute",
+    [
+        ("glm_moe_dsa", 2, 1, 1, True, None),
+        ("glm_moe_dsa", 4, 2, 1, False, "full"),  # CP 2 x TP 2 (sequence parallelism), recomputed
+        ("deepseek_v32", 4, 1, 2, True, None),  # CP 2 x EP 2, yarn-free RoPE on halves
+    ],
+)
+@pytest.mark.process
+def test_dsa_context_parallel_step_equals_fsdp(
+    world: None,
+    tiny_dsa_models: dict[str, Path],
+    tmp_path: Path,
+    model: str,
+    world_size: int,
+    tp: int,
+    ep: int,
+    r3: bool,
+    recompute: str | None,
+) -> None:
+    """CP 2 on the DSA families: each full layer's indexer selects over the whole row (its inputs gathered over the
+    CP ranks, its RoPE unsliced), each rank attends its queries over the gathered keys (GLM-5's shared layers too);
+    the same step as FSDP's, with R3, under TP 2 with recompute, and at EP 2."""
+    _compare_step_with_fsdp(
+        tiny_dsa_models[model],
+        tmp_path,
+        world_size,
+        tp,
+        False,
+        "cpu",
+        atol=1e-5,
+        ep=ep,
+        r3=r3,
+        cp=2,
+        recompute=recompute,
+    )
+
+
 @pytest.mark.gpu
 def test_tiny_glm5_loop_with_megatron_on_one_gpu(tmp_path: Path) -> None:
     """`miles-hpc run` with the megatron trainer on GLM-5 tiny (MLA + DSA, R3, the indexer loss) on GPU 0, in a

@@ -172,6 +172,17 @@ def test_mla_trainer_step_equals_fsdp(
     _compare_step_with_fsdp(tiny_mla_models[model], tmp_path, world_size, tp, False, "cpu", atol=1e-5, ep=ep)
 
 
+@pytest.mark.parametrize("world_size,tp,cp", [(2, 1, 2), (4, 2, 2)])
+@pytest.mark.process
+def test_mla_context_parallel_step_equals_fsdp(
+    world: None, tiny_mla_models: dict[str, Path], tmp_path: Path, world_size: int, tp: int, cp: int
+) -> None:
+    """DeepSeek-V3's MoE at CP 2, and CP 2 x TP 2 (sequence parallelism within each share), R3 on: MLA's core
+    attention replaced by the CP one (its own softmax scale, v head width), the rotary key sliced per CP rank by
+    megatron's MLA; the same step as FSDP's."""
+    _compare_step_with_fsdp(tiny_mla_models["moe"], tmp_path, world_size, tp, False, "cpu", atol=1e-5, r3=True, cp=cp)
+
+
 @pytest.mark.parametrize("granularity", ["full", "selective"])
 @pytest.mark.process
 def test_mla_activation_recompute_trains_the_same(

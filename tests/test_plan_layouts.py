@@ -129,8 +129,7 @@ def test_layout_problems_name_the_size() -> None:
     assert f"EP 3 does not divide the {mc.num_experts} routed experts" in got
     dsa = preset_config("glm_moe_dsa", "tiny")
     assert not layout_problems(dsa, Layout(tp=2))  # MLA MoE under TP: built (sequence parallelism)
-    assert any("context_parallel=2" in p for p in layout_problems(dsa, Layout(tp=1, cp=2)))
-    assert not layout_problems(dsa, Layout(tp=1, cp=2), limits=False)
+    assert not layout_problems(dsa, Layout(tp=1, cp=2))  # CP: built for the MLA families too
     batch, node = Batch(seq_len=64), Node(name="t", gpus=2, gpu_mem_gb=80, host_mem_gb=100)
     selective = evaluate(dsa, Layout(tp=2), MemoryOptions(recompute="selective"), batch, node)
     assert any("recompute_granularity=selective with glm_moe_dsa" in p for p in selective.problems)
@@ -180,3 +179,17 @@ def test_prepare_refuses_a_layout_that_does_not_fit(tmp_path: Path) -> None:
     )
     assert "fits" in check_train_layout(small)
     assert "not checked" in check_train_layout(load_config(REPO / "configs" / "tiny_echo.yaml", []))
+
+
+def test_context_parallelism_splits_the_activations() -> None:
+    """CP shares the row: a model's per-layer activations and attention probabilities halve at CP 2; the search
+    tries CP only when asked (`max_cp`)."""
+    cfg = preset_config("qwen3", "tiny")
+    batch = Batch(seq_len=1024)
+    one = rank_memory(cfg, Layout(dp=2), MemoryOptions(), batch)
+    two = rank_memory(cfg, Layout(cp=2), MemoryOptions(), batch)
+    assert two.activation_terms["layers"] * 2 == pytest.approx(one.activation_terms["layers"], rel=1e-3)
+    assert not layout_problems(cfg, Layout(cp=2))
+    node = Node(name="t", gpus=2, gpu_mem_gb=80, host_mem_gb=100)
+    assert {c.layout.cp for c in search(cfg, 2, node, batch)} == {1}
+    assert {c.layout.cp for c in search(cfg, 2, node, batch, max_cp=2)} == {1, 2}

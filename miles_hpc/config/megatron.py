@@ -21,7 +21,8 @@ class MegatronConfig:
     )
     expert_parallel: int = field(default=1, metadata=_help("EP: data-parallel ranks that split the MoE experts"))
     context_parallel: int = field(
-        default=1, metadata=_help("CP: ranks that split the sequence (1 so far: megatron's needs Transformer Engine)")
+        default=1,
+        metadata=_help("CP: ranks that split each packed row (all-gather attention; not with the DSA indexer loss)"),
     )
     distributed_optimizer: bool = field(
         default=True, metadata=_help("shard fp32 master weights and Adam state over data-parallel ranks")

@@ -266,7 +266,7 @@ def layout_problems(cfg: Mapping[str, Any], layout: Layout, *, limits: bool = Tr
             out.append(f"EP {layout.ep} does not divide TP x CP x DP = {layout.tp * layout.cp * layout.dp}")
     elif layout.ep > 1:
         out.append(f"EP {layout.ep} on a dense model")
-    return out + (layout_limits(mc, pp=layout.pp, cp=layout.cp) if limits else [])
+    return out + (layout_limits(mc, pp=layout.pp) if limits else [])
 
 
 def rank_elements(cfg: Mapping[str, Any], layout: Layout, stage: int) -> RankElements:
@@ -468,7 +468,7 @@ def min_offload(cfg: Mapping[str, Any], layout: Layout, opts: MemoryOptions, bat
 
 def layouts(cfg: Mapping[str, Any], gpus: int, node: Node, *, max_cp: int = 1) -> Iterable[Layout]:
     """Every layout of `gpus` ranks: TP a power of two within a node, PP dividing the layers, EP dividing the
-    experts and TP x CP x DP, CP up to `max_cp` (1: megatron.context_parallel is not implemented yet)."""
+    experts and TP x CP x DP, CP a power of two up to `max_cp`."""
     mc = model_config(cfg)
     tps = [t for t in (1, 2, 4, 8, 16) if t <= node.gpus and gpus % t == 0]
     for tp in tps:
@@ -485,7 +485,7 @@ def layouts(cfg: Mapping[str, Any], gpus: int, node: Node, *, max_cp: int = 1) -
 
 def _cost(c: Candidate) -> tuple[Any, ...]:
     """Cheaper first: fits (else the smaller shortfall); less recompute; fp32 gradients; less offloaded; fewer
-    pipeline stages (bubble); smaller TP (its all-reduces); then fewer GPU bytes."""
+    pipeline stages (bubble); smaller TP (its all-reduces); smaller CP (its all-gathers); then fewer GPU bytes."""
     m = c.memory
     return (
         not c.fits,
@@ -495,6 +495,7 @@ def _cost(c: Candidate) -> tuple[Any, ...]:
         c.options.offload_fraction,
         c.layout.pp,
         c.layout.tp,
+        c.layout.cp,
         m.gpu if m else math.inf,
     )
 
@@ -507,11 +508,13 @@ def search(
     base: MemoryOptions | None = None,
     *,
     limits: bool = True,
+    max_cp: int = 1,
 ) -> list[Candidate]:
-    """Every valid layout of `gpus` ranks with its cheapest fitting options, best first (`_cost`); those that do
-    not fit follow, with their shortfall. `limits=False`: as if the trainer built every layout and option (what
-    the missing pieces would buy)."""
-    found = [fit_options(cfg, layout, batch, node, base, limits=limits) for layout in layouts(cfg, gpus, node)]
+    """Every valid layout of `gpus` ranks (CP up to `max_cp`) with its cheapest fitting options, best first
+    (`_cost`); those that do not fit follow, with their shortfall. `limits=False`: as if the trainer built every
+    layout and option (what the missing pieces would buy)."""
+    layouts_ = layouts(cfg, gpus, node, max_cp=max_cp)
+    found = [fit_options(cfg, layout, batch, node, base, limits=limits) for layout in layouts_]
     return sorted(found, key=_cost)
 
 
@@ -529,7 +532,8 @@ def assumptions(node: Node, batch: Batch) -> list[str]:
         "(float32 softmax + bf16 copy per score); frozen tensors (MTP, indexers) hold weights only; NCCL buffers, "
         "the allocator's fragmentation and CUDA context excluded",
         "search: TP within a node (power of two), PP dividing the layers, EP dividing the experts and TP x CP x DP, "
-        "CP 1 (context parallelism not implemented yet); offload in steps of 0.05",
+        "CP up to --max-cp (default 1; all-gather attention: a rank's probabilities [heads / TP, S / CP, S]); "
+        "offload in steps of 0.05",
     ]
 
 

@@ -273,7 +273,7 @@ class StageLayout:
         return out
 
 
-def layout_limits(cfg: ModelConfig, *, pp: int = 1, cp: int = 1, recompute: str | None = None) -> list[str]:
+def layout_limits(cfg: ModelConfig, *, pp: int = 1, recompute: str | None = None) -> list[str]:
     """What the megatron trainer refuses to build for `cfg` in this layout and activation `recompute` (None,
     "full" or "selective"), empty: nothing; each message names the key; `train/mcore_model.py` raises the first,
     the layout planner reports them all."""
@@ -282,11 +282,6 @@ def layout_limits(cfg: ModelConfig, *, pp: int = 1, cp: int = 1, recompute: str 
         out.append(
             f"megatron.recompute_granularity=selective with {cfg.model_type}: megatron-core's MLA does not hand a "
             "checkpointed core attention the DSA indexer's inputs; use recompute_granularity=full"
-        )
-    if cp > 1:
-        out.append(
-            f"megatron.context_parallel={cp}: megatron's context parallelism needs Transformer Engine's attention, "
-            "which this backend does not build yet"
         )
     if cfg.is_dsa and pp > 1 and cfg.num_hidden_layers % pp == 0:
         per = cfg.num_hidden_layers // pp

@@ -26,7 +26,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CPLayout", "cp_attention", "cp_layout", "gather_row"]
+from miles_hpc.train.logprobs import LogProbEntropy, PackedMicroBatch
+
+__all__ = [
+    "CPLayout",
+    "allowed_rows",
+    "cp_attention",
+    "cp_layout",
+    "cp_token_logprobs",
+    "gather_replicated",
+    "gather_row",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,32 +109,89 @@ def gather_row(local: torch.Tensor, layout: CPLayout, group: Any) -> torch.Tenso
     return _GatherRow.apply(local, layout, group)
 
 
+class _GatherReplicated(torch.autograd.Function):
+    """Forward: as `_GatherRow`. Backward: this rank's positions of the row's gradient, not summed: for values every
+    CP rank then uses alike (the per-token log-probs the loss reads), whose gradient is the same on every rank."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, layout: CPLayout, group: Any) -> torch.Tensor:
+        ctx.layout, ctx.rank = layout, torch.distributed.get_rank(group)
+        parts = [torch.empty_like(local) for _ in range(layout.cp)]
+        torch.distributed.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts)[layout.gathered_order(local.device)]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad[ctx.layout.positions(ctx.rank, grad.device)], None, None
+
+
+def gather_replicated(local: torch.Tensor, layout: CPLayout, group: Any) -> torch.Tensor:
+    """The whole row from each CP rank's local values (dim 0), for a computation every CP rank repeats alike: its
+    backward hands each rank its own positions' gradient (`_GatherReplicated`)."""
+    if layout.cp == 1:
+        return local
+    return _GatherReplicated.apply(local, layout, group)
+
+
+def cp_token_logprobs(
+    logits: torch.Tensor,
+    mb: PackedMicroBatch,
+    layout: CPLayout,
+    group: Any,
+    *,
+    with_entropy: bool,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`logprobs.token_logprobs` of a micro-batch whose logits [1, padded / cp, vocab] are this CP rank's rows
+    (`layout.positions` order): each row scores the row's next token, then the per-row log-probs (and entropies)
+    are gathered into the whole row, so every CP rank returns the same [T] as the unsplit computation."""
+    ids = mb.input_ids[0]
+    t = ids.shape[0]
+    rank = torch.distributed.get_rank(group) if layout.cp > 1 else 0
+    nxt = torch.cat([ids[1:], ids.new_zeros(layout.padded - t + 1)])  # the row's next tokens (padding: any)
+    target = nxt[layout.positions(rank, ids.device)]
+    lp, ent = LogProbEntropy.apply(logits.flatten(0, 1), target, with_entropy)
+    lp = gather_replicated(lp, layout, group)[:t]
+    zero = lp.new_zeros(1)
+    lp = torch.cat([zero, lp[:-1]]).masked_fill(mb.is_start, 0.0)
+    if not with_entropy:
+        return lp, None
+    if not (entropy_grad and torch.is_grad_enabled()):
+        ent = ent.detach()
+    ent = gather_replicated(ent, layout, group)[:t]
+    return lp, torch.cat([zero, ent[:-1]]).masked_fill(mb.is_start, 0.0)
+
+
+def allowed_rows(seq_ids: torch.Tensor, layout: CPLayout, rank: int) -> torch.Tensor:
+    """The packed row's attention rule for rank `rank`'s queries: [padded / cp, padded] True where a query sees a
+    key (its own sequence, at or before its position); `seq_ids` [padded] the sequence of every row position
+    (padding: each its own id)."""
+    pos = layout.positions(rank, seq_ids.device)
+    row = torch.arange(layout.padded, device=seq_ids.device)
+    return (seq_ids[pos][:, None] == seq_ids[None, :]) & (row[None, :] <= pos[:, None])
+
+
 def cp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    seq_ids: torch.Tensor,
+    allowed: torch.Tensor,
     layout: CPLayout,
     group: Any,
     *,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of this CP rank's queries over a packed row: q [n, heads, d], k [n, kv heads, d] and
-    v [n, kv heads, dv] for its local tokens (n = padded / cp, `layout.positions` order), `seq_ids` [padded] the
-    sequence of every row position (padding: each its own id). A query sees the keys of its sequence at or before
-    its position. Returns [n, heads, dv]. GQA: heads a multiple of kv heads."""
-    rank = torch.distributed.get_rank(group) if layout.cp > 1 else 0
+    """Attention of this CP rank's queries over a packed row: q [n, heads, d], k [n, kv heads, d] and v [n, kv
+    heads, dv] for its local tokens (n = padded / cp, `layout.positions` order), `allowed` [n, padded] which keys
+    each query sees (`allowed_rows`; a causal block-diagonal mask's rows at the local positions, negated). Returns
+    [n, heads, dv]. GQA: heads a multiple of kv heads."""
     n = layout.padded // layout.cp
-    if q.shape[0] != n or k.shape[0] != n or v.shape[0] != n or seq_ids.shape != (layout.padded,):
+    if q.shape[0] != n or k.shape[0] != n or v.shape[0] != n or allowed.shape != (n, layout.padded):
         raise ValueError(
-            f"cp_attention: {n} local tokens and {layout.padded} sequence ids expected, got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}, seq_ids {tuple(seq_ids.shape)}"
+            f"cp_attention: {n} local tokens of a {layout.padded}-token row expected, got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}, allowed {tuple(allowed.shape)}"
         )
     keys, values = gather_row(k, layout, group), gather_row(v, layout, group)
-    pos = layout.positions(rank, q.device)
-    row = torch.arange(layout.padded, device=q.device)
-    seq = seq_ids.to(q.device)
-    allowed = (seq[pos][:, None] == seq[None, :]) & (row[None, :] <= pos[:, None])  # [n, padded]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         keys.transpose(0, 1)[None],

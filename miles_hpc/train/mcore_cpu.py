@@ -5,7 +5,7 @@ needs: `torch.cuda.current_device()` (the device of its global memory buffer, of
 the MoE router's weight: here the CPU), the CUDA RNG tracker's `fork` (dropout under tensor parallelism; our
 configs have none), the CUDA RNG state that activation recompute saves and restores, the MoE all-to-all
 dispatcher's side stream and its numpy conversion of split sizes (done only for GPU tensors), and the pipeline
-schedule's device syncs and "cuda" tensors. `enable()` replaces exactly those, process-wide, and only in a process
+schedule's device syncs and "cuda" tensors, and RoPE's per-CP-rank slice (its indices in pinned memory). `enable()` replaces exactly those, process-wide, and only in a process
 whose torch has no CUDA device: there each call would raise, so nothing that worked before changes. A process with
 a GPU is refused (megatron would place its buffers on it).
 
@@ -33,6 +33,7 @@ def enable() -> None:
             "train.device=cpu with train.backend=megatron on a machine with a CUDA device: megatron-core places its "
             "buffers on the current CUDA device; set train.device=cuda (or hide the GPUs: CUDA_VISIBLE_DEVICES=)"
         )
+    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import token_dispatcher
@@ -65,7 +66,20 @@ def enable() -> None:
     schedules.torch = _CpuTorch("torch")
     cuda.synchronize = lambda *args, **kwargs: None
     tensor.cuda = lambda self, *args, **kwargs: self
+    # Context parallelism: RoPE's per-rank slice builds its chunk indices in pinned memory (CUDA's).
+    for module in (rotary_pos_embedding, yarn_rotary_pos_embedding):  # each imported it by name
+        patched: Any = module
+        patched.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     _enabled = True
+
+
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """megatron-core's `get_pos_emb_on_this_cp_rank` (rope_utils.py) without pinned memory: the chunks r and
+    2 CP - 1 - r of 2 CP equal ones along `seq_dim`."""
+    cp, r = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1 :])
+    picked = chunks.index_select(seq_dim, torch.tensor([r, 2 * cp - 1 - r], device=pos_emb.device))
+    return picked.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 1 :])
 
 
 def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.models.common.embeddings import apply_rotary_pos_emb
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.tensor_parallel.random import is_checkpointing
@@ -57,6 +58,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from miles_hpc.models import ModelConfig
 from miles_hpc.planner.mcore_layout import StageLayout, layout_limits
+from miles_hpc.train.context_parallel import cp_layout, gather_row
 from miles_hpc.train.mcore_mla import FixedEpsNorm
 
 __all__ = [
@@ -189,10 +191,11 @@ class _DSAIndexer(DSAIndexer):
         """The indexer's rotated queries [T, b, heads, dim], keys [T, b, dim] and float32 head weights [T, b, heads]
         (with the softmax scale folded in, as megatron does)."""
         t, b, _ = x.shape  # the whole row (megatron's `get_rotary_seq_len` would take x for a TP rank's chunk)
+        # packed_seq=True: the whole row's frequencies (megatron slices them for the CP rank otherwise)
         if self.config.rope_type == "rope":
-            freqs, mscale = self.rotary_pos_emb(t, packed_seq=False), 1.0
+            freqs, mscale = self.rotary_pos_emb(t, packed_seq=True), 1.0
         else:
-            freqs, mscale = self.rotary_pos_emb(t, packed_seq=False)
+            freqs, mscale = self.rotary_pos_emb(t, packed_seq=True)
         q, _ = self.linear_wq_b(qr)
         q = self._apply_rope(q.reshape(t, b, self.index_n_heads, self.index_head_dim), freqs, mscale)
         k, _ = self.linear_wk(x)
@@ -280,10 +283,13 @@ class _DSACoreAttention(DSAttention):
             raise RuntimeError("DSA core attention without its SharedSelection (share_selections)")
         fwd = self.shared.forward_of(attention_mask)
         recompute = is_checkpointing() and torch.is_grad_enabled()  # megatron's recompute of this layer in backward
+        cp = self.config.context_parallel_size
         if isinstance(self.indexer, DSAIndexer) and not (recompute and self.source in fwd.topk):
             assert x is not None and qr is not None
             if self.config.sequence_parallel:  # MLA hands this rank's chunk of the tokens: the indexer scores all
                 x, qr = _whole_row(x), _whole_row(qr)
+            if cp > 1:  # ... and this CP rank's share of the row
+                x, qr = _whole_cp_row(x, attention_mask), _whole_cp_row(qr, attention_mask)
             fwd.topk[self.source] = topk = self.indexer.select(x.detach(), qr.detach(), fwd.spans)
             if self.shared.loss_mode is not None and self.shared.collect_kl and self.training:
                 # in a checkpointed forward (no grad) too: the loss trains the indexer alone, from detached inputs
@@ -297,7 +303,43 @@ class _DSACoreAttention(DSAttention):
             raise RuntimeError(
                 f"layer {self.layer_number}: a shared DSA layer before its full layer {self.source} in this forward"
             )
-        return unfused_dsa_fn(query, key, value, fwd.topk[self.source].long(), self.softmax_scale)
+        if cp == 1:
+            return unfused_dsa_fn(query, key, value, fwd.topk[self.source].long(), self.softmax_scale)
+        # CP: this rank's queries over the whole row's keys and values (gathered: their gradients summed back)
+        layout, group = cp_layout(attention_mask.shape[-1], cp), parallel_state.get_context_parallel_group()
+        pos = layout.positions(group.rank(), query.device)
+        keys, values = gather_row(key, layout, group), gather_row(value, layout, group)
+        return _sparse_attention(query, keys, values, fwd.topk[self.source][:, pos].long(), pos, self.softmax_scale)
+
+
+def _whole_cp_row(share: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The whole packed row [T, b, *] from each CP rank's share (detached, as `_whole_row`), `mask` the row's."""
+    layout = cp_layout(mask.shape[-1], parallel_state.get_context_parallel_world_size())
+    parts = [torch.empty_like(share) for _ in range(layout.cp)]
+    torch.distributed.all_gather(parts, share.detach().contiguous(), group=parallel_state.get_context_parallel_group())
+    return torch.cat(parts)[layout.gathered_order(share.device)]
+
+
+def _sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    topk: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """megatron's `unfused_dsa_fn` for queries [sq, b, heads, d] at row `positions` [sq] (a CP rank's share) over
+    the whole row's keys [skv, b, heads, d]: float32 scores, each query's selected keys `topk` [b, sq, K] at or
+    before its position (a sequence shorter than index_topk selects future keys too, at -inf: the causal mask
+    drops them, as megatron's), softmax in float32; returns [sq, b, heads * dv]."""
+    sq, b, h, _ = query.shape
+    scores = torch.einsum("qbhd,kbhd->bhqk", query.float(), key.float()) * scale
+    keep = torch.full((b, sq, key.shape[0]), float("-inf"), device=scores.device).scatter_(-1, topk, 0.0)
+    future = torch.arange(key.shape[0], device=scores.device)[None, :] > positions[:, None]
+    keep = keep.masked_fill(future[None], float("-inf"))
+    probs = torch.softmax(scores + keep[:, None], dim=-1, dtype=torch.float32)
+    out = torch.einsum("bhqk,kbhd->qbhd", probs.to(value.dtype), value)
+    return out.reshape(sq, b, -1)
 
 
 def _whole_row(chunk: torch.Tensor) -> torch.Tensor:

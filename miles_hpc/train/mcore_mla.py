@@ -35,7 +35,14 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from miles_hpc.models import ModelConfig
 from miles_hpc.models.mla import LATENT_NORM_EPS
 
-__all__ = ["FixedEpsNorm", "KVDownGather", "held_mtp_block", "local_mla_spec", "mla_kwargs"]
+__all__ = [
+    "FixedEpsNorm",
+    "KVDownGather",
+    "held_mtp_block",
+    "local_mla_spec",
+    "mla_kwargs",
+    "without_sequence_parallel",
+]
 
 # The core attention spec of a layer (global index); None: the plain MLA one (`_MLACoreAttention`).
 CoreAttention = Callable[[ModelConfig, int], Any] | None
@@ -121,13 +128,13 @@ def held_mtp_block(
     cfg: ModelConfig,
     tcfg: Any,
     core_attention: CoreAttention = None,
-    norms: Callable[[ModuleSpec], ModuleSpec] = lambda spec: spec,
+    transform: Callable[[ModuleSpec], ModuleSpec] = lambda spec: spec,
 ) -> MultiTokenPredictionBlock:
     """The multi-token-prediction layers as megatron's `MultiTokenPredictionBlock` (enorm, hnorm, the column-parallel
     eh_proj, the decoder layer of index N + j, final_layernorm), held to be loaded, saved and synced, never run:
     `build_gpt` attaches it as `model.mtp` without megatron's `mtp_process`, whose forward computes its own MTP loss
-    from labels (our loss takes the logits; MTP training is `train.mtp_loss_coef`, FSDP only). `norms`: the
-    decoder's norm substitution for each layer's spec (sequence parallelism: `mcore_model._sp_norms`)."""
+    from labels (our loss takes the logits; MTP training is `train.mtp_loss_coef`, FSDP only). `transform`: the
+    decoder's substitutions for each layer's spec (sequence-parallel norms, the CP core attention)."""
     layers = []
     for j in range(cfg.num_nextn_predict_layers):
         i = cfg.num_hidden_layers + j
@@ -144,10 +151,19 @@ def held_mtp_block(
             transformer_layer=local_mla_spec(layer, cfg, i, core_attention),
             layer_norm=WrappedTorchNorm,
         )
-        layers.append(norms(ModuleSpec(module=MultiTokenPredictionLayer, submodules=parts)))
+        layers.append(transform(ModuleSpec(module=MultiTokenPredictionLayer, submodules=parts)))
     mtp_cfg = copy.copy(tcfg)  # the model's own config keeps mtp_num_layers=None: GPTModel runs no MTP
     mtp_cfg.mtp_num_layers = cfg.num_nextn_predict_layers
     return MultiTokenPredictionBlock(config=mtp_cfg, spec=MultiTokenPredictionBlockSubmodules(layer_specs=layers))
+
+
+def without_sequence_parallel(config: Any) -> Any:
+    """A copy of megatron's `config` with sequence_parallel off, for a torch norm (which refuses SP); copied, not
+    rebuilt: `dataclasses.replace` would rerun megatron's checks, which refuse what `mcore_model.transformer_config`
+    set after them (context parallelism with DSA)."""
+    out = copy.copy(config)
+    out.sequence_parallel = False
+    return out
 
 
 class FixedEpsNorm:
@@ -164,7 +180,7 @@ class FixedEpsNorm:
 
     def __new__(cls, config: Any, hidden_size: int, eps: float | None = None, **kwargs: Any) -> Any:
         sp = config.sequence_parallel
-        config = dataclasses.replace(config, sequence_parallel=False) if sp else config
+        config = without_sequence_parallel(config) if sp else config
         norm = WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=cls.eps, **kwargs)
         norm = norm.to(dtype=config.params_dtype)
         for p in norm.parameters():

@@ -21,7 +21,6 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -37,8 +36,6 @@ try:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.tensor_parallel.random import is_checkpointing
     from megatron.core.transformer.moe.router_replay import RouterReplay
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -51,9 +48,16 @@ from miles_hpc.models.moe import merge_replay
 from miles_hpc.planner.mcore_layout import layout_limits
 from miles_hpc.train import mcore_fixes  # noqa: F401  (megatron-core 0.16's TE-less fixes, at import)
 from miles_hpc.train.logprobs import PackedMicroBatch
+from miles_hpc.train.mcore_cp import context_parallel, cp_core_attention, cp_rows, row_layout
 from miles_hpc.train.mcore_dsa import check_dsa_pipeline, dsa_core_attention, dsa_kwargs, share_selections
-from miles_hpc.train.mcore_mla import KVDownGather, held_mtp_block, local_mla_spec, mla_kwargs
+from miles_hpc.train.mcore_mla import (
+    KVDownGather,
+    held_mtp_block,
+    local_mla_spec,
+    mla_kwargs,
+)
 from miles_hpc.train.mcore_pipeline import StageLayout
+from miles_hpc.train.mcore_sp import experts_reduce_over_tp, sequence_parallel, sp_length, sp_norms
 from miles_hpc.train.mcore_weights import Rule, is_frozen, iter_full_hf, mcore_rules, padded_vocab_size, to_mcore
 
 __all__ = [
@@ -80,19 +84,25 @@ _ACTIVATIONS = {"silu": F.silu, "swish": F.silu}
 
 
 def init_model_parallel(
-    tensor_parallel: int = 1, expert_parallel: int = 1, *, pipeline_parallel: int = 1, seed: int = 0
+    tensor_parallel: int = 1,
+    expert_parallel: int = 1,
+    *,
+    pipeline_parallel: int = 1,
+    context_parallel: int = 1,
+    seed: int = 0,
 ) -> None:
     """megatron's parallel state over the default process group (which must exist): TP groups of
-    `tensor_parallel` consecutive ranks, then data parallel, then `pipeline_parallel` stages (megatron's rank order:
-    stage s is ranks s*W/P .. (s+1)*W/P - 1); MoE experts split over `expert_parallel` of the data-parallel ranks
-    (expert TP 1); on GPUs also megatron's per-TP-rank CUDA RNG states (`seed`)."""
+    `tensor_parallel` consecutive ranks, then `context_parallel` (CP), then data parallel, then `pipeline_parallel`
+    stages (megatron's rank order tp-cp-ep-dp-pp: stage s is ranks s*W/P .. (s+1)*W/P - 1); MoE experts split over
+    `expert_parallel` of the TP x CP x DP ranks (expert TP 1); on GPUs also megatron's per-TP-rank CUDA RNG states
+    (`seed`)."""
     if not torch.distributed.is_initialized():
         raise RuntimeError("megatron needs the trainer process group: call dist.init_trainer_world first")
     world = torch.distributed.get_world_size()
-    if world % (tensor_parallel * pipeline_parallel):
+    if world % (tensor_parallel * pipeline_parallel * context_parallel):
         raise ValueError(
-            f"megatron.tensor_parallel={tensor_parallel} x megatron.pipeline_parallel="
-            f"{pipeline_parallel} does not divide the {world} trainer ranks"
+            f"megatron.tensor_parallel={tensor_parallel} x megatron.pipeline_parallel={pipeline_parallel} x "
+            f"megatron.context_parallel={context_parallel} does not divide the {world} trainer ranks"
         )
     dp = world // (tensor_parallel * pipeline_parallel)
     if dp % expert_parallel:
@@ -102,6 +112,7 @@ def init_model_parallel(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        context_parallel_size=context_parallel,
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=1,
     )
@@ -128,6 +139,7 @@ def transformer_config(
             "megatron has one bias switch (add_bias_linear) for the attention output and the MLP"
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
     moe: dict[str, Any] = {}
     # (a deepseek_v3 config may have experts configured and only dense layers; MTP layers count: they are built)
     if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers)):
@@ -189,7 +201,7 @@ def transformer_config(
             qk_layernorm=cfg.qk_norm,
         )
     )
-    return (MLATransformerConfig if cfg.is_mla else TransformerConfig)(
+    tcfg = (MLATransformerConfig if cfg.is_mla else TransformerConfig)(
         **moe,
         **attention,
         num_layers=cfg.num_hidden_layers,
@@ -204,6 +216,9 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        # megatron refuses CP with its DSA attention (transformer_config.py __post_init__); the DSA core attention
+        # here does CP itself (`mcore_dsa`): the size is set after the checks
+        context_parallel_size=1 if cfg.is_dsa else cp,
         **_pipeline_kwargs(cfg, dtype),
         **_recompute_kwargs(cfg, recompute),
         params_dtype=dtype,
@@ -222,6 +237,8 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
     )
+    tcfg.context_parallel_size = cp
+    return tcfg
 
 
 def _recompute_kwargs(cfg: ModelConfig, recompute: Recompute) -> dict[str, Any]:
@@ -279,11 +296,13 @@ def build_gpt(
     if tcfg.num_moe_experts or cfg.is_dsa:
         spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
     if tcfg.sequence_parallel:
-        spec = _sp_norms(spec)
+        spec = sp_norms(spec)
     core_attention = dsa_core_attention if cfg.is_dsa else None
     if cfg.is_mla:
         first = stage_layout(cfg).layer_index(pipeline_stage(), 0)
         spec = local_mla_spec(spec, cfg, first, core_attention)
+    if tcfg.context_parallel_size > 1:  # after MLA's spec: its core attention too (DSA's does CP itself)
+        spec = cp_core_attention(spec)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     model = GPTModel(
         config=tcfg,
@@ -299,7 +318,7 @@ def build_gpt(
         post_process=parallel_state.is_pipeline_last_stage(),
     )
     if tcfg.sequence_parallel:
-        _experts_reduce_over_tp(model)
+        experts_reduce_over_tp(model)
     if cfg.is_mla and tp > 1:
         for layer in model.decoder.layers:
             hook = KVDownGather(cfg.kv_lora_rank, sequence_parallel=tcfg.sequence_parallel)
@@ -307,8 +326,7 @@ def build_gpt(
     if cfg.is_dsa:
         share_selections(model.decoder)
     if cfg.num_nextn_predict_layers and parallel_state.is_pipeline_last_stage():
-        norms = _sp_norms if tcfg.sequence_parallel else lambda spec: spec
-        model.mtp = held_mtp_block(cfg, tcfg, core_attention, norms)  # held, not run (`held_mtp_block`)
+        model.mtp = held_mtp_block(cfg, tcfg, core_attention, lambda s: _spec_for(tcfg, s))  # held, not run
         for mtp_layer in model.mtp.layers if cfg.is_dsa else []:
             share_selections(mtp_layer)
     for name, p in model.named_parameters():
@@ -451,9 +469,12 @@ def packed_logits(model: GPTModel, mb: PackedMicroBatch, vocab_size: int) -> tor
     """Logits [1, T, vocab] of a packed micro-batch: one row, block-diagonal causal mask (True = masked, megatron's
     convention), the vocabulary padding cut off (before the last pipeline stage: the stage's hidden states). Under
     sequence parallelism the row is padded to `sp_length` with tokens that attend to themselves only, and cut
-    back."""
+    back. Under context parallelism: this CP rank's rows [1, padded / CP, vocab] of the row padded to
+    `mcore_cp.row_layout` (`context_parallel.cp_token_logprobs` reads them)."""
     t = mb.num_tokens
-    padded = sp_length(t, sequence_parallel(model))
+    sp = sequence_parallel(model)
+    cp = row_layout(t, sp) if context_parallel() > 1 else None  # the row split over the CP ranks (`mcore_cp`)
+    padded = cp.padded if cp is not None else sp_length(t, sp)
     ids, seq = mb.input_ids, mb.seq_ids.to(mb.input_ids.device)
     if padded > t:  # each pad token its own sequence (ids past every real one): no real token sees it
         pad = padded - t
@@ -461,81 +482,19 @@ def packed_logits(model: GPTModel, mb: PackedMicroBatch, vocab_size: int) -> tor
         seq = torch.cat([seq, seq.max() + 1 + torch.arange(pad, device=seq.device, dtype=seq.dtype)])
     allowed = (seq[:, None] == seq[None, :]) & torch.ones(padded, padded, dtype=torch.bool, device=seq.device).tril()
     positions = torch.arange(padded, device=ids.device)[None]
+    if cp is not None:  # this CP rank's tokens; the mask stays the whole row's
+        ids, positions = cp_rows(ids[0], cp)[None], cp_rows(positions[0], cp)[None]
     logits = model(ids, positions, attention_mask=~allowed[None, None])
     if not parallel_state.is_pipeline_last_stage():
-        return logits  # hidden states [T, 1, hidden] for the next pipeline stage (T padded under SP)
-    return logits[:, :t, :vocab_size]
+        return logits  # hidden states [T, 1, hidden] for the next pipeline stage (T padded under SP; local under CP)
+    return logits[..., :vocab_size] if cp is not None else logits[:, :t, :vocab_size]
 
 
-class SequenceParallelNorm:
-    """megatron's torch norm (`WrappedTorchNorm`: RMSNorm or LayerNorm by the config) for sequence parallelism,
-    which megatron's own refuses without Transformer Engine: under SP a norm sees only its TP rank's chunk of the
-    tokens, so its weight's gradient is a partial sum; `sequence_parallel` on the weight makes megatron's
-    `finalize_model_grads` sum it over the TP ranks, as it does for TE's norms."""
-
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> torch.nn.Module:
-        norm = WrappedTorchNorm(
-            config=dataclasses.replace(config, sequence_parallel=False), hidden_size=hidden_size, eps=eps, **kwargs
-        )
-        for p in norm.parameters():
-            p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
-        return norm
-
-
-def _sp_norms(spec: Any) -> Any:
-    """`spec` (a layer or block spec, nested) with megatron's torch norms replaced by `SequenceParallelNorm`. The QK
-    norms too (megatron refuses its own under SP): their gradients are partial sums over the heads, and megatron
-    sums them over the TP ranks once, by name or by the attribute."""
-    if spec is WrappedTorchNorm:
-        return SequenceParallelNorm
-    if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, submodules=_sp_norms(spec.submodules))
-    if isinstance(spec, list):
-        return [_sp_norms(x) for x in spec]
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: _sp_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
-        return dataclasses.replace(spec, **changes)
-    return spec
-
-
-def _experts_reduce_over_tp(model: GPTModel) -> None:
-    """Under sequence parallelism each TP rank runs the (whole, expert TP 1) experts on its own chunk of tokens, so
-    their gradients are partial sums to be added over the TP ranks. megatron reduces expert-parallel parameters
-    over the expert-data-parallel group, which holds the TP ranks (TP x DP / EP ranks); with expert_parallel=1 it
-    takes experts for dense parameters (reduced over data-parallel ranks only). Marking them expert-parallel
-    (`allreduce` False, as EP > 1 does) gives them that reduction at every EP size."""
-    for name, p in model.named_parameters():
-        if ".mlp.experts." in name:
-            p.allreduce = False  # type: ignore[attr-defined]
-
-
-def sequence_parallel(model: Any) -> bool:
-    """Whether `model` (a GPTModel or megatron's DDP around one) runs with sequence parallelism (MoE under TP)."""
-    return bool(getattr(model.config, "sequence_parallel", False))
-
-
-def sp_length(tokens: int, sp: bool) -> int:
-    """The packed row's length as the model runs it: `tokens` rounded up to a multiple of the TP size under
-    sequence parallelism `sp` (megatron splits the row evenly over the TP ranks)."""
-    if not sp:
-        return tokens
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    return -(-tokens // tp) * tp
-
-
-def sp_slice(rows: torch.Tensor, sp: bool, fill: int = -1) -> torch.Tensor:
-    """This TP rank's share of per-token `rows` [T, ...] under sequence parallelism `sp` (the tokens its MoE layers
-    route: T padded with `fill` rows to `sp_length`, then the rank's contiguous chunk); `rows` itself without."""
-    if not sp:
-        return rows
-    t = rows.shape[0]
-    padded = sp_length(t, sp)
-    if padded > t:
-        rows = torch.cat([rows, rows.new_full((padded - t, *rows.shape[1:]), fill)])
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    chunk = padded // tp
-    r = parallel_state.get_tensor_model_parallel_rank()
-    return rows[r * chunk : (r + 1) * chunk]
+def _spec_for(tcfg: TransformerConfig, spec: Any) -> Any:
+    """`spec` with the decoder's substitutions for `tcfg`: sequence-parallel norms, the CP core attention."""
+    if tcfg.sequence_parallel:
+        spec = sp_norms(spec)
+    return cp_core_attention(spec) if tcfg.context_parallel_size > 1 else spec
 
 
 class R3Replay(RouterReplay):

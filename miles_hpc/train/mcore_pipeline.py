@@ -11,7 +11,8 @@ Invariants:
   and their attention masks; only hidden states travel between stages. Micro-batches differ in length: the
   schedule runs with megatron's `variable_seq_lengths` (shapes are exchanged before each tensor).
 - Losses and log-probs exist on the last stage only; the schedule divides each micro-batch's loss by the number of
-  micro-batches, which `run_schedule` multiplies back, so the gradient is that of the sum of `loss_of`'s values.
+  micro-batches, which `run_schedule` multiplies back, so the gradient is that of the sum of `loss_of`'s values
+  (times the CP size, which megatron's schedule multiplies in: its DDP averages over DP x CP ranks).
 """
 
 from __future__ import annotations

@@ -30,10 +30,10 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 import miles_hpc.train.mcore_model  # noqa: F401  first: without megatron-core it raises the ImportError that says so
 from miles_hpc.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_hpc.models import iter_hf_tensors, read_config
-from miles_hpc.planner.mcore_layout import layout_limits
 from miles_hpc.planner.transfer import Box
 from miles_hpc.train import checkpoint as ckpt
 from miles_hpc.train import mcore_cpu
+from miles_hpc.train.context_parallel import cp_token_logprobs
 from miles_hpc.train.logprobs import PackedMicroBatch, token_logprobs
 from miles_hpc.train.losses import policy_loss
 from miles_hpc.train.mcore_checkpoint import (
@@ -44,6 +44,7 @@ from miles_hpc.train.mcore_checkpoint import (
     load_adamw,
     load_distributed_optimizer,
 )
+from miles_hpc.train.mcore_cp import cp_rows, row_layout
 from miles_hpc.train.mcore_dsa import decoder_selection
 from miles_hpc.train.mcore_model import (
     R3Replay,
@@ -57,14 +58,12 @@ from miles_hpc.train.mcore_model import (
     moe_router,
     packed_logits,
     pipeline_stage,
-    sequence_parallel,
-    sp_length,
-    sp_slice,
     stage_layout,
     transformer_config,
     wrap_ddp,
 )
 from miles_hpc.train.mcore_pipeline import run_schedule
+from miles_hpc.train.mcore_sp import sequence_parallel, sp_length, sp_slice
 from miles_hpc.train.mcore_weights import local_hf_parts, mcore_boxes, mcore_rules
 from miles_hpc.train.optim import build_optimizer, lr_lambda
 from miles_hpc.train.shards import ShardMap
@@ -84,10 +83,33 @@ __all__ = [
 ]
 
 
+def _refuse_unbuilt(train_cfg: TrainConfig, algo_cfg: AlgoConfig, megatron_cfg: MegatronConfig) -> None:
+    """What this backend does not do, refused by key before any process group or checkpoint is touched."""
+    if getattr(train_cfg, "mtp_loss_coef", 0.0):
+        raise NotImplementedError(
+            f"train.mtp_loss_coef={train_cfg.mtp_loss_coef}: the megatron backend holds the "
+            "multi-token-prediction layers (loaded, saved, synced) but does not train them; use train.backend=fsdp"
+        )
+    if train_cfg.indexer_loss_coef and megatron_cfg.context_parallel > 1:
+        raise NotImplementedError(
+            f"train.indexer_loss_coef with megatron.context_parallel={megatron_cfg.context_parallel}: the indexer "
+            "loss compares the indexer with the attention over whole rows, which CP splits; use context_parallel=1"
+        )
+    if train_cfg.compile:
+        raise NotImplementedError("train.compile: not with the megatron backend yet")
+    if train_cfg.activation_checkpointing and algo_cfg.routing_replay and megatron_cfg.pipeline_parallel > 1:
+        raise NotImplementedError(
+            "train.activation_checkpointing with algo.routing_replay and megatron.pipeline_parallel > 1: a "
+            "layer recomputed in backward would replay the records of the micro-batch the 1F1B schedule runs "
+            "then, not its own; use pipeline_parallel=1 or no recompute"
+        )
+
+
 class MegatronTrainer(PackedTrainer):
     """One rank of the megatron-core trainer. Construct on every rank after `init_trainer_world`; all methods are
-    collectives (see `miles_hpc.train.protocol.Trainer`). Ranks r*TP .. r*TP+TP-1 form tensor-parallel group r,
-    which is data-parallel rank r."""
+    collectives (see `miles_hpc.train.protocol.Trainer`). Ranks are laid out in megatron's order (TP groups of
+    consecutive ranks, then CP, DP and pipeline stages: `init_model_parallel`); the TP and CP ranks of a
+    data-parallel rank get the same micro-batches."""
 
     def __init__(
         self,
@@ -101,21 +123,7 @@ class MegatronTrainer(PackedTrainer):
         total_steps: int | None = None,
         loss_fn: LossFn = policy_loss,
     ) -> None:
-        if megatron_cfg.context_parallel != 1:
-            raise NotImplementedError(layout_limits(read_config(model_path), cp=megatron_cfg.context_parallel)[0])
-        if getattr(train_cfg, "mtp_loss_coef", 0.0):
-            raise NotImplementedError(
-                f"train.mtp_loss_coef={train_cfg.mtp_loss_coef}: the megatron backend holds the "
-                "multi-token-prediction layers (loaded, saved, synced) but does not train them; use train.backend=fsdp"
-            )
-        if train_cfg.compile:
-            raise NotImplementedError("train.compile: not with the megatron backend yet")
-        if train_cfg.activation_checkpointing and algo_cfg.routing_replay and megatron_cfg.pipeline_parallel > 1:
-            raise NotImplementedError(
-                "train.activation_checkpointing with algo.routing_replay and megatron.pipeline_parallel > 1: a "
-                "layer recomputed in backward would replay the records of the micro-batch the 1F1B schedule runs "
-                "then, not its own; use pipeline_parallel=1 or no recompute"
-            )
+        _refuse_unbuilt(train_cfg, algo_cfg, megatron_cfg)
         if not torch.distributed.is_initialized():
             raise RuntimeError("MegatronTrainer needs the trainer process group: call dist.init_trainer_world first")
         self.train_cfg, self.algo_cfg, self.loss_fn = train_cfg, algo_cfg, loss_fn
@@ -128,14 +136,20 @@ class MegatronTrainer(PackedTrainer):
             megatron_cfg.tensor_parallel,
             megatron_cfg.expert_parallel,
             pipeline_parallel=megatron_cfg.pipeline_parallel,
+            context_parallel=megatron_cfg.context_parallel,
             seed=seed,
         )
+        self._cp = megatron_cfg.context_parallel
         self._dp_rank = parallel_state.get_data_parallel_rank()
         self._dp_world = parallel_state.get_data_parallel_world_size()
         self._dp_group = parallel_state.get_data_parallel_group()
         self._pp = parallel_state.get_pipeline_model_parallel_world_size()
         last_stage = parallel_state.is_pipeline_last_stage()
-        self._gathers_logprobs = parallel_state.get_tensor_model_parallel_rank() == 0 and last_stage
+        self._gathers_logprobs = (  # CP ranks hold the same whole-row log-probs (`cp_token_logprobs`)
+            parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0
+            and last_stage
+        )
         # every rank's (TP rank, EP rank, pipeline stage): what each holds, for the p2p sync's shard map
         coords = (
             parallel_state.get_tensor_model_parallel_rank(),
@@ -145,13 +159,7 @@ class MegatronTrainer(PackedTrainer):
         self._coords: list[tuple[int, int, int]] = [coords] * self._world
         if self._world > 1:
             torch.distributed.all_gather_object(self._coords, coords)
-        self._metrics_pp_group = None
-        if self._pp > 1:  # per TP rank: its data-parallel ranks of every stage (every rank creates every group)
-            tp = parallel_state.get_tensor_model_parallel_world_size()
-            for t in range(tp):
-                group = torch.distributed.new_group([r for r in range(self._world) if self._coords[r][0] == t])
-                if t == coords[0]:
-                    self._metrics_pp_group = group
+        self._metrics_pp_group = self._pipeline_metrics_group() if self._pp > 1 else None
         self._step, self._last_lr, self._r3 = 0, train_cfg.lr, None
         torch.manual_seed(seed)
         self.config = read_config(model_path)
@@ -167,6 +175,20 @@ class MegatronTrainer(PackedTrainer):
         self.model.train()
         self._lr_at = lr_lambda(train_cfg, total_steps)
         self.optimizer: Any = self._optimizer(megatron_cfg, bf16)
+
+    def _pipeline_metrics_group(self) -> Any:
+        """Under pipeline stages, the group metrics are summed over: per (TP rank, CP rank), its data-parallel ranks
+        of every stage (each holds a distinct part: losses on the last stage, R3 statistics on each). Every rank
+        creates every group."""
+        mine = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_context_parallel_rank())
+        keys: list[tuple[int, int]] = [mine] * self._world
+        torch.distributed.all_gather_object(keys, mine)
+        out = None
+        for key in sorted(set(keys)):
+            group = torch.distributed.new_group([r for r in range(self._world) if keys[r] == key])
+            if key == mine:
+                out = group
+        return out
 
     def _build(self, model_path: str | Path, bf16: bool) -> Any:
         """This rank's GPTModel (random init), its indexers trained when `train.indexer_loss_coef` > 0."""
@@ -251,13 +273,39 @@ class MegatronTrainer(PackedTrainer):
         self, mb: PackedMicroBatch, with_entropy: bool, entropy_grad: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = self._stage_forward(self.model, mb)
-        return token_logprobs(logits, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        return self._token_logprobs(logits, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    def _token_logprobs(
+        self, logits: torch.Tensor, mb: PackedMicroBatch, *, with_entropy: bool, entropy_grad: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`token_logprobs`; under context parallelism of this CP rank's rows, gathered into the whole row."""
+        if self._cp == 1:
+            return token_logprobs(logits, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        layout = row_layout(mb.num_tokens, sequence_parallel(self.model))
+        group = parallel_state.get_context_parallel_group()
+        return cp_token_logprobs(logits, mb, layout, group, with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        # megatron averages gradients over the data- and context-parallel ranks: undone for both (train/step.py)
+        (loss * self._dp_world * self._cp).backward()
+
+    def _local_rows(self, rows: torch.Tensor, sp: bool) -> torch.Tensor:
+        """The rows [T, ...] of the tokens this rank's MoE layers route: its CP share of the padded row, then its TP
+        chunk of that under sequence parallelism (padding rows: -1, no record)."""
+        if self._cp == 1:
+            return sp_slice(rows, sp)
+        local = cp_rows(rows, row_layout(rows.shape[0], sp))
+        if not sp:
+            return local
+        tp, r = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+        chunk = local.shape[0] // tp
+        return local[r * chunk : (r + 1) * chunk]
 
     def _stage_forward(self, model: Any, mb: PackedMicroBatch) -> torch.Tensor:
         """This pipeline stage's forward of `mb` (logits on the last stage), with its R3 records and statistics."""
         sp = sequence_parallel(model)  # MoE under TP: each TP rank routes its chunk of the (padded) row
         for j, replay in zip(self._replay_ids, self._replays):
-            replay.record = None if mb.routing is None else sp_slice(mb.routing[0, :, j, :], sp)
+            replay.record = None if mb.routing is None else self._local_rows(mb.routing[0, :, j, :], sp)
             replay.compare = not self.algo_cfg.routing_replay
         if self._selection is not None:  # the indexer loss in the forwards that train (not the log-prob ones)
             self._selection.collect_kl = torch.is_grad_enabled()
@@ -270,9 +318,12 @@ class MegatronTrainer(PackedTrainer):
             stats = torch.stack([r.stats for r in self._replays if r.stats is not None]).sum(0)
             for replay in self._replays:
                 replay.stats = None
-            if sp:  # the TP ranks' chunks together, less the padding's rows (no record: not "recorded")
+            if sp:  # the TP ranks' chunks together
                 torch.distributed.all_reduce(stats, group=parallel_state.get_tensor_model_parallel_group())
-                stats[2] -= (sp_length(mb.num_tokens, sp) - mb.num_tokens) * len(self._replays)
+            if self._cp > 1:  # the CP ranks' shares together
+                torch.distributed.all_reduce(stats, group=parallel_state.get_context_parallel_group())
+            padded = row_layout(mb.num_tokens, sp).padded if self._cp > 1 else sp_length(mb.num_tokens, sp)
+            stats[2] -= (padded - mb.num_tokens) * len(self._replays)  # the padding's rows: no record, not counted
             self._r3 = stats if self._r3 is None else self._r3 + stats
         return out
 
@@ -283,7 +334,7 @@ class MegatronTrainer(PackedTrainer):
         out: dict[int, torch.Tensor] = {}
 
         def on_output(mb: PackedMicroBatch, logits: torch.Tensor) -> torch.Tensor:
-            out[id(mb)] = token_logprobs(logits, mb, with_entropy=False)[0]
+            out[id(mb)] = self._token_logprobs(logits, mb, with_entropy=False)[0]
             return out[id(mb)]
 
         run_schedule(self.model, mbs, self._stage_forward, on_output, forward_only=True)
@@ -294,10 +345,11 @@ class MegatronTrainer(PackedTrainer):
             return super()._forward_backward(mbs, loss_of, entropy_grad)
 
         def on_output(mb: PackedMicroBatch, logits: torch.Tensor) -> torch.Tensor:
-            lp, ent = token_logprobs(logits, mb, with_entropy=True, entropy_grad=entropy_grad)
+            lp, ent = self._token_logprobs(logits, mb, with_entropy=True, entropy_grad=entropy_grad)
             return loss_of(mb, lp, ent)
 
-        # the same scaling as `_backward`: data-parallel averaging of gradients undone (see train/step.py)
+        # the same scaling as `_backward`: data- and context-parallel averaging of gradients undone (train/step.py)
+        # (megatron's schedule multiplies the loss by the CP size itself: its `forward_step`)
         run_schedule(self.model, mbs, self._stage_forward, on_output, forward_only=False, loss_scale=self._dp_world)
         return None
 
