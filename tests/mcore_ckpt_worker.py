@@ -10,7 +10,7 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
         `load(CKPT)` into a trainer of MODEL_DIR, which must raise ValueError: its message.
 
 MCORE_RECOMPUTE=full or selective in the environment: train.activation_checkpointing with that
-megatron.recompute_granularity. DEVICE cuda: megatron's own optimizer (DISTRIBUTED_OPTIMIZER 1: the distributed one) instead of the CPU path's AdamW.
+megatron.recompute_granularity; MCORE_CP: megatron.context_parallel. DEVICE cuda: megatron's own optimizer (DISTRIBUTED_OPTIMIZER 1: the distributed one) instead of the CPU path's AdamW.
 Rank 0 saves what it got to OUT_FILE: weights and (CPU) Adam moments under HF names (gathered over TP and EP), Adam's
 and our step, lr, four draws of torch's RNG, the loop's state and the next step's metrics and weights.
 """
@@ -120,6 +120,7 @@ def main(
         expert_parallel=int(ep),
         distributed_optimizer=distributed_optimizer == "1",
         recompute_granularity=recompute or "full",
+        context_parallel=int(os.environ.get("MCORE_CP", "1")),
     )
     train_cfg = dataclasses.replace(CKPT_CFG, activation_checkpointing=bool(recompute))
     trainer = mg.MegatronTrainer(model_dir, train_cfg, STEP_ALGO, mcfg, device=world.device, seed=0)

@@ -44,6 +44,7 @@ def _run(
     device: str = "cpu",
     distributed_optimizer: bool = False,
     recompute: str = "",
+    cp: int = 1,
 ) -> dict:
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
     env = {
@@ -52,6 +53,7 @@ def _run(
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "MCORE_RECOMPUTE": recompute,
+        "MCORE_CP": str(cp),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
     }
     argv = [
@@ -187,6 +189,17 @@ def test_glm5_under_tp_with_recompute_resumes_without(tmp_path: Path) -> None:
     _assert_resumed(saved, got, cfg=cfg)
     got = _run("resume", model, ckpt, tmp_path / "one.pt", world=1, recompute="full")
     _assert_resumed(saved, got, cfg=cfg)
+
+
+def test_context_parallel_resumes_on_another_layout(tiny_moe_model: Path, tmp_path: Path) -> None:
+    """Qwen3-MoE saved at CP 2 x EP 2 (the CP ranks replicas of the weights and moments) and resumed on one rank,
+    then that checkpoint resumed at CP 2: weights, moments, step and the next step as the runs that never stopped."""
+    saved = _run("save", tiny_moe_model, tmp_path / "cp", tmp_path / "saved.pt", world=4, ep=2, cp=2)
+    got = _run("resume", tiny_moe_model, tmp_path / "cp", tmp_path / "got.pt", world=1)
+    _assert_resumed(saved, got)
+    saved = _run("save", tiny_moe_model, tmp_path / "one", tmp_path / "saved1.pt", world=1)
+    got = _run("resume", tiny_moe_model, tmp_path / "one", tmp_path / "got2.pt", world=2, cp=2)
+    _assert_resumed(saved, got)
 
 
 def test_another_model_config_is_refused(dense_ckpt: tuple[Path, dict], tiny_model: Path, tmp_path: Path) -> None:
