@@ -84,6 +84,46 @@ def test_dsa_shard_boxes_hold_what_each_rank_holds(arch: str, tp: int, ep: int) 
     check_boxes(arch, {}, tp, ep)
 
 
+def test_indexer_selects_in_row_chunks_as_whole(world: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The megatron indexer scores a sequence's queries in chunks of rows (the float32 scores bounded by
+    INDEXER_SCORE_ELEMENTS): one row at a time it selects what the whole sequence at once does, wherever the
+    top-k is not a near tie (the matmul's shape may round differently), and the same shape [b, T, K]."""
+    pytest.importorskip("megatron.core")
+    from megatron.core import parallel_state
+
+    from miles_hpc.train import mcore_cpu, mcore_dsa, mcore_model
+
+    mcore_cpu.enable()
+    mcore_model.init_model_parallel(1, 1)
+    try:
+        torch.manual_seed(0)
+        cfg = tiny_config("glm_moe_dsa", index_topk=4)
+        model = mcore_model.build_gpt(cfg)
+        indexer = model.decoder.layers[0].self_attention.core_attention.indexer
+        spans = [(0, 9), (9, 30), (30, 33)]
+        x, qr = torch.randn(33, 1, cfg.hidden_size), torch.randn(33, 1, cfg.q_lora_rank)
+        whole = indexer.select(x, qr, spans)
+        monkeypatch.setattr(mcore_dsa, "INDEXER_SCORE_ELEMENTS", 1)  # one query row per chunk
+        rows = indexer.select(x, qr, spans)
+        assert rows.shape == whole.shape == (1, 33, 4)
+        q, k, w = indexer._project(x, qr)
+        clear = 0
+        for s, e in spans:
+            scores = indexer._compute_index_scores(q[s:e], w[s:e], k[s:e])[0]
+            scores = scores.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
+            for i in range(e - s):
+                ranked = scores[i, : i + 1].sort(descending=True).values  # the keys row i sees
+                n = min(4, i + 1)
+                if n < i + 1 and (ranked[n - 1] - ranked[n]).abs() < 1e-4:
+                    continue  # a near tie: either pick is right
+                clear += 1
+                seen = [{p for p in picks[0, s + i].tolist() if p <= s + i} for picks in (rows, whole)]
+                assert seen[0] == seen[1] and len(seen[0]) == n, (s, i, seen)
+        assert clear > 20
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 def test_pipeline_stage_starting_with_a_shared_layer_is_refused() -> None:
     pytest.importorskip("megatron.core")
     from miles_hpc.train.mcore_dsa import check_dsa_pipeline

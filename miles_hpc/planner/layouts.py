@@ -39,12 +39,18 @@ from miles_hpc.planner.accounting import (
     ACT_BYTES,
     F32,
     ModelSpecError,
-    indexer_peak,
     layer_saved,
     model_config,
     model_tensors,
 )
-from miles_hpc.planner.mcore_layout import StageLayout, is_frozen, layout_limits, mcore_rules, padded_vocab_size
+from miles_hpc.planner.mcore_layout import (
+    INDEXER_SCORE_ELEMENTS,
+    StageLayout,
+    is_frozen,
+    layout_limits,
+    mcore_rules,
+    padded_vocab_size,
+)
 
 GB = 1e9
 USABLE = 0.9  # of a GPU's and a node's memory: CUDA context, NCCL buffers, fragmentation; the OS, pinned limits
@@ -314,7 +320,7 @@ def _activations(mc: ModelConfig, layout: Layout, opts: MemoryOptions, batch: Ba
         out["recompute"] = probs
     else:
         out["layer_inputs"] = in_flight * per * n * s * mc.hidden_size * a // split
-        out["recompute"] = max(layer_sets) + max((indexer_peak(mc, seq_len=s, micro_batch=n) for _ in ids), default=0)
+        out["recompute"] = max(layer_sets) + (_indexer_peak(mc, s, n) if any(mc.indexer_full(i) for i in ids) else 0)
     if mc.is_dsa:  # each full layer's selection, held for its micro-batch's backward (train/mcore_dsa.py)
         full = sum(mc.indexer_full(i) for i in ids)
         out["dsa_selections"] = in_flight * full * n * s * min(mc.index_topk, s) * 4
@@ -322,6 +328,17 @@ def _activations(mc: ModelConfig, layout: Layout, opts: MemoryOptions, batch: Ba
         vocab = padded_vocab_size(mc.vocab_size, layout.tp) // layout.tp
         out["logits"] = 2 * n * (s // layout.cp) * vocab * a  # the logits and their gradient
     return out
+
+
+def _indexer_peak(mc: ModelConfig, seq_len: int, micro_batch: int) -> int:
+    """Temporary bytes of the megatron trainer's DSA indexer selecting (no grad, the whole row on every rank):
+    float32 queries, keys and head weights of the row, and the float32 scores of one chunk of query rows
+    (`INDEXER_SCORE_ELEMENTS`), three copies (the product, its relu, the weighted one)."""
+    if not mc.is_dsa:
+        return 0
+    heads, d = mc.index_n_heads, mc.index_head_dim
+    chunk = min(INDEXER_SCORE_ELEMENTS, seq_len * heads * seq_len)
+    return F32 * seq_len * micro_batch * (heads * d + d + heads) + 3 * F32 * chunk
 
 
 def rank_memory(cfg: Mapping[str, Any], layout: Layout, opts: MemoryOptions, batch: Batch) -> RankMemory:

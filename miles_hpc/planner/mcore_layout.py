@@ -16,6 +16,7 @@ from miles_hpc.models import ModelConfig
 from miles_hpc.planner.transfer import Box
 
 __all__ = [
+    "INDEXER_SCORE_ELEMENTS",
     "MCORE_FAMILIES",
     "Kind",
     "Rule",
@@ -68,6 +69,12 @@ class Rule:
             return self.mcore
         local = self.expert % (num_experts // ep)
         return self.mcore.replace(f".local_experts.{self.expert}.", f".local_experts.{local}.")
+
+
+# The megatron trainer's DSA indexer scores a sequence's queries in chunks of rows whose float32 scores
+# [rows, batch, index heads, S] hold at most this many elements (`train/mcore_dsa._DSAIndexer.select`); the planner
+# counts the same bound.
+INDEXER_SCORE_ELEMENTS = 1 << 26
 
 
 def padded_vocab_size(vocab: int, tp: int, multiple: int = 128) -> int:

@@ -57,7 +57,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from miles_hpc.models import ModelConfig
-from miles_hpc.planner.mcore_layout import StageLayout, layout_limits
+from miles_hpc.planner.mcore_layout import INDEXER_SCORE_ELEMENTS, StageLayout, layout_limits
 from miles_hpc.train.context_parallel import cp_layout, gather_row
 from miles_hpc.train.mcore_mla import FixedEpsNorm
 
@@ -213,10 +213,17 @@ class _DSAIndexer(DSAIndexer):
         width = min(self.index_topk, max(e - s for s, e in spans))
         parts = []
         for s, e in spans:
-            scores = self._compute_index_scores(q[s:e], w[s:e], k[s:e])  # [b, S, S] float32
-            future = torch.ones(e - s, e - s, dtype=torch.bool, device=scores.device).triu(1)
-            top = scores.masked_fill(future, float("-inf")).topk(min(self.index_topk, e - s), dim=-1).indices + s
-            parts.append(torch.cat([top, top[..., :1].expand(-1, -1, width - top.shape[-1])], dim=-1))
+            # the queries of a sequence in chunks of rows: the float32 scores [rows, b, heads, S] stay within
+            # INDEXER_SCORE_ELEMENTS (a 64k-token sequence's whole [S, heads, S] would be TBs); each row's top-k
+            # is its own, so the chunks select what the whole would
+            step = max(1, INDEXER_SCORE_ELEMENTS // (q.shape[1] * self.index_n_heads * (e - s)))
+            keys = torch.arange(e - s, device=q.device)
+            for a in range(s, e, step):
+                z = min(a + step, e)
+                scores = self._compute_index_scores(q[a:z], w[a:z], k[s:e])  # [b, rows, S] float32
+                future = keys[None, :] > torch.arange(a - s, z - s, device=q.device)[:, None]
+                top = scores.masked_fill(future, float("-inf")).topk(min(self.index_topk, e - s), dim=-1).indices
+                parts.append(torch.cat([top, top[..., :1].expand(-1, -1, width - top.shape[-1])], dim=-1) + s)
         return torch.cat(parts, dim=1).to(torch.int32)  # held per forward until its backward: half of int64
 
     def kl_sum(
