@@ -14,7 +14,7 @@ import pytest
 
 from miles_hpc.config import load_config
 from miles_hpc.config.loader import ConfigError
-from miles_hpc.launch.layout_check import check_train_layout
+from miles_hpc.launch.layout_check import check_train_layout, configured
 from miles_hpc.models import ModelConfig
 from miles_hpc.models.presets import preset_config
 from miles_hpc.planner.accounting import model_tensors
@@ -138,8 +138,8 @@ def test_layout_problems_name_the_size() -> None:
 
 def test_glm52_on_32_gpus() -> None:
     """The issue's question: on 32 GB300 the trainer as built has a layout that fits (MLA MoE under TP, full
-    recompute with DSA, offload), the one the flagship config carries; without recompute it does not fit (the
-    activations of megatron's unfused attention); on 32 MI300X host memory is short."""
+    recompute with DSA, offload); without recompute it does not fit (the activations of megatron's unfused
+    attention); on 32 MI300X host memory is short."""
     cfg, _ = load_model_config("glm52")
     batch = Batch()
     best = search(cfg, 32, NODES["gb300"], batch)[0]
@@ -152,6 +152,22 @@ def test_glm52_on_32_gpus() -> None:
     mi = search(cfg, 32, NODES["mi300x"], batch, limits=False)
     assert not mi[0].fits and any("host memory short by" in p for p in mi[0].problems)
     assert all(math.isfinite(c.short_gb) or c.memory is None for c in mi)
+
+
+def test_the_flagship_carries_the_planners_best_layout(tmp_path: Path) -> None:
+    """configs/experiments/glm52_64gpu.yaml: its megatron layout and memory options are the planner's best for its
+    training nodes (slurm.gpus_per_node, gpu_memory_gb, host_memory_gb: a b300 node), and `prepare`'s check passes
+    once the checkpoint's config.json is readable."""
+    model = tmp_path / "glm52"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(load_model_config("glm52")[0]))
+    cfg = load_config(REPO / "configs" / "experiments" / "glm52_64gpu.yaml", [f"model.path={model}"])
+    layout, opts, batch = configured(cfg)
+    node = Node(name="flagship", gpus=cfg.slurm.gpus_per_node, gpu_mem_gb=288, host_mem_gb=2048)
+    assert (cfg.slurm.gpu_memory_gb, cfg.slurm.host_memory_gb) == (288, 2048)
+    best = search(load_model_config("glm52")[0], cfg.train.world_size, node, batch)[0]
+    assert best.fits and (best.layout, best.options) == (layout, opts)
+    assert "fits" in check_train_layout(cfg)
 
 
 def test_prepare_refuses_a_layout_that_does_not_fit(tmp_path: Path) -> None:
