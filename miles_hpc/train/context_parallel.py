@@ -96,7 +96,9 @@ class _GatherRow(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         layout, group = ctx.layout, ctx.group
-        grad = grad.contiguous()  # TODO(scale): a reduce-scatter on NCCL (gloo has none) sends 1 / cp of this
+        # a copy: the reduction is in place, and autograd may hold the incoming gradient elsewhere
+        # TODO(scale): a reduce-scatter on NCCL (gloo has none) sends 1 / cp of this
+        grad = grad.clone(memory_format=torch.contiguous_format)
         torch.distributed.all_reduce(grad, group=group)
         rank = torch.distributed.get_rank(group)
         return grad[layout.positions(rank, grad.device)], None, None
