@@ -1,6 +1,6 @@
-"""Context parallelism for packed rows (stage: train; issue 26, the building block the megatron trainer's CP
-will call): a packed micro-batch's row split over the CP ranks of one model replica, and causal attention of each
-rank's queries against the whole row's keys and values, gathered from the CP ranks.
+"""Context parallelism for packed rows (stage: train; the megatron trainer's CP, `train/mcore_cp.py`): a packed
+micro-batch's row split over the CP ranks of one model replica, causal attention of each rank's queries against
+the whole row's keys and values, gathered from the CP ranks, and the per-token log-probs gathered back.
 
 Layout (`cp_layout`, pure): the row is padded to a multiple of 2 x CP x `multiple` (`multiple`: TP under sequence
 parallelism, whose ranks split each CP rank's share again) and cut into 2 x CP equal chunks; rank r holds chunks r
@@ -14,8 +14,9 @@ queries against the whole row under the packed row's rule: a query sees the keys
 its position. Exact against attention over the unsplit row (tests/test_context_parallel.py, gloo).
 
 Memory: each rank holds the whole row's K and V per layer while it attends ([S, kv heads, d], all-gather
-attention, not a ring), and a boolean [S / CP, S] mask; the scores are what the SDPA kernel keeps (on a GPU its
-memory-efficient kernel: O(S / CP) per head, not S / CP x S).
+attention, not a ring), and a boolean [S / CP, S] mask; the scores are what torch's SDPA kernel keeps (on the CPU
+the math kernel materialises [heads, S / CP, S]; on a GPU a kernel that takes a mask need not: not measured, and
+the layout planner counts them materialised).
 """
 
 from __future__ import annotations
