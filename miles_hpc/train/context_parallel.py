@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from miles_hpc.train.logprobs import LogProbEntropy, PackedMicroBatch
+from miles_hpc.train.logprobs import LogProbEntropy, PackedMicroBatch, rows_to_tokens
 
 __all__ = [
     "CPLayout",
@@ -154,15 +154,9 @@ def cp_token_logprobs(
     nxt = torch.cat([ids[1:], ids.new_zeros(layout.padded - t + 1)])  # the row's next tokens (padding: any)
     target = nxt[layout.positions(rank, ids.device)]
     lp, ent = LogProbEntropy.apply(logits.flatten(0, 1), target, with_entropy)
-    lp = gather_replicated(lp, layout, group)[:t]
-    zero = lp.new_zeros(1)
-    lp = torch.cat([zero, lp[:-1]]).masked_fill(mb.is_start, 0.0)
-    if not with_entropy:
-        return lp, None
-    if not (entropy_grad and torch.is_grad_enabled()):
-        ent = ent.detach()
-    ent = gather_replicated(ent, layout, group)[:t]
-    return lp, torch.cat([zero, ent[:-1]]).masked_fill(mb.is_start, 0.0)
+    rows = gather_replicated(lp, layout, group)[:t]
+    ent_rows = gather_replicated(ent, layout, group)[:t] if with_entropy else None
+    return rows_to_tokens(rows, ent_rows, mb, entropy_grad=entropy_grad)
 
 
 def allowed_rows(seq_ids: torch.Tensor, layout: CPLayout, rank: int) -> torch.Tensor:

@@ -156,9 +156,17 @@ def token_logprobs(
         lp, ent = _invariant_logprobs(logits.flatten(0, 1), target, with_entropy)
     else:
         lp, ent = LogProbEntropy.apply(logits.flatten(0, 1), target, with_entropy)  # a view: backward is one too
+    return rows_to_tokens(lp, ent if with_entropy else None, mb, entropy_grad=entropy_grad)
+
+
+def rows_to_tokens(
+    lp: torch.Tensor, ent: torch.Tensor | None, mb: PackedMicroBatch, *, entropy_grad: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-row log-probs (and entropies) [T] of the packed row, row t scoring token t + 1, as per-token values:
+    shifted by one, 0 at sequence starts; the entropy detached unless `entropy_grad` under grad."""
     zero = lp.new_zeros(1)
     lp = torch.cat([zero, lp[:-1]]).masked_fill(mb.is_start, 0.0)
-    if not with_entropy:
+    if ent is None:
         return lp, None
     if not (entropy_grad and torch.is_grad_enabled()):
         ent = ent.detach()
