@@ -10,7 +10,8 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
         `load(CKPT)` into a trainer of MODEL_DIR, which must raise ValueError: its message.
 
 MCORE_RECOMPUTE=full or selective in the environment: train.activation_checkpointing with that
-megatron.recompute_granularity; MCORE_CP: megatron.context_parallel. DEVICE cuda: megatron's own optimizer (DISTRIBUTED_OPTIMIZER 1: the distributed one) instead of the CPU path's AdamW.
+megatron.recompute_granularity; MCORE_CP: megatron.context_parallel; MCORE_PP, MCORE_VPP: megatron.pipeline_parallel and
+virtual_pipeline. DEVICE cuda: megatron's own optimizer (DISTRIBUTED_OPTIMIZER 1: the distributed one) instead of the CPU path's AdamW.
 Rank 0 saves what it got to OUT_FILE: weights and (CPU) Adam moments under HF names (gathered over TP and EP), Adam's
 and our step, lr, four draws of torch's RNG, the loop's state and the next step's metrics and weights.
 """
@@ -35,43 +36,31 @@ if __name__ == "__main__":
 
     megatron_cpu_shims()
 
-    from megatron.core import parallel_state
     from test_megatron import TRAIN_LENGTHS
     from test_train_fsdp import STEP_ALGO, STEP_CFG, make_batch
 
     from miles_hpc.config import MegatronConfig
     from miles_hpc.train import dist as tdist
     from miles_hpc.train import megatron as mg
-    from miles_hpc.train.mcore_weights import Rule, iter_full_hf
 
     # a warm-up, so that the lr of the next step depends on the restored step
     CKPT_CFG = dataclasses.replace(STEP_CFG, mixed_precision=False, warmup_steps=8)
 EXTRA = {"next_step": 1, "weight_version": 1, "prompts": {"epoch": 0, "position": 3}}
 
 
-def hf_named(trainer: mg.MegatronTrainer, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tensors shaped as this rank's megatron parameters (keyed by their names), gathered to full HF-named tensors
-    as `full_hf_state` gathers the weights: TP shards from the TP group, each expert from its EP rank."""
-    cfg = trainer.config
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    ep = parallel_state.get_expert_model_parallel_world_size()
-
-    buffers = dict(trainer.model.module.named_buffers())  # GLM's router bias: no Adam state, zeros
-
-    def gather(rule: Rule) -> list[torch.Tensor]:
-        name = rule.mcore_name(cfg.num_experts, ep)
-        mine = (tensors[name] if name in tensors else torch.zeros_like(buffers[name])).contiguous()
-        if rule.expert is not None:
-            n, group = ep, parallel_state.get_expert_model_parallel_group()
-        else:
-            n, group = tp, parallel_state.get_tensor_model_parallel_group()
-        parts = [mine]
-        if n > 1:
-            parts = [torch.empty_like(mine) for _ in range(n)]
-            torch.distributed.all_gather(parts, mine, group=group)
-        return [parts[rule.owner(cfg.num_experts, ep)]] if rule.expert is not None else parts
-
-    return {name: t.clone() for name, t in iter_full_hf(cfg, gather)}
+def hf_moments(trainer: mg.MegatronTrainer, key: str) -> dict[str, torch.Tensor]:
+    """The CPU path's AdamW moment `key` as full HF-named tensors, gathered over TP, EP and pipeline stages by the
+    trainer's own `state_for_sync`: each parameter's data is the moment while it runs (frozen parameters, DSA
+    indexers and MTP layers, have no Adam state: zeros; GLM's router bias, a buffer, stays itself)."""
+    params = [p for _, p in trainer._named_parameters()]
+    held = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = trainer.optimizer.state[p][key] if p.requires_grad else torch.zeros_like(p)
+        return {k: v.clone() for k, v in trainer.state_for_sync()}
+    finally:
+        for p, data in zip(params, held):
+            p.data = data
 
 
 def snapshot(trainer: mg.MegatronTrainer) -> dict[str, Any]:
@@ -79,18 +68,7 @@ def snapshot(trainer: mg.MegatronTrainer) -> dict[str, Any]:
     AdamW, whose state is keyed by the parameters), Adam's steps, our step and lr."""
     moments = None
     if isinstance(trainer.optimizer, torch.optim.Optimizer):
-        params = dict(trainer.model.module.named_parameters())
-        moments = {
-            # frozen parameters (DSA indexers, MTP layers) have no Adam state: zeros in their place
-            key: hf_named(
-                trainer,
-                {
-                    n: trainer.optimizer.state[p][key] if p.requires_grad else torch.zeros_like(p)
-                    for n, p in params.items()
-                },
-            )
-            for key in ("exp_avg", "exp_avg_sq")
-        }
+        moments = {key: hf_moments(trainer, key) for key in ("exp_avg", "exp_avg_sq")}
     steps = {float(s["step"]) for opt in trainer._inner_optimizers() for s in opt.state.values() if "step" in s}
     weights = {k: v.clone() for k, v in trainer.state_for_sync()}  # (at TP 1 some are views of the parameters)
     return {"weights": weights, "moments": moments, "step": trainer.step, "lr": trainer.lr, "adam_steps": steps}
@@ -121,6 +99,8 @@ def main(
         distributed_optimizer=distributed_optimizer == "1",
         recompute_granularity=recompute or "full",
         context_parallel=int(os.environ.get("MCORE_CP", "1")),
+        pipeline_parallel=int(os.environ.get("MCORE_PP", "1")),
+        virtual_pipeline=int(os.environ.get("MCORE_VPP", "1")),
     )
     train_cfg = dataclasses.replace(CKPT_CFG, activation_checkpointing=bool(recompute))
     trainer = mg.MegatronTrainer(model_dir, train_cfg, STEP_ALGO, mcfg, device=world.device, seed=0)

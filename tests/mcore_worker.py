@@ -7,7 +7,7 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
     python mcore_worker.py train MODEL_DIR TP EP OUT_FILE DISTRIBUTED_OPTIMIZER [DEVICE [R3]]
         MegatronTrainer (fp32): compute_logprobs, one train_step (2 mini-batches), the full weights after it;
         R3=1: the batch carries routing records and algo.routing_replay is on. MCORE_PP in the environment: the
-        number of pipeline stages (default 1); MCORE_CP: megatron.context_parallel (default 1); MCORE_RECOMPUTE=full or selective: train.activation_checkpointing
+        number of pipeline stages (default 1); MCORE_VPP: megatron.virtual_pipeline (default 1); MCORE_CP: megatron.context_parallel (default 1); MCORE_RECOMPUTE=full or selective: train.activation_checkpointing
         with that megatron.recompute_granularity; MCORE_OFFLOAD: megatron.optimizer_offload_fraction
         (precision-aware when > 0; a GPU and the distributed optimizer).
 
@@ -65,6 +65,7 @@ def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, dev
         expert_parallel=ep,
         distributed_optimizer=distributed_optimizer,
         pipeline_parallel=int(os.environ.get("MCORE_PP", "1")),
+        virtual_pipeline=int(os.environ.get("MCORE_VPP", "1")),
         context_parallel=int(os.environ.get("MCORE_CP", "1")),
         optimizer_offload_fraction=offload,
         precision_aware_optimizer=offload > 0,
@@ -98,17 +99,18 @@ def train_run(model_dir: str, tp: int, ep: int, distributed_optimizer: bool, dev
         "step": trainer.step,
         "shard_map_mismatch": mismatch,
         "recompute": trainer.model.module.config.recompute_granularity,
-        "elements": _elements(trainer.model.module),
+        "elements": _elements([chunk.module for chunk in trainer.chunks]),
     }
 
 
-def _elements(module: torch.nn.Module) -> dict[str, int]:
-    """This rank's parameter elements, trained and frozen (GLM's router bias, a buffer, counts as its rule does:
-    trained in a decoder layer, frozen in an MTP layer)."""
+def _elements(chunks: list[torch.nn.Module]) -> dict[str, int]:
+    """This rank's parameter elements over its model chunks, trained and frozen (GLM's router bias, a buffer, counts
+    as its rule does: trained in a decoder layer, frozen in an MTP layer)."""
     from miles_hpc.planner.mcore_layout import is_frozen
 
-    params = list(module.parameters())
-    bias = [(is_frozen(n), b.numel()) for n, b in module.named_buffers() if n.endswith("router.expert_bias")]
+    params = [p for m in chunks for p in m.parameters()]
+    buffers = [(n, b) for m in chunks for n, b in m.named_buffers()]
+    bias = [(is_frozen(n), b.numel()) for n, b in buffers if n.endswith("router.expert_bias")]
     return {
         "trained": sum(p.numel() for p in params if p.requires_grad) + sum(n for f, n in bias if not f),
         "frozen": sum(p.numel() for p in params if not p.requires_grad) + sum(n for f, n in bias if f),

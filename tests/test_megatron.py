@@ -176,7 +176,16 @@ def test_experts_live_on_their_expert_parallel_rank() -> None:
 
 # ---------------------------------------------------------------- megatron's model on our weights
 def _run_world(
-    mode: str, model_dir: Path, world: int, tp: int, out: Path, *extra: str, ep: int = 1, pp: int = 1, cp: int = 1
+    mode: str,
+    model_dir: Path,
+    world: int,
+    tp: int,
+    out: Path,
+    *extra: str,
+    ep: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    vpp: int = 1,
 ) -> dict:
     env = {
         **os.environ,
@@ -185,6 +194,7 @@ def _run_world(
         "MASTER_PORT": str(_free_port()),
         "MCORE_PP": str(pp),
         "MCORE_CP": str(cp),
+        "MCORE_VPP": str(vpp),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
     }
     procs = [
@@ -409,6 +419,7 @@ def _compare_step_with_fsdp(
     recompute: str | None = None,
     offload: float = 0.0,
     cp: int = 1,
+    vpp: int = 1,
 ) -> dict:
     """The megatron step (in `world_size` processes) against FSDP's on one rank. `indexer_loss`: both with
     train.indexer_loss_coef (the workers read it from MCORE_INDEXER_LOSS); `recompute`: megatron with
@@ -430,6 +441,7 @@ def _compare_step_with_fsdp(
             ep=ep,
             pp=pp,
             cp=cp,
+            vpp=vpp,
         )
     finally:
         del os.environ["MCORE_INDEXER_LOSS"], os.environ["MCORE_RECOMPUTE"], os.environ["MCORE_OFFLOAD"]
@@ -452,7 +464,7 @@ def _compare_step_with_fsdp(
             assert not torch.equal(w, ref["before"][name]), name
     assert got["shard_map_mismatch"] == []  # rank 0's p2p shard map holds what its boxes say
     # the layout planner counts what rank 0 (TP rank 0, EP rank 0, stage 0) built
-    layout = Layout(tp=tp, pp=pp, ep=ep, cp=cp, dp=world_size // (tp * pp * cp))
+    layout = Layout(tp=tp, pp=pp, ep=ep, cp=cp, dp=world_size // (tp * pp * cp), vpp=vpp)
     planned = rank_elements(json.loads((model_dir / "config.json").read_text()), layout, 0)
     assert sum(got["elements"].values()) == planned.total
     if not indexer_loss:  # the indexer loss trains the indexers the planner counts as frozen

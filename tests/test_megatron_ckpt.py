@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_hpc.models import ModelConfig, read_config
+from miles_hpc.models import ModelConfig, build_model, read_config, save_pretrained
+from miles_hpc.models.presets import preset_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import require  # noqa: E402
@@ -45,6 +46,8 @@ def _run(
     distributed_optimizer: bool = False,
     recompute: str = "",
     cp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
 ) -> dict:
     require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
     env = {
@@ -54,6 +57,8 @@ def _run(
         "MASTER_PORT": str(_free_port()),
         "MCORE_RECOMPUTE": recompute,
         "MCORE_CP": str(cp),
+        "MCORE_PP": str(pp),
+        "MCORE_VPP": str(vpp),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
     }
     argv = [
@@ -200,6 +205,22 @@ def test_context_parallel_resumes_on_another_layout(tiny_moe_model: Path, tmp_pa
     saved = _run("save", tiny_moe_model, tmp_path / "one", tmp_path / "saved1.pt", world=1)
     got = _run("resume", tiny_moe_model, tmp_path / "one", tmp_path / "got2.pt", world=2, cp=2)
     _assert_resumed(saved, got)
+
+
+def test_virtual_pipeline_resumes_on_another_layout(tmp_path: Path) -> None:
+    """DeepSeek-V3.2 (MLA, DSA indexers, an MTP layer; 6 layers) saved at PP 3 x VPP 2 (chunks of one layer, the MTP
+    layer on the last stage's last chunk) and resumed on one rank, then that rank's checkpoint resumed at PP 3 x
+    VPP 2: weights, moments, step and the next step as the runs that never stopped (megatron names every chunk's
+    tensors globally)."""
+    cfg = ModelConfig.from_hf_dict({**preset_config("deepseek_v32", "tiny"), "num_hidden_layers": 6})
+    model = tmp_path / "model"
+    save_pretrained(build_model(cfg), model)
+    saved = _run("save", model, tmp_path / "vpp", tmp_path / "saved.pt", world=3, pp=3, vpp=2)
+    assert json.loads((tmp_path / "vpp" / "megatron.json").read_text())["virtual_pipeline"] == 2
+    _assert_resumed(saved, _run("resume", model, tmp_path / "vpp", tmp_path / "got.pt", world=1), cfg=cfg)
+    saved = _run("save", model, tmp_path / "one", tmp_path / "saved1.pt", world=1)
+    got = _run("resume", model, tmp_path / "one", tmp_path / "got1.pt", world=3, pp=3, vpp=2)
+    _assert_resumed(saved, got, cfg=cfg)
 
 
 def test_another_model_config_is_refused(dense_ckpt: tuple[Path, dict], tiny_model: Path, tmp_path: Path) -> None:

@@ -134,6 +134,14 @@ def test_pipeline_stage_starting_with_a_shared_layer_is_refused() -> None:
         check_dsa_pipeline(cfg, StageLayout(2, 6))
     check_dsa_pipeline(cfg, StageLayout(1, 6))
     check_dsa_pipeline(tiny_config("glm_moe_dsa"), StageLayout(2, 4))  # stage 1 starts at layer 2, a full one
+    # 12 layers: the stages of PP 3 start at layers 4 and 8 (full); its virtual chunks of 2 layers at 2 (shared) too
+    twelve = {"num_hidden_layers": 12, "indexer_types": ["full", "full", "shared", "full"] * 3}
+    cfg = tiny_config("glm_moe_dsa", **twelve, mlp_layer_types=["dense"] + ["sparse"] * 11)
+    check_dsa_pipeline(cfg, StageLayout(3, 12))
+    with pytest.raises(
+        NotImplementedError, match=r"indexer_types\[2\] is 'shared' and starts stage 1's virtual chunk 0"
+    ):
+        check_dsa_pipeline(cfg, StageLayout(3, 12, vpp=2))
 
 
 # ---------------------------------------------------------------- megatron's model on our weights

@@ -19,6 +19,13 @@ class MegatronConfig:
     pipeline_parallel: int = field(
         default=1, metadata=_help("PP: pipeline stages (megatron's 1F1B schedule; they split the layers evenly)")
     )
+    virtual_pipeline: int = field(
+        default=1,
+        metadata=_help(
+            "virtual pipeline stages: model chunks per stage (megatron's interleaved schedule; a smaller bubble, "
+            "more activations in flight); needs pipeline_parallel >= 3"
+        ),
+    )
     expert_parallel: int = field(default=1, metadata=_help("EP: data-parallel ranks that split the MoE experts"))
     context_parallel: int = field(
         default=1,
@@ -49,8 +56,14 @@ class MegatronConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "virtual_pipeline", "expert_parallel", "context_parallel"):
             _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _require(
+            self.virtual_pipeline == 1 or self.pipeline_parallel >= 3,
+            "virtual_pipeline",
+            f"{self.virtual_pipeline} virtual stages need pipeline_parallel >= 3 (they split each stage's layers; at "
+            "2 stages megatron-core's interleaved schedule crosses activations and gradients between the two ranks)",
+        )
         f = self.optimizer_offload_fraction
         _require(0.0 <= f <= 1.0, "optimizer_offload_fraction", f"must be in [0, 1], got {f}")
         needs_dist = f > 0 or self.precision_aware_optimizer

@@ -23,6 +23,7 @@ def configured(cfg: RunConfig) -> tuple[Layout, MemoryOptions, Batch]:
         ep=m.expert_parallel,
         cp=m.context_parallel,
         dp=max(t.world_size // split, 1),
+        vpp=m.virtual_pipeline,
     )
     opts = MemoryOptions(
         distributed_optimizer=m.distributed_optimizer,

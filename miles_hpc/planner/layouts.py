@@ -19,7 +19,9 @@ Invariants.
 - Activations of one micro-batch follow `accounting.layer_saved` (what our model keeps, per token) split over
   TP (sequence parallelism) and CP, plus megatron's unfused local attention (no Transformer Engine): the
   softmax's float32 output and its bf16 copy, [heads / TP, S / CP, S] per sequence and layer. Under the 1F1B
-  schedule stage s holds PP - s micro-batches in flight; the last stage also the logits. With full recompute a
+  schedule stage s holds PP - s micro-batches in flight; under the interleaved one (VPP virtual stages, each
+  stage's layers in VPP chunks) 2 (PP - s - 1) + (VPP - 1) PP + 1 chunk forwards, i.e. (1 + (PP - 1) / (PP VPP))
+  times 1F1B's activations on stage 0; the last stage also the logits. With full recompute a
   layer keeps its input and one layer's whole set is the largest temporary; with selective recompute (megatron's
   core_attn) a layer keeps all but the softmax, one layer's softmax the temporary. A DSA full layer's selection
   (int32 [S, min(index_topk, S)] per sequence) is held per micro-batch in flight in every mode.
@@ -127,6 +129,7 @@ class Layout:
     ep: int = 1
     cp: int = 1
     dp: int = 1
+    vpp: int = 1  # virtual pipeline stages: model chunks per stage (megatron's interleaved schedule)
 
     @property
     def world(self) -> int:
@@ -137,7 +140,21 @@ class Layout:
         return self.tp * self.cp * self.dp // self.ep
 
     def __str__(self) -> str:
-        return f"TP {self.tp} x PP {self.pp} x EP {self.ep} x CP {self.cp} x DP {self.dp}"
+        vpp = f" (VPP {self.vpp})" if self.vpp > 1 else ""
+        return f"TP {self.tp} x PP {self.pp}{vpp} x EP {self.ep} x CP {self.cp} x DP {self.dp}"
+
+    def stage_layers(self, num_layers: int, stage: int) -> list[int]:
+        """The decoder layers pipeline `stage` holds (its model chunks' under virtual stages: `StageLayout`)."""
+        per = num_layers // (self.pp * self.vpp)
+        return [c * per + k for c in range(stage, self.pp * self.vpp, self.pp) for k in range(per)]
+
+    def chunks_in_flight(self, stage: int) -> int:
+        """Micro-batch x model-chunk forwards whose activations `stage` holds at the peak: PP - stage under 1F1B;
+        under the interleaved schedule its warm-up, 2 (PP - stage - 1) + (VPP - 1) PP, plus one (megatron's
+        `get_pp_rank_microbatches` with its default group of PP micro-batches; enough micro-batches assumed)."""
+        if self.vpp == 1:
+            return self.pp - stage
+        return 2 * (self.pp - stage - 1) + (self.vpp - 1) * self.pp + 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -259,8 +276,11 @@ def layout_problems(cfg: Mapping[str, Any], layout: Layout, *, limits: bool = Tr
     with `limits`, also what the trainer does not implement yet (`mcore_layout.layout_limits`)."""
     mc = model_config(cfg)
     out = []
-    if mc.num_hidden_layers % layout.pp:
-        out.append(f"PP {layout.pp} does not divide the {mc.num_hidden_layers} decoder layers")
+    if mc.num_hidden_layers % (layout.pp * layout.vpp):
+        vpp = f" x VPP {layout.vpp}" if layout.vpp > 1 else ""
+        out.append(f"PP {layout.pp}{vpp} does not divide the {mc.num_hidden_layers} decoder layers")
+    if layout.vpp > 1 and layout.pp < 3:
+        out.append(f"VPP {layout.vpp} needs PP >= 3 (megatron-core's interleaved schedule; train/mcore_pipeline.py)")
     layers, first, last = _sums(_key(cfg))
     dims = sorted({d for g in (*layers, first, last) for d in g.split_dims if d % layout.tp})
     if dims:
@@ -272,7 +292,7 @@ def layout_problems(cfg: Mapping[str, Any], layout: Layout, *, limits: bool = Tr
             out.append(f"EP {layout.ep} does not divide TP x CP x DP = {layout.tp * layout.cp * layout.dp}")
     elif layout.ep > 1:
         out.append(f"EP {layout.ep} on a dense model")
-    return out + (layout_limits(mc, pp=layout.pp) if limits else [])
+    return out + (layout_limits(mc, pp=layout.pp, vpp=layout.vpp) if limits else [])
 
 
 def rank_elements(cfg: Mapping[str, Any], layout: Layout, stage: int) -> RankElements:
@@ -280,8 +300,7 @@ def rank_elements(cfg: Mapping[str, Any], layout: Layout, stage: int) -> RankEle
     vocabulary rows; EP ranks equal shares)."""
     mc = model_config(cfg)
     layers, first, last = _sums(_key(cfg))
-    per = mc.num_hidden_layers // layout.pp
-    groups = list(layers[stage * per : (stage + 1) * per])
+    groups = [layers[i] for i in layout.stage_layers(mc.num_hidden_layers, stage)]
     if stage == 0:
         groups.append(first)
     if stage == layout.pp - 1:
@@ -300,30 +319,31 @@ def rank_elements(cfg: Mapping[str, Any], layout: Layout, stage: int) -> RankEle
 
 
 def _activations(mc: ModelConfig, layout: Layout, opts: MemoryOptions, batch: Batch, stage: int) -> dict[str, int]:
-    """Activation bytes of `stage`'s rank under 1F1B: PP - stage micro-batches in flight (docstring)."""
+    """Activation bytes of `stage`'s rank: `Layout.chunks_in_flight` forwards of one of its model chunks held, the
+    stage's layers' share of them (its layers x in flight / VPP; docstring)."""
     a, n, s = ACT_BYTES if opts.mixed_precision else F32, batch.micro_batch, batch.seq_len
     split = layout.tp * layout.cp
-    per = mc.num_hidden_layers // layout.pp
-    ids = range(stage * per, (stage + 1) * per)
+    ids = layout.stage_layers(mc.num_hidden_layers, stage)
+    per = len(ids)
     heads = mc.num_attention_heads // layout.tp
     probs = n * heads * (s // layout.cp) * s * (F32 + a)  # megatron's local attention: softmax out, float32 + copy
     layer_sets = []
     for i in ids:
         saved = layer_saved(mc, i, seq_len=s, micro_batch=n, act_bytes=a)
         layer_sets.append(sum(saved.values()) // split + probs)
-    in_flight = layout.pp - stage
+    in_flight, vpp = layout.chunks_in_flight(stage), layout.vpp
     out: dict[str, int] = {}
     if opts.recompute == "none":
-        out["layers"] = in_flight * sum(layer_sets)
+        out["layers"] = in_flight * sum(layer_sets) // vpp
     elif opts.recompute == "selective":
-        out["layers"] = in_flight * sum(x - probs for x in layer_sets)
+        out["layers"] = in_flight * sum(x - probs for x in layer_sets) // vpp
         out["recompute"] = probs
     else:
-        out["layer_inputs"] = in_flight * per * n * s * mc.hidden_size * a // split
+        out["layer_inputs"] = in_flight * per * n * s * mc.hidden_size * a // split // vpp
         out["recompute"] = max(layer_sets) + (_indexer_peak(mc, s, n) if any(mc.indexer_full(i) for i in ids) else 0)
     if mc.is_dsa:  # each full layer's selection, held for its micro-batch's backward (train/mcore_dsa.py)
         full = sum(mc.indexer_full(i) for i in ids)
-        out["dsa_selections"] = in_flight * full * n * s * min(mc.index_topk, s) * 4
+        out["dsa_selections"] = in_flight * full * n * s * min(mc.index_topk, s) * 4 // vpp
     if stage == layout.pp - 1:
         vocab = padded_vocab_size(mc.vocab_size, layout.tp) // layout.tp
         out["logits"] = 2 * n * (s // layout.cp) * vocab * a  # the logits and their gradient

@@ -234,72 +234,104 @@ def mcore_boxes(
 @dataclass(frozen=True, slots=True)
 class StageLayout:
     """Where megatron's tensors live over `pp` pipeline stages of a `num_layers`-layer model (names as
-    `mcore_weights.mcore_rules` gives them: global layer indices)."""
+    `mcore_weights.mcore_rules` gives them: global layer indices), each stage holding `vpp` model chunks (virtual
+    pipeline stages, megatron's interleaved schedule). The decoder is cut into pp x vpp chunks of equal size; chunk
+    c holds layers c * L / (pp vpp) onwards and lives on stage c % pp as its virtual chunk c // pp (megatron's
+    `get_transformer_layer_offset`), so stage s holds chunks s, pp + s, 2 pp + s, ...; the embedding is on stage 0's
+    chunk 0, the final norm, output layer and MTP layers on the last stage's last chunk."""
 
     pp: int
     num_layers: int
     tied_embeddings: bool = False
+    vpp: int = 1
 
     def __post_init__(self) -> None:
-        if self.num_layers % self.pp:
+        if self.vpp > 1 and self.pp < 3:
             raise ValueError(
-                f"megatron.pipeline_parallel={self.pp} does not divide num_hidden_layers="
-                f"{self.num_layers} (stages hold equal numbers of layers)"
+                f"megatron.virtual_pipeline={self.vpp} needs megatron.pipeline_parallel >= 3, got {self.pp}: it "
+                "splits each stage's layers into interleaved chunks, and at 2 stages megatron-core's interleaved "
+                "schedule sends activations and gradients to the one peer in an order that peer does not receive them "
+                "in (train/mcore_pipeline.py)"
+            )
+        if self.num_layers % (self.pp * self.vpp):
+            raise ValueError(
+                f"megatron.pipeline_parallel={self.pp} x megatron.virtual_pipeline={self.vpp} does not divide "
+                f"num_hidden_layers={self.num_layers} (model chunks hold equal numbers of layers)"
             )
 
     @property
     def per_stage(self) -> int:
         return self.num_layers // self.pp
 
+    @property
+    def per_chunk(self) -> int:
+        """Decoder layers in one model chunk (`per_stage` without virtual stages)."""
+        return self.num_layers // (self.pp * self.vpp)
+
     def layer_of(self, name: str) -> int | None:
         """The global decoder layer of megatron tensor `name`, None outside the decoder layers."""
         m = _LAYER.match(name)
         return int(m.group(1)) if m else None
 
-    def stage_of(self, name: str) -> int:
-        """The stage holding megatron tensor `name` (global layer index)."""
+    def place_of(self, name: str) -> tuple[int, int]:
+        """(stage, virtual chunk) holding megatron tensor `name` (global layer index)."""
         m = _LAYER.match(name)
         if m:
-            return int(m.group(1)) // self.per_stage
-        return 0 if name.startswith("embedding.") else self.pp - 1
+            chunk = int(m.group(1)) // self.per_chunk
+            return chunk % self.pp, chunk // self.pp
+        return (0, 0) if name.startswith("embedding.") else (self.pp - 1, self.vpp - 1)
+
+    def stage_of(self, name: str) -> int:
+        """The stage holding megatron tensor `name` (global layer index)."""
+        return self.place_of(name)[0]
 
     def local_name(self, name: str) -> str:
-        """`name` as its stage's module calls it (the layer index relative to the stage)."""
-        return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) % self.per_stage}.", name, count=1)
+        """`name` as its model chunk calls it (the layer index relative to the chunk)."""
+        return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) % self.per_chunk}.", name, count=1)
 
-    def layer_index(self, stage: int, local: int) -> int:
-        return stage * self.per_stage + local
+    def layer_index(self, stage: int, local: int, chunk: int = 0) -> int:
+        """The global index of layer `local` of `stage`'s virtual `chunk`."""
+        return (chunk * self.pp + stage) * self.per_chunk + local
 
-    def copies(self, name: str, stage: int) -> list[str]:
-        """Local names under which `stage` holds megatron tensor `name`: the tensor itself on its stage, and the
-        last stage's copy of a tied embedding."""
-        out = [self.local_name(name)] if self.stage_of(name) == stage else []
+    def chunk_starts(self) -> list[int]:
+        """The first decoder layer of every model chunk but the first, in layer order: where only hidden states
+        arrive from the previous chunk."""
+        return [c * self.per_chunk for c in range(1, self.pp * self.vpp)]
+
+    def copies(self, name: str, stage: int) -> list[tuple[int, str]]:
+        """(virtual chunk, local name) under which `stage` holds megatron tensor `name`: the tensor itself on its
+        chunk, and the last chunk's copy of a tied embedding."""
+        where, chunk = self.place_of(name)
+        out = [(chunk, self.local_name(name))] if where == stage else []
         tied_copy = self.tied_embeddings and self.pp > 1 and name == "embedding.word_embeddings.weight"
         if tied_copy and stage == self.pp - 1:
-            out.append("output_layer.weight")
+            out.append((self.vpp - 1, "output_layer.weight"))
         return out
 
 
-def layout_limits(cfg: ModelConfig, *, pp: int = 1, recompute: str | None = None) -> list[str]:
-    """What the megatron trainer refuses to build for `cfg` in this layout and activation `recompute` (None,
-    "full" or "selective"), empty: nothing; each message names the key; `train/mcore_model.py` raises the first,
-    the layout planner reports them all."""
+def layout_limits(cfg: ModelConfig, *, pp: int = 1, vpp: int = 1, recompute: str | None = None) -> list[str]:
+    """What the megatron trainer refuses to build for `cfg` in this layout (`pp` stages of `vpp` virtual chunks) and
+    activation `recompute` (None, "full" or "selective"), empty: nothing; each message names the key;
+    `train/mcore_model.py` raises the first, the layout planner reports them all."""
     out = []
     if recompute == "selective" and cfg.is_dsa:
         out.append(
             f"megatron.recompute_granularity=selective with {cfg.model_type}: megatron-core's MLA does not hand a "
             "checkpointed core attention the DSA indexer's inputs; use recompute_granularity=full"
         )
-    if cfg.is_dsa and pp > 1 and cfg.num_hidden_layers % pp == 0:
-        per = cfg.num_hidden_layers // pp
-        for stage in range(1, pp):
-            first = stage * per
+    chunked = vpp == 1 or pp >= 3  # else `StageLayout` refuses the layout itself
+    if cfg.is_dsa and pp > 1 and chunked and cfg.num_hidden_layers % (pp * vpp) == 0:
+        layout = StageLayout(pp, cfg.num_hidden_layers, vpp=vpp)
+        for first in layout.chunk_starts():
             if not cfg.indexer_full(first):
                 full = max(i for i in range(first) if cfg.indexer_full(i))
+                stage, chunk = layout.place_of(f"decoder.layers.{first}.x")
+                where = f"stage {stage}" if vpp == 1 else f"stage {stage}'s virtual chunk {chunk}"
                 out.append(
-                    f"megatron.pipeline_parallel={pp}: indexer_types[{first}] is 'shared' and starts stage "
-                    f"{stage}; it reuses the top-k of layer {full} on stage {stage - 1}, and megatron's pipeline "
-                    "passes only hidden states between stages"
+                    f"megatron.pipeline_parallel={pp}"
+                    + (f" x megatron.virtual_pipeline={vpp}" if vpp > 1 else "")
+                    + f": indexer_types[{first}] is 'shared' and starts {where}; it reuses the top-k of layer {full} "
+                    "in the model chunk before, and megatron's pipeline passes only hidden states between chunks"
                 )
                 break
     return out

@@ -85,9 +85,10 @@ def dsa_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def check_dsa_pipeline(cfg: ModelConfig, layout: StageLayout) -> None:
-    """Refuse pipeline stages that start with a GLM-5.2 "shared" layer: its selection is the previous full layer's,
-    on the stage before, and megatron's pipeline passes only hidden states between stages."""
-    if problems := layout_limits(cfg, pp=layout.pp):
+    """Refuse model chunks (pipeline stages, virtual chunks) that start with a GLM-5.2 "shared" layer: its selection
+    is the previous full layer's, in the chunk before, and megatron's pipeline passes only hidden states between
+    chunks."""
+    if problems := layout_limits(cfg, pp=layout.pp, vpp=layout.vpp):
         raise NotImplementedError(problems[0])
 
 

@@ -129,12 +129,14 @@ def held_mtp_block(
     tcfg: Any,
     core_attention: CoreAttention = None,
     transform: Callable[[ModuleSpec], ModuleSpec] = lambda spec: spec,
+    vp_stage: int | None = None,
 ) -> MultiTokenPredictionBlock:
     """The multi-token-prediction layers as megatron's `MultiTokenPredictionBlock` (enorm, hnorm, the column-parallel
     eh_proj, the decoder layer of index N + j, final_layernorm), held to be loaded, saved and synced, never run:
     `build_gpt` attaches it as `model.mtp` without megatron's `mtp_process`, whose forward computes its own MTP loss
     from labels (our loss takes the logits; MTP training is `train.mtp_loss_coef`, FSDP only). `transform`: the
-    decoder's substitutions for each layer's spec (sequence-parallel norms, the CP core attention)."""
+    decoder's substitutions for each layer's spec (sequence-parallel norms, the CP core attention). `vp_stage`: the
+    virtual pipeline chunk that holds it (the last), under virtual stages."""
     layers = []
     for j in range(cfg.num_nextn_predict_layers):
         i = cfg.num_hidden_layers + j
@@ -154,7 +156,8 @@ def held_mtp_block(
         layers.append(transform(ModuleSpec(module=MultiTokenPredictionLayer, submodules=parts)))
     mtp_cfg = copy.copy(tcfg)  # the model's own config keeps mtp_num_layers=None: GPTModel runs no MTP
     mtp_cfg.mtp_num_layers = cfg.num_nextn_predict_layers
-    return MultiTokenPredictionBlock(config=mtp_cfg, spec=MultiTokenPredictionBlockSubmodules(layer_specs=layers))
+    spec = MultiTokenPredictionBlockSubmodules(layer_specs=layers)
+    return MultiTokenPredictionBlock(config=mtp_cfg, spec=spec, vp_stage=vp_stage)
 
 
 def without_sequence_parallel(config: Any) -> Any:

@@ -13,8 +13,9 @@ Invariants:
 - The DSA indexers (unless `train.indexer_loss_coef` trains them) and the multi-token-prediction layers
   (`mcore_weights.is_frozen`) are held frozen, as our model gives them no gradient: loaded, saved and synced,
   never updated (MTP: never run, `mcore_mla.held_mtp_block`).
-- Pipeline stages hold their layers under local indices (`train/mcore_pipeline.StageLayout`); loading, gathering
-  and the p2p shard map translate.
+- Pipeline stages hold their layers under local indices (`train/mcore_pipeline.StageLayout`), in `vpp` model
+  chunks each under virtual pipeline stages (`build_chunks`; one chunk without); loading, gathering and the p2p
+  shard map translate. Functions that take a model take one chunk or the list of a rank's chunks.
 - megatron-core's forward calls CUDA-only helpers (a global buffer on `torch.cuda.current_device()`, the CUDA RNG
   tracker, the MoE dispatcher's side stream): the CPU tests patch those in tests/ (never here).
 """
@@ -62,7 +63,9 @@ from miles_hpc.train.mcore_weights import Rule, is_frozen, iter_full_hf, mcore_r
 
 __all__ = [
     "R3Replay",
+    "build_chunks",
     "build_gpt",
+    "chunks_of",
     "expert_layout",
     "finalize_grads",
     "full_hf_state",
@@ -89,11 +92,13 @@ def init_model_parallel(
     *,
     pipeline_parallel: int = 1,
     context_parallel: int = 1,
+    virtual_pipeline: int = 1,
     seed: int = 0,
 ) -> None:
     """megatron's parallel state over the default process group (which must exist): TP groups of
     `tensor_parallel` consecutive ranks, then `context_parallel` (CP), then data parallel, then `pipeline_parallel`
-    stages (megatron's rank order tp-cp-ep-dp-pp: stage s is ranks s*W/P .. (s+1)*W/P - 1); MoE experts split over
+    stages (megatron's rank order tp-cp-ep-dp-pp: stage s is ranks s*W/P .. (s+1)*W/P - 1), each of
+    `virtual_pipeline` model chunks (megatron's interleaved schedule); MoE experts split over
     `expert_parallel` of the TP x CP x DP ranks (expert TP 1); on GPUs also megatron's per-TP-rank CUDA RNG states
     (`seed`)."""
     if not torch.distributed.is_initialized():
@@ -113,6 +118,7 @@ def init_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         context_parallel_size=context_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline if virtual_pipeline > 1 else None,
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=1,
     )
@@ -263,27 +269,53 @@ def _pipeline_kwargs(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     if cfg.is_dsa:
         check_dsa_pipeline(cfg, layout)
     out = dict(pipeline_model_parallel_size=pp, pipeline_dtype=dtype, variable_seq_lengths=True)
+    if layout.vpp > 1:
+        out["virtual_pipeline_model_parallel_size"] = layout.vpp
     if not cfg.num_experts:  # megatron checks the (unused) dispatcher against variable lengths; MoE sets alltoall
         out["moe_token_dispatcher_type"] = "alltoall"
     return out
 
 
 def stage_layout(cfg: ModelConfig) -> StageLayout:
-    return StageLayout(
-        parallel_state.get_pipeline_model_parallel_world_size(), cfg.num_hidden_layers, cfg.tie_word_embeddings
-    )
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    return StageLayout(pp, cfg.num_hidden_layers, cfg.tie_word_embeddings, vpp)
+
+
+def chunks_of(model: Any) -> list[Any]:
+    """A rank's model chunks: `model` itself when it is one (a GPTModel or its DDP wrapper), else the list."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _unwrap(model: Any) -> GPTModel:
+    """The GPTModel inside megatron's DDP wrapper."""
+    return getattr(model, "module", model)
 
 
 def pipeline_stage() -> int:
     return parallel_state.get_pipeline_model_parallel_rank()
 
 
+def build_chunks(cfg: ModelConfig, **kwargs: Any) -> list[GPTModel]:
+    """This rank's model chunks: one `build_gpt` per virtual pipeline stage (one without them)."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is None:
+        return [build_gpt(cfg, **kwargs)]
+    return [build_gpt(cfg, vp_stage=v, **kwargs) for v in range(vpp)]
+
+
 def build_gpt(
-    cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, train_indexers: bool = False, recompute: Recompute = None
+    cfg: ModelConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    train_indexers: bool = False,
+    recompute: Recompute = None,
+    vp_stage: int | None = None,
 ) -> GPTModel:
     """A randomly initialised `GPTModel` (this rank's TP shard; on the current GPU, else the CPU) for `cfg`; fill it
     with `load_hf_weights`. `train_indexers`: the DSA indexers get gradients (the indexer loss), else frozen.
-    `recompute`: activation recompute, "full" or "selective" (`transformer_config`)."""
+    `recompute`: activation recompute, "full" or "selective" (`transformer_config`). `vp_stage`: the virtual
+    pipeline chunk to build (`build_chunks`; None without virtual stages)."""
     tcfg = transformer_config(cfg, dtype=dtype, recompute=recompute)
     spec = get_gpt_layer_local_spec(
         num_experts=tcfg.num_moe_experts,
@@ -294,12 +326,14 @@ def build_gpt(
     )
     # dense and MoE layers mixed (`moe_layer_freq`), or DSA's full and shared layers: one spec per layer
     if tcfg.num_moe_experts or cfg.is_dsa:
-        spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
+        spec = get_gpt_decoder_block_spec(
+            tcfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
+        )
     if tcfg.sequence_parallel:
         spec = sp_norms(spec)
     core_attention = dsa_core_attention if cfg.is_dsa else None
     if cfg.is_mla:
-        first = stage_layout(cfg).layer_index(pipeline_stage(), 0)
+        first = stage_layout(cfg).layer_index(pipeline_stage(), 0, vp_stage or 0)
         spec = local_mla_spec(spec, cfg, first, core_attention)
     if tcfg.context_parallel_size > 1:  # after MLA's spec: its core attention too (DSA's does CP itself)
         spec = cp_core_attention(spec)
@@ -314,8 +348,9 @@ def build_gpt(
         rotary_percent=cfg.partial_rotary_factor,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         parallel_output=False,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        vp_stage=vp_stage,
     )
     if tcfg.sequence_parallel:
         experts_reduce_over_tp(model)
@@ -325,8 +360,9 @@ def build_gpt(
             layer.self_attention.linear_kv_down_proj.register_forward_hook(hook)
     if cfg.is_dsa:
         share_selections(model.decoder)
-    if cfg.num_nextn_predict_layers and parallel_state.is_pipeline_last_stage():
-        model.mtp = held_mtp_block(cfg, tcfg, core_attention, lambda s: _spec_for(tcfg, s))  # held, not run
+    if cfg.num_nextn_predict_layers and model.post_process:
+        spec_for = lambda s: _spec_for(tcfg, s)  # noqa: E731
+        model.mtp = held_mtp_block(cfg, tcfg, core_attention, spec_for, vp_stage=vp_stage)  # held, not run
         for mtp_layer in model.mtp.layers if cfg.is_dsa else []:
             share_selections(mtp_layer)
     for name, p in model.named_parameters():
@@ -335,25 +371,33 @@ def build_gpt(
     return model
 
 
-def load_hf_weights(model: GPTModel, cfg: ModelConfig, path: str | Path) -> None:
-    """Fill this rank's shards from the HF checkpoint at `path` (read whole on every rank; checked against the
-    model's shapes, naming the tensor)."""
+def chunk_tensors(model: Any) -> list[dict[str, torch.Tensor]]:
+    """Per model chunk of `model` (`chunks_of`), its parameters and buffers by name (GLM's router bias is a buffer)."""
+    out = []
+    for chunk in chunks_of(model):
+        m = _unwrap(chunk)
+        out.append({**dict(m.named_buffers()), **dict(m.named_parameters())})
+    return out
+
+
+def load_hf_weights(model: Any, cfg: ModelConfig, path: str | Path) -> None:
+    """Fill this rank's shards (of one chunk or the list of its chunks) from the HF checkpoint at `path` (read whole
+    on every rank; checked against the model's shapes, naming the tensor)."""
     hf = dict(iter_hf_tensors(load_pretrained(path, dtype=torch.float32, device="cpu")))
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     ep, ep_rank = expert_layout()
-    params = dict(model.named_parameters())
-    tensors = {**dict(model.named_buffers()), **params}  # GLM's router bias is a buffer
+    tensors = chunk_tensors(model)
     layout, stage = stage_layout(cfg), pipeline_stage()
-    filled = set()
+    filled: set[tuple[int, str]] = set()
     for rule in mcore_rules(cfg):
         if rule.expert is not None and rule.owner(cfg.num_experts, ep) != ep_rank:
             continue  # another expert-parallel rank's expert
         names = layout.copies(rule.mcore_name(cfg.num_experts, ep), stage)  # [] on another pipeline stage
         shard = to_mcore(rule, hf, cfg, rank, tp) if names else None
-        for name in names:
-            if name not in tensors:
-                raise KeyError(f"megatron model has no {name} (from {', '.join(rule.hf)})")
-            target = tensors[name]
+        for chunk, name in names:
+            if name not in tensors[chunk]:
+                raise KeyError(f"megatron model chunk {chunk} has no {name} (from {', '.join(rule.hf)})")
+            target = tensors[chunk][name]
             if target.shape != shard.shape:
                 raise ValueError(
                     f"{name}: megatron shard {tuple(target.shape)} vs mapped {tuple(shard.shape)} "
@@ -361,27 +405,31 @@ def load_hf_weights(model: GPTModel, cfg: ModelConfig, path: str | Path) -> None
                 )
             with torch.no_grad():
                 target.copy_(shard)
-            filled.add(name)
-    unfilled = set(params) - filled
-    if unfilled:
-        raise KeyError(f"megatron parameters with no HF source: {sorted(unfilled)}")
+            filled.add((chunk, name))
+    params = {(c, n) for c, chunk in enumerate(chunks_of(model)) for n, _ in _unwrap(chunk).named_parameters()}
+    if unfilled := params - filled:
+        raise KeyError(f"megatron parameters (chunk, name) with no HF source: {sorted(unfilled)}")
 
 
 def wrap_ddp(
-    model: GPTModel, *, distributed_optimizer: bool = False, fp32_grads: bool = True
+    model: GPTModel, *, distributed_optimizer: bool = False, fp32_grads: bool = True, bucketing: bool = True
 ) -> DistributedDataParallel:
     """megatron's data-parallel wrapper: gradients accumulate in fp32 buffers (`param.main_grad`; in the weights'
-    dtype with `fp32_grads=False`) and are reduced over the data-parallel group by `finalize_grads`."""
+    dtype with `fp32_grads=False`) and are reduced over the data-parallel group by `finalize_grads`. Chunks after
+    the first of virtual pipeline stages reduce in one bucket (`bucketing=False`), as megatron's training does."""
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=fp32_grads, use_distributed_optimizer=distributed_optimizer
     )
-    return DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+    return DistributedDataParallel(
+        config=model.config, ddp_config=ddp_cfg, module=model, disable_bucketing=not bucketing
+    )
 
 
-def finalize_grads(model: DistributedDataParallel) -> None:
+def finalize_grads(model: Any) -> None:
     """After the last backward of a step: data-parallel reduction, and the sums over TP ranks that replicated
-    parameters computed in pieces (QK layernorms see only their rank's heads); megatron's own `finalize_model_grads`."""
-    finalize_model_grads([model])
+    parameters computed in pieces (QK layernorms see only their rank's heads); megatron's own `finalize_model_grads`
+    over the rank's chunks (`chunks_of`: it also sums the tied embedding's gradients of the first and last)."""
+    finalize_model_grads(chunks_of(model))
 
 
 def meta_model(cfg: ModelConfig) -> CausalLM:
@@ -400,20 +448,22 @@ def expert_layout() -> tuple[int, int]:
     return parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_expert_model_parallel_rank()
 
 
-def full_hf_state(model: GPTModel, cfg: ModelConfig, *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def full_hf_state(model: Any, cfg: ModelConfig, *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) in `iter_hf_tensors` order, gathered over the TP group and broadcast from the pipeline
     stage that holds it (a collective: every rank iterates to the end). Every rank yields the same tensors. `grads`:
-    the parameters' gradients instead (HF-named, to compare with another backend's)."""
+    the parameters' gradients instead (HF-named, to compare with another backend's). `model`: one chunk or the
+    rank's list (`chunks_of`)."""
     group = parallel_state.get_tensor_model_parallel_group()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep, _ = expert_layout()
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+    chunks = [_unwrap(c) for c in chunks_of(model)]
+    params = [dict(c.named_parameters()) for c in chunks]
 
-    def local(name: str) -> torch.Tensor:
-        if name not in params:  # a frozen buffer (GLM's router bias): no gradient, zeros in its place
-            return torch.zeros_like(buffers[name]) if grads else buffers[name].detach()
-        p = params[name]
+    def local(name: str, chunk: int = 0) -> torch.Tensor:
+        if name not in params[chunk]:  # a frozen buffer (GLM's router bias): no gradient, zeros in its place
+            buffer = dict(chunks[chunk].named_buffers())[name]
+            return torch.zeros_like(buffer) if grads else buffer.detach()
+        p = params[chunk][name]
         if grads and not p.requires_grad:  # frozen (`is_frozen`): likewise
             return torch.zeros_like(p.detach())
         g = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad  # under wrap_ddp: main_grad
@@ -421,8 +471,8 @@ def full_hf_state(model: GPTModel, cfg: ModelConfig, *, grads: bool = False) -> 
             raise RuntimeError(f"{name} has no gradient: run backward first")
         return (g if grads else p).detach().contiguous()
 
-    def gather_stage(rule: Rule, name: str) -> list[torch.Tensor]:
-        mine = local(name)
+    def gather_stage(rule: Rule, name: str, chunk: int = 0) -> list[torch.Tensor]:
+        mine = local(name, chunk)
         if rule.expert is not None:  # whole on its owner: every EP rank sends the same local index, keep the owner's
             # TODO(scale): one collective per expert tensor; gather a layer's experts at once for real models.
             if ep == 1:
@@ -443,19 +493,20 @@ def full_hf_state(model: GPTModel, cfg: ModelConfig, *, grads: bool = False) -> 
     # Pipeline stages: the owner gathers its TP shards, then broadcasts them over the pipeline group; the other
     # stages receive into tensors of the owner's shapes and dtypes (exchanged once here).
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    device = next(model.parameters()).device
+    device = next(chunks[0].parameters()).device
     metas: list[Any] = [None] * layout.pp
-    torch.distributed.all_gather_object(
-        metas, {n: (tuple(t.shape), local(n).dtype) for n, t in {**buffers, **params}.items()}, group=pp_group
-    )
+    mine = {
+        (c, n): (tuple(t.shape), local(n, c).dtype) for c, ts in enumerate(chunk_tensors(chunks)) for n, t in ts.items()
+    }
+    torch.distributed.all_gather_object(metas, mine, group=pp_group)
 
     def gather(rule: Rule) -> list[torch.Tensor]:
         name = rule.mcore_name(cfg.num_experts, ep)
-        owner, local_name = layout.stage_of(name), layout.local_name(name)
+        (owner, chunk), local_name = layout.place_of(name), layout.local_name(name)
         if owner == stage:
-            parts = gather_stage(rule, local_name)
+            parts = gather_stage(rule, local_name, chunk)
         else:
-            shape, dtype = metas[owner][local_name]
+            shape, dtype = metas[owner][chunk, local_name]
             count = 1 if rule.expert is not None or tp == 1 else tp
             parts = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
         for t in parts:
@@ -485,7 +536,7 @@ def packed_logits(model: GPTModel, mb: PackedMicroBatch, vocab_size: int) -> tor
     if cp is not None:  # this CP rank's tokens; the mask stays the whole row's
         ids, positions = cp_rows(ids[0], cp)[None], cp_rows(positions[0], cp)[None]
     logits = model(ids, positions, attention_mask=~allowed[None, None])
-    if not parallel_state.is_pipeline_last_stage():
+    if not _unwrap(model).post_process:
         return logits  # hidden states [T, 1, hidden] for the next pipeline stage (T padded under SP; local under CP)
     return logits[..., :vocab_size] if cp is not None else logits[:, :t, :vocab_size]
 

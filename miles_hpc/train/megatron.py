@@ -1,9 +1,10 @@
 """megatron-core training backend (stage: train; docs/design.md section 5): `MegatronTrainer` implements the `Trainer`
 protocol on megatron-core's `GPTModel` (`train/mcore_model.py`): the step from `train/step.PackedTrainer`,
 megatron's DDP, `finalize_model_grads` and optimizer (distributed or not), tensor, pipeline (megatron's 1F1B
-schedule, `train/mcore_pipeline.py`), expert and data parallelism, R3 through megatron's router-replay hook, and
-checkpoints in megatron's `dist_checkpointing` (`train/mcore_checkpoint.py`), resumable on another parallel
-layout. docs/megatron.md says what exists and what does not yet (context parallelism, Transformer Engine specs).
+schedule, interleaved over virtual stages: `train/mcore_pipeline.py`), context, expert and data parallelism, R3
+through megatron's router-replay hook, and checkpoints in megatron's `dist_checkpointing`
+(`train/mcore_checkpoint.py`), resumable on another parallel layout. docs/megatron.md says what exists and what does
+not yet (Transformer Engine specs).
 
 megatron-core is an optional dependency (`pip install miles-hpc[megatron]`); importing this module without it
 raises an ImportError that says so.
@@ -48,7 +49,9 @@ from miles_hpc.train.mcore_cp import cp_rows, row_layout
 from miles_hpc.train.mcore_dsa import decoder_selection
 from miles_hpc.train.mcore_model import (
     R3Replay,
+    build_chunks,
     build_gpt,
+    chunk_tensors,
     expert_layout,
     finalize_grads,
     full_hf_state,
@@ -137,6 +140,7 @@ class MegatronTrainer(PackedTrainer):
             megatron_cfg.expert_parallel,
             pipeline_parallel=megatron_cfg.pipeline_parallel,
             context_parallel=megatron_cfg.context_parallel,
+            virtual_pipeline=megatron_cfg.virtual_pipeline,
             seed=seed,
         )
         self._cp = megatron_cfg.context_parallel
@@ -164,15 +168,22 @@ class MegatronTrainer(PackedTrainer):
         torch.manual_seed(seed)
         self.config = read_config(model_path)
         bf16 = train_cfg.mixed_precision and self.device.type == "cuda"
-        model = self._build(model_path, bf16)
-        load_hf_weights(model, self.config, model_path)
-        self._install_replays(model)
-        self.model = wrap_ddp(
-            model.to(self.device),
-            distributed_optimizer=megatron_cfg.distributed_optimizer,
-            fp32_grads=megatron_cfg.main_grads_dtype == "fp32",
-        )
-        self.model.train()
+        chunks = self._build(model_path, bf16)
+        load_hf_weights(chunks, self.config, model_path)
+        self._install_replays(chunks)
+        # one chunk, or one per virtual pipeline stage (`megatron.virtual_pipeline`): each in megatron's DDP
+        self.chunks = [
+            wrap_ddp(
+                chunk.to(self.device),
+                distributed_optimizer=megatron_cfg.distributed_optimizer,
+                fp32_grads=megatron_cfg.main_grads_dtype == "fp32",
+                bucketing=v == 0,
+            )
+            for v, chunk in enumerate(chunks)
+        ]
+        self.model = self.chunks[0]  # the model without virtual stages
+        for chunk in self.chunks:
+            chunk.train()
         self._lr_at = lr_lambda(train_cfg, total_steps)
         self.optimizer: Any = self._optimizer(megatron_cfg, bf16)
 
@@ -190,8 +201,9 @@ class MegatronTrainer(PackedTrainer):
                 out = group
         return out
 
-    def _build(self, model_path: str | Path, bf16: bool) -> Any:
-        """This rank's GPTModel (random init), its indexers trained when `train.indexer_loss_coef` > 0."""
+    def _build(self, model_path: str | Path, bf16: bool) -> list[Any]:
+        """This rank's GPTModel chunks (random init; one without virtual pipeline stages), the indexers trained when
+        `train.indexer_loss_coef` > 0."""
         coef = self.train_cfg.indexer_loss_coef
         if coef and not self.config.is_dsa:
             raise ValueError(
@@ -203,27 +215,31 @@ class MegatronTrainer(PackedTrainer):
                 f"train.indexer_loss_coef with megatron.pipeline_parallel={self._pp}: the indexer loss is added on "
                 "the stage that computes the loss; use pipeline_parallel=1 (tensor/expert parallelism work)"
             )
-        model = build_gpt(
+        chunks = build_chunks(
             self.config,
             dtype=torch.bfloat16 if bf16 else torch.float32,
             train_indexers=coef > 0,
             recompute=self._recompute,
         )
-        self._selection = decoder_selection(model) if coef else None
+        self._selection = decoder_selection(chunks[0]) if coef else None  # one pipeline stage, one chunk
         if self._selection is not None:
             self._selection.loss_mode = self.train_cfg.indexer_loss
-        return model
+        return chunks
 
-    def _install_replays(self, model: Any) -> None:
-        """R3: every MoE layer's router consults its replay (megatron's hook); ``_replay_ids``: each one's index
-        among the model's MoE layers (the records' layer axis), counting the layers of earlier pipeline stages."""
+    def _install_replays(self, chunks: list[Any]) -> None:
+        """R3: every MoE layer's router consults its replay (megatron's hook). ``_replays[id(chunk)]``: a model
+        chunk's replays with each one's index among the model's MoE layers (the records' layer axis), counting the
+        layers of earlier pipeline stages and chunks."""
         cfg = self.config
         moe_index = {i: j for j, i in enumerate(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))}
-        routed = [layer for layer in model.decoder.layers if moe_router(layer)]
-        self._replays = [R3Replay(cfg.num_experts) for _ in routed]
-        self._replay_ids = [moe_index[layer.layer_number - 1] for layer in routed]  # layer_number: global, from 1
-        for layer, replay in zip(routed, self._replays):
-            moe_router(layer).router_replay = replay
+        self._replays: dict[int, list[tuple[int, R3Replay]]] = {}
+        for chunk in chunks:
+            routed = [layer for layer in chunk.decoder.layers if moe_router(layer)]
+            # layer_number: global, from 1
+            mine = [(moe_index[layer.layer_number - 1], R3Replay(cfg.num_experts)) for layer in routed]
+            for layer, (_, replay) in zip(routed, mine):
+                moe_router(layer).router_replay = replay
+            self._replays[id(chunk)] = mine
 
     def _optimizer(self, megatron_cfg: MegatronConfig, bf16: bool) -> Any:
         """megatron's optimizer on a GPU (distributed or not, optimizer states partly offloaded to the host by
@@ -254,7 +270,7 @@ class MegatronTrainer(PackedTrainer):
                 params_dtype=torch.bfloat16 if bf16 else torch.float32,
                 use_distributed_optimizer=distributed,
             )
-            return fix_group_order(get_megatron_optimizer(opt, [self.model]))
+            return fix_group_order(get_megatron_optimizer(opt, self.chunks))
         # megatron's optimizers are CUDA-only (CUDA tensor type checks, CUDA scalars): on the CPU the same
         # AdamW as the FSDP backend over this rank's shards, fed megatron's reduced gradients.
         if distributed or offload:
@@ -262,7 +278,12 @@ class MegatronTrainer(PackedTrainer):
                 "megatron.distributed_optimizer and megatron.optimizer_offload_fraction need CUDA (megatron's "
                 "optimizer is CUDA-only); set megatron.distributed_optimizer=false on the CPU"
             )
-        return build_optimizer(train_cfg, self.model.module.named_parameters(), self.device)
+        return build_optimizer(train_cfg, self._named_parameters(), self.device)
+
+    def _named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Every chunk's parameters, named as in their chunk."""
+        for chunk in self.chunks:
+            yield from chunk.module.named_parameters()
 
     @property
     def lr(self) -> float:
@@ -302,9 +323,11 @@ class MegatronTrainer(PackedTrainer):
         return local[r * chunk : (r + 1) * chunk]
 
     def _stage_forward(self, model: Any, mb: PackedMicroBatch) -> torch.Tensor:
-        """This pipeline stage's forward of `mb` (logits on the last stage), with its R3 records and statistics."""
+        """This pipeline stage's (model chunk's) forward of `mb` (logits on the last one), with its R3 records and
+        statistics."""
         sp = sequence_parallel(model)  # MoE under TP: each TP rank routes its chunk of the (padded) row
-        for j, replay in zip(self._replay_ids, self._replays):
+        replays = self._replays[id(model.module)]
+        for j, replay in replays:
             replay.record = None if mb.routing is None else self._local_rows(mb.routing[0, :, j, :], sp)
             replay.compare = not self.algo_cfg.routing_replay
         if self._selection is not None:  # the indexer loss in the forwards that train (not the log-prob ones)
@@ -314,16 +337,16 @@ class MegatronTrainer(PackedTrainer):
             if torch.is_grad_enabled() and not mb.is_dummy:
                 self._indexer_kl = torch.stack(self._selection.kl).sum()
             self._selection.kl.clear()
-        if mb.routing is not None and self._replays:
-            stats = torch.stack([r.stats for r in self._replays if r.stats is not None]).sum(0)
-            for replay in self._replays:
+        if mb.routing is not None and replays:
+            stats = torch.stack([r.stats for _, r in replays if r.stats is not None]).sum(0)
+            for _, replay in replays:
                 replay.stats = None
             if sp:  # the TP ranks' chunks together
                 torch.distributed.all_reduce(stats, group=parallel_state.get_tensor_model_parallel_group())
             if self._cp > 1:  # the CP ranks' shares together
                 torch.distributed.all_reduce(stats, group=parallel_state.get_context_parallel_group())
             padded = row_layout(mb.num_tokens, sp).padded if self._cp > 1 else sp_length(mb.num_tokens, sp)
-            stats[2] -= (padded - mb.num_tokens) * len(self._replays)  # the padding's rows: no record, not counted
+            stats[2] -= (padded - mb.num_tokens) * len(replays)  # the padding's rows: no record, not counted
             self._r3 = stats if self._r3 is None else self._r3 + stats
         return out
 
@@ -337,7 +360,7 @@ class MegatronTrainer(PackedTrainer):
             out[id(mb)] = self._token_logprobs(logits, mb, with_entropy=False)[0]
             return out[id(mb)]
 
-        run_schedule(self.model, mbs, self._stage_forward, on_output, forward_only=True)
+        run_schedule(self.chunks, mbs, self._stage_forward, on_output, forward_only=True)
         return [out.get(id(mb)) for mb in mbs]
 
     def _forward_backward(self, mbs: list[PackedMicroBatch], loss_of: Any, entropy_grad: bool) -> None:
@@ -350,7 +373,7 @@ class MegatronTrainer(PackedTrainer):
 
         # the same scaling as `_backward`: data- and context-parallel averaging of gradients undone (train/step.py)
         # (megatron's schedule multiplies the loss by the CP size itself: its `forward_step`)
-        run_schedule(self.model, mbs, self._stage_forward, on_output, forward_only=False, loss_scale=self._dp_world)
+        run_schedule(self.chunks, mbs, self._stage_forward, on_output, forward_only=False, loss_scale=self._dp_world)
         return None
 
     def _metrics_group(self) -> Any:
@@ -371,7 +394,7 @@ class MegatronTrainer(PackedTrainer):
         return box[0] if self._rank == 0 else []
 
     def _clip_and_step(self) -> torch.Tensor:
-        finalize_grads(self.model)
+        finalize_grads(self.chunks)
         self._last_lr = self.lr
         for group in self.optimizer.param_groups:
             group["lr"] = self._last_lr
@@ -382,7 +405,8 @@ class MegatronTrainer(PackedTrainer):
             ok, norm, _ = self.optimizer.step()
             if not ok:
                 raise FloatingPointError(f"megatron optimizer skipped step {self._step} (inf/nan gradients)")
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._step += 1
         return torch.as_tensor(float(norm) if norm is not None else 0.0)
@@ -394,7 +418,7 @@ class MegatronTrainer(PackedTrainer):
         expert_replica = parallel_state.get_expert_data_parallel_rank()
         sq, sq_experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         grads = []
-        for p in self.model.module.parameters():
+        for _, p in self._named_parameters():
             if not p.requires_grad:  # frozen (DSA indexers, MTP layers): no gradient buffer
                 continue
             p.grad = p.main_grad
@@ -423,7 +447,7 @@ class MegatronTrainer(PackedTrainer):
     def state_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors in `iter_hf_tensors` order, gathered over the TP group one megatron tensor at a
         time; every rank yields the same tensors (data-parallel replicas hold the same weights)."""
-        yield from full_hf_state(self.model.module, self.config)
+        yield from full_hf_state([chunk.module for chunk in self.chunks], self.config)
 
     def shard_map(self) -> ShardMap:
         """What every rank holds of each HF tensor (its TP rows/columns, its experts) and this rank's data, for the
@@ -433,7 +457,7 @@ class MegatronTrainer(PackedTrainer):
         tp_rank, ep_rank, stage = self._coords[self._rank]
         stages = stage_layout(cfg)
         shapes = {n: tuple(t.shape) for n, t in iter_hf_tensors(meta_model(cfg))}
-        params = {**dict(self.model.module.named_buffers()), **dict(self.model.module.named_parameters())}
+        params = chunk_tensors(self.chunks)
         layout: dict[str, list[Box]] = {n: [] for n in shapes}
         local: dict[str, torch.Tensor] = {}
         for rule in mcore_rules(cfg):
@@ -441,8 +465,12 @@ class MegatronTrainer(PackedTrainer):
             for t_rank, e_rank, s in self._coords:
                 for hf_name, box in mcore_boxes(rule, shapes, cfg, t_rank, tp, e_rank, ep).items():
                     layout[hf_name].append(box if stages.stage_of(name) == s else box.with_dim(0, 0, 0))
-            if stages.stage_of(name) == stage and (rule.expert is None or rule.owner(cfg.num_experts, ep) == ep_rank):
-                mine = params[stages.local_name(name)].detach()
+            (where, chunk), mine_here = (
+                stages.place_of(name),
+                rule.expert is None or rule.owner(cfg.num_experts, ep) == ep_rank,
+            )
+            if where == stage and mine_here:
+                mine = params[chunk][stages.local_name(name)].detach()
                 local.update(
                     (n, t)
                     for n, t in local_hf_parts(rule, mine, cfg, tp_rank, tp).items()
@@ -469,6 +497,7 @@ class MegatronTrainer(PackedTrainer):
                     "data_parallel": self._dp_world,
                     "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
                     "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
+                    "virtual_pipeline": len(self.chunks),
                     "expert_parallel": expert_layout()[0],
                 }
                 (tmp / "megatron.json").write_text(json.dumps(layout) + "\n")
@@ -487,7 +516,13 @@ class MegatronTrainer(PackedTrainer):
         for inner in self._inner_optimizers():
             init_adam_state(inner)
         state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(root / "mcore"))
-        self.model.module.load_state_dict(state["model"])
+        models = (
+            [state["model"]]
+            if len(self.chunks) == 1
+            else [state["model"][f"chunk{v}"] for v in range(len(self.chunks))]
+        )
+        for chunk, loaded in zip(self.chunks, models):
+            chunk.module.load_state_dict(loaded)
         if isinstance(self.optimizer, torch.optim.Optimizer):
             load_adamw(self.optimizer, state["optimizer"])
         else:
@@ -504,7 +539,9 @@ class MegatronTrainer(PackedTrainer):
     def _sharded_state(self, *, is_loading: bool = False) -> dict[str, Any]:
         """{"model", "optimizer"} as megatron's sharded state dicts. For loading, the optimizer state must exist
         (`init_adam_state`): megatron builds the loading dict from it."""
-        model_sd = self.model.module.sharded_state_dict()
+        # megatron names each tensor globally (a chunk's layers with their offsets): any chunking reads it back
+        parts = [chunk.module.sharded_state_dict() for chunk in self.chunks]
+        model_sd = parts[0] if len(parts) == 1 else {f"chunk{v}": sd for v, sd in enumerate(parts)}
         if isinstance(self.optimizer, torch.optim.Optimizer):
             optim_sd = adamw_sharded_state(self.optimizer, model_sd)
         else:
