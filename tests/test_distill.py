@@ -91,3 +91,36 @@ def test_loop_with_a_teacher_engine(teacher_seed: int, mode: str, tmp_path: Path
     # (A sampled estimate of the reverse KL: positive in expectation, either sign on four short samples.)
     assert len(m) == 2 and (abs(kl0) < 1e-5 if teacher_seed == 0 else abs(kl0) > 0.01), kl0
     assert (run_dir / "logs" / "teacher.log").is_file()
+
+
+@pytest.mark.process
+def test_an_agent_in_fully_async_mode_with_r3_and_a_teacher(tmp_path: Path) -> None:
+    # The flagship's combination in miniature: multi-turn agent episodes in fully async mode on a tiny MoE, R3 on,
+    # and an OPD teacher scoring each whole conversation in one prefill. The teacher is the run's own initial model,
+    # so before any update it agrees with every generated token of every turn (a teacher row misaligned with the
+    # conversation's tokens, or a tool token scored, would not): the reverse KL of step 0 is 0.
+    teacher = init_model("qwen3_moe", "tiny", tmp_path / "teacher", seed=0)
+    run_dir = tmp_path / "run"
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(REPO / "configs/tiny_agent_cpu.yaml"),
+        f"run_dir={run_dir}",
+        "steps=2",
+        "mode=fully_async",
+        "model.init_arch=qwen3_moe",
+        "algo.routing_replay=true",
+        f"algo.opd_teacher={teacher}",
+        "algo.opd_coef=0.5",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2",
+        "fully_async.max_inflight=4",
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(m) == 2 and all(r["rollout/turns_mean"] > 1 for r in m)
+    assert abs(m[0]["opd/reverse_kl"]) < 1e-5, m[0]["opd/reverse_kl"]
+    assert all(0.9 < r["r3/coverage"] < 1 for r in m)

@@ -337,7 +337,8 @@ def test_killed_mid_flight_then_resumed_trains_every_drawn_prompt_once(tmp_path:
 @pytest.mark.process
 def test_an_update_mid_generation_on_a_real_engine_keeps_every_token(mode: str, tmp_path: Path) -> None:
     """A real engine, a real broadcast publish while a long generation runs: the sample comes back whole (abort
-    mode: continued from its tokens), its first tokens at version 0 and its last at version 1."""
+    mode: continued from its tokens), its first tokens at version 0 and its last at version 1, with a routing row
+    (R3) for every token but the last (abort mode: the pieces' rows stitched)."""
     import torch
     from test_client_engine import engine_fleet, tiny_model
 
@@ -363,7 +364,9 @@ def test_an_update_mid_generation_on_a_real_engine_keeps_every_token(mode: str, 
                 publisher = Publisher(sync, router, pause_mode=mode)  # type: ignore[arg-type]
                 params = {"max_new_tokens": 600, "temperature": 1.0, "ignore_eos": True}
                 gen = asyncio.ensure_future(
-                    generate_sample(router, PromptRecord(prompt_id=0, prompt="p"), [1, 2, 3], params, 0, Tok())
+                    generate_sample(
+                        router, PromptRecord(prompt_id=0, prompt="p"), [1, 2, 3], params, 0, Tok(), routed_experts=True
+                    )
                 )
                 await asyncio.sleep(0.3)
                 assert not gen.done(), "the generation finished before the update: make it longer"
@@ -375,6 +378,8 @@ def test_an_update_mid_generation_on_a_real_engine_keeps_every_token(mode: str, 
                 versions = r.sample.policy_version[3:]
                 assert r.sample.response_len == 600 and versions[0] == 0 and versions[-1] == 1, versions[::50]
                 assert versions == sorted(versions)  # one switch, old tokens first
+                rows = r.sample.routed_experts
+                assert rows is not None and rows.shape[0] == len(r.sample.tokens) - 1 and (rows >= 0).all()
                 assert router.selector.quarantined == set()  # the pause's aborts are not engine failures
 
         asyncio.run(main())

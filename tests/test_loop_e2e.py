@@ -152,11 +152,12 @@ def test_tiny_agentic_config_runs_multi_turn_episodes(tmp_path: Path) -> None:
     assert any(p.name.startswith("events") for p in (run_dir / "tb").rglob("*"))
 
 
-@pytest.mark.parametrize("pause", ["retract", "abort"])
-def test_agents_in_fully_async_mode(pause: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("pause,r3", [("retract", False), ("abort", True)])
+def test_agents_in_fully_async_mode(pause: str, r3: bool, tmp_path: Path) -> None:
     # Episodes hold their slots across weight updates: a group may span versions (staleness from generated tokens
     # only, never the tool output's -1), a turn aborted by an update continues from its tokens, and the run
-    # trains every step with the environment's rewards.
+    # trains every step with the environment's rewards. With R3 (a tiny MoE) every sample holds a routing row per
+    # token but its last, stitched across turns and aborted pieces, and the trainer replays them.
     run_dir = tmp_path / "agent_async"
     argv = [
         sys.executable,
@@ -172,11 +173,14 @@ def test_agents_in_fully_async_mode(pause: str, tmp_path: Path) -> None:
         "rollout.prompts_per_step=2",
         "rollout.samples_per_prompt=2",
         f"sync.pause_mode={pause}",
+        *(["algo.routing_replay=true", "model.init_arch=qwen3_moe"] if r3 else []),
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = metrics(run_dir)
     assert len(m) == 3 and all(r["rollout/turns_mean"] > 1 for r in m)
+    if r3:  # every token but each sample's last recorded; the trainer's routers mostly agree with the engine's
+        assert all(0.9 < r["r3/coverage"] < 1 and r["r3/topk_agreement"] > 0.5 for r in m), m
     assert all(r["async/staleness_max"] <= 1 for r in m) and all(0.5 < r["prefix_cache_hit_rate"] <= 1 for r in m)
     samples = [s for f in sorted((run_dir / "trajectories").glob("*.h5")) for s in TrajectoryReader(f)]
     assert len(samples) == 3 * 2 * 2
@@ -184,6 +188,8 @@ def test_agents_in_fully_async_mode(pause: str, tmp_path: Path) -> None:
         gen = [v for v, k in zip(s.policy_version, s.loss_mask) if k]
         assert gen and min(gen) >= s.train_step - 1 and max(gen) <= s.train_step  # versions of its own window
         assert s.loss_mask[s.prompt_len :].count(0) > 0 or s.metadata.get("commands", 0) <= 1
+        if r3:
+            assert s.routed_experts is not None and s.routed_experts.shape[0] == len(s.tokens) - 1
 
 
 def test_lora_strategy_without_an_adapter_fails_before_anything_starts(tmp_path: Path) -> None:

@@ -70,12 +70,13 @@ def test_replay_uses_the_rollouts_experts_and_cuts_the_mismatch(arch: str, tmp_p
     assert mean_on < 0.5 * mean_off, (mean_on, mean_off)
 
 
-def test_r3_in_fully_async_mode_is_refused_naming_the_key() -> None:
-    from miles_hpc.config import ConfigError, load_config
+def test_r3_loads_with_agents_and_in_fully_async_mode() -> None:
+    """R3 was refused with agents and in fully async mode (no rows per turn, none stitched across pauses); both
+    keep their rows now (tests/test_agent_routing.py, the end-to-end runs in tests/test_loop_e2e.py)."""
+    from miles_hpc.config import load_config
 
     repo = Path(__file__).resolve().parents[1]
-    with pytest.raises(ConfigError, match="algo.routing_replay"):
-        load_config(repo / "configs/tiny_cpu.yaml", ["mode=fully_async", "algo.routing_replay=true"])
-    with pytest.raises(ConfigError, match="R3 with multi-turn agents"):
-        load_config(repo / "configs/tiny_agent_cpu.yaml", ["algo.routing_replay=true"])
+    r3 = ["algo.routing_replay=true", "model.init_arch=qwen3_moe"]
+    assert load_config(repo / "configs/tiny_cpu.yaml", ["mode=fully_async", *r3]).algo.routing_replay
+    assert load_config(repo / "configs/tiny_agent_cpu.yaml", ["mode=fully_async", *r3]).algo.routing_replay
     assert load_config(repo / "configs/tiny_cpu.yaml", ["algo.routing_replay=true"]).algo.routing_replay

@@ -510,17 +510,6 @@ class RunConfig:
             "data.task",
             "the terminal task is multi-turn: set rollout.agent (miles_hpc.rollout.agents:terminal_agent)",
         )
-        _require(
-            self.rollout.agent is None or not self.algo.routing_replay,
-            "algo.routing_replay",
-            "R3 with multi-turn agents is not supported yet (a conversation does not keep routing rows)",
-        )
-        _require(
-            self.mode == "sync" or not self.algo.routing_replay,
-            "algo.routing_replay",
-            "R3 runs in mode sync so far (fully async samples are continued across pauses; their routing rows "
-            "are not stitched yet)",
-        )
         if self.algo.indexer_replay:
             checks.indexer_replay(self)
         _require(

@@ -47,10 +47,20 @@ def staleness(group: Sequence[Rollout], version: int) -> int:
 
 
 async def generate_sample(
-    router: Router, record: PromptRecord, ids: list[int], params: dict[str, Any], group_id: int, tokenizer: Any
+    router: Router,
+    record: PromptRecord,
+    ids: list[int],
+    params: dict[str, Any],
+    group_id: int,
+    tokenizer: Any,
+    *,
+    routed_experts: bool = False,
 ) -> Rollout:
-    """One sample; a generation aborted by a weight update (pause mode ``abort``) continues from its tokens."""
+    """One sample; a generation aborted by a weight update (pause mode ``abort``) continues from its tokens, its
+    routing rows (``routed_experts``, R3) stitched across the pieces (`pieces.continue_aborted`)."""
     kw: dict[str, Any] = {"affinity_key": group_id, "return_logprob": True}
+    if routed_experts:
+        kw["return_routed_experts"] = True
     out = await continue_aborted(router.generate, ids, params, await router.generate(ids, params, **kw), **kw)
     text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
     return Rollout(record, to_sample(out, ids, record.prompt_id, group_id), text)
@@ -255,9 +265,18 @@ class Producer:
                     group_id=group_id,
                     max_turns=ro.max_turns,
                     max_output_chars=ro.max_tool_output_chars,
+                    routed_experts=self.cfg.algo.routing_replay,
                 )
                 return Rollout(record, await self.agent(ctx, record), "")
-            return await generate_sample(self.router, record, ids, params, group_id, self.tokenizer)
+            return await generate_sample(
+                self.router,
+                record,
+                ids,
+                params,
+                group_id,
+                self.tokenizer,
+                routed_experts=self.cfg.algo.routing_replay,
+            )
         finally:
             self._account(-1)
             self.slots.release()  # the slot is free the moment this sample is

@@ -103,6 +103,7 @@ async def generate_groups(
                 group_id=group_id,
                 max_turns=cfg.max_turns,
                 max_output_chars=cfg.max_tool_output_chars,
+                routed_experts=routed_experts,
             )
             return Rollout(record, await agent(ctx, record), "")
         out = await router.generate(

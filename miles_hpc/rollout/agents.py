@@ -6,7 +6,9 @@ scores its own final state). The context offers what an agent needs and nothing 
 - `ctx.generate(conv)`: one assistant turn through the router with the sample's session affinity (every turn of
   every sample of a prompt group goes to one engine, so the growing prefix stays cached), appended to the
   `Conversation` exactly as generated; turn-specific sampling seeds keep the rollout reproducible;
-- `ctx.tokenizer`, `ctx.max_turns`, `ctx.max_output_chars`, `ctx.group_id`.
+- `ctx.tokenizer`, `ctx.max_turns`, `ctx.max_output_chars`, `ctx.group_id`;
+- with `ctx.routed_experts` (R3) each turn also returns the experts of the ids the engine ran that the
+  conversation holds no rows for yet (`Conversation.routed`), so the sample's rows line up with its ids.
 
 The reference agent, `terminal_agent`, plays `data/terminal_env.TerminalEnv`: the record's `metadata["task_seed"]`
 makes the task; each turn's first line is a command; the terminal's output goes back as a `tool` message.
@@ -62,6 +64,7 @@ class AgentContext:
     max_turns: int = 4
     max_output_chars: int = 400
     max_context_len: int | None = None  # None: the tokenizer's model_max_length when it states one
+    routed_experts: bool = False  # R3 (algo.routing_replay): keep every turn's routing rows
     calls: int = field(default=0, init=False)
 
     def room(self, conv: Conversation) -> int:
@@ -79,7 +82,9 @@ class AgentContext:
         if "sampling_seed" in params:  # another draw per turn, the same on every rerun
             params["sampling_seed"] = (int(params["sampling_seed"]) + 7919 * self.calls) % (2**31 - 1)
         self.calls += 1
-        kw = {"affinity_key": self.session, "return_logprob": True}
+        kw: dict[str, Any] = {"affinity_key": self.session, "return_logprob": True}
+        if self.routed_experts:  # rows from the first id without one: the last turn's last id, the tool message
+            kw.update(return_routed_experts=True, routed_experts_start_len=conv.routing_rows)
         # A turn aborted by a weight update (fully async, pause mode abort) continues from its tokens.
         out = await continue_aborted(
             self.generate_fn, conv.ids, params, await self.generate_fn(conv.ids, params, **kw), **kw
@@ -91,6 +96,7 @@ class AgentContext:
             prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens,
             finish=out.finish_reason.type,
+            routed=out.routed_experts if self.routed_experts else None,
         )
 
 

@@ -13,7 +13,11 @@ merges tokens differently). So the conversation never re-tokenizes what it holds
   the engine never saw. Suffix tokens carry `loss_mask` 0.
 
 Invariants: `ids` = concatenation of every piece sent to and returned by the engine; `loss_mask`, `logprobs`,
-`versions` have one entry per id; `prompt_len` is the length of turn 1.
+`versions` have one entry per id; `prompt_len` is the length of turn 1. R3 (`routed`): the experts every id held
+was routed to when the engine ran it, row i for id i, a contiguous prefix of the ids: each turn asks the engine for
+the rows from the first one not held (`routing_rows`), so the tool tokens of turn k get theirs from turn k+1's
+prefill and only what was never fed (the last id sampled, a message after the last turn) has none (the trainer
+routes those live: they carry no loss).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from miles_hpc.data.sample import Sample, SampleStatus, token_hash
 
@@ -53,6 +59,12 @@ class Conversation:
     prompt_tokens: int = 0  # summed over turns: what the engine was asked to prefill
     cached_tokens: int = 0  # of those, served from its prefix cache
     finish: str = "stop"  # the last generation's finish reason
+    routed: list[np.ndarray] = field(default_factory=list)  # R3 rows per turn, [rows, moe_layers, top_k] each
+
+    @property
+    def routing_rows(self) -> int:
+        """R3 rows held: the ids from 0 whose experts the engine has returned."""
+        return sum(r.shape[0] for r in self.routed)
 
     @classmethod
     def start(cls, tokenizer: Any, messages: Sequence[dict[str, Any]], **template_kwargs: Any) -> Conversation:
@@ -79,15 +91,29 @@ class Conversation:
         prompt_tokens: int = 0,
         cached_tokens: int = 0,
         finish: str = "stop",
+        routed: np.ndarray | None = None,
     ) -> str:
         """Append one generation exactly as returned; returns its text (the assistant message: the stop token
         removed, other special tokens kept), which is also recorded in `messages` for the template's later
-        renderings."""
+        renderings. `routed`: its R3 rows, asked from row `routing_rows` on (at most up to its last id but one)."""
         n = len(output_ids)
         if logprobs is not None and len(logprobs) != n or len(versions) != n:
             raise ValueError(
                 f"generation of {n} ids came with {len(logprobs or [])} log-probs, {len(versions)} versions"
             )
+        if routed is not None and routed.shape[0]:
+            held = self.routing_rows
+            if held + routed.shape[0] > len(self.ids) + n - 1:
+                raise ValueError(
+                    f"turn {self.turns + 1}: {routed.shape[0]} routing rows from row {held} run past the "
+                    f"{len(self.ids) + n} ids less the last (ask the engine from routed_experts_start_len={held})"
+                )
+            if self.routed and routed.shape[1:] != self.routed[0].shape[1:]:
+                raise ValueError(
+                    f"turn {self.turns + 1}: routing rows of shape {routed.shape[1:]}, earlier turns "
+                    f"{self.routed[0].shape[1:]} (moe layers, top_k)"
+                )
+            self.routed.append(np.asarray(routed))
         self.ids += list(output_ids)
         self.loss_mask += [1] * n
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
@@ -157,4 +183,5 @@ class Conversation:
             status=status,
             metadata=meta,
             token_hash=token_hash(self.ids),
+            routed_experts=np.concatenate(self.routed, axis=0) if self.routed else None,
         )

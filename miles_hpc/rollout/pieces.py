@@ -15,6 +15,9 @@ Invariants:
   concatenated (each piece covers rows ``[its start, its prompt + its output - 1)``, which tile ``[start, prompt +
   output - 1)`` when every later piece starts at its prompt length - 1), prompt log-probs and cached tokens from
   the first piece.
+- An aborted piece (a weight update in pause mode ``abort``) holds the records it computed, which may stop short of
+  its prompt + output - 1 (none while it waited, part of its prompt mid-prefill): `continue_aborted` asks the next
+  piece for records from the first one missing, so they still tile without a gap.
 """
 
 from __future__ import annotations
@@ -79,6 +82,11 @@ class Pieces:
     retractions: int = 0
     started: float = field(default_factory=time.monotonic)
 
+    def rows(self, field_name: str) -> int:
+        """Record rows held so far for a record kind (a `_RECORD_STARTS` key)."""
+        held = self.routed if field_name == "routed_experts_start_len" else self.indexer
+        return sum(r.shape[0] for r in held)
+
     def add(self, out: GenerateOutput) -> None:
         offset = len(self.output_ids)
         self.output_ids += out.output_ids
@@ -141,14 +149,16 @@ async def continue_aborted(
     """`out`, or, when a weight update aborted it (pause mode ``abort``) after some tokens, those tokens continued
     until the generation finishes otherwise: one output, as if never interrupted (its later tokens carry the new
     weight version). `kw` goes to every call of `generate_fn` (``Router.generate``'s signature); a continuation asks
-    for its routing and indexer records from the last token sampled before it, so the records stitch."""
+    for its routing and indexer records from the first row not held yet (the last token sampled before it, or
+    earlier when the aborted piece had not computed all of its tokens), so the records stitch without a gap."""
     if out.finish_reason.type != "abort" or not out.output_ids or params.get("max_new_tokens") is None:
         return out
     pieces = Pieces(prompt=list(ids))
     pieces.add(out)
     cont = {k: v for k, v in params.items() if k != "sampling_seed"}  # continuing a seeded request is not exact
+    first = {f: int(kw.get(f) or 0) for f, on in _RECORD_STARTS.items() if kw.get(on)}
     while out.finish_reason.type == "abort" and len(pieces.output_ids) < int(params["max_new_tokens"]):
-        starts = {f: len(ids) + len(pieces.output_ids) - 1 for f, on in _RECORD_STARTS.items() if kw.get(on)}
+        starts = {f: start + pieces.rows(f) for f, start in first.items()}
         params_now = piece_params(cont, len(pieces.output_ids), 0)
         out = await generate_fn(list(ids) + pieces.output_ids, params_now, **{**kw, **starts})
         pieces.add(out)

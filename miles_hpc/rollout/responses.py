@@ -146,11 +146,21 @@ def _logprob_triples(raw: Any, key: str) -> list[tuple[float | None, int]]:
 
 
 def decode_routed_experts(
-    b64: str, rows: int, *, num_layers: int | None = None, top_k: int | None = None
+    b64: str, rows: int, *, num_layers: int | None = None, top_k: int | None = None, at_most: bool = False
 ) -> np.ndarray:
     """Base64 of int32 ``[rows, num_layers, top_k]`` -> array. One of ``num_layers``/``top_k`` suffices: the
-    other follows from the byte count and ``rows`` (which the token counts give), and a given one is checked."""
+    other follows from the byte count and ``rows`` (which the token counts give), and a given one is checked.
+    ``at_most``: an aborted request's answer, which holds only the rows it computed (none while it waited, part of
+    its prompt's mid-prefill): any whole number of rows up to ``rows``, which needs both dims."""
     flat = np.frombuffer(base64.b64decode(b64), dtype=np.int32)
+    if at_most and num_layers and top_k and flat.size != rows * num_layers * top_k:
+        per_row = num_layers * top_k
+        if flat.size % per_row or flat.size // per_row > rows:
+            raise ValueError(
+                f"routed_experts of an aborted request: {flat.size} int32 values, not up to {rows} rows of "
+                f"num_layers*top_k={num_layers}*{top_k}"
+            )
+        return flat.reshape(-1, num_layers, top_k)
     if rows <= 0:
         if flat.size:
             raise ValueError(f"routed_experts has {flat.size} values for 0 rows")
@@ -170,12 +180,14 @@ def decode_routed_experts(
     return flat.reshape(rows, num_layers, top_k)
 
 
-def decode_indexer_topk(b64: str, rows: int, *, num_layers: int, index_topk: int) -> np.ndarray:
+def decode_indexer_topk(b64: str, rows: int, *, num_layers: int, index_topk: int, at_most: bool = False) -> np.ndarray:
     """Base64 of int32 ``[rows, num_layers, index_topk]`` -> array; both dims are needed (the model's), and a
-    payload of no values is the no rows of a request aborted before it ran."""
+    payload of no values is the no rows of a request aborted before it ran. ``at_most``: an aborted request's
+    answer, any whole number of rows up to ``rows`` (the rows it computed)."""
     flat = np.frombuffer(base64.b64decode(b64), dtype=np.int32)
-    if flat.size == 0:
-        return flat.reshape(0, num_layers, index_topk)
+    per_row = num_layers * index_topk
+    if flat.size == 0 or at_most and per_row and not flat.size % per_row and flat.size // per_row <= rows:
+        return flat.reshape(-1, num_layers, index_topk)
     if flat.size != rows * num_layers * index_topk:
         raise ValueError(
             f"indexer_topk: {flat.size} int32 values, expected rows*indexer_layers*index_topk="
@@ -184,13 +196,13 @@ def decode_indexer_topk(b64: str, rows: int, *, num_layers: int, index_topk: int
     return flat.reshape(rows, num_layers, index_topk)
 
 
-def _indexer_rows(meta: Mapping[str, Any], rows: int, dims: tuple[int, int] | None) -> np.ndarray:
+def _indexer_rows(meta: Mapping[str, Any], rows: int, dims: tuple[int, int] | None, at_most: bool) -> np.ndarray:
     b64 = meta.get("indexer_topk")
     if not isinstance(b64, str):
         raise ValueError("indexer_topk asked but missing (our engine returns it with --enable-return-indexer-topk)")
     if dims is None:
         raise ValueError("indexer_topk: the model's indexer layers and index_topk are needed to decode")
-    return decode_indexer_topk(b64, rows, num_layers=dims[0], index_topk=dims[1])
+    return decode_indexer_topk(b64, rows, num_layers=dims[0], index_topk=dims[1], at_most=at_most)
 
 
 def parse_generate(
@@ -239,22 +251,24 @@ def parse_generate(
         if meta.get("input_token_logprobs") is not None:
             input_logprobs = [lp for lp, _ in _logprob_triples(meta["input_token_logprobs"], "input_token_logprobs")]
 
+    finish = parse_finish_reason(meta.get("finish_reason"))
+    aborted = finish.type == "abort"  # a paused or cancelled request: only the records it computed
     routed = None
     if return_routed_experts:
         b64 = meta.get("routed_experts")
         if not isinstance(b64, str):
             raise ValueError("routed_experts asked but missing (SGLang needs --enable-return-routed-experts)")
         rows = prompt_tokens + n - 1 - routed_experts_start_len
-        routed = decode_routed_experts(b64, rows, num_layers=routing_dims[0], top_k=routing_dims[1])
+        routed = decode_routed_experts(b64, rows, num_layers=routing_dims[0], top_k=routing_dims[1], at_most=aborted)
     indexer = None
     if return_indexer_topk:
-        indexer = _indexer_rows(meta, prompt_tokens + n - 1 - indexer_topk_start_len, indexer_dims)
+        indexer = _indexer_rows(meta, prompt_tokens + n - 1 - indexer_topk_start_len, indexer_dims, aborted)
 
     version = meta.get("weight_version")
     return GenerateOutput(
         rid=str(meta.get("id", "")),
         output_ids=output_ids,
-        finish_reason=parse_finish_reason(meta.get("finish_reason")),
+        finish_reason=finish,
         prompt_tokens=prompt_tokens,
         completion_tokens=n,
         cached_tokens=_int(meta, "cached_tokens", 0),
