@@ -1,4 +1,4 @@
-"""engine/protocol.py and engine/auth.py without a server: SGLang request shapes, every 400, auth decisions."""
+"""engine/protocol.py and miles_hpc/auth.py without a server: SGLang request shapes, every 400, auth decisions."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from miles_hpc.auth import ApiKeys, AuthLevel, decide, read_key
 from miles_hpc.engine import protocol
-from miles_hpc.engine.auth import ApiKeys, AuthLevel, decide, read_key
 from miles_hpc.engine.protocol import BadRequest, ModelLimits
 from miles_hpc.engine.types import FinishReason, GenerateResult
 from miles_hpc.rollout import requests as client_bodies

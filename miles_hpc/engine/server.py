@@ -2,7 +2,7 @@
 
 Stage: engine (the only process-facing part of it). Rollout, trainer and launcher reach this server over HTTP and
 process groups exactly as they reach real SGLang; request/response shapes live in protocol.py, auth rules in
-auth.py, the weight routes and the distributed weight receive in weight_receiver.py; the route table is
+miles_hpc/auth.py, the weight routes and the distributed weight receive in weight_receiver.py; the route table is
 `EngineServer.app`.
 
 Invariants:
@@ -48,10 +48,10 @@ from aiohttp import web
 
 from miles_hpc import __version__
 from miles_hpc.atomic import write_text_atomic
+from miles_hpc.auth import ApiKeys, AuthLevel, decide, read_key
 from miles_hpc.cluster.lease import parent_pid_from_env, watch_parent
 
 from . import protocol
-from .auth import ApiKeys, AuthLevel, decide, read_key
 from .config import EngineConfig
 from .core import Engine, RequestError
 from .launch import EngineLaunch
@@ -72,7 +72,7 @@ class ServerConfig:
     port: int = 30000
     """TCP port (SGLang's default); 0 picks a free one (read it from the rendezvous file)."""
     keys: ApiKeys = field(default_factory=ApiKeys)
-    """--api-key / --admin-api-key (auth.py)."""
+    """--api-key / --admin-api-key (miles_hpc/auth.py)."""
     max_request_bytes: int = 64 << 20
     """Largest request body (413 beyond), except /update_weights_from_tensor."""
     max_weights_request_bytes: int = 4 << 30

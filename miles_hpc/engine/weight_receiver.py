@@ -264,7 +264,7 @@ def _answer(body: dict[str, Any], success: bool = True) -> web.Response:
 
 
 class WeightEndpoints:
-    """Handlers of the weight routes (all admin-level, see auth.py), over one engine and its WeightReceiver."""
+    """Handlers of the weight routes (all admin-level, see miles_hpc/auth.py), over one engine and its WeightReceiver."""
 
     def __init__(
         self,

@@ -1,8 +1,10 @@
-"""API-key auth of the engine server with SGLang's semantics (``sglang.srt.utils.auth.decide_request_auth``).
+"""API-key auth with SGLang's semantics (``sglang.srt.utils.auth.decide_request_auth``), for the engine server
+(`engine/server.py`) and the OpenAI session server (`rollout/openai_server.py`).
 
-Stage: engine (HTTP layer). Pure functions; the server's middleware calls :func:`decide` once per request.
+Stage: shared by engine and rollout (their HTTP layers). Pure functions; each server's middleware calls
+:func:`decide` once per request.
 
-Levels (each route declares one; see server.py's route table):
+Levels (each route declares one; see engine/server.py's route table):
 - OPEN: ``/health``, ``/health_generate``, ``/ready``, ``/metrics``: never need a key (probes and Prometheus
   scrapers carry no secrets).
 - NORMAL (``/generate``, ``/get_server_info``, ``/get_model_info`` and their aliases): with ``--api-key`` they need
