@@ -272,3 +272,41 @@ def test_a_session_on_a_real_engine_records_what_generate_returns(tmp_path: Path
             on_loop(server.stop())
             on_loop(router.__aexit__(None, None, None))
             loop.call_soon_threadsafe(loop.stop)
+
+
+@pytest.mark.process
+def test_a_harness_for_the_openai_client_trains_in_the_loop(tmp_path: Path) -> None:
+    """`rollout.agent=miles_hpc.rollout.harness:terminal_harness_agent`: the reference harness, written for the
+    OpenAI client, plays the terminal task through the loop's session server in fully async mode with R3 on a tiny
+    MoE; every episode becomes a multi-turn sample with its routing rows, and the run trains."""
+    require(__import__("importlib").util.find_spec("openai") is not None, "the openai package (dev extra)")
+    import subprocess
+
+    from miles_hpc.data.reader import TrajectoryReader
+
+    repo = Path(__file__).resolve().parents[1]
+    run_dir = tmp_path / "run"
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_hpc.cli",
+        "run",
+        str(repo / "configs/tiny_agent_cpu.yaml"),
+        f"run_dir={run_dir}",
+        "steps=2",
+        "mode=fully_async",
+        "model.init_arch=qwen3_moe",
+        "algo.routing_replay=true",
+        "rollout.agent=miles_hpc.rollout.harness:terminal_harness_agent",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2",
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(m) == 2 and all(r["rollout/turns_mean"] > 1 for r in m) and all(r["r3/coverage"] > 0.9 for r in m)
+    samples = [s for f in sorted((run_dir / "trajectories").glob("*.h5")) for s in TrajectoryReader(f)]
+    assert len(samples) == 2 * 2 * 2
+    for s in samples:
+        assert s.metadata["session_id"].startswith("ep-") and s.loss_mask[s.prompt_len :].count(0) > 0
+        assert s.routed_experts is not None and s.routed_experts.shape[0] == len(s.tokens) - 1

@@ -71,7 +71,7 @@ class OpenAISessionServer:
         sid = body.get("session_id") or request.headers.get(SESSION_HEADER)
         session = self.store.get(None if sid is None else str(sid))
         try:
-            answer = await session.chat(body, self.store.default_max_tokens)
+            answer = await session.chat(body)
         except SessionError as e:
             return _error(400, str(e), "invalid_request_error")
         except Exception as e:  # noqa: BLE001 (the engines failed: the harness gets an answer, not a hang)

@@ -43,15 +43,17 @@ class SessionError(ValueError):
     """A request the session cannot serve as asked (HTTP 400), the message names the field or message."""
 
 
-def sampling_from_request(body: Mapping[str, Any], default_max_tokens: int) -> dict[str, Any]:
-    """The engine's sampling params for an OpenAI chat request (`max_completion_tokens` or `max_tokens`, `seed` as
-    `sampling_seed`); fields this server does not serve (``n`` > 1, streaming, log-probs in the answer) refused."""
+def sampling_from_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine's sampling params an OpenAI chat request sets (`max_completion_tokens` or `max_tokens`, `seed`
+    as `sampling_seed`; what it leaves out keeps the session's defaults); fields this server does not serve
+    (``n`` > 1, streaming, log-probs in the answer) refused."""
     for key, only in _REFUSED.items():
         if key in body and body[key] not in (None, only):
             raise SessionError(f"{key}={body[key]!r}: this server answers {key}={only!r} only")
     out = {dst: body[src] for src, dst in _SAMPLING.items() if body.get(src) is not None}
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    out["max_new_tokens"] = int(limit) if limit is not None else default_max_tokens
+    if limit is not None:
+        out["max_new_tokens"] = int(limit)
     if body.get("seed") is not None:
         out["sampling_seed"] = int(body["seed"]) % (2**31 - 1)
     return out
@@ -134,9 +136,9 @@ class ChatSession:
         del self.seen[seen:]
         c.turns = turns
 
-    async def chat(self, body: Mapping[str, Any], default_max_tokens: int) -> dict[str, Any]:
+    async def chat(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """One `/v1/chat/completions` call: the OpenAI answer (one choice)."""
-        params = sampling_from_request(body, default_max_tokens)
+        params = sampling_from_request(body)
         async with self.lock:
             mark = self._mark()
             try:
@@ -200,6 +202,14 @@ class SessionStore:
         self.tool_format = detect_format(template) if tool_format == "auto" else tool_format
         self.sessions: dict[str, ChatSession] = {}
 
+    def add(self, session_id: str, context: AgentContext) -> ChatSession:
+        """A session that generates through `context` (an agent's: its sampling, seeds, R3 and group), e.g. for a
+        harness run inside the RL loop (`rollout/harness.py`)."""
+        if session_id in self.sessions:
+            raise KeyError(f"session {session_id!r} exists")
+        self.sessions[session_id] = ChatSession(session_id, context, self.tool_format)
+        return self.sessions[session_id]
+
     def get(self, session_id: str | None) -> ChatSession:
         """The session of that id (a new one for an unknown id; a fresh anonymous one for None)."""
         sid = session_id or f"anon-{uuid.uuid4().hex}"
@@ -207,7 +217,7 @@ class SessionStore:
             ctx = AgentContext(
                 generate_fn=self.generate_fn,
                 tokenizer=self.tokenizer,
-                sampling=self.sampling,
+                sampling={"max_new_tokens": self.default_max_tokens, **self.sampling},
                 session=sid,
                 group_id=0,
                 max_context_len=self.max_context_len,
