@@ -13,6 +13,10 @@ Invariants:
   the queue, its output kept and recomputed later). A request alone always fits (`Engine.submit` checks).
 - Prefix reuse covers whole cached blocks, at most len(tokens) - 1 tokens (one row must compute logits), and stops
   before the first prompt row whose input log-prob is still owed.
+- A waiting request whose first uncached block a running request is computing right now waits for it (its later
+  requests are admitted past it): once that block is registered it is a hit. Without this, requests that arrive
+  together with a shared prefix (the episodes of a step after a weight update flushed the cache: one system
+  prompt) would each compute it.
 """
 
 from __future__ import annotations
@@ -132,14 +136,41 @@ class Scheduler:
             out.append(self._scheduled(r, n))
             i += 1
         if not retracted:
-            while self.waiting and len(self.running) < self.max_running and budget > 0:
-                s = self._admit(self.waiting[0], budget)
+            pending = self._pending_keys()
+            j = 0
+            while j < len(self.waiting) and len(self.running) < self.max_running and budget > 0:
+                w = self.waiting[j]
+                if pending and self._first_missing(w) in pending:
+                    j += 1  # its prefix is being computed: a hit once registered
+                    continue
+                s = self._admit(w, budget)
                 if s is None:
                     break
-                self.waiting.popleft()
+                del self.waiting[j]
                 budget -= s.n
                 out.append(s)
+                pending |= self._computing(s.r)
         return out
+
+    def _prefix_keys(self, r: Req) -> list[bytes]:
+        """Keys of the full blocks a prefix hit may cover for `r` (module invariants)."""
+        cap = len(r.tokens) - 1 if r.lp_next is None else min(len(r.tokens) - 1, r.lp_next)
+        return r.ensure_keys(cap // self.bs, self.bs)
+
+    def _first_missing(self, r: Req) -> bytes | None:
+        """The key of `r`'s first block the prefix index does not hold (None: all it may reuse are cached)."""
+        return next((k for k in self._prefix_keys(r) if k not in self.bm.index), None)
+
+    def _computing(self, r: Req) -> set[bytes]:
+        """Keys of the full blocks running request `r` computes and will register (none after a flush)."""
+        if not self.prefix_cache or r.epoch != self.bm.epoch:
+            return set()
+        return set(r.ensure_keys(len(r.tokens) // self.bs, self.bs)[r.num_registered :])
+
+    def _pending_keys(self) -> set[bytes]:
+        if not self.prefix_cache:
+            return set()
+        return set().union(*(self._computing(r) for r in self.running))
 
     def _blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.bs)
@@ -154,8 +185,7 @@ class Scheduler:
     def _admit(self, r: Req, budget: int) -> Scheduled | None:
         hits: list[int] = []
         if self.prefix_cache:
-            cap = len(r.tokens) - 1 if r.lp_next is None else min(len(r.tokens) - 1, r.lp_next)
-            hits = self.bm.match(r.ensure_keys(cap // self.bs, self.bs))
+            hits = self.bm.match(self._prefix_keys(r))
         start = len(hits) * self.bs
         n = min(len(r.tokens) - start, budget)
         need = self._blocks_for(start + n) - len(hits)
