@@ -186,7 +186,9 @@ def decode_indexer_topk(b64: str, rows: int, *, num_layers: int, index_topk: int
     answer, any whole number of rows up to ``rows`` (the rows it computed)."""
     flat = np.frombuffer(base64.b64decode(b64), dtype=np.int32)
     per_row = num_layers * index_topk
-    if flat.size == 0 or at_most and per_row and not flat.size % per_row and flat.size // per_row <= rows:
+    if flat.size == 0:
+        return flat.reshape(0, num_layers, index_topk)
+    if at_most and per_row and not flat.size % per_row and flat.size // per_row <= rows:
         return flat.reshape(-1, num_layers, index_topk)
     if flat.size != rows * num_layers * index_topk:
         raise ValueError(
