@@ -7,6 +7,7 @@ forty frames of asyncio.
 
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -20,6 +21,9 @@ def report_failure(exc: BaseException, logs: Path | None, role: str = "controlle
     if isinstance(exc, RunInterrupted):
         print(f"[miles-hpc] {exc}; a rerun resumes from the last checkpoint", file=sys.stderr, flush=True)
         return 128 + exc.signum
+    if type(exc) is KeyboardInterrupt:  # a Ctrl-C outside the run's handlers (e.g. while its processes stop)
+        print("[miles-hpc] SIGINT: stopped; a rerun resumes from the last checkpoint", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     where = ""
     if logs is not None:
         try:

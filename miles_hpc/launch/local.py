@@ -282,15 +282,25 @@ class LocalCluster:
                 raise RuntimeError(f"{name} exited with code {proc.returncode}; see {self.logs / (name + '.log')}")
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every process we started, then SIGKILL what is left after `grace_s`."""
+        """SIGTERM every process we started, then SIGKILL what is left after `grace_s`; a KeyboardInterrupt during
+        the grace period (a second Ctrl-C) kills what is left at once, then propagates."""
         for _, proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for _, proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        try:
+            for _, proc in self.procs:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        except KeyboardInterrupt:
+            for _, proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
+            for _, proc in self.procs:
                 proc.wait()
-        self.procs.clear()
+            raise
+        finally:
+            self.procs.clear()
