@@ -393,21 +393,15 @@ def test_trainer_step_equals_fsdp_gpu(
     _compare_step_with_fsdp(tiny_model, tmp_path, 1, 1, distributed_optimizer, "cuda", atol=1e-4)
 
 
-# Known gap (docs/megatron.md): on the H200 (2026-12-05) a partial offload stepped unlike FSDP (loss 0.00024 vs
-# 0.00095); strict, so the fix shows up as a failure that removes this mark.
-PARTIAL_OFFLOAD_GAP = pytest.mark.xfail(
-    strict=True, reason="offload 0.5 differs from FSDP on the H200 (docs/megatron.md)"
-)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("offload", [pytest.param(0.5, marks=PARTIAL_OFFLOAD_GAP), 1.0])
+@pytest.mark.parametrize("offload", [0.25, 0.5, 1.0])
 def test_offloaded_optimizer_steps_like_fsdp_gpu(
     world: None, tiny_moe_model: Path, tmp_path: Path, offload: float
 ) -> None:
     """megatron.optimizer_offload_fraction (megatron's HybridDeviceOptimizer, precision-aware: no fp32 master left
-    on the GPU; torch's AdamW on the host for that share of the distributed optimizer's shard): the same step as
-    the FSDP backend's (fp32 both), on a MoE model."""
+    on the GPU; torch's AdamW on the host for that share of the distributed optimizer's shard, on the GPU for the
+    rest): the same step as the FSDP backend's (fp32 both), on a MoE model. A partial offload steps float32
+    parameters on the GPU too (train/mcore_fixes.gpu_share_grads: before it they never stepped)."""
     _compare_step_with_fsdp(tiny_moe_model, tmp_path, 1, 1, True, "cuda", atol=1e-4, offload=offload)
 
 
