@@ -5,8 +5,10 @@ same model, layout, options and micro-batch, and how far the weights after the t
 
 Prints one JSON line per result:
 - ``megatron_step`` per option set (``offload`` = `megatron.optimizer_offload_fraction`, precision-aware when > 0):
-  step seconds (the second of two steps, the first warms up), the measured peak and the planner's prediction in
-  GB (1e9 B) with their ratio, the planner's terms, and the host memory the planner gives the optimizer;
+  step seconds (the second of two steps, the first warms up), the measured peak (above what was allocated before
+  the trainer was built: `allocated_before_gb`, 0 unless an earlier trainer's memory was not freed) and the
+  planner's prediction in GB (1e9 B) with their ratio, the planner's terms, and the host memory the planner gives
+  the optimizer;
 - ``offload_vs_gpu``: the largest absolute difference of any weight after the same two steps with and without
   offload (bf16 weights, fp32 optimizer both ways: the same Adam arithmetic on another device).
 
@@ -78,6 +80,7 @@ def _step(model_dir: Path, cfg: dict[str, Any], args: argparse.Namespace, offloa
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()  # what an earlier trainer left (0 unless one leaked)
     trainer = mg.MegatronTrainer(model_dir, train, AlgoConfig(), mcfg, device="cuda", seed=0)
     batch = _batch(args.seq, args.sequences, args.vocab)
     times = []
@@ -87,7 +90,7 @@ def _step(model_dir: Path, cfg: dict[str, Any], args: argparse.Namespace, offloa
         trainer.train_step(batch)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() - before
     opts = MemoryOptions(offload_fraction=offload, precision_aware=offload > 0)
     plan = rank_memory(cfg, Layout(), opts, Batch(seq_len=args.seq, micro_batch=1))
     weights = {n: t.float().cpu() for n, t in trainer.state_for_sync()}
@@ -108,6 +111,7 @@ def _step(model_dir: Path, cfg: dict[str, Any], args: argparse.Namespace, offloa
             "activations": plan.activations / GB,
         },
         "planned_host_gb": plan.optimizer_host / GB,
+        "allocated_before_gb": before / GB,
         "micro_batch_tokens": args.seq,
         "micro_batches": args.sequences,
     }

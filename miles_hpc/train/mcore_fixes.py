@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
+from megatron.core.distributed import DistributedDataParallel as _DistributedDataParallel
 from megatron.core.extensions import transformer_engine as _te_extension
 from megatron.core.optimizer import optimizer_config as _optimizer_config
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer as _HybridDeviceOptimizer
@@ -103,3 +105,22 @@ def _hybrid_init(init: Any) -> Any:
 
 _HybridDeviceOptimizer._set_sub_optimizer_grads = _hybrid_set_grads(_HybridDeviceOptimizer._set_sub_optimizer_grads)
 _HybridDeviceOptimizer._init_sub_optimizers = _hybrid_init(_HybridDeviceOptimizer._init_sub_optimizers)
+
+
+def _weak_backward_post_hook(make: Any) -> Any:
+    """megatron-core 0.16's DDP puts a hook on each parameter's gradient accumulator (a C++ autograd node that the DDP
+    keeps in `grad_accs`) closing over the DDP itself: a cycle through C++ that Python's collector cannot see, so a
+    model once wrapped was never freed, nor its gradient buffer or the fp32 masters megatron's optimizer hangs on its
+    parameters (`main_param`); a second trainer in the same process (tests, benchmarks, a rebuilt trainer) ran beside
+    the first one's memory. The hook now reaches the DDP through a weak proxy; the DDP, alive while the trainer is,
+    still runs it the same."""
+
+    def wrapped(self: Any, param: torch.nn.Parameter) -> Any:
+        return make(weakref.proxy(self), param)
+
+    return wrapped
+
+
+_DistributedDataParallel._make_backward_post_hook = _weak_backward_post_hook(
+    _DistributedDataParallel._make_backward_post_hook
+)
