@@ -175,7 +175,9 @@ def test_affinity_sticks_within_margin_and_moves_beyond_it() -> None:
     sel.in_flight[home] = 0
     assert sel.pick("group-7") == other  # ... and stays where its prefix now is
     sel.quarantined.add(other)
-    assert sel.pick("group-7") == home
+    assert sel.pick("group-7") == home  # its engine failed: the key moves to one that serves ...
+    sel.quarantined.discard(other)
+    assert sel.pick("group-7") == home  # ... and stays there (its prefix is there now) when the old one is back
 
 
 def test_affinity_map_is_bounded() -> None:
@@ -473,3 +475,7 @@ def test_continue_aborted_stitches_routing_and_indexer_rows() -> None:
     np.testing.assert_array_equal(stitched.indexer_topk, whole.indexer_topk)
     assert [c.get("indexer_topk_start_len") for c in eng.calls] == [None, 4 + 3 - 1]
     assert [c.get("routed_experts_start_len") for c in eng.calls] == [None, 4 + 3 - 1]
+    # Its prompt is the request's; the prefix-cache account holds both requests' prompts (the continuation resent
+    # the prompt with the 3 tokens, all of it computed again after the update's flush).
+    assert stitched.prompt_tokens == 4 and stitched.prefill_account() == (4 + 7, 0)
+    assert whole.prefill_account() == (4, 0)

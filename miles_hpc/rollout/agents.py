@@ -93,8 +93,9 @@ class AgentContext:
             out.output_ids,
             out.output_logprobs,
             out.token_versions(),
-            prompt_tokens=out.prompt_tokens,
-            cached_tokens=out.cached_tokens,
+            prompt_tokens=out.prefill_account()[0],
+            cached_tokens=out.prefill_account()[1],
+            usage=(out.prompt_tokens, out.cached_tokens),
             finish=out.finish_reason.type,
             routed=out.routed_experts if self.routed_experts else None,
         )

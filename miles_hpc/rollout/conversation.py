@@ -56,8 +56,9 @@ class Conversation:
     versions: list[int]
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     turns: int = 0  # assistant turns generated
-    prompt_tokens: int = 0  # summed over turns: what the engine was asked to prefill
-    cached_tokens: int = 0  # of those, served from its prefix cache
+    prompt_tokens: int = 0  # summed over turns: what the engines were asked to prefill (every request of a turn)
+    cached_tokens: int = 0  # of those, served from their prefix caches
+    last_usage: tuple[int, int] = (0, 0)  # the last turn's prompt and, of it, the tokens its first request found cached
     finish: str = "stop"  # the last generation's finish reason
     routed: list[np.ndarray] = field(default_factory=list)  # R3 rows per turn, [rows, moe_layers, top_k] each
 
@@ -92,10 +93,13 @@ class Conversation:
         cached_tokens: int = 0,
         finish: str = "stop",
         routed: np.ndarray | None = None,
+        usage: tuple[int, int] | None = None,
     ) -> str:
         """Append one generation exactly as returned; returns its text (the assistant message: the stop token
         removed, other special tokens kept), which is also recorded in `messages` for the template's later
-        renderings. `routed`: its R3 rows, asked from row `routing_rows` on (at most up to its last id but one)."""
+        renderings. `routed`: its R3 rows, asked from row `routing_rows` on (at most up to its last id but one).
+        `prompt_tokens` / `cached_tokens`: what the turn's requests prefilled and found cached (the prefix-cache
+        account); `usage`: its prompt and the first request's hits, as an API reports them (default: the account)."""
         n = len(output_ids)
         if logprobs is not None and len(logprobs) != n or len(versions) != n:
             raise ValueError(
@@ -121,6 +125,7 @@ class Conversation:
         self.turns += 1
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens
+        self.last_usage = usage if usage is not None else (prompt_tokens, cached_tokens)
         self.finish = finish
         # The message content is the text between the generation prompt and the stop token, special tokens
         # included (a model may emit markup tokens mid-turn; the template must render them back unchanged).

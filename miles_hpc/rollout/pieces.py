@@ -14,7 +14,8 @@ Invariants:
   log-probs concatenated, weight-version spans shifted and joined, routed experts and indexer records each
   concatenated (each piece covers rows ``[its start, its prompt + its output - 1)``, which tile ``[start, prompt +
   output - 1)`` when every later piece starts at its prompt length - 1), prompt log-probs and cached tokens from
-  the first piece.
+  the first piece; `sent` sums every piece's prompt and cached tokens (a continuation after a weight update
+  recomputes what the flush dropped: the prefix-cache account counts it).
 - An aborted piece (a weight update in pause mode ``abort``) holds the records it computed, which may stop short of
   its prompt + output - 1 (none while it waited, part of its prompt mid-prefill): `continue_aborted` asks the next
   piece for records from the first one missing, so they still tile without a gap.
@@ -80,6 +81,8 @@ class Pieces:
     last: GenerateOutput | None = None
     count: int = 0
     retractions: int = 0
+    sent_prompt: int = 0  # prompt tokens of every piece (each sends the prompt with the output so far)
+    sent_cached: int = 0  # of them served from a prefix cache
     started: float = field(default_factory=time.monotonic)
 
     def rows(self, field_name: str) -> int:
@@ -112,6 +115,8 @@ class Pieces:
         self.last = out
         self.count += 1
         self.retractions += out.num_retractions
+        self.sent_prompt += out.prefill_account()[0]
+        self.sent_cached += out.prefill_account()[1]
 
     def result(self, rid: str, resubmissions: int, finish: FinishReason | None = None) -> GenerateOutput:
         first, last = self.first, self.last
@@ -126,7 +131,8 @@ class Pieces:
             finish_reason=finish or last.finish_reason,
             prompt_tokens=len(self.prompt),
             completion_tokens=len(self.output_ids),
-            cached_tokens=first.cached_tokens,  # the prompt's hits; later pieces find their prefix by design
+            cached_tokens=first.cached_tokens,  # the prompt's hits; every piece's in `sent`
+            sent=(self.sent_prompt, self.sent_cached),
             output_logprobs=self.logprobs if last.output_logprobs is not None else None,
             input_logprobs=first.input_logprobs,
             weight_versions=tuple(self.spans),

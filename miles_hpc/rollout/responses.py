@@ -70,6 +70,16 @@ class GenerateOutput:
     # Router bookkeeping: pieces the generation was produced in, and how many were re-run after an engine failed.
     chunks: int = 1
     resubmissions: int = 0
+    # Prompt tokens sent and of them served from a prefix cache, summed over every request this output took (the
+    # router's chunks, continuations after a weight update, which recompute what the update's cache flush dropped);
+    # None: one request (prompt_tokens, cached_tokens).
+    sent: tuple[int, int] | None = None
+
+    def prefill_account(self) -> tuple[int, int]:
+        """(prompt tokens the engines were asked to prefill, of them cached) for this output: the prefix-cache
+        account (`prefix_cache_hit_rate`), unlike `prompt_tokens` / `cached_tokens` (its prompt, the first request's
+        hits)."""
+        return self.sent if self.sent is not None else (self.prompt_tokens, self.cached_tokens)
 
     def token_versions(self) -> list[str]:
         """The weight version of every output token. Without spans (older SGLang) every token gets the final

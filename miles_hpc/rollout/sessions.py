@@ -145,7 +145,7 @@ class ChatSession:
                 self._append(list(body.get("messages") or []), body.get("tools"))
                 conv = self.conv
                 assert conv is not None
-                before, prompt, cached = len(conv.ids), conv.prompt_tokens, conv.cached_tokens
+                before = len(conv.ids)
                 text = await self.context.generate(conv, **params)
             except BaseException:  # the call left no trace: the harness may send it again
                 self._rollback(mark)
@@ -157,11 +157,12 @@ class ChatSession:
             self.seen.append(message)
             finish = "tool_calls" if calls else {"stop": "stop", "length": "length"}.get(conv.finish, conv.finish)
             completion = len(conv.ids) - before
+            prompt, cached = conv.last_usage
             usage = {
-                "prompt_tokens": conv.prompt_tokens - prompt,
+                "prompt_tokens": prompt,
                 "completion_tokens": completion,
-                "total_tokens": conv.prompt_tokens - prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": conv.cached_tokens - cached},
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
             }
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
