@@ -175,6 +175,25 @@ def test_flush_cache_and_weight_update_drop_the_prefix_cache(ckpt: Path) -> None
     assert run(engine, greedy("e", p))["e"].cached_tokens == 28
 
 
+def test_a_retracted_request_reports_its_first_admissions_hits(ckpt: Path) -> None:
+    """cached_tokens as SGLang counts it: the prompt tokens the request's first admission found cached; its re-prefill
+    after a retraction (a weight update in pause mode retract) counts in the engine's totals, not in the request's."""
+    engine = Engine.from_pretrained(str(ckpt), EngineConfig(block_size=4))
+    p = list(range(30))
+    run(engine, greedy("warm", p))
+    results: dict = {}
+    engine.submit(greedy("r", p, 12), lambda res: results.__setitem__(res.rid, res))
+    for _ in range(3):
+        engine.step()
+    before = engine.stats()["cached_tokens_total"]
+    engine.pause("retract")
+    engine.resume()
+    while engine.step():
+        pass
+    assert results["r"].num_retractions == 1 and results["r"].cached_tokens == 28
+    assert engine.stats()["cached_tokens_total"] > before  # the re-prefill hit the blocks it had published
+
+
 def test_flush_refused_while_requests_live(ckpt: Path) -> None:
     engine = Engine.from_pretrained(str(ckpt), EngineConfig(block_size=4))
     run(engine, greedy("a", list(range(12))))

@@ -200,7 +200,8 @@ class Scheduler:
         self.bm.set_row(r.row, 0, r.blocks)
         r.num_computed = start
         r.num_registered = len(hits)
-        r.cached_tokens += start
+        if not r.num_retractions:  # SGLang's: the first admission's hits (re-prefills count in the engine's totals)
+            r.cached_tokens = start
         self.admitted_tokens += len(r.tokens)
         self.cached_tokens += start
         r.epoch = self.bm.epoch

@@ -77,7 +77,7 @@ class GenerateResult:
     output_ids: list[int]
     finish_reason: FinishReason
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from the prefix cache (summed over re-prefills after retraction)
+    cached_tokens: int  # prompt tokens its first admission found in the prefix cache (SGLang's; not re-prefills)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None  # from logprob_start_len; the first prompt token has None
     routed_experts: np.ndarray | None = None
