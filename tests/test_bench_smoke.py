@@ -88,3 +88,45 @@ def test_dsa_bench_reports_decode_of_both_attentions_and_a_train_step() -> None:
     assert decode["dsa"]["cache_bytes_per_token"] > decode["dense_mla"]["cache_bytes_per_token"]
     (train,) = [line for line in lines if line["result"] == "train_step"]
     assert train["step_s"] > 0 and math.isfinite(train["loss"])
+
+
+def test_agent_cache_ceiling_counts_what_a_perfect_cache_serves() -> None:
+    """Two conversations of one prompt group under one weight version, a turn after updates: turn 1 of the first
+    computes everything, the second's turn 1 hits its whole prompt; a later turn hits all but what it adds and the
+    last generated token; after two updates (flushes) nothing; after one, what the previous version computed (the
+    request may have been admitted before the update that its first token came after)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("bench_agent_cache", REPO / "benchmarks" / "bench_agent_cache.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def conv(tokens: list[int], mask: list[int], versions: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(tokens=tokens, loss_mask=mask, policy_version=versions)
+
+    # prompt 1 2 3 | generated 4 5 | tool 6 7 | generated 8 9 (the second turn under version 2 in `b`)
+    a = conv([1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 0, 1, 1, 0, 0, 1, 1], [0] * 9)
+    b = conv([1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 0, 1, 1, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0, 0, 2, 2])
+    assert [r[1] for r in mod.requests_of(a)] == [[1, 2, 3], [1, 2, 3, 4, 5, 6, 7]]
+    # A turn cut by an update: in pause mode abort a continuation request resends the prompt with the first part.
+    cut = conv([1, 2, 3, 4, 5], [0, 0, 0, 1, 1], [0, 0, 0, 0, 1])
+    assert mod.requests_of(cut) == [(0, [1, 2, 3], [4]), (1, [1, 2, 3, 4], [5])]
+    assert mod.requests_of(cut, split=False) == [(0, [1, 2, 3], [4, 5])]
+    # a: turn 1 misses 3; b: turn 1 hits 3 (a's prompt); a turn 2: hits 1 2 3 4 (5 never ran), misses 5 6 7;
+    # b turn 2 under version 2: a flushed cache, misses all 7.
+    assert mod.ceiling([a, b]) == (20, 7, 3, 4)
+    assert mod.ceiling([a, b], flush=False) == (20, 14, 3, 4)  # b's turn 2 would hit all a's turn 2 computed
+    b.policy_version[7:] = [1, 1]  # one update before b's turn 2: in fully async it may have been admitted before it
+    assert mod.ceiling([a, b]) == (20, 7, 3, 4)
+    assert mod.ceiling([a, b], straddle=True) == (20, 14, 3, 4)
+
+
+def test_agent_cache_bench_reaches_its_ceiling_with_one_token_pages() -> None:
+    lines = bench("benchmarks/bench_agent_cache.py", "--turns", "2", "--page-sizes", "16", "1", "--steps", "1")
+    assert [x["page_size"] for x in lines] == [16, 1]
+    for x in lines:
+        assert x["prompt_tokens"] == x["engine_prompt_tokens"] and x["turns_played"] == 2.0
+        assert x["hit_rate"] <= x["ceiling"] + 1e-9 and x["ceiling"] <= x["ceiling_without_flush"]
+    assert lines[1]["of_ceiling"] > 0.999 and lines[0]["of_ceiling"] < lines[1]["of_ceiling"]

@@ -81,10 +81,11 @@ def check_greedy(plain: CausalLM, ps: list[list[int]], results: dict[str, Genera
         assert got.finish_reason.type == "length" and got.prompt_tokens == len(p)
 
 
-@pytest.mark.parametrize("prefix_cache", [True, False])
-def test_batched_greedy_matches_plain_model(ckpt: Path, plain: CausalLM, prefix_cache: bool) -> None:
-    # Small blocks and a small prefill budget: prompts are chunked across steps and mixed with decodes.
-    cfg = EngineConfig(block_size=4, max_prefill_tokens=24, enable_prefix_cache=prefix_cache)
+@pytest.mark.parametrize(("prefix_cache", "block_size"), [(True, 4), (False, 4), (True, 1)])
+def test_batched_greedy_matches_plain_model(ckpt: Path, plain: CausalLM, prefix_cache: bool, block_size: int) -> None:
+    # Small blocks (down to SGLang's one-token pages) and a small prefill budget: prompts are chunked across steps
+    # and mixed with decodes.
+    cfg = EngineConfig(block_size=block_size, max_prefill_tokens=24, enable_prefix_cache=prefix_cache)
     engine = Engine.from_pretrained(str(ckpt), cfg)
     ps = prompts([1, 7, 16, 33, 50])
     ps.append(ps[4][:40] + [3, 4])  # shares 40 tokens with request 4
@@ -115,9 +116,10 @@ def test_staggered_submissions_join_running_batch(ckpt: Path, plain: CausalLM) -
     check_greedy(plain, ps, results, 12)
 
 
-def test_tiny_kv_cache_retracts_and_recomputes(ckpt: Path, plain: CausalLM) -> None:
-    # 10 blocks of 4 tokens for 4 requests of up to 12 + 16 tokens: they cannot all grow; the newest yield.
-    cfg = EngineConfig(block_size=4, num_blocks=10, max_prefill_tokens=64)
+@pytest.mark.parametrize("block_size", [4, 1])
+def test_tiny_kv_cache_retracts_and_recomputes(ckpt: Path, plain: CausalLM, block_size: int) -> None:
+    # 40 tokens of KV for 4 requests of up to 12 + 16 tokens: they cannot all grow; the newest yield.
+    cfg = EngineConfig(block_size=block_size, num_blocks=40 // block_size, max_prefill_tokens=64)
     engine = Engine.from_pretrained(str(ckpt), cfg)
     ps = prompts([6, 12, 9, 11], seed=2)
     results: dict[str, GenerateResult] = {}

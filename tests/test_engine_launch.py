@@ -29,6 +29,7 @@ def _non_defaults() -> EngineLaunch:
         "dtype": "bfloat16",
         "tp_size": 4,
         "max_total_tokens": 1234,
+        "page_size": 4,
         "kv_cache_fraction": 0.25,
         "max_context_len": 4096,
         "max_running_requests": 7,
@@ -77,3 +78,21 @@ def test_run_engines_launch_with_the_run_config(tmp_path: Path) -> None:
     assert (back.seed, back.port, back.device, back.dtype) == (6, 0, "cuda:1", cfg.model.dtype)
     assert back.api_key is None and back.api_key_file == str(tmp_path / "keys" / "api_key")  # keys never in argv
     assert back.weight_update_timeout == cfg.sync.timeout_s
+
+
+def test_the_run_page_size_reaches_the_engine(tmp_path: Path) -> None:
+    """rollout.page_size -> `serve --page-size` -> the engine's KV block; unset, the engine keeps its own default."""
+    from miles_hpc.engine.config import EngineConfig
+    from miles_hpc.engine.launch import DEFAULT_PAGE_SIZE
+    from miles_hpc.engine.server import configs_of
+
+    assert EngineConfig().block_size == DEFAULT_PAGE_SIZE == 16  # serve's default is the engine's
+
+    for overrides, block in (([], 16), (["rollout.page_size=1"], 1), (["rollout.page_size=4"], 4)):
+        cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", overrides)
+        launch = engine_launch(cfg, tmp_path / "model", tmp_path / "keys", tmp_path / "rdv.json", 0)
+        (tmp_path / "keys").mkdir(exist_ok=True)
+        for name in ("api_key", "admin_api_key"):
+            (tmp_path / "keys" / name).write_text("k\n")
+        engine_cfg, _ = configs_of(EngineLaunch.parse(launch.argv()[4:]))
+        assert engine_cfg.block_size == block

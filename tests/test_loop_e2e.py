@@ -152,12 +152,14 @@ def test_tiny_agentic_config_runs_multi_turn_episodes(tmp_path: Path) -> None:
     assert any(p.name.startswith("events") for p in (run_dir / "tb").rglob("*"))
 
 
-@pytest.mark.parametrize("pause,r3", [("retract", False), ("abort", True)])
-def test_agents_in_fully_async_mode(pause: str, r3: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("pause,moe", [("retract", None), ("abort", "qwen3_moe"), ("abort", "glm_moe_dsa")])
+def test_agents_in_fully_async_mode(pause: str, moe: str | None, tmp_path: Path) -> None:
     # Episodes hold their slots across weight updates: a group may span versions (staleness from generated tokens
     # only, never the tool output's -1), a turn aborted by an update continues from its tokens, and the run
-    # trains every step with the environment's rewards. With R3 (a tiny MoE) every sample holds a routing row per
-    # token but its last, stitched across turns and aborted pieces, and the trainer replays them.
+    # trains every step with the environment's rewards. With R3 (a tiny MoE: dense attention, or GLM-5's DSA) every
+    # sample holds a routing row per token but its last, stitched across turns and aborted pieces, and the trainer
+    # replays them.
+    r3 = moe is not None
     run_dir = tmp_path / "agent_async"
     argv = [
         sys.executable,
@@ -173,7 +175,7 @@ def test_agents_in_fully_async_mode(pause: str, r3: bool, tmp_path: Path) -> Non
         "rollout.prompts_per_step=2",
         "rollout.samples_per_prompt=2",
         f"sync.pause_mode={pause}",
-        *(["algo.routing_replay=true", "model.init_arch=qwen3_moe"] if r3 else []),
+        *(["algo.routing_replay=true", f"model.init_arch={moe}"] if r3 else []),
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -60,6 +60,7 @@ def test_full_command_is_golden_and_keys_stay_off_it(tmp_path: Path) -> None:
         api_key_file=str(tmp_path / "api_key"),
         admin_api_key_file=str(tmp_path / "admin_api_key"),
         mem_fraction_static=0.85,
+        page_size=1,
         enable_return_routed_experts=True,
         enable_lora=True,
         max_lora_rank=32,
@@ -92,6 +93,8 @@ def test_full_command_is_golden_and_keys_stay_off_it(tmp_path: Path) -> None:
         "8",
         "--mem-fraction-static",
         "0.85",
+        "--page-size",
+        "1",
         "--enable-return-routed-experts",
         "--enable-lora",
         "--max-lora-rank",
@@ -134,6 +137,8 @@ def test_full_command_is_golden_and_keys_stay_off_it(tmp_path: Path) -> None:
         ({"extra_args": ("--api-key", "x")}, r"repeat flags.*--api-key"),
         ({"extra_args": ("--tp-size=2",)}, "--tp-size"),
         ({"mem_fraction_static": 1.5}, "mem_fraction_static"),
+        ({"page_size": 0}, "page_size must be >= 1"),
+        ({"extra_args": ("--page-size", "4")}, "--page-size"),
     ],
 )
 def test_spec_validation(kwargs: dict[str, object], message: str) -> None:

@@ -157,6 +157,14 @@ class RolloutConfig:
         default=1, metadata=_help("nodes one engine spans (SGLang --nnodes; engine_tp / engine_nodes GPUs on each)")
     )
     engine_ep: int = field(default=1, metadata=_help("expert-parallel size inside an engine (SGLang --ep-size)"))
+    page_size: int | None = field(
+        default=None,
+        metadata=_help(
+            "KV-cache page in tokens of every engine this run starts (SGLang's and our serve's --page-size); prefix "
+            "reuse is in whole pages, so a multi-turn conversation recomputes the rest of its last page each turn; "
+            "null: each engine's default (SGLang 1, the embedded engine 16)"
+        ),
+    )
     engine_urls: tuple[str, ...] = field(
         default=(),
         metadata=_help(
@@ -206,6 +214,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_engines >= 1, "num_engines", f"must be >= 1, got {self.num_engines}")
+        _require(self.page_size is None or self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
         for key in ("engine_tp", "engine_nodes", "engine_ep"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         _require(self.engine_tp % self.engine_nodes == 0, "engine_nodes", f"must divide engine_tp={self.engine_tp}")

@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EngineLaunch"]
+__all__ = ["DEFAULT_PAGE_SIZE", "EngineLaunch"]
+
+DEFAULT_PAGE_SIZE = 16  # tokens per KV block of the embedded engine (EngineConfig.block_size's default)
 
 
 def _flag(default: Any, help: str, parse: Callable[[str], Any] | None = str) -> Any:
@@ -38,6 +40,11 @@ class EngineLaunch:
     dtype: str | None = _flag(None, "weights/KV dtype: float32, bfloat16, float16 (default: the checkpoint's)")
     tp_size: int = _flag(1, "tensor-parallel ranks serving the model (one process and device each; SGLang's flag)", int)
     max_total_tokens: int = _flag(65536, "KV-cache capacity in tokens (CPU)", int)
+    page_size: int = _flag(
+        DEFAULT_PAGE_SIZE,
+        "tokens per KV-cache page (block); prefix caching reuses whole pages (SGLang's flag; its default is 1)",
+        int,
+    )
     kv_cache_fraction: float = _flag(
         0.85, "GPU: fraction of the memory free after loading weights for the KV cache", float
     )

@@ -502,6 +502,7 @@ def configs_of(launch: EngineLaunch) -> tuple[EngineConfig, ServerConfig]:
         device=launch.device,
         dtype=launch.dtype,
         max_total_tokens=launch.max_total_tokens,
+        block_size=launch.page_size,
         kv_cache_fraction=launch.kv_cache_fraction,
         max_context_len=launch.max_context_len,
         max_running_requests=launch.max_running_requests,

@@ -27,7 +27,7 @@ from typing import Any
 
 from miles_hpc.cluster.lease import PARENT_PID_ENV
 from miles_hpc.config import ConfigError, RunConfig
-from miles_hpc.engine.launch import EngineLaunch
+from miles_hpc.engine.launch import DEFAULT_PAGE_SIZE, EngineLaunch
 from miles_hpc.sync.factory import strategy_class
 
 SHARED_KV_FRACTION = 0.25  # an engine's default KV share of free GPU memory when a trainer rank uses its GPU too
@@ -88,6 +88,7 @@ def engine_launch(
         batch_invariant=cfg.zero_kl,
         enable_return_indexer_topk=cfg.algo.indexer_replay,  # engines record only what a run replays
         tp_size=cfg.rollout.engine_tp,
+        page_size=cfg.rollout.page_size or DEFAULT_PAGE_SIZE,
         **placement,
     )
 

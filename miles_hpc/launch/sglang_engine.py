@@ -56,6 +56,7 @@ def sglang_spec(
         model_path=str(model_dir),
         tp_size=r.engine_tp,
         ep_size=r.engine_ep,
+        page_size=r.page_size,
         host="0.0.0.0",
         port=port,
         api_key_file=str(keys / "api_key"),

@@ -43,6 +43,7 @@ _MANAGED_FLAGS = frozenset(
         "--admin-api-key",
         "--config",
         "--mem-fraction-static",
+        "--page-size",
         "--enable-return-routed-experts",
         "--enable-lora",
         "--max-lora-rank",
@@ -73,6 +74,7 @@ class SGLangLaunchSpec:
     # Where write_secrets_config() puts the YAML passed as --config; default: next to the key file.
     secrets_config_file: str | None = None
     mem_fraction_static: float | None = None
+    page_size: int | None = None  # KV-cache page in tokens (prefix reuse in whole pages); None: SGLang's default
     enable_return_routed_experts: bool = False  # R3: needed for return_routed_experts
     enable_lora: bool = False
     max_lora_rank: int | None = None
@@ -97,6 +99,8 @@ class SGLangLaunchSpec:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("dist_init_addr (host:port of node 0) is required when nnodes > 1")
+        if self.page_size is not None and self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if (self.max_lora_rank is not None or self.lora_target_modules) and not self.enable_lora:
@@ -119,6 +123,8 @@ class SGLangLaunchSpec:
         cmd += ["--tp-size", str(self.tp_size), "--dp-size", str(self.dp_size), "--ep-size", str(self.ep_size)]
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", repr(self.mem_fraction_static)]
+        if self.page_size is not None:
+            cmd += ["--page-size", str(self.page_size)]
         if self.enable_return_routed_experts:
             cmd += ["--enable-return-routed-experts"]
         if self.enable_lora:
