@@ -466,6 +466,13 @@ class SlurmConfig:
     site: str | None = field(default=None, metadata=_help("site file sourced first (slurm/sites/*.sh: ROCm, NICs)"))
     setup: tuple[str, ...] = field(default=(), metadata=_help("# EDIT: shell lines before the run (modules, venv)"))
     signal_s: int = field(default=180, metadata=_help("USR2 this long before the walltime: checkpoint + requeue"))
+    shared_fs_check: bool = field(
+        default=True,
+        metadata=_help(
+            "preflight refuses a run_dir outside a shared file system (NFS, Lustre, GPFS, BeeGFS, ...) for a job "
+            "of several nodes; false where a node-local path is shared after all (one-host test clusters)"
+        ),
+    )
     requeue: bool = field(default=True, metadata=_help("requeue on preemption or the walltime signal"))
     extra_sbatch: tuple[str, ...] = field(default=(), metadata=_help("more #SBATCH options for both components"))
     output: str | None = field(
