@@ -106,16 +106,26 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     from miles_hpc.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    if args.launcher == "submitit":  # one allocation runs the whole `miles-hpc run` (no hetjob)
-        from miles_hpc.launch.submitit_jobs import submit_runs
+    checked = True
+    if not args.no_preflight:
+        from miles_hpc.launch.preflight import preflight, report
 
+        checked = report(preflight(cfg, components=args.launcher == "sbatch"), sys.stderr)
+        if not checked and not args.dry_run:
+            return 2
+    if args.launcher == "submitit":  # one allocation runs the whole `miles-hpc run` (no hetjob)
+        from miles_hpc.launch.submitit_jobs import describe, submit_runs
+
+        if args.dry_run:
+            print(describe(cfg, args.config, [list(args.overrides)]))
+            return 0 if checked else 2
         job = submit_runs(cfg, args.config, [list(args.overrides)], Path(cfg.run_dir) / "submitit")[0]
         print(f"submitted job {job.job_id} (submitit); run dir {cfg.run_dir}; logs {cfg.run_dir}/submitit")
         return 0
     script = render_sbatch(cfg, args.config, args.overrides)  # paths as given: the job starts in this directory
     if args.dry_run:
         print(script, end="")
-        return 0
+        return 0 if checked else 2
     path = Path(cfg.run_dir) / "job.sbatch"
     (Path(cfg.run_dir) / "logs").mkdir(parents=True, exist_ok=True)  # where --output points
     write_text_atomic(path, script)
@@ -202,7 +212,13 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     from miles_hpc.config import load_config
     from miles_hpc.launch.workers import prepare
 
-    paths = prepare(load_config(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides)
+    if os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0"):  # a requeued attempt passed it before
+        from miles_hpc.launch.preflight import preflight, report
+
+        if not report(preflight(cfg), sys.stderr):
+            return 2
+    paths = prepare(cfg)
     print(paths.config)
     return 0
 
@@ -467,7 +483,16 @@ def build_parser() -> argparse.ArgumentParser:
     sbm = sub.add_parser("submit", help="render the run's Slurm batch script (hetjob or split) and sbatch it")
     sbm.add_argument("config", help="YAML config file (its slurm: section sizes the job)")
     sbm.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
-    sbm.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    sbm.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the script (submitit: the job's parameters) instead of submitting; exit 2 if preflight fails",
+    )
+    sbm.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="skip the checks against this machine (to render a template elsewhere than on the cluster)",
+    )
     sbm.add_argument(
         "--launcher",
         choices=["sbatch", "submitit"],

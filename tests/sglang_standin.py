@@ -4,6 +4,9 @@ serves the model with our embedded engine, which speaks the same HTTP API. It te
 --config, waiting for /health, the rendezvous record, shutdown), not SGLang.
 
     sglang_standin.py -m sglang.launch_server --model-path M --host H --port P [--config F] [...]
+    sglang_standin.py -c CODE    # preflight's probe of the interpreter: CODE runs with a stand-in `sglang` module
+
+The stand-in's `sglang.__version__` is the release our schemas are checked against, marked as a stand-in.
 """
 
 from __future__ import annotations
@@ -13,6 +16,14 @@ import json
 import os
 import sys
 import tempfile
+import types
+
+if sys.argv[1:2] == ["-c"]:
+    from miles_hpc.launch.preflight import SGLANG_MIN
+
+    sys.modules["sglang"] = types.SimpleNamespace(__version__=".".join(map(str, SGLANG_MIN)) + "+standin")  # type: ignore[assignment]
+    exec(sys.argv[2])
+    sys.exit(0)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("-m", dest="module", required=True)

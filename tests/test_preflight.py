@@ -132,3 +132,24 @@ def test_all_problems_at_once() -> None:
     )
     assert sorted(p.key for p in pf.problems) == ["rollout.engine_tp", "rollout.sglang_python", "slurm.site"]
     assert all(str(p).startswith(p.key + ": ") and "; fix: " in str(p) for p in pf.problems)
+
+
+def test_the_signal_lead_covers_a_step_and_a_checkpoint(tmp_path: Path) -> None:
+    """GLM-5.2's checkpoint (its config from the planner) cannot be written in the default 180 s; an earlier
+    attempt's step times count too."""
+    from miles_hpc.planner.estimate import load_model_config
+
+    spec, _ = load_model_config("glm52")
+    (tmp_path / "glm52").mkdir()
+    (tmp_path / "glm52" / "config.json").write_text(json.dumps(spec))
+    base = [f"model.path={tmp_path / 'glm52'}", "slurm.train_nodes=4", f"run_dir={tmp_path / 'run'}"]
+    (p,) = check(base).problems
+    assert p.key == "slurm.signal_s" and "GB per training node" in p.what and "slurm.signal_s >= " in p.fix
+    need = int(p.fix.split("slurm.signal_s >= ")[1].split()[0])
+    assert keys([*base, f"slurm.signal_s={need}"]) == []
+    assert keys([*base, "slurm.requeue=false"]) == []  # no requeue: nothing to save before the walltime
+    (tmp_path / "run").mkdir()
+    step = {"time/rollout_s": 400.0, "time/train_s": 500.0, "time/sync_s": 100.0}
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps(step) + "\n")
+    (p,) = check([*base, f"slurm.signal_s={need}"]).problems  # a 1,000 s step on top of the checkpoint
+    assert p.key == "slurm.signal_s" and "a step (1000 s" in p.what

@@ -27,9 +27,9 @@ def test_tasks_map_to_engines_and_nodes() -> None:
 
 
 def test_flagship_engine_command_is_golden() -> None:
-    """The flagship's engine 2 (TP 8 on one node), with R3 on: --tp-size 8 and --enable-return-routed-experts."""
-    r3 = ["algo.routing_replay=true", "mode=sync", "rollout.agent=null", "data.task=arith"]  # R3: no agents yet
-    cfg = load_config(FLAGSHIP, [*r3, "rollout.sglang_python=/sgl/bin/python"])
+    """The flagship's engine 2 (TP 8 on one node), R3 on as configured: --tp-size 8 and
+    --enable-return-routed-experts."""
+    cfg = load_config(FLAGSHIP, ["rollout.sglang_python=/sgl/bin/python"])
     spec = sglang_spec(cfg, Path("/lustre/models/GLM-5.2"), Path("/run/keys"), 2, port=31000)
     assert spec.command() == [
         "/sgl/bin/python", "-m", "sglang.launch_server", "--model-path", "/lustre/models/GLM-5.2",
@@ -57,7 +57,11 @@ def test_engine_across_two_nodes_with_expert_parallelism() -> None:
     ]
     i = cmd.index("--nnodes")
     assert cmd[i : i + 6] == ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "gpu07:5123"]
-    assert "--enable-return-routed-experts" not in cmd  # R3 off in the flagship
+    assert "--enable-return-routed-experts" in cmd  # R3 on in the flagship
+    assert "--enable-return-routed-experts" not in sglang_spec(
+        load_config(FLAGSHIP, [*over, "algo.routing_replay=false"]), Path("/m"), Path("/k"), 1, port=30001,
+        node_rank=1, dist_init_addr="gpu07:5123",
+    ).command()  # fmt: skip
 
 
 def test_bad_engine_layouts_are_refused_by_key() -> None:

@@ -32,3 +32,16 @@ def test_requests_and_launcher_match_sglang() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "all checks passed" in proc.stdout
+
+
+@pytest.mark.sglang
+def test_preflight_reads_the_real_sglang_version() -> None:
+    """Preflight's probe of `rollout.sglang_python` against SGLang's own venv: it imports sglang and its version is
+    one preflight accepts (scripts/test_sglang.sh installs the checked release, or the newest that installs)."""
+    from miles_hpc.launch.preflight import SGLANG_BELOW, SGLANG_MIN, _version_tuple, probe_sglang
+
+    python = VENV / "bin" / "python"
+    require(python.exists(), f"SGLang venv at {VENV} (make it with scripts/test_sglang.sh --install-only)")
+    got = probe_sglang(str(python), timeout_s=300)
+    assert got.version is not None, got.error
+    assert SGLANG_MIN <= _version_tuple(got.version) < SGLANG_BELOW, got.version

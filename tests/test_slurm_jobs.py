@@ -31,6 +31,7 @@ SMALL = [
     "rollout.samples_per_prompt=2",
     "rollout.max_new_tokens=4",
     "train.sft_warmup_steps=0",
+    "slurm.shared_fs_check=false",  # the local cluster's nodes are one host: its local disk is "shared"
 ]
 
 

@@ -5,6 +5,7 @@ the structure Slurm needs (components, task counts, signal, requeue). The local-
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -79,13 +80,41 @@ def test_hetjob_components_and_preemption() -> None:
 @pytest.mark.process
 def test_submit_dry_run_prints_the_script() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "miles_hpc.cli", "submit", "--dry-run", "configs/tiny_cpu.yaml"],
+        [sys.executable, "-m", "miles_hpc.cli", "submit", "--dry-run", "--no-preflight", "configs/tiny_cpu.yaml"],
         capture_output=True,
         text=True,
         cwd=REPO,
         check=True,
     ).stdout
     assert out == (REPO / "slurm/tiny_cpu.sbatch").read_text()
+
+
+@pytest.mark.process
+def test_submit_runs_preflight_first(tmp_path: Path) -> None:
+    """The flagship as checked in, on a machine without its checkpoint or SGLang's venv: `submit` names each
+    problem with its key and submits nothing (no sbatch is called: exit 2 before it); --dry-run still prints the
+    script and exits 2; submitit's dry run prints its job instead of submitting it."""
+    flagship = ["configs/experiments/glm52_64gpu.yaml", f"run_dir={tmp_path / 'run'}"]
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "miles_hpc.cli", "submit", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, check=False)
+
+    real = cli(*flagship)
+    assert real.returncode == 2 and real.stdout == "", real.stderr
+    assert (
+        "error: preflight: model.path: " in real.stderr and "error: preflight: rollout.sglang_python: " in real.stderr
+    )
+    assert not (tmp_path / "run" / "job.sbatch").exists()
+    dry = cli("--dry-run", *flagship)
+    assert dry.returncode == 2 and dry.stdout.startswith("#!/bin/bash") and "error: preflight:" in dry.stderr
+    tiny = ["configs/tiny_cpu.yaml", f"run_dir={tmp_path / 'tiny'}", "slurm.shared_fs_check=false"]
+    job = cli("--launcher", "submitit", "--dry-run", *tiny)
+    assert job.returncode == 0, job.stderr
+    described = json.loads(job.stdout)
+    assert described["launcher"] == "submitit" and described["parameters"]["nodes"] == 1
+    assert described["jobs"][0]["args"][1] == tiny[1:]
+    assert not (tmp_path / "tiny").exists()  # nothing submitted, nothing made
 
 
 @pytest.mark.process

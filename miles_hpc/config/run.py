@@ -466,6 +466,13 @@ class SlurmConfig:
     site: str | None = field(default=None, metadata=_help("site file sourced first (slurm/sites/*.sh: ROCm, NICs)"))
     setup: tuple[str, ...] = field(default=(), metadata=_help("# EDIT: shell lines before the run (modules, venv)"))
     signal_s: int = field(default=180, metadata=_help("USR2 this long before the walltime: checkpoint + requeue"))
+    checkpoint_gbps: float = field(
+        default=2.0,
+        metadata=_help(
+            "GB/s one training node writes to the run dir's file system: preflight's estimate of a checkpoint's "
+            "time against signal_s (measure yours: docs/hpc.md)"
+        ),
+    )
     shared_fs_check: bool = field(
         default=True,
         metadata=_help(
@@ -483,6 +490,7 @@ class SlurmConfig:
         _require(self.train_nodes >= 1 and self.rollout_nodes >= 1, "train_nodes", "nodes must be >= 1")
         _require(self.gpus_per_node >= 0 and self.cpus_per_task >= 1, "gpus_per_node", "must be >= 0 (cpus >= 1)")
         _require(self.signal_s >= 0, "signal_s", f"must be >= 0, got {self.signal_s}")
+        _require(self.checkpoint_gbps > 0, "checkpoint_gbps", f"must be > 0, got {self.checkpoint_gbps}")
         for key in ("gpu_memory_gb", "host_memory_gb"):
             _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
 

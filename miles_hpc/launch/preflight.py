@@ -31,6 +31,7 @@ __all__ = [
     "SGLangProbe",
     "preflight",
     "probe_sglang",
+    "report",
 ]
 
 # The version our request schemas and launch line are checked against (scripts/test_sglang.sh, its schema tier);
@@ -200,14 +201,16 @@ def _check_trainer(cfg: RunConfig, model: Mapping[str, Any], pf: Preflight) -> N
         pf.add("megatron", str(e), "take the planner's layout named above, or more GPUs")
 
 
-def _check_rollout_component(cfg: RunConfig, pf: Preflight, probe: Callable[[str], SGLangProbe]) -> None:
+def _check_rollout_component(
+    cfg: RunConfig, pf: Preflight, probe: Callable[[str], SGLangProbe], components: bool = True
+) -> None:
     """Engines x TP x nodes against the rollout nodes' GPUs; SGLang's interpreter and version."""
     r, s = cfg.rollout, cfg.slurm
     if r.engine_urls:
         pf.notes.append(f"rollout: {len(r.engine_urls)} engines already running (not checked before the job)")
         return
     tasks = r.num_engines * r.engine_nodes
-    if s.gpus_per_node and r.device == "cuda" or r.backend == "sglang":
+    if components and (s.gpus_per_node and r.device == "cuda" or r.backend == "sglang"):
         gpus_per_task = r.engine_tp // r.engine_nodes
         if tasks % s.rollout_nodes:
             pf.add(
@@ -274,6 +277,58 @@ def _check_site(cfg: RunConfig, pf: Preflight, base: Path) -> None:
         )
 
 
+def checkpoint_bytes(cfg: RunConfig, model: Mapping[str, Any]) -> int:
+    """Bytes of one training checkpoint (every rank's): the weights and Adam's states. FSDP keeps float32
+    parameters and two float32 moments (12 B per parameter); megatron with mixed precision on a GPU its bf16
+    weights, the float32 master and the two moments (14 B)."""
+    from miles_hpc.planner.estimate import param_counts
+
+    total, _ = param_counts(model)
+    t = cfg.train
+    mixed = t.backend == "megatron" and t.mixed_precision and t.device == "cuda"
+    return total * (14 if mixed else 12)
+
+
+def measured_step_s(run_dir: Path, mode: str, last: int = 20) -> float | None:
+    """The longest of the last steps of an earlier attempt of this run (RUN/metrics.jsonl), None without one: what
+    a USR2 waits for before the checkpoint. Sync mode's step is rollout + train + sync; fully async trains while
+    rollout runs."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    steps = []
+    for line in path.read_text().splitlines()[-last:]:
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue
+        parts = ["time/train_s", "time/sync_s"] + (["time/rollout_s"] if mode == "sync" else [])
+        steps.append(sum(float(m.get(k, 0.0)) for k in parts))
+    return max(steps) if steps else None
+
+
+def _check_signal(cfg: RunConfig, model: Mapping[str, Any], pf: Preflight) -> None:
+    s = cfg.slurm
+    if not s.requeue:
+        return
+    ckpt = checkpoint_bytes(cfg, model) / s.train_nodes
+    ckpt_s = ckpt / (s.checkpoint_gbps * 1e9)
+    step_s = measured_step_s(Path(cfg.run_dir), cfg.mode)
+    need = ckpt_s + (step_s or 0.0)
+    step = f"a step ({step_s:.0f} s, the longest of the run's last steps) and " if step_s is not None else ""
+    pf.notes.append(f"signal: {s.signal_s} s of warning; {step}a checkpoint ~{ckpt_s:.0f} s")
+    if s.signal_s < need:
+        pf.add(
+            "slurm.signal_s",
+            f"{s.signal_s} s between USR2 and the walltime, but {step}a checkpoint ({ckpt / 1e9:,.0f} GB per "
+            f"training node at slurm.checkpoint_gbps={s.checkpoint_gbps:g}: ~{ckpt_s:,.0f} s) "
+            f"need{'' if step_s is not None else 's'} {need:,.0f} s: "
+            "the job would be killed mid-checkpoint and its requeue would restart from the one before",
+            f"set slurm.signal_s >= {int(need * 1.25) + 1} (slurm.time well above it), or measure the file "
+            "system's write speed and set slurm.checkpoint_gbps",
+        )
+
+
 def mount_type(path: Path, mounts: str | None = None) -> str:
     """The file-system type of the mount holding `path` (the longest /proc/mounts prefix)."""
     text = mounts if mounts is not None else Path("/proc/mounts").read_text()
@@ -314,16 +369,37 @@ def preflight(
     base: Path | None = None,
     probe: Callable[[str], SGLangProbe] = probe_sglang,
     mounts: str | None = None,
+    components: bool = True,
 ) -> Preflight:
     """Every check of `cfg` that needs no allocation (module docstring); `base`: where relative paths of the
-    config are resolved (the directory the job starts in: the current one)."""
+    config are resolved (the directory the job starts in: the current one). `components`: the job is the batch
+    script's two components (or the split allocation); False for one allocation running `miles-hpc run` (submitit),
+    whose processes share one node."""
     pf = Preflight()
-    _check_train_component(cfg, pf)
-    _check_rollout_component(cfg, pf, probe)
+    if components:
+        _check_train_component(cfg, pf)
+    _check_rollout_component(cfg, pf, probe, components)
     model = _model_config(cfg, pf)
     if model is not None:
         _check_trainer(cfg, model, pf)
         _check_rollout_family(cfg, model, pf)
+        _check_signal(cfg, model, pf)
     _check_site(cfg, pf, base or Path.cwd())
-    _check_run_dir(cfg, pf, mounts)
+    if components:
+        _check_run_dir(cfg, pf, mounts)
     return pf
+
+
+def report(pf: Preflight, out: Any) -> bool:
+    """Print the notes and problems to `out` (a text stream); True when there is no problem."""
+    for note in pf.notes:
+        print(f"[miles-hpc] preflight: {note}", file=out)
+    for problem in pf.problems:
+        print(f"error: preflight: {problem}", file=out)
+    if pf.problems:
+        print(
+            f"error: preflight: {len(pf.problems)} problem(s); nothing was submitted or started (docs/hpc.md, "
+            "Preflight)",
+            file=out,
+        )
+    return not pf.problems

@@ -15,7 +15,7 @@ from typing import Any
 
 from miles_hpc.config import RunConfig, load_config
 
-__all__ = ["run_config", "submit_runs"]
+__all__ = ["describe", "parameters", "run_config", "submit_runs"]
 
 
 def run_config(config_path: str, overrides: list[str]) -> dict[str, Any]:
@@ -39,18 +39,15 @@ def _minutes(walltime: str) -> int:
     return int(days_text or 0) * 1440 + h * 60 + m + (1 if s else 0)
 
 
-def submit_runs(cfg: RunConfig, config_path: str, runs: list[list[str]], folder: Path) -> list[Any]:
-    """One job per entry of ``runs`` (each a list of overrides; several: an array job). Returns submitit jobs."""
-    import submitit
-
+def parameters(cfg: RunConfig) -> dict[str, Any]:
+    """The executor's parameters for ``cfg`` (submitit's ``update_parameters``): one node for the whole run."""
     s = cfg.slurm
-    executor = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
     extra: dict[str, Any] = {}
     if s.account:
         extra["account"] = s.account
     if s.qos:
         extra["qos"] = s.qos
-    executor.update_parameters(
+    return dict(
         name=cfg.name,
         timeout_min=_minutes(s.time),
         nodes=1,
@@ -60,6 +57,23 @@ def submit_runs(cfg: RunConfig, config_path: str, runs: list[list[str]], folder:
         slurm_additional_parameters=extra,
         **({"gpus_per_node": s.gpus_per_node} if s.gpus_per_node else {}),
     )
+
+
+def describe(cfg: RunConfig, config_path: str, runs: list[list[str]]) -> str:
+    """What `submit_runs` would submit (`miles-hpc submit --launcher submitit --dry-run`), as JSON."""
+    import json
+
+    path = str(Path(config_path).resolve())
+    jobs = [{"function": "miles_hpc.launch.submitit_jobs.run_config", "args": [path, r]} for r in runs]
+    return json.dumps({"launcher": "submitit", "parameters": parameters(cfg), "jobs": jobs}, indent=2)
+
+
+def submit_runs(cfg: RunConfig, config_path: str, runs: list[list[str]], folder: Path) -> list[Any]:
+    """One job per entry of ``runs`` (each a list of overrides; several: an array job). Returns submitit jobs."""
+    import submitit
+
+    executor = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
+    executor.update_parameters(**parameters(cfg))
     config_path = str(Path(config_path).resolve())
     if len(runs) == 1:
         return [executor.submit(run_config, config_path, runs[0])]
