@@ -117,3 +117,19 @@ def test_master_port_rank0_publishes_the_first_free_port(tmp_path: Path) -> None
     again = Placement(**{**base.as_dict(), "attempt": 2})  # type: ignore[arg-type]
     with pytest.raises(TimeoutError, match="no .*master.json from rank 0"):
         master_port(again, tmp_path, timeout_s=0.3)
+
+
+def test_device_index_follows_the_binding() -> None:
+    """A task bound by srun to its own GPUs (--gpus-per-task, --gpu-bind) sees exactly those: index 0; unbound, it
+    takes its block of the node's GPUs; a block past what it sees is named."""
+    from miles_hpc.cluster.bootstrap import device_index, visible_gpus
+
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5"}, 8) == 2
+    assert visible_gpus({"ROCR_VISIBLE_DEVICES": "3"}, 8) == 1  # ROCm: Slurm binds through ROCR
+    assert visible_gpus({}, 8) == 8
+    assert [device_index(r, 1, 1) for r in range(4)] == [0, 0, 0, 0]  # bound: each its own GPU
+    assert [device_index(r, 1, 8) for r in range(4)] == [0, 1, 2, 3]  # unbound: the node's, by local rank
+    assert [device_index(r, 4, 8) for r in range(2)] == [0, 4]  # engines of TP 4 on 8 GPUs
+    assert device_index(1, 4, 4) == 0  # bound engine task
+    with pytest.raises(RuntimeError, match="local rank 2 drives GPUs 8..11"):
+        device_index(2, 4, 8)

@@ -63,8 +63,12 @@ def test_hetjob_components_and_preemption() -> None:
     assert "#SBATCH --account=proj123  # EDIT" in lines and "#SBATCH --partition=gpu  # EDIT" in lines
     assert "source slurm/sites/frontier.sh" in script and "export HF_HUB_OFFLINE=1" in script
     assert (
-        "--het-group=1 miles-hpc worker --role rollout" in script
-        and "--het-group=0 miles-hpc worker --role train" in script
+        "--het-group=1 -c 1 ${MILES_GPU_BIND:+--gpus-per-task=1 --gpu-bind=$MILES_GPU_BIND} miles-hpc worker --role "
+        "rollout"
+        in script
+        and "--het-group=0 -c 1 ${MILES_GPU_BIND:+--gpus-per-task=1 --gpu-bind=$MILES_GPU_BIND} miles-hpc worker --role "
+        "train"
+        in script
     )
     # Training's end, whatever it was, stops the rollout step; a USR2 requeues after the checkpoint.
     assert script.index("worker --role shutdown") > script.index('wait_for "$TRAIN"')
@@ -139,3 +143,32 @@ def test_flagship_script_shape() -> None:
     assert "source slurm/sites/nvidia_ib.sh" in script and "#SBATCH --requeue" in lines
     for site in ("slurm/sites/frontier.sh", "slurm/sites/nvidia_ib.sh"):
         subprocess.run(["bash", "-n", str(REPO / site)], check=True)
+
+
+@pytest.mark.process
+def test_srun_binds_cpus_and_the_sites_gpu_policy() -> None:
+    """Every srun names its CPUs per task; with GPUs, a site that sets MILES_GPU_BIND (Frontier's does) gives each
+    trainer rank one GPU and each engine task engine_tp / engine_nodes, bound by that policy; unset, none."""
+    script = (REPO / "slurm/glm52_64gpu.sbatch").read_text()
+    train = next(x for x in script.splitlines() if "--role train" in x and x.startswith("srun"))
+    roll = next(x for x in script.splitlines() if "--role rollout" in x and x.startswith("srun"))
+    for line, n in ((train, 1), (roll, 8)):
+        words = line.split(" miles-hpc ")[0]
+        for bind, want in (("", []), ("closest", [f"--gpus-per-task={n}", "--gpu-bind=closest"])):
+            shown = subprocess.run(
+                ["bash", "-c", f'MILES_GPU_BIND={bind}; printf "%s\\n" {words.split("srun ", 1)[1]}'],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
+            assert "-c" in shown and shown[shown.index("-c") + 1] == "8"
+            assert [w for w in shown if w.startswith(("--gpus-per-task", "--gpu-bind"))] == want
+    frontier = subprocess.run(
+        ["bash", "-c", f"module() {{ :; }}; source {REPO / 'slurm/sites/frontier.sh'}; echo $MILES_GPU_BIND"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert frontier == "closest"
+    cpu = (REPO / "slurm/tiny_cpu.sbatch").read_text()
+    assert "--gpus-per-task" not in cpu and cpu.count("-c 1 miles-hpc worker") == 2

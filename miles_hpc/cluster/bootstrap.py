@@ -224,6 +224,33 @@ def bootstrap(
 
 
 # ------------------------------------------------------------------------------------------------ ports
+_VISIBLE = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+def visible_gpus(env: Mapping[str, str], default: int) -> int:
+    """GPUs this task sees: the first of CUDA_/ROCR_/HIP_VISIBLE_DEVICES that is set (what `srun --gpus-per-task
+    --gpu-bind` leaves), else `default` (the node's)."""
+    for key in _VISIBLE:
+        if key in env:
+            return len([x for x in env[key].split(",") if x.strip()])
+    return default
+
+
+def device_index(local_rank: int, per_task: int, visible: int) -> int:
+    """The first GPU index of a task that drives `per_task` GPUs: 0 when srun bound it to its own (it sees exactly
+    that many: `--gpus-per-task` with `--gpu-bind`, as site files ask), else its block of the node's GPUs
+    (`local_rank x per_task`). A task whose block lies past the GPUs it sees is an error naming both."""
+    if visible == per_task:
+        return 0
+    first = local_rank * per_task
+    if first + per_task > visible:
+        raise RuntimeError(
+            f"local rank {local_rank} drives GPUs {first}..{first + per_task - 1} of its node, but this task sees "
+            f"{visible} (bound to {per_task} per task? then it should see exactly {per_task}: check --gpus-per-task)"
+        )
+    return first
+
+
 def port_candidates(job_id: str | int | None, n: int = 16, salt: int = 0) -> list[int]:
     """``n`` distinct ports derived from the job id (and ``salt``, e.g. a component index), spread over
     [20000, 50000). No job id (a local run): derived from the process id instead."""

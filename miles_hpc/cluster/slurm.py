@@ -103,6 +103,14 @@ exit "$TRAIN_RC"
 """
 
 
+def _binding(cfg: RunConfig, gpus_per_task: int) -> str:
+    s = cfg.slurm
+    gpus = (
+        f" ${{MILES_GPU_BIND:+--gpus-per-task={gpus_per_task} --gpu-bind=$MILES_GPU_BIND}}" if s.gpus_per_node else ""
+    )
+    return f"-c {s.cpus_per_task}{gpus}"
+
+
 def render_sbatch(cfg: RunConfig, config_path: str, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """The batch script for ``cfg``, read by the job from ``config_path`` with ``overrides`` (a pure function)."""
     s = cfg.slurm
@@ -129,9 +137,15 @@ def render_sbatch(cfg: RunConfig, config_path: str, overrides: list[str] | tuple
     )
     body.append(_PREEMPT)
     srun = "srun --kill-on-bad-exit=1 --wait=60"
+    # Binding: CPUs per task on every srun (Slurm 22.05+ does not pass sbatch's --cpus-per-task on to srun); with
+    # GPUs and a site file that sets MILES_GPU_BIND (e.g. closest: ROCm sites bind each task to its GPUs), each task
+    # gets its own GPUs (a trainer rank one, an engine task engine_tp / engine_nodes) and indexes them from 0
+    # (cluster/bootstrap.device_index); unset, every task sees its node's GPUs and takes its block by local rank.
+    bind_train = _binding(cfg, 1)
+    bind_roll = _binding(cfg, cfg.rollout.engine_tp // cfg.rollout.engine_nodes)
     if s.mode == "hetjob":
-        rollout = f'{srun} --het-group=1 miles-hpc worker --role rollout "$CONFIG" --het-group 1 &'
-        train = f'{srun} --het-group=0 miles-hpc worker --role train "$CONFIG" --het-group 0 &'
+        rollout = f'{srun} --het-group=1 {bind_roll} miles-hpc worker --role rollout "$CONFIG" --het-group 1 &'
+        train = f'{srun} --het-group=0 {bind_train} miles-hpc worker --role train "$CONFIG" --het-group 0 &'
     else:
         body.append(
             'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")\n'
@@ -139,11 +153,11 @@ def render_sbatch(cfg: RunConfig, config_path: str, overrides: list[str] | tuple
             f'ROLLOUT_NODES=$(IFS=,; echo "${{NODES[*]:{s.train_nodes}}}")\n'
         )
         rollout = (
-            f'{srun} --nodes={s.rollout_nodes} --ntasks={nroll} --nodelist="$ROLLOUT_NODES" '
+            f'{srun} --nodes={s.rollout_nodes} --ntasks={nroll} --nodelist="$ROLLOUT_NODES" {bind_roll} '
             'miles-hpc worker --role rollout "$CONFIG" &'
         )
         train = (
-            f'{srun} --nodes={s.train_nodes} --ntasks={ntrain} --nodelist="$TRAIN_NODES" '
+            f'{srun} --nodes={s.train_nodes} --ntasks={ntrain} --nodelist="$TRAIN_NODES" {bind_train} '
             'miles-hpc worker --role train "$CONFIG" &'
         )
     body.append(f"{rollout}\nROLLOUT=$!\n{train}\nTRAIN=$!\n")

@@ -16,6 +16,7 @@ against SGLang's own server-args definitions in the SGLang schema tier): `--tp-s
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
@@ -23,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from miles_hpc.atomic import write_text_atomic
-from miles_hpc.cluster.bootstrap import Placement
+from miles_hpc.cluster.bootstrap import Placement, device_index, visible_gpus
 from miles_hpc.config import RunConfig
 from miles_hpc.launch.run_dir import RunPaths
 from miles_hpc.rollout.sglang import EngineRecord, SGLangLaunchSpec, write_engine_record
@@ -104,7 +105,12 @@ def start_sglang(
     r = cfg.rollout
     index, node_rank = engine_task(task_rank, r.engine_nodes)
     gpus_here = r.engine_tp // r.engine_nodes
-    base = 0 if place.source == "single" else place.local_rank * gpus_here
+    node_gpus = cfg.slurm.gpus_per_node or (place.local_rank + 1) * gpus_here
+    base = (
+        0
+        if place.source == "single"
+        else device_index(place.local_rank, gpus_here, visible_gpus(os.environ, node_gpus))
+    )
     keys = paths.root / "keys"
     if node_rank:
         deadline = time.monotonic() + r.engine_timeout_s

@@ -89,7 +89,11 @@ def run_rollout_worker(cfg: RunConfig, het_group: int | None = None) -> int:
             return child
         placement = {"host": "0.0.0.0"}
         if place.source != "single" and _cuda_available():
-            placement["device"] = f"cuda:{place.local_rank * cfg.rollout.engine_tp}"  # its TP ranks: the next GPUs
+            from miles_hpc.cluster.bootstrap import device_index, visible_gpus
+
+            tp = cfg.rollout.engine_tp  # its TP ranks: the next GPUs
+            node_gpus = cfg.slurm.gpus_per_node or (place.local_rank + 1) * tp
+            placement["device"] = f"cuda:{device_index(place.local_rank, tp, visible_gpus(os.environ, node_gpus))}"
         argv = engine_launch(
             cfg, model_dir, paths.root / "keys", paths.rendezvous / f"engine-{index}.json", index, **placement
         ).argv()

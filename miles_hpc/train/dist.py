@@ -79,7 +79,12 @@ def world_from_env(env: Mapping[str, str] | None = None, *, device: str | None =
         raise RuntimeError("trainer world: MASTER_PORT is not set (needed when WORLD_SIZE > 1)")
     port = _int_env(env, "MASTER_PORT", 29500)
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        from miles_hpc.cluster.bootstrap import device_index
+
+        dev = torch.device("cuda", device_index(local_rank, 1, torch.cuda.device_count()))
+    else:
+        dev = torch.device("cpu")
     return WorldInfo(
         rank=rank, world_size=world_size, local_rank=local_rank, master_addr=addr, master_port=port, device=dev
     )

@@ -16,4 +16,8 @@ mkdir -p "$MIOPEN_USER_DB_PATH"
 # Slurm binds GPUs through ROCR_VISIBLE_DEVICES (--gpus-per-task / --gpu-bind); an inherited HIP_VISIBLE_DEVICES would
 # renumber them a second time inside each task.
 unset HIP_VISIBLE_DEVICES
+# Each task its own GPUs, the closest to its cores (OLCF's Frontier guide launches GPU jobs with --gpus-per-task
+# and --gpu-bind=closest): the batch script adds --gpus-per-task=N --gpu-bind=$MILES_GPU_BIND to each srun (N = 1
+# for a trainer rank, engine_tp / engine_nodes for an engine task) and the workers index their GPUs from 0.
+export MILES_GPU_BIND=closest
 # export NCCL_DEBUG=INFO FI_LOG_LEVEL=warn   # debug a hang at the first collective
