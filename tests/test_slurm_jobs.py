@@ -153,6 +153,41 @@ def test_sweep_runs_one_array_task_per_grid_point(slurm_cluster: SlurmCluster, t
         assert ran.train.lr == float(task["point"]["train.lr"]) and ran.run_dir == task["run_dir"]
 
 
+def test_a_preempted_sweep_task_resumes_where_it_stopped(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """An array task signalled as at its walltime (USR2 to its batch shell) checkpoints, requeues itself and, started
+    again, resumes: every step once, every step's samples once."""
+    root, steps = tmp_path / "sweep", 30
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "miles_hpc.cli", "sweep", "--grid", "seed=0", "configs/tiny_cpu.yaml",
+            f"run_dir={root}", f"steps={steps}", *SMALL, "train.world_size=1",
+        ],
+        cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    task = proc.stdout.split("submitted array job ")[1].split()[0] + "_0"
+    run_dir = Path(json.loads((root / "sweep.json").read_text())["tasks"][0]["run_dir"])
+
+    def logs() -> str:
+        return "\n".join(p.read_text() for p in root.glob("slurm-*.out"))[-4000:]
+
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3):
+        assert time.monotonic() < deadline, logs()
+        time.sleep(0.2)
+    slurm_cluster.run("scancel", "--signal=USR2", "--batch", task)  # what --signal=B:USR2@N sends
+    while not any(r.get("Restarts", "0") != "0" for r in slurm_cluster.records(task)):
+        assert time.monotonic() < deadline, "the task was not requeued: " + logs()
+        time.sleep(0.2)
+    time.sleep(3)  # a start in the second of the requeue is refused (see the hetjob test above)
+    slurm_cluster.run("scontrol", "update", f"JobId={task}", "StartTime=now")
+    state = slurm_cluster.wait(task, timeout=max(10.0, deadline - time.monotonic()))
+    assert state == "COMPLETED", logs()
+    assert [r["step"] for r in metrics(run_dir)] == list(range(steps))
+    trained = sorted(s.train_step for s in TrajectoryReader(run_dir / "trajectories"))
+    assert trained == sorted(list(range(steps)) * 4), "every step's 4 samples, once"
+
+
 BOOTSTRAP_PROG = """
 import json
 import shutil

@@ -56,3 +56,43 @@ def test_walltime_to_minutes() -> None:
 
     times = ("30", "00:30:00", "04:00:00", "1-00:00:00", "00:00:30", "2:05", "1-12", "2-01:30")
     assert [_minutes(t) for t in times] == [30, 30, 240, 1440, 1, 3, 2160, 2970]
+
+
+@pytest.mark.process
+def test_a_signalled_array_task_checkpoints_and_requeues_itself(tmp_path: Path) -> None:
+    """The array script under bash, with a stand-in `miles-hpc` (a run that checkpoints on USR2 and returns 0, as the
+    controller does) and `scontrol`: the batch shell's USR2 reaches the run at once, and the task requeues itself."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    plan = write_plan(tmp_path, "configs/tiny_cpu.yaml", [], expand_grid(["seed=0"]))
+    script = render_array(load_config(REPO / "configs/tiny_cpu.yaml", ["slurm.setup=[]"]), plan, 1)  # no venv
+    assert "#SBATCH --signal=B:USR2@180" in script and "trap on_usr2 USR2" in script
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    (bin_dir / "miles-hpc").write_text(
+        "#!/bin/bash\n"
+        f'echo "run $*" >> {log}\n'
+        f"trap 'echo checkpointed >> {log}; exit 0' USR2\n"
+        "while true; do sleep 0.05; done\n"
+    )
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "scontrol $*" >> {log}\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "0"}
+    env.update(SLURM_ARRAY_JOB_ID="76", SLURM_SUBMIT_DIR=str(REPO), TMPDIR=str(tmp_path))
+    proc = subprocess.Popen(
+        ["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 30
+    while not (log.exists() and "run sweep-task" in log.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert log.read_text().splitlines()[1:] == ["checkpointed", "scontrol requeue 77"], log.read_text()
+    assert "requeueing 77 (task 0)" in out

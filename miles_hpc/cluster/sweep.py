@@ -83,6 +83,8 @@ def render_array(cfg: RunConfig, plan: Path, n: int, *, max_parallel: int | None
     for key, value in (("partition", s.partition), ("account", s.account), ("qos", s.qos)):
         if value:
             lines.append(f"#SBATCH --{key}={value}  # EDIT")
+    if s.signal_s and s.requeue:
+        lines.append(f"#SBATCH --signal=B:USR2@{s.signal_s}  # preemption/walltime: checkpoint, then requeue")
     if s.requeue:
         lines.append("#SBATCH --requeue  # a requeued task resumes its run from the last checkpoint")
     lines += [f"#SBATCH {x}" for x in s.extra_sbatch]
@@ -97,7 +99,32 @@ def render_array(cfg: RunConfig, plan: Path, n: int, *, max_parallel: int | None
     if s.site:
         body.append(f"source {shlex.quote(s.site)}")
     body += list(s.setup)
-    body += [f'miles-hpc sweep-task {shlex.quote(str(plan))} "$SLURM_ARRAY_TASK_ID"', 'echo "END $(date -u +%FT%TZ)"']
+    task = f'miles-hpc sweep-task {shlex.quote(str(plan))} "$SLURM_ARRAY_TASK_ID"'
+    if not (s.signal_s and s.requeue):
+        body += [task, 'echo "END $(date -u +%FT%TZ)"']
+        return "\n".join(lines) + "\n\n" + "\n".join(body) + "\n"
+    # The run in the background, so the USR2 trap runs at once (bash defers traps while a foreground child runs):
+    # the run checkpoints after its current step and returns, then this task requeues itself and resumes there.
+    body += [
+        "REQUEUE=0",
+        f"{task} &",
+        "TASK=$!",
+        "on_usr2() {",
+        '  echo "[miles-hpc] USR2 at $(date -u +%FT%TZ): checkpoint, then requeue task ${SLURM_ARRAY_TASK_ID}"',
+        '  kill -USR2 "$TASK" 2>/dev/null || true',
+        "  REQUEUE=1",
+        "}",
+        "trap on_usr2 USR2",
+        "RC=0",
+        'while kill -0 "$TASK" 2>/dev/null; do wait "$TASK" && RC=0 || RC=$?; done  # a trap interrupts wait',
+        'wait "$TASK" 2>/dev/null && RC=0 || RC=${RC}',
+        'if [ "$REQUEUE" = 1 ]; then',
+        '  echo "[miles-hpc] requeueing ${SLURM_JOB_ID} (task ${SLURM_ARRAY_TASK_ID})"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'echo "END $(date -u +%FT%TZ) exit ${RC}"',
+        'exit "$RC"',
+    ]
     return "\n".join(lines) + "\n\n" + "\n".join(body) + "\n"
 
 
