@@ -26,8 +26,10 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   echo "[miles-hpc] installing into $VENV ..." >&2
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # Pin the CPU torch first: on these machines 2.13.0 is a local CPU wheel; the project's range then accepts it
-  # instead of pulling a multi-GB CUDA build. Set MILES_TORCH_SPEC to use another torch.
-  "$VENV/bin/python" -m pip install -q "${MILES_TORCH_SPEC:-torch==2.13.0}"
+  # instead of pulling a multi-GB CUDA build. Set MILES_TORCH_SPEC to use another torch, MILES_TORCH_INDEX to take
+  # it from another index (scripts/install.sh sets both for CUDA and ROCm builds).
+  "$VENV/bin/python" -m pip install -q ${MILES_TORCH_INDEX:+--index-url "$MILES_TORCH_INDEX"} \
+    "${MILES_TORCH_SPEC:-torch==2.13.0}"
   # mpi: mpi4py's wheels load the system MPI at run time; without one the MPI tier skips (CI installs Open MPI).
   # megatron: megatron-core for train.backend=megatron (2.4 MB; the CPU tests patch its CUDA-only helpers).
   "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,mpi,megatron]"

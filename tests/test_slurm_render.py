@@ -6,6 +6,7 @@ the structure Slurm needs (components, task counts, signal, requeue). The local-
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -172,3 +173,29 @@ def test_srun_binds_cpus_and_the_sites_gpu_policy() -> None:
     assert frontier == "closest"
     cpu = (REPO / "slurm/tiny_cpu.sbatch").read_text()
     assert "--gpus-per-task" not in cpu and cpu.count("-c 1 miles-hpc worker") == 2
+
+
+@pytest.mark.process
+def test_install_script_picks_the_torch_index_and_the_offline_steps(tmp_path: Path) -> None:
+    """scripts/install.sh --dry-run: the GPU flag picks PyTorch's CUDA or ROCm index (MILES_TORCH_INDEX overrides),
+    --download fetches every wheel (SGLang's apart) for an offline cluster, and a missing --gpu is refused."""
+
+    def dry(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        cmd = ["bash", str(REPO / "scripts" / "install.sh"), *args, "--dry-run"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+
+    cuda, rocm = dry("--gpu", "cuda").stdout, dry("--gpu", "rocm", "--sglang").stdout
+    assert "MILES_TORCH_INDEX=https://download.pytorch.org/whl/cu128" in cuda and "test_sglang.sh" not in cuda
+    assert (
+        "MILES_TORCH_INDEX=https://download.pytorch.org/whl/rocm6.4" in rocm and "test_sglang.sh --install-only" in rocm
+    )
+    assert (
+        "MILES_TORCH_INDEX=https://example/whl" in dry("--gpu", "rocm", MILES_TORCH_INDEX="https://example/whl").stdout
+    )
+    down = dry("--gpu", "cuda", "--download", str(tmp_path / "wh"), "--sglang").stdout
+    assert f"-d {tmp_path / 'wh'} --index-url https://download.pytorch.org/whl/cu128 torch==" in down
+    assert f"-d {tmp_path / 'wh'}/sglang sglang==0.5.23" in down and "setuptools>=68" in down
+    bad = dry()
+    assert bad.returncode == 2 and "--gpu cuda, rocm or cpu is required" in bad.stderr
+    both = dry("--gpu", "cuda", "--download", "a", "--from", "b")
+    assert both.returncode == 2 and "two steps" in both.stderr
