@@ -473,7 +473,9 @@ def _compare_step_with_fsdp(
     return got["metrics"]
 
 
-@pytest.mark.parametrize("world_size,tp,ep,pp", [(1, 1, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (2, 2, 1, 1), (4, 2, 2, 1)])
+@pytest.mark.parametrize(
+    "world_size,tp,ep,pp", [(1, 1, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (2, 2, 1, 1), (2, 2, 2, 1), (4, 2, 2, 1)]
+)
 @pytest.mark.process
 def test_r3_replays_recorded_experts_like_fsdp(
     world: None, tiny_moe_model: Path, tmp_path: Path, world_size: int, tp: int, ep: int, pp: int

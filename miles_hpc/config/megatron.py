@@ -26,7 +26,10 @@ class MegatronConfig:
             "more activations in flight); needs pipeline_parallel >= 3"
         ),
     )
-    expert_parallel: int = field(default=1, metadata=_help("EP: data-parallel ranks that split the MoE experts"))
+    expert_parallel: int = field(
+        default=1,
+        metadata=_help("EP: ranks of a pipeline stage (of TP x CP x DP) that split the MoE experts (expert TP 1)"),
+    )
     context_parallel: int = field(
         default=1,
         metadata=_help("CP: ranks that split each packed row (all-gather attention; not with the DSA indexer loss)"),

@@ -109,9 +109,12 @@ def init_model_parallel(
             f"megatron.tensor_parallel={tensor_parallel} x megatron.pipeline_parallel={pipeline_parallel} x "
             f"megatron.context_parallel={context_parallel} does not divide the {world} trainer ranks"
         )
-    dp = world // (tensor_parallel * pipeline_parallel)
-    if dp % expert_parallel:
-        raise ValueError(f"megatron.expert_parallel={expert_parallel} does not divide the {dp} data-parallel ranks")
+    stage = world // pipeline_parallel  # TP x CP x DP: the ranks experts split over (expert TP 1)
+    if stage % expert_parallel:
+        raise ValueError(
+            f"megatron.expert_parallel={expert_parallel} does not divide the {stage} ranks of a pipeline stage "
+            f"(TP x CP x DP)"
+        )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
