@@ -171,9 +171,11 @@ def test_backpressure_stops_new_groups_when_the_buffer_is_full() -> None:
         task = asyncio.ensure_future(producer.run())
         await asyncio.sleep(0.3)
         started = producer.stats.started_groups
-        # Full, never over; started = buffered + the groups generating when it filled: at most 3 hold the 8
-        # slots (4 samples each, one of them taking its first slots) and one more had passed the room check.
-        assert len(buffer) == 8 and started <= 8 + 4
+        # Full, never over; every started group is buffered or still in flight (generating, holding at most the 8
+        # slots, or scored and waiting to be put: how many of those there are depends on how late the scoring
+        # ran, so no fixed bound: a loaded CI machine saw 13 started with 8 buffered).
+        assert len(buffer) == 8 and started == 8 + len(producer.inflight)
+        assert producer._busy <= 8
         await asyncio.sleep(0.1)
         assert producer.stats.started_groups == started  # nothing new while full
         await buffer.take(4, version=0, max_staleness=0, on_stale=lambda g: None)
