@@ -216,7 +216,9 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     if os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0"):  # a requeued attempt passed it before
         from miles_hpc.launch.preflight import preflight, report
 
-        if not report(preflight(cfg), sys.stderr):
+        # --batch: the batch script's own call, whose job is the config's slurm: components (their GPUs, a run dir
+        # every node sees); without it (mpirun.sh, torchrun.sh, by hand) the launcher sizes the processes.
+        if not report(preflight(cfg, components=args.batch), sys.stderr):
             return 2
     paths = prepare(cfg)
     print(paths.config)
@@ -526,6 +528,11 @@ def build_parser() -> argparse.ArgumentParser:
     swr.set_defaults(func=_cmd_sweep_report)
 
     prep = sub.add_parser("prepare", help="create the run directory, starting model and keys (before any worker)")
+    prep.add_argument(
+        "--batch",
+        action="store_true",
+        help="the batch script's call: also check the job's components (slurm: nodes and GPUs, a shared run dir)",
+    )
     prep.add_argument("config", help="YAML config file")
     prep.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     prep.set_defaults(func=_cmd_prepare)

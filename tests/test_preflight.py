@@ -153,3 +153,15 @@ def test_the_signal_lead_covers_a_step_and_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps(step) + "\n")
     (p,) = check([*base, f"slurm.signal_s={need}"]).problems  # a 1,000 s step on top of the checkpoint
     assert p.key == "slurm.signal_s" and "a step (1000 s" in p.what
+
+
+def test_a_launcher_that_sizes_its_own_processes_skips_the_components() -> None:
+    """`prepare` without --batch (mpirun.sh, torchrun.sh, by hand): the slurm: components are not the job, so their
+    GPUs and the shared run dir are not checked; the rest is."""
+    local = "/dev/vda1 / ext4 rw 0 0\n"
+    over = ["run_dir=/tmp/run", "train.device=cuda", "slurm.gpus_per_node=8", "slurm.site=slurm/sites/nope.sh"]
+    cfg = load_config(REPO / "configs/tiny_cpu.yaml", over)
+    batch = preflight(cfg, base=REPO, probe=lambda p: GOOD_SGLANG, mounts=local)
+    alone = preflight(cfg, base=REPO, probe=lambda p: GOOD_SGLANG, mounts=local, components=False)
+    assert sorted(p.key for p in batch.problems) == ["run_dir", "slurm.site", "train.world_size"]
+    assert [p.key for p in alone.problems] == ["slurm.site"]

@@ -26,7 +26,6 @@ SMALL = [
     "rollout.max_new_tokens=4",
     "train.sft_warmup_steps=0",
     "train.world_size=2",
-    "slurm.shared_fs_check=false",  # this machine plays both nodes: its local disk is "shared"
 ]
 
 

@@ -133,7 +133,7 @@ def render_sbatch(cfg: RunConfig, config_path: str, overrides: list[str] | tuple
     body.append(
         "# run dir, resolved config, starting model, keys; extra key=value arguments of sbatch override "
         "the config\n"
-        f'CONFIG=$(miles-hpc prepare {args} "$@" | tail -n 1)\nRUN=$(dirname "$CONFIG")\n'
+        f'CONFIG=$(miles-hpc prepare --batch {args} "$@" | tail -n 1)\nRUN=$(dirname "$CONFIG")\n'
     )
     body.append(_PREEMPT)
     srun = "srun --kill-on-bad-exit=1 --wait=60"
