@@ -146,6 +146,10 @@ def test_flagship_script_shape() -> None:
         subprocess.run(["bash", "-n", str(REPO / site)], check=True)
 
 
+def _bash(code: str) -> str:
+    return subprocess.run(["bash", "-c", code], capture_output=True, text=True, check=True).stdout
+
+
 @pytest.mark.process
 def test_srun_binds_cpus_and_the_sites_gpu_policy() -> None:
     """Every srun names its CPUs per task; with GPUs, a site that sets MILES_GPU_BIND (Frontier's does) gives each
@@ -156,21 +160,11 @@ def test_srun_binds_cpus_and_the_sites_gpu_policy() -> None:
     for line, n in ((train, 1), (roll, 8)):
         words = line.split(" miles-hpc ")[0]
         for bind, want in (("", []), ("closest", [f"--gpus-per-task={n}", "--gpu-bind=closest"])):
-            shown = subprocess.run(
-                ["bash", "-c", f'MILES_GPU_BIND={bind}; printf "%s\\n" {words.split("srun ", 1)[1]}'],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.split()
+            shown = _bash(f'MILES_GPU_BIND={bind}; printf "%s\\n" {words.split("srun ", 1)[1]}').split()
             assert "-c" in shown and shown[shown.index("-c") + 1] == "8"
             assert [w for w in shown if w.startswith(("--gpus-per-task", "--gpu-bind"))] == want
-    frontier = subprocess.run(
-        ["bash", "-c", f"module() {{ :; }}; source {REPO / 'slurm/sites/frontier.sh'}; echo $MILES_GPU_BIND"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    assert frontier == "closest"
+    frontier = _bash(f"module() {{ :; }}; source {REPO / 'slurm/sites/frontier.sh'}; echo $MILES_GPU_BIND")
+    assert frontier.strip() == "closest"
     cpu = (REPO / "slurm/tiny_cpu.sbatch").read_text()
     assert "--gpus-per-task" not in cpu and cpu.count("-c 1 miles-hpc worker") == 2
 
