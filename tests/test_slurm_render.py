@@ -142,8 +142,10 @@ def test_flagship_script_shape() -> None:
         "#SBATCH --gpus-per-node=8",
     } <= set(lines[het:])
     assert "source slurm/sites/nvidia_ib.sh" in script and "#SBATCH --requeue" in lines
-    for site in ("slurm/sites/frontier.sh", "slurm/sites/nvidia_ib.sh"):
-        subprocess.run(["bash", "-n", str(REPO / site)], check=True)
+    sites = sorted((REPO / "slurm/sites").glob("*.sh"))
+    assert {p.name for p in sites} >= {"frontier.sh", "nvidia_ib.sh", "mi300x.sh"}
+    for site in sites:
+        subprocess.run(["bash", "-n", str(site)], check=True)
 
 
 def _bash(code: str) -> str:
@@ -167,6 +169,57 @@ def test_srun_binds_cpus_and_the_sites_gpu_policy() -> None:
     assert frontier.strip() == "closest"
     cpu = (REPO / "slurm/tiny_cpu.sbatch").read_text()
     assert "--gpus-per-task" not in cpu and cpu.count("-c 1 miles-hpc worker") == 2
+
+
+def _site_env(site: str, code: str = "env", **env: str) -> str:
+    """What ``code`` prints after sourcing ``site`` in a bash started with an empty environment (plus ``env``), under
+    the batch script's own `set -euo pipefail`."""
+    cmd = [
+        "env",
+        "-i",
+        *(f"{k}={v}" for k, v in env.items()),
+        "bash",
+        "-c",
+        f"set -euo pipefail; source {site}; {code}",
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
+
+
+@pytest.mark.process
+def test_mi300x_site_sets_rccl_hip_and_the_gpu_binding() -> None:
+    """slurm/sites/mi300x.sh (MI300X/MI355X): sourced in an empty environment (no module command: its module line is
+    commented out), it sets AMD's RCCL and HIP settings and the NIC examples marked EDIT, binds GPUs per task
+    (MILES_GPU_BIND=closest) and drops an inherited HIP_VISIBLE_DEVICES; every export says why on its line or the one
+    above; the rendered srun lines then carry --gpus-per-task and --gpu-bind=closest."""
+    site = "slurm/sites/mi300x.sh"
+    got = dict(line.split("=", 1) for line in _site_env(site, HIP_VISIBLE_DEVICES="3").splitlines() if "=" in line)
+    assert {
+        "NCCL_MIN_NCHANNELS": "112",
+        "TORCH_NCCL_HIGH_PRIORITY": "1",
+        "GPU_MAX_HW_QUEUES": "2",
+        "HIP_FORCE_DEV_KERNARG": "1",
+        "HSA_OVERRIDE_CPU_AFFINITY_DEBUG": "0",
+        "PYTORCH_ROCM_ARCH": "gfx942;gfx950",
+        "MILES_GPU_BIND": "closest",
+    }.items() <= got.items()
+    assert got["GLOO_SOCKET_IFNAME"] == got["NCCL_SOCKET_IFNAME"] and got["NCCL_IB_HCA"].startswith("rdma0,")
+    assert "HIP_VISIBLE_DEVICES" not in got and "NCCL_DEBUG" not in got
+    assert _site_env(site, "echo $PYTORCH_ROCM_ARCH", PYTORCH_ROCM_ARCH="gfx950").strip() == "gfx950"
+    lines = (REPO / site).read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("export "):
+            assert " # " in line or lines[i - 1].startswith("#"), f"{site}:{i + 1} exports without saying why"
+    over = ["slurm.site=slurm/sites/mi300x.sh"]
+    script = render_sbatch(load_config(REPO / "configs/experiments/glm52_64gpu.yaml", over), "c.yaml", over)
+    assert "source slurm/sites/mi300x.sh" in script
+    for role, n in (("train", 1), ("rollout", 8)):
+        srun = next(x for x in script.splitlines() if x.startswith("srun") and f"--role {role}" in x)
+        words = _site_env(site, f'printf "%s\\n" {srun.split(" miles-hpc ")[0].split("srun ", 1)[1]}').split()
+        assert words[words.index("-c") + 1] == "8"
+        assert [w for w in words if w.startswith(("--gpus-per-task", "--gpu-bind"))] == [
+            f"--gpus-per-task={n}",
+            "--gpu-bind=closest",
+        ]
 
 
 @pytest.mark.process
