@@ -314,13 +314,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "gpu_mem_gb": args.gpu_mem_gb,
         "delta_ratio": args.delta_ratio,
         "rollout_bytes": {"bf16": 2, "fp8": 1}.get(args.rollout_dtype),
+        "train_tp": args.train_tp,
+        "train_pp": args.train_pp,
+        "train_cp": args.train_cp,
+        "train_ep": args.train_ep,
+        "gpus_per_node": args.gpus_per_node,
+        "bucket_gb": args.bucket_gb,
+        "engine_dp_attention": args.engine_dp_attention or None,
     }
+    if args.published:
+        return _plan_published(args)
+    if args.config is None:
+        print("error: plan: a CONFIG (run config, model config or name) is needed, or --published", file=sys.stderr)
+        return 2
     if args.layouts:
         return _plan_layouts(args)
     try:
-        cfg, source, name, cluster = _plan_inputs(args)
+        cfg, source, name, numbers = _plan_inputs(args)
         check_spec(cfg, source)
-        cluster.update({k: v for k, v in flags.items() if v is not None})
+        cluster: dict[str, Any] = {**numbers, **{k: v for k, v in flags.items() if v is not None}}
         report = estimate(cfg, Cluster(**cluster), name=name, source=source)
     except ModelSpecError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -332,6 +344,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         )
         return 2
     print(json.dumps(report) if args.json else format_table(report))
+    return 0
+
+
+def _plan_published(args: argparse.Namespace) -> int:
+    """`plan --published`: the calibrated sync model against Miles' published update times (docs/planning.md)."""
+    import json
+
+    from miles_hpc.planner import published, sync_time
+
+    recs = published.rows()
+    for r in recs:
+        print(json.dumps(r))
+    if not args.json:
+        print(published.format_rows(recs))
+        print("constants: " + ", ".join(f"{k} {v:g}" for k, v in sync_time.constants().items()))
+        print(f"fitted: MLA_LOAD_S on {published.LOAD_FIT} broadcast, REPLICA_GBPS on {published.REPLICA_FIT} p2p")
+        print(f"source: {published.SOURCE}")
     return 0
 
 
@@ -400,6 +429,7 @@ def _add_plan_parser(sub: Any) -> None:
     pl = sub.add_parser("plan", help="memory and weight-sync time estimates for a cluster and model (docs/planning.md)")
     pl.add_argument(
         "config",
+        nargs="?",
         help="run config YAML, a model config JSON / checkpoint dir, or a name in configs/models (kimi_k2, glm52)",
     )
     pl.add_argument("--model", help="with a run config: plan this model (path or name) instead of model.path")
@@ -415,6 +445,21 @@ def _add_plan_parser(sub: Any) -> None:
     pl.add_argument("--rollout-dtype", choices=["bf16", "fp8"], help="engine weight dtype (default bf16)")
     pl.add_argument("--gpu-mem-gb", type=float, help="GPU memory in GB for the fit checks (default 141, H200)")
     pl.add_argument("--delta-ratio", type=float, help="delta bytes / full bytes (default 0.0112, measured)")
+    pl.add_argument("--train-tp", type=int, help="trainer tensor-parallel size, for the sync model (default 1)")
+    pl.add_argument("--train-pp", type=int, help="trainer pipeline stages, for the sync model (default 1)")
+    pl.add_argument("--train-cp", type=int, help="trainer context-parallel size, for the sync model (default 1)")
+    pl.add_argument("--train-ep", type=int, help="trainer expert-parallel size, for the sync model (default 1)")
+    pl.add_argument("--bucket-gb", type=float, help="GB gathered per weight-sync bucket (default 1)")
+    pl.add_argument(
+        "--engine-dp-attention",
+        action="store_true",
+        help="engines run SGLang DP attention (every engine rank holds the non-expert weights)",
+    )
+    pl.add_argument(
+        "--published",
+        action="store_true",
+        help="the calibrated sync model against Miles' published update times: one JSON line per case, and a table",
+    )
     pl.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     pl.add_argument(
         "--layouts",
@@ -422,7 +467,7 @@ def _add_plan_parser(sub: Any) -> None:
         help="megatron training layouts: the best that fits --node (with its memory options) and why others fail",
     )
     pl.add_argument("--node", default="h200", help="with --layouts: node kind (h200, b300, gb300, mi300x)")
-    pl.add_argument("--gpus-per-node", type=int, help="with --layouts: override the node's GPUs")
+    pl.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8; with --layouts: the node's)")
     pl.add_argument("--host-mem-gb", type=float, help="with --layouts: override the node's host memory (GB)")
     pl.add_argument(
         "--seq-len", type=int, help="with --layouts: tokens per micro-batch (train.max_tokens_per_microbatch)"

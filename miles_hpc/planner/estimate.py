@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_hpc.models import ModelConfig
+from miles_hpc.planner import sync_time
 from miles_hpc.planner.accounting import (
     ACT_BYTES,
     Activations,
@@ -187,6 +188,14 @@ class Cluster:
     delta_ratio: float = DELTA_RATIO
     encode_gbps: float = ENCODE_GBPS
     decode_gbps: float = DECODE_GBPS
+    # The trainer's megatron layout and the nodes, for the calibrated sync model (planner/sync_time.py)
+    train_tp: int = 1
+    train_pp: int = 1
+    train_cp: int = 1
+    train_ep: int = 1
+    gpus_per_node: int = 8
+    bucket_gb: float = 1.0  # bytes gathered per bucket before each send (Miles' --update-weight-buffer-size)
+    engine_dp_attention: bool = False  # SGLang DP attention: each engine rank holds the non-expert weights whole
 
     def __post_init__(self) -> None:
         for key in ("train_gpus", "engines", "engine_tp", "engine_ep"):
@@ -201,6 +210,25 @@ class Cluster:
             raise ModelSpecError(f"rollout_bytes: 2 (bf16) or 1 (fp8), got {self.rollout_bytes}")
         if not 0 <= self.delta_ratio <= 1:
             raise ModelSpecError(f"delta_ratio: must be in [0, 1], got {self.delta_ratio}")
+        self.sync_layout()  # validates the trainer layout
+
+    def sync_layout(self) -> sync_time.SyncLayout:
+        """The calibrated sync model's inputs."""
+        return sync_time.SyncLayout(
+            train_gpus=self.train_gpus,
+            train_tp=self.train_tp,
+            train_pp=self.train_pp,
+            train_cp=self.train_cp,
+            train_ep=self.train_ep,
+            engines=self.engines,
+            engine_gpus=self.engine_tp,
+            engine_ep=self.engine_ep,
+            engine_dp_attention=self.engine_dp_attention,
+            gpus_per_node=self.gpus_per_node,
+            link_gbits=self.link_gbits,
+            rollout_bytes=self.rollout_bytes,
+            bucket_gb=self.bucket_gb,
+        )
 
     @property
     def link_gbps(self) -> float:
@@ -251,6 +279,16 @@ def assumptions(c: Cluster, cfg: Mapping[str, Any] | None = None, batch: TrainBa
         (
             "p2p: planner/transfer.py's plan (FSDP2 dim-0 shards -> engine TP/EP slices); time = busiest trainer or "
             "engine link's bytes / link bandwidth, all links in parallel, no fabric bottleneck"
+        ),
+        (
+            f"'as Miles runs it' (planner/sync_time.py, docs/planning.md): trainer {c.train_tp}/{c.train_pp}/"
+            f"{c.train_cp}/{c.train_ep} (TP/PP/CP/EP), {c.gpus_per_node} GPUs per node, buckets of {c.bucket_gb:g} GB, "
+            f"NIC at {sync_time.NCCL_EFFICIENCY:g} of line rate; broadcast: the stages' buckets one at a time from "
+            "each stage's source over NCCL's ring, per-bucket lock/RPC/drain, every engine rank loading every weight "
+            f"(MLA families {sync_time.MLA_LOAD_S * 1e6:g} us each, fitted on GLM-5); p2p: every trainer rank "
+            f"serves its engine ranks one after another, a CPU-replica pass over its stage at "
+            f"{sync_time.REPLICA_GBPS:g} GB/s (fitted on Qwen3-235B) per target, then RDMA; checked against Miles' "
+            "three published H100 figures (miles-hpc plan --published)"
         ),
         (
             f"delta: {c.delta_ratio:g} of the full bytes (measured for bf16 at lr 1e-6 on a 25M model: larger "
@@ -381,18 +419,24 @@ def estimate(
         "rollout_dtype": "bf16" if c.rollout_bytes == 2 else "fp8",
         "link_gbits": c.link_gbits,
         "link_gbps": c.link_gbps,
+        "train_layout": f"TP{c.train_tp} PP{c.train_pp} CP{c.train_cp} EP{c.train_ep}",
+        "gpus_per_node": c.gpus_per_node,
+        "bucket_gb": c.bucket_gb,
+        "engine_dp_attention": c.engine_dp_attention,
         "gpu_mem_gb": c.gpu_mem_gb,
         "seq_len": b.seq_len,
         "micro_batch": b.micro_batch,
         "activation_checkpointing": b.activation_checkpointing,
     }
+    modelled = sync_time.model(cfg, c.sync_layout())  # Miles' paths, calibrated (planner/sync_time.py)
     sync = {
-        "broadcast": {"bytes_gb": full / gb, "seconds": full / bw},
+        "broadcast": {"bytes_gb": full / gb, "seconds": full / bw, "model": modelled["broadcast"]},
         "p2p": {
             "max_send_gb": p2p.max_send / gb,
             "max_recv_gb": p2p.max_recv / gb,
             "total_gb": p2p.total / gb,
             "seconds": max(p2p.max_send, p2p.max_recv) / bw,
+            "model": modelled["p2p"],
         },
         "delta": {
             "ratio": c.delta_ratio,
@@ -490,8 +534,10 @@ def format_table(report: Mapping[str, Any]) -> str:
         (f"weights ({c['rollout_dtype']})", _gb(m["weights_gb"])),
         ("cluster", f"{c['train_gpus']} train GPUs; engines: {engines}; {link}"),
         *_memory_rows(m, c, mem),
-        ("sync: broadcast", f"{_secs(bc['seconds']):>10}  ({_gb(bc['bytes_gb'])} over rank 0's link)"),
+        ("sync: broadcast", f"{_secs(bc['seconds']):>10}  ({_gb(bc['bytes_gb'])} over rank 0's link; lower bound)"),
+        ("  as Miles runs it", f"{_secs(bc['model']['seconds']):>10}  ({_bc_terms(bc['model'])}; calibrated)"),
         ("sync: p2p", f"{_secs(p2p['seconds']):>10}  (busiest link {busiest}; {_gb(p2p['total_gb'])} in all)"),
+        ("  as Miles runs it", f"{_secs(p2p['model']['seconds']):>10}  ({_p2p_terms(p2p['model'])}; calibrated)"),
         ("sync: delta", f"{_secs(d['seconds']):>10}  ({_gb(d['bytes_gb'])}: {wire} + {codec})"),
         (
             "  delta codec",
@@ -503,6 +549,20 @@ def format_table(report: Mapping[str, Any]) -> str:
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines += ["assumptions:"] + [f"  - {a}" for a in report["assumptions"]]
     return "\n".join(lines)
+
+
+def _bc_terms(m: Mapping[str, Any]) -> str:
+    return (
+        f"wire {_secs(m['wire_s'])} + engine load {_secs(m['engine_load_s'])} + {m['buckets']} buckets "
+        f"{_secs(m['buckets_s'])} + calls {_secs(m['ops_s'])}"
+    )
+
+
+def _p2p_terms(m: Mapping[str, Any]) -> str:
+    return (
+        f"gather {_secs(m['gather_s'])} + convert {_secs(m['convert_s'])} + replica x{m['targets_per_rank']} "
+        f"{_secs(m['replica_s'])} + wire {_secs(m['wire_s'])}"
+    )
 
 
 def load_model_config(spec: str | Path) -> tuple[dict[str, Any], str]:
