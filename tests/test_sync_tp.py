@@ -132,6 +132,21 @@ def test_run_with_two_tp2_engines(strategy: str, tmp_path: Path) -> None:
         assert not (run_dir / "weights" / "v2" / "full").exists()
 
 
+@pytest.mark.process
+def test_fully_async_p2p_into_tp2_engines_ends(tmp_path: Path) -> None:
+    """Fully async with p2p into 2 engines of TP 2: every step's version verified on both engines, and the run
+    ends (it hung after its last step while the engines, still generating, were told to destroy the group)."""
+    run_dir = tmp_path / "run"
+    extra = ("steps=3", "mode=fully_async", "sync.strategy=p2p", "rollout.num_engines=2", "rollout.engine_tp=2")
+    out = loop_run(run_dir, *extra)
+    assert "done: 3 steps" in out
+    m = loop_metrics(run_dir)
+    assert [r["weight_version"] for r in m] == [1, 2, 3] and all(r["sync/engines"] == 2 for r in m)
+    for i in range(2):
+        log = (run_dir / "logs" / f"engine-{i}.log").read_text()
+        assert "tensor-parallel: 2 ranks" in log and "Traceback" not in log
+
+
 def test_embedded_tp_refusals_name_the_key() -> None:
     from miles_hpc.config import ConfigError, load_config
     from miles_hpc.launch.local import gpu_plan
@@ -316,3 +331,50 @@ def _rank1_only(engine: Engine, name: str, value: torch.Tensor) -> None:
     old = engine.whole_weights([name])[name]
     engine.tp.apply(engine.model, [(name, value)])
     engine.tp.shard.apply(engine.model, [(name, old)])
+
+
+@pytest.mark.process
+def test_groups_join_and_go_while_a_tp2_engine_generates(tmp_path: Path) -> None:
+    """Joining and destroying a weight-update group do not wait for the engine's steps (a join blocks until every
+    rank is in): their messages to the other TP ranks go out during a forward. On CPU the forward's all-reduces
+    have a gloo group of their own, so the two never mix (they did: a hang, or gloo's "data size doesn't match"),
+    and a long greedy generation running meanwhile answers what a TP 1 engine does."""
+    ckpt = make_ckpt(tmp_path / "m", "qwen3", 0)
+    w = _weights(ckpt, 2)
+    ref = Engine.from_pretrained(str(ckpt), EngineConfig(dtype="float32", max_total_tokens=4096))
+    ref.update_weights(w, version="1")
+    prompts = [list(range(30 + i, 50 + i)) for i in range(4)]
+    sampling = SamplingParams(max_new_tokens=96, temperature=0.0, ignore_eos=True)
+    reqs = [GenerateRequest(rid=f"r{i}", input_ids=tuple(p), sampling=sampling) for i, p in enumerate(prompts)]
+    want = [run(ref, r)[r.rid].output_ids for r in reqs]
+    ref.shutdown()
+    server = start_server(ckpt, tmp_path / "s", "--tp-size", "2", "--dtype", "float32")
+    try:
+
+        async def main() -> None:
+            client = EngineClient(server.url, connect_retries=0)
+            spec = GroupSyncSpec(master_address="127.0.0.1", next_port=free_port, bucket_bytes=1 << 15, timeout_s=60)
+            sync = BroadcastSync(spec)
+            try:
+                await sync.connect([client])
+                await sync.push(iter(w), "1")
+                await sync.close()
+                params = {"max_new_tokens": 96, "temperature": 0.0, "ignore_eos": True}
+                gens = [asyncio.ensure_future(client.generate(p, params)) for p in prompts]
+                cycles = 0
+                while not all(g.done() for g in gens) or cycles < 2:
+                    cycles += 1
+                    sync = BroadcastSync(spec)
+                    await asyncio.wait_for(sync.connect([client]), 60)
+                    await asyncio.wait_for(sync.close(), 60)
+                outs = await asyncio.wait_for(asyncio.gather(*gens), 120)
+                assert [o.output_ids for o in outs] == want
+                assert all(o.weight_version == "1" for o in outs)
+            finally:
+                await sync.close()
+                await client.close()
+
+        asyncio.run(main())
+        assert server.proc.poll() is None, "the engine exited"
+    finally:
+        server.stop()

@@ -11,12 +11,14 @@ whole logits and reports log-probs over the whole vocabulary. Routers, norms and
 see the same (summed) inputs on every rank, so every rank routes and selects alike.
 
 Wire: a gloo group over the ranks for control (pickle-free: `torch.save` / `torch.load(weights_only=True)` of
-plain values and tensors), and for the model's collectives the same group on CPU or an NCCL/RCCL group on GPUs
-(`sync/wire/pg.py`'s CustomGroup: no default process group, so a weight-update group can coexist).
+plain values and tensors), and a second group for the model's collectives: gloo on CPU, NCCL/RCCL on GPUs
+(`sync/wire/pg.py`'s CustomGroup: no default process group, so a weight-update group can coexist). Two groups on
+CPU too: joining or destroying a weight-update group sends its message without the step lock, during a forward.
 
 Invariants:
-- Messages go out only from rank 0, under its engine's step lock (one step or control call at a time), and every
-  rank handles them in order: a step, a tensor of a weight update, a gather of the weights, stop.
+- Messages go out only from rank 0, one at a time (the driver's lock), and every rank handles them in order; those
+  that run collectives on the model's weights (a step, a weight update, a gather) go out under the engine's step
+  lock, between steps.
 - Weight updates arrive whole at rank 0 (disk, tensor, delta routes) and are broadcast; each rank keeps its box. A
   delta is decoded on rank 0 against the whole tensors gathered from the ranks (the codec's classes span the whole
   tensor), then broadcast as any whole tensor.
@@ -86,8 +88,11 @@ class TPComm:
 
         self.rank, self.size = spec.rank, spec.tp_size
         self.control = group("gloo", "engine_tp_control", spec.master_port)
+        # A group of its own even on CPU: control calls that need no step lock (joining or destroying a
+        # weight-update group, stop) may go out while a forward's collectives run, and gloo pairs the operations
+        # of one group by order, so sharing it would mix a message into an all-reduce (wrong sizes, or a hang).
         on_gpu = torch.device(spec.device).type == "cuda"
-        self.compute = group("nccl", "engine_tp", spec.master_port + 1) if on_gpu else self.control
+        self.compute = group("nccl" if on_gpu else "gloo", "engine_tp", spec.master_port + 1)
 
     def send(self, message: dict[str, Any]) -> None:
         buf = io.BytesIO()
@@ -111,8 +116,7 @@ class TPComm:
         return self.compute.all_gather(t)
 
     def destroy(self) -> None:
-        if self.compute is not self.control:
-            self.compute.destroy()
+        self.compute.destroy()
         self.control.destroy()
 
 
