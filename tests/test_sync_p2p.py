@@ -78,6 +78,43 @@ def test_p2p_publish_every_engine_holds_the_trainers_weights(tmp_path: Path) -> 
         asyncio.run(main())
 
 
+def test_p2p_from_ranks_holding_copies_reaches_every_engine(tmp_path: Path) -> None:
+    """Trainer ranks that hold identical copies (Megatron's DP or TP replicas: here every rank holds every tensor
+    whole) take turns as the source by destination, so the second engine's pieces come from other ranks than the
+    first's: each engine must be told its own (it was told the first's, and its receives met other pieces: gloo's
+    "data size doesn't match", the engine down)."""
+    from miles_hpc.planner.transfer import Box
+
+    def whole(shapes: dict[str, tuple[int, ...]], world: int) -> dict[str, list[Box]]:
+        return {n: [Box.full(s)] * world for n, s in shapes.items()}
+
+    with bf16_fleet(tmp_path, 2) as procs:
+
+        async def main() -> None:
+            world = ThreadedRanks(perturbed_weights(3), WORLD, layout=whole)
+            spec = GroupSyncSpec(
+                master_address="127.0.0.1",
+                next_port=free_port,
+                bucket_bytes=1 << 16,
+                rollout_dtype=torch.bfloat16,
+                timeout_s=30,
+            )
+            sync = P2PSync(spec, world)
+            async with router_of(procs) as router:
+                publisher = Publisher(sync, router, pause_mode="retract")
+                try:
+                    report = await asyncio.wait_for(publisher.publish(lambda: pytest.fail("no gather"), "1"), 120)
+                    assert report.engines == 2 and report.dropped == ()
+                    want = {n: tensor_checksum(t) for n, t in world.named.items()}
+                    for c in router.clients:
+                        assert await engine_sums(c) == want
+                finally:
+                    await sync.close()
+            assert all(p.proc.poll() is None for p in procs), "an engine exited"
+
+        asyncio.run(main())
+
+
 def await_sums(world: ThreadedRanks) -> dict[str, str]:
     """The pieces the trainer ranks hold, hashed as a push would (rollout dtype = bf16 already)."""
     from miles_hpc.sync.wire.checksum import piece_key

@@ -144,6 +144,7 @@ class P2PSync(Strategy):
         self._joined = False
         self._pieces: dict[str, list[Box]] = {}  # boxes of the last push, for verify
         self._tp, self._kv_heads = 1, None  # the engines' TP layout (read at connect)
+        self._plans: tuple[tuple[Any, ...], list[list[dict[str, list[Transfer]]]]] | None = None
 
     @property
     def clients(self) -> Sequence[EngineClient]:
@@ -203,13 +204,8 @@ class P2PSync(Strategy):
         dtype = self._dtype(like)
         esize = torch.empty((), dtype=dtype).element_size()
         buckets = buckets_of(sm.shapes, esize, self.spec.bucket_bytes)
-        # Every replica (engine) expects the same pieces, so one engine's part of the plan serves all (computing it
-        # per replica would repeat the work E times); a TP engine's rank r expects the pieces of its own part.
         tp = self._tp
-        layout = engine_layout(sm.shapes, tp, 1, kv_heads=self._kv_heads)
-        expected = [
-            _by_name(plan_transfers(sm.shapes, sm.layout, layout, esize, only=EngineRank(0, r))) for r in range(tp)
-        ]
+        expected = await asyncio.to_thread(self._expected, sm, esize, replicas)
         action = PushShards(
             group_name=self.group_name,
             replicas=replicas,
@@ -225,20 +221,22 @@ class P2PSync(Strategy):
             for b, names in enumerate(buckets):
                 last = b == len(buckets) - 1
                 shapes = [list(sm.shapes[n]) for n in names]
-                per_rank = [[[_piece(t) for t in expected[r].get(n, ())] for r in range(tp)] for n in names]
-                calls = [
-                    c.update_weights_from_p2p(
-                        names,
-                        [dtype_name] * len(names),
-                        shapes,
-                        [ranks[0] for ranks in per_rank],
-                        group_name=self.group_name,
-                        weight_version=version if last else None,
-                        flush_cache=last,
-                        tp_pieces=per_rank if tp > 1 else None,
+                calls = []
+                for e, c in enumerate(self._clients):
+                    mine = expected[e % len(expected)]
+                    per_rank = [[[_piece(t) for t in mine[r].get(n, ())] for r in range(tp)] for n in names]
+                    calls.append(
+                        c.update_weights_from_p2p(
+                            names,
+                            [dtype_name] * len(names),
+                            shapes,
+                            [ranks[0] for ranks in per_rank],
+                            group_name=self.group_name,
+                            weight_version=version if last else None,
+                            flush_cache=last,
+                            tp_pieces=per_rank if tp > 1 else None,
+                        )
                     )
-                    for c in self._clients
-                ]
                 answers = await asyncio.gather(*calls, return_exceptions=True)
                 failed = [(c.url, a) for c, a in zip(self._clients, answers) if isinstance(a, BaseException)]
                 if failed:
@@ -267,6 +265,28 @@ class P2PSync(Strategy):
                 self._pieces[name].append(box)
         return merged
 
+    def _expected(self, sm: ShardMap, esize: int, replicas: int) -> list[list[dict[str, list[Transfer]]]]:
+        """What each engine's rank r receives from which trainer rank, ``[replica][r][name]``. Identical copies of a
+        piece (Megatron's TP or DP replicas) take turns by destination (`plan_transfers`), so where the trainer
+        holds copies each replica has a plan of its own; without copies one plan serves every replica. Cached
+        while the shard map, the element size and the engines stay the same (planning the flagship's 32 engine
+        ranks takes seconds)."""
+        key = (esize, replicas, self._tp, self._kv_heads, _fingerprint(sm))
+        if self._plans is not None and self._plans[0] == key:
+            return self._plans[1]
+        layout = engine_layout(sm.shapes, self._tp, replicas, kv_heads=self._kv_heads)
+        copies = any(len({b for b in boxes if not b.empty}) < sum(not b.empty for b in boxes) for boxes in
+                     sm.layout.values())  # fmt: skip
+        plans = [
+            [
+                _by_name(plan_transfers(sm.shapes, sm.layout, layout, esize, only=EngineRank(e, r)))
+                for r in range(self._tp)
+            ]
+            for e in range(replicas if copies else 1)
+        ]
+        self._plans = (key, plans)
+        return plans
+
     async def verify(self, clients: Sequence[EngineClient], expected: dict[str, str]) -> None:
         await verify_pieces(clients, self._pieces, expected)
 
@@ -279,6 +299,11 @@ class P2PSync(Strategy):
             *(c.destroy_weights_update_group(self.group_name) for c in clients),
             return_exceptions=True,
         )
+
+
+def _fingerprint(sm: ShardMap) -> int:
+    """A hash of the shard map's layout (names, shapes, every rank's boxes): equal layouts plan alike."""
+    return hash(tuple((name, tuple(shape), tuple(sm.layout[name])) for name, shape in sm.shapes.items()))
 
 
 def _piece(t: Transfer) -> list[int]:
@@ -438,11 +463,17 @@ class _ThreadRank:
 
 class ThreadedRanks:
     """``world`` trainer ranks as threads of this process over fixed HF-named tensors, each holding FSDP2's dim-0
-    chunks: the trainer side of p2p without a trainer (tests, benchmarks). ``p2p`` runs an action on every rank at
+    chunks (or the boxes ``layout`` gives, e.g. whole copies as Megatron's DP replicas hold): the trainer side of p2p without a trainer (tests, benchmarks). ``p2p`` runs an action on every rank at
     once, as ``RankedTrainer`` does across processes; each rank has its own group member."""
 
-    def __init__(self, named: Iterable[tuple[str, torch.Tensor]], world: int) -> None:
+    def __init__(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        world: int,
+        layout: Callable[[dict[str, tuple[int, ...]], int], Any] | None = None,
+    ) -> None:
         self.world_size = world
+        self._layout_of = layout  # (shapes, world) -> every rank's boxes; None: FSDP2's dim-0 chunks
         self.set_weights(named)
         self._ranks = [_ThreadRank(self, r) for r in range(world)]
 
@@ -451,7 +482,7 @@ class ThreadedRanks:
 
         self.named = dict(named)
         self.shapes = {n: tuple(t.shape) for n, t in self.named.items()}
-        self.layout = fsdp_layout(self.shapes, self.world_size)
+        self.layout = (self._layout_of or fsdp_layout)(self.shapes, self.world_size)
 
     def shard_map(self) -> Any:
         return self._ranks[0].shard_map()
