@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import require
-from slurm_support import SlurmCluster, slurm_cluster_fixture  # noqa: F401  (the fixture `slurm_cluster`)
+from slurm_support import FINAL, SlurmCluster, slurm_cluster_fixture  # noqa: F401  (the fixture `slurm_cluster`)
 
 from miles_hpc.config import load_config
 from miles_hpc.data import TrajectoryReader
@@ -256,3 +256,55 @@ def test_submitit_launchers_run_a_single_job_and_a_sweep(slurm_cluster: SlurmClu
     assert [s["steps"] for s in summaries] == [2, 2]
     points = sorted(p for p in (tmp_path / "sweep").iterdir() if (p / "checkpoints" / "step_2").is_dir())
     assert len(points) == 2, sorted((tmp_path / "sweep").iterdir())
+
+
+def test_the_flagship_in_miniature_survives_preemption(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """configs/experiments/glm52_mini.yaml, submitted by `miles-hpc submit` (preflight, then the flagship's
+    heterogeneous job shape): a megatron trainer at TP 2 x EP 2 on one component, 2 embedded engines of TP 2 on the
+    other, fully async, the terminal agent, R3 and p2p. A USR2 in the middle checkpoints, requeues and resumes; the
+    job completes with every step once, every drawn prompt trained once, every sample stored with its routing rows,
+    both engines holding every version (p2p's checksums verified at each sync)."""
+    run_dir, steps = tmp_path / "run", 6
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles_hpc.cli", "submit", "configs/experiments/glm52_mini.yaml", f"run_dir={run_dir}",
+         f"steps={steps}"],
+        cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = proc.stdout.split("submitted job ")[1].split(";")[0]
+    out = run_dir / "logs" / f"slurm-{job}.out"
+
+    def tail() -> str:
+        return out.read_text()[-4000:] if out.exists() else "(no log)"
+
+    deadline = time.monotonic() + 900
+    while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2):
+        assert time.monotonic() < deadline, tail()
+        ended = [r["JobState"] for r in slurm_cluster.records(job) if r["JobState"] in FINAL]
+        assert not ended, f"job {job} ended ({ended}) before its second step: " + tail()
+        time.sleep(1)
+    slurm_cluster.run("scancel", "--signal=USR2", "--batch", job)
+    while not any(r.get("Restarts", "0") != "0" for r in slurm_cluster.records(job)):
+        assert time.monotonic() < deadline, "the job was not requeued: " + tail()
+        time.sleep(0.5)
+    time.sleep(3)  # see test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample
+    slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    state = slurm_cluster.wait(job, timeout=max(10.0, deadline - time.monotonic()))
+    assert state == "COMPLETED", tail()
+    assert {r.get("ExitCode") for r in slurm_cluster.records(job)} == {"0:0"}, slurm_cluster.records(job)
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(steps)), [r["step"] for r in rows]
+    assert [r["weight_version"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["sync/engines"] == 2 and r["sync/dropped_engines"] == 0 for r in rows), rows
+    assert len(list((run_dir / "checkpoints").iterdir())) >= 2  # the preemption's and the last
+    samples = list(TrajectoryReader(run_dir / "trajectories"))
+    cfg = load_config(REPO / "configs/experiments/glm52_mini.yaml")
+    per_prompt, n = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
+    assert sorted(s.train_step for s in samples) == sorted(list(range(steps)) * per_prompt * n)
+    groups: dict[int, set] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, set()).add(s.prompt_id)
+    prompts = [p for g in groups.values() for p in g]
+    assert len(groups) == steps * per_prompt and len(prompts) == len(set(prompts)), "a prompt trained twice"
+    for s in samples:
+        assert s.routed_experts is not None and len(s.routed_experts) > 0, (s.group_id, s.prompt_id)
