@@ -147,8 +147,19 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     points = expand_grid(args.grid)
-    for point in points:  # every point must make a valid config before anything is submitted
-        load_config(args.config, [*args.overrides, *(f"{k}={v}" for k, v in point.items())])
+    failed = 0
+    for point in points:  # every point must make a valid config, and pass preflight, before anything is submitted
+        swept = [f"{k}={v}" for k, v in point.items()]
+        point_cfg = load_config(args.config, [*args.overrides, *swept])
+        if not args.no_preflight:
+            from miles_hpc.launch.preflight import preflight, report
+
+            # An array task runs `miles-hpc run` in one allocation (sweep-task): no components to check.
+            print(f"[miles-hpc] preflight of point {' '.join(swept)}", file=sys.stderr)
+            failed += not report(preflight(point_cfg, components=False), sys.stderr)
+    if failed:
+        print(f"error: {failed} of {len(points)} sweep points failed preflight; nothing submitted", file=sys.stderr)
+        return 2
     root = Path(cfg.run_dir)
     shared = [o for o in args.overrides if not o.startswith("run_dir=")]  # each point gets its own run_dir
     plan = write_plan(root, str(Path(args.config).resolve()), shared, points)
@@ -559,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     swp.add_argument("--max-parallel", type=int, help="tasks running at once (--array=...%%N)")
     swp.add_argument("--dry-run", action="store_true", help="write ROOT/sweep.json and print the script only")
     swp.add_argument("--launcher", choices=["sbatch", "submitit"], default="sbatch", help="how the array is submitted")
+    swp.add_argument("--no-preflight", action="store_true", help="skip the checks of every point (as submit's)")
     swp.add_argument("config", help="YAML config file; its run_dir becomes the sweep's root")
     swp.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides shared by every point")
     swp.set_defaults(func=_cmd_sweep)

@@ -4,6 +4,8 @@ array job itself runs in tests/test_slurm_jobs.py)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,22 @@ def test_a_signalled_array_task_checkpoints_and_requeues_itself(tmp_path: Path) 
     assert proc.returncode == 0, out
     assert log.read_text().splitlines()[1:] == ["checkpointed", "scontrol requeue 77"], log.read_text()
     assert "requeueing 77 (task 0)" in out
+
+
+@pytest.mark.process
+def test_sweep_runs_preflight_on_every_point_before_anything_is_written(tmp_path: Path) -> None:
+    """A point that fails preflight (here its site file does not exist) stops the whole sweep with the point and
+    the key named, exit 2, and nothing written or submitted; --no-preflight renders it anyway."""
+    root = tmp_path / "sweep"
+    argv = [sys.executable, "-m", "miles_hpc.cli", "sweep", "--dry-run", "--grid",
+            "slurm.site=slurm/sites/nvidia_ib.sh,slurm/sites/no_such_site.sh", "configs/tiny_cpu.yaml",
+            f"run_dir={root}"]  # fmt: skip
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (
+        "point slurm.site=slurm/sites/no_such_site.sh" in proc.stderr and "error: preflight: slurm.site" in proc.stderr
+    )
+    assert "1 of 2 sweep points failed preflight" in proc.stderr and not root.exists()
+    proc = subprocess.run([*argv[:4], "--no-preflight", *argv[4:]], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0 and "#SBATCH --array=0-1" in proc.stdout, proc.stderr
