@@ -164,9 +164,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     shared = [o for o in args.overrides if not o.startswith("run_dir=")]  # each point gets its own run_dir
     plan = write_plan(root, str(Path(args.config).resolve()), shared, points)
     if args.launcher == "submitit":
-        from miles_hpc.launch.submitit_jobs import submit_runs
+        from miles_hpc.launch.submitit_jobs import describe, submit_runs
 
         tasks = json.loads(plan.read_text())["tasks"]
+        if args.dry_run:
+            print(describe(cfg, args.config, [t["overrides"] for t in tasks]))
+            return 0
         jobs = submit_runs(cfg, args.config, [t["overrides"] for t in tasks], root / "submitit")
         print(
             f"submitted {len(jobs)} array tasks (submitit, job {jobs[0].job_id.split('_')[0]}); plan {plan}; "
@@ -568,7 +571,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a swept key and its values; repeat for more keys (their product is the grid)",
     )
     swp.add_argument("--max-parallel", type=int, help="tasks running at once (--array=...%%N)")
-    swp.add_argument("--dry-run", action="store_true", help="write ROOT/sweep.json and print the script only")
+    swp.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="write ROOT/sweep.json and print the script (submitit: the jobs, as JSON) without submitting",
+    )
     swp.add_argument("--launcher", choices=["sbatch", "submitit"], default="sbatch", help="how the array is submitted")
     swp.add_argument("--no-preflight", action="store_true", help="skip the checks of every point (as submit's)")
     swp.add_argument("config", help="YAML config file; its run_dir becomes the sweep's root")

@@ -103,7 +103,8 @@ def test_a_signalled_array_task_checkpoints_and_requeues_itself(tmp_path: Path) 
 @pytest.mark.process
 def test_sweep_runs_preflight_on_every_point_before_anything_is_written(tmp_path: Path) -> None:
     """A point that fails preflight (here its site file does not exist) stops the whole sweep with the point and
-    the key named, exit 2, and nothing written or submitted; --no-preflight renders it anyway."""
+    the key named, exit 2, and nothing written or submitted; --no-preflight renders it anyway; with submitit the
+    dry run prints the jobs instead of submitting them."""
     root = tmp_path / "sweep"
     argv = [sys.executable, "-m", "miles_hpc.cli", "sweep", "--dry-run", "--grid",
             "slurm.site=slurm/sites/nvidia_ib.sh,slurm/sites/no_such_site.sh", "configs/tiny_cpu.yaml",
@@ -117,3 +118,9 @@ def test_sweep_runs_preflight_on_every_point_before_anything_is_written(tmp_path
     proc = subprocess.run([*argv[:4], "--no-preflight", *argv[4:]], cwd=REPO, capture_output=True, text=True,
                           timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 0 and "#SBATCH --array=0-1" in proc.stdout, proc.stderr
+    # submitit's dry run prints the array's jobs instead of submitting them.
+    argv = [*argv[:4], "--launcher", "submitit", *argv[4:6], "slurm.site=slurm/sites/nvidia_ib.sh", *argv[7:]]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    described = json.loads(proc.stdout)
+    assert described["launcher"] == "submitit" and len(described["jobs"]) == 1
