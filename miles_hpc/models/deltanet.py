@@ -157,15 +157,17 @@ def gated_delta_packed(
 
 
 def causal_conv(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution then SiLU, as the layer's short convolution: ``x`` [B, T, C], ``weight`` [C, W];
-    ``state`` [B, C, W - 1]: the inputs before ``x`` (zeros when None: a sequence's start). Returns the output
-    [B, T, C] and the new state (the last W - 1 inputs), so a prefill then token-by-token decode equals one pass."""
+    """Depthwise causal convolution (plus ``bias``) then SiLU, the short convolution of Gated DeltaNet and Mamba-2
+    layers: ``x`` [B, T, C], ``weight`` [C, W]; ``state`` [B, C, W - 1]: the inputs before ``x`` (zeros when None: a
+    sequence's start). Returns the output [B, T, C] and the new state (the last W - 1 inputs), so a prefill then
+    token-by-token decode equals one pass."""
     width = weight.shape[-1]
     xt = x.transpose(1, 2)
     if state is None:
         state = xt.new_zeros(xt.shape[0], xt.shape[1], width - 1)
     full = torch.cat([state.to(xt.dtype), xt], dim=-1)
-    out = F.conv1d(full, weight[:, None, :].to(xt.dtype), groups=xt.shape[1])
+    out = F.conv1d(full, weight[:, None, :].to(xt.dtype), None if bias is None else bias.to(xt.dtype),
+                   groups=xt.shape[1])  # fmt: skip
     return F.silu(out).transpose(1, 2), full[..., full.shape[-1] - (width - 1) :]
