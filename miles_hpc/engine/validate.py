@@ -113,6 +113,11 @@ def validate_request(req: GenerateRequest, lim: Limits) -> None:
 
 def check_supported(mc: ModelConfig, config: EngineConfig) -> None:
     """Refuse (ValueError) what this engine does not serve, before anything is allocated."""
+    if mc.is_hybrid:
+        raise ValueError(
+            f"{mc.model_type}: the embedded engine does not serve hybrid models yet (their linear-attention layers "
+            "need per-sequence recurrent state beside the KV cache: issue 29); train it, or serve it with SGLang"
+        )
     if config.batch_invariant and mc.is_dsa:
         raise ValueError(
             f"batch_invariant (zero-KL mode) is not available for {mc.model_type} (DeepSeek sparse attention): the "

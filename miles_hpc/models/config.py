@@ -26,6 +26,7 @@ from .families import (
     DSA_TYPES,
     FAMILY_DEFAULTS,
     GROUP_ROUTER_TYPES,
+    HYBRID_TYPES,
     INDEXER_ROPE_INTERLEAVED,
     MLA_TYPES,
     MODEL_TYPE_ALIASES,
@@ -35,6 +36,7 @@ from .families import (
     check_dsa,
     dsa_fields,
 )
+from .hybrid import check_hybrid, hybrid_fields, hybrid_keys
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,8 +85,8 @@ class RopeScaling:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
-    """Architecture of one dense (llama, qwen2, qwen3) or MoE (qwen3_moe, deepseek_v3, glm4_moe, deepseek_v32,
-    glm_moe_dsa) decoder-only model."""
+    """Architecture of one dense (llama, qwen2, qwen3), MoE (qwen3_moe, deepseek_v3, glm4_moe, deepseek_v32,
+    glm_moe_dsa) or hybrid (qwen3_next: Gated DeltaNet and attention layers, hybrid.py) decoder-only model."""
 
     model_type: str
     """HF model_type; one of SUPPORTED_MODEL_TYPES."""
@@ -154,6 +156,16 @@ class ModelConfig:
     """RoPE rotates the first int(head_dim * factor) dims of each head and passes the rest (glm4_moe: 0.5)."""
     use_qk_norm: bool = False
     """glm4_moe: per-head RMSNorm on q and k (qwen3 families always have it)."""
+    # ---- hybrid families (qwen3_next; hybrid.py): 0 / () elsewhere ----
+    layer_types: tuple[str, ...] = ()
+    """Per layer: "linear_attention" (Gated DeltaNet, linear_attn.py) or "full_attention"."""
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    shared_expert_intermediate_size: int = 0
+    """MoE layers: one shared expert of this width, its output scaled by sigmoid(shared_expert_gate(x))."""
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -185,7 +197,7 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {SUPPORTED_ACTIVATIONS}")
         if self.model_type == "qwen2" and (not self.qkv_bias or self.o_bias):
             raise ValueError("qwen2 always has a q/k/v bias and no o_proj bias (qkv_bias=True, o_bias=False)")
-        if self.model_type in ("llama", "qwen3", "qwen3_moe") and self.qkv_bias != self.o_bias:
+        if self.model_type in ("llama", "qwen3", "qwen3_moe", "qwen3_next") and self.qkv_bias != self.o_bias:
             raise ValueError(f"{self.model_type} has one attention_bias flag: qkv_bias and o_bias must be equal")
         if self.model_type == "glm4_moe" and self.o_bias:
             raise ValueError("glm4_moe's attention_bias is on q/k/v only (o_bias=False)")
@@ -201,11 +213,12 @@ class ModelConfig:
                 raise ValueError(f"{self.model_type} needs num_experts, moe_intermediate_size, decoder_sparse_step > 0")
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} not in [1, {self.num_experts}]")
-        elif self.num_experts:
+        elif self.num_experts and not self.is_hybrid:  # a hybrid family's MoE is optional (check_hybrid)
             raise ValueError(f"{self.model_type} is dense but num_experts={self.num_experts}")
         if self.is_mla and min(self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim) <= 0:
             raise ValueError(f"{self.model_type} needs kv_lora_rank, qk_nope_head_dim, v_head_dim > 0")
         check_dsa(self)
+        check_hybrid(self)
         if self.group_router:
             if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
                 raise ValueError(
@@ -244,6 +257,24 @@ class ModelConfig:
         )
 
     @property
+    def is_hybrid(self) -> bool:
+        """Linear-attention (Gated DeltaNet) layers among full-attention ones: recurrent state per sequence."""
+        return self.model_type in HYBRID_TYPES
+
+    def is_linear_layer(self, layer_idx: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer_idx] == "linear_attention"
+
+    @property
+    def zero_centered_norms(self) -> bool:
+        """RMSNorms scale by 1 + weight (weights start at 0; computed in float32): qwen3_next."""
+        return self.model_type == "qwen3_next"
+
+    @property
+    def attn_output_gate(self) -> bool:
+        """q_proj also gives a per-head gate; the attention output is scaled by its sigmoid: qwen3_next."""
+        return self.model_type == "qwen3_next"
+
+    @property
     def group_router(self) -> bool:
         """The sigmoid group-limited router with shared experts and first-k dense layers (DeepSeek-V3, GLM-4.5,
         and the DSA families)."""
@@ -262,7 +293,9 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm on q and k before RoPE: fixed by the family (qwen3, qwen3_moe)."""
-        return self.model_type in ("qwen3", "qwen3_moe") or (self.model_type == "glm4_moe" and self.use_qk_norm)
+        return self.model_type in ("qwen3", "qwen3_moe", "qwen3_next") or (
+            self.model_type == "glm4_moe" and self.use_qk_norm
+        )
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Which layers get the sparse MoE block: transformers' Qwen3MoeDecoderLayer / DeepseekV3DecoderLayer rule."""
@@ -332,9 +365,11 @@ class ModelConfig:
                 moe = _group_router_fields(d, get, mla=model_type in MLA_TYPES)
                 if model_type in DSA_TYPES:
                     moe.update(dsa_fields(d, get, model_type, int(get("num_hidden_layers"))))
+            elif model_type in HYBRID_TYPES:
+                moe = hybrid_fields(d, get, int(get("num_hidden_layers")))
             partial = _partial_rotary(d)
-            if partial != 1.0 and model_type != "glm4_moe":
-                raise ValueError("partial_rotary_factor is supported for glm4_moe only")
+            if partial != 1.0 and model_type not in ("glm4_moe", "qwen3_next"):
+                raise ValueError("partial_rotary_factor is supported for glm4_moe and qwen3_next only")
             return cls(
                 model_type=model_type,
                 vocab_size=int(get("vocab_size")),
@@ -396,6 +431,8 @@ class ModelConfig:
             d.update(self._group_router_keys(d))
         if self.model_type == "llama":
             d["mlp_bias"] = self.mlp_bias
+        elif self.is_hybrid:
+            d.update(hybrid_keys(self))
         elif not self.group_router:
             d["use_sliding_window"] = False
         if self.model_type == "qwen3_moe":
@@ -486,12 +523,13 @@ def _group_router_fields(d: Mapping[str, Any], get: Any, *, mla: bool) -> dict[s
 
 
 def _partial_rotary(d: Mapping[str, Any]) -> float:
-    """`partial_rotary_factor`, top level or inside rope_parameters; glm4_moe's transformers default is 0.5."""
+    """`partial_rotary_factor`, top level or inside rope_parameters; transformers' defaults: glm4_moe 0.5,
+    qwen3_next 0.25."""
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
     value = d.get("partial_rotary_factor", params.get("partial_rotary_factor"))
     if value is None:
         raw_type: Any = d.get("model_type")
-        return 0.5 if MODEL_TYPE_ALIASES.get(raw_type, raw_type) == "glm4_moe" else 1.0
+        return {"glm4_moe": 0.5, "qwen3_next": 0.25}.get(MODEL_TYPE_ALIASES.get(raw_type, raw_type), 1.0)
     return float(value)
 
 

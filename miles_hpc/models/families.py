@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, str] = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 # Checkpoints that name another model_type for one of these architectures (Kimi-K2 ships DeepSeek-V3 weights).
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
@@ -175,7 +176,31 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         index_head_dim=128,
         index_n_heads=32,
     ),
+    # Qwen3-Next: Gated DeltaNet layers with a gated full-attention layer every 4th, MoE with a gated shared expert
+    # (Qwen3NextConfig).
+    "qwen3_next": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        max_position_embeddings=32768,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+    ),
 }
+
+# Hybrid families: linear-attention (Gated DeltaNet) layers among full-attention ones (models/hybrid.py).
+HYBRID_TYPES: tuple[str, ...] = ("qwen3_next",)
 
 # MLA families (DeepSeek-V3 attention); the DSA ones add the lightning indexer. The indexer rotates its rope part
 # as interleaved pairs in GLM-5 and as halves in DeepSeek-V3.2 (transformers' GlmMoeDsaIndexer vs DeepseekV32Indexer).

@@ -1,4 +1,5 @@
-"""Building blocks shared by every family: RMSNorm, SwiGLU MLP, GQA self-attention with optional QK-norm.
+"""Building blocks shared by every family: RMSNorm (and qwen3_next's zero-centred one), SwiGLU MLP, GQA
+self-attention with optional QK-norm and output gate.
 
 Stage: shared model code.
 
@@ -47,6 +48,29 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+class OffsetRMSNorm(nn.Module):
+    """Zero-centred RMSNorm (qwen3_next): normalised in float32, times 1 + weight in float32, cast back; the
+    weight starts at 0."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
+def make_norm(config: ModelConfig, dim: int) -> nn.Module:
+    """The family's RMSNorm: zero-centred (qwen3_next) or the usual."""
+    return OffsetRMSNorm(dim, config.rms_norm_eps) if config.zero_centered_norms else RMSNorm(dim, config.rms_norm_eps)
+
+
 class SwiGLUMLP(nn.Module):
     """down(act(gate(x)) * up(x))."""
 
@@ -72,12 +96,13 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         h, d = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.qkv_bias)
+        self.output_gate = config.attn_output_gate  # q_proj gives [q | gate] per head (qwen3_next)
+        self.q_proj = nn.Linear(h, self.num_heads * d * (2 if self.output_gate else 1), bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = make_norm(config, d) if config.qk_norm else None
+        self.k_norm = make_norm(config, d) if config.qk_norm else None
 
     def forward(
         self,
@@ -88,7 +113,11 @@ class Attention(nn.Module):
         cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        gate = None
+        if self.output_gate:
+            q, gate = self.q_proj(x).view(b, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -96,4 +125,7 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         out = backend(q, k, v.transpose(1, 2), layer_idx=self.layer_idx, scale=self.scale, cu_seqlens=cu_seqlens)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(b, t, -1))
+        return self.o_proj(out)

@@ -178,6 +178,26 @@ class SparseMoeBlock(nn.Module):
         return route_and_mix(self.gate, self.experts, x, replay, compare)
 
 
+class SharedExpertMoeBlock(nn.Module):
+    """`mlp` of a Qwen3-Next MoE layer: the Qwen3-MoE router and experts plus one shared expert whose output is
+    scaled by sigmoid(`shared_expert_gate`(x)); HF names add `mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = TopKRouter(
+            config.hidden_size, config.num_experts, config.num_experts_per_tok, config.norm_topk_prob
+        )
+        self.experts = Experts(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.hidden_act)
+        self.shared_expert = SwiGLUMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, replay: torch.Tensor | None = None, compare: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        routed, ids = route_and_mix(self.gate, self.experts, x, replay, compare)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x), ids
+
+
 def route_and_mix(
     gate: nn.Module, experts: Experts, x: torch.Tensor, replay: torch.Tensor | None, compare: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

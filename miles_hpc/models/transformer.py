@@ -24,9 +24,11 @@ from torch import nn
 from .attention import AttentionBackend, check_cu_seqlens, sdpa_attention
 from .config import ModelConfig
 from .dsa import Selection
-from .layers import Attention, RMSNorm, SwiGLUMLP
+from .hybrid import linear_dims
+from .layers import Attention, OffsetRMSNorm, SwiGLUMLP, make_norm
+from .linear_attn import GatedDeltaNet
 from .mla import MLAttention
-from .moe import DeepseekMoeBlock, SparseMoeBlock
+from .moe import DeepseekMoeBlock, SharedExpertMoeBlock, SparseMoeBlock
 from .rope import RotaryEmbedding
 
 
@@ -34,14 +36,24 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.is_moe = config.is_moe_layer(layer_idx)
-        self.self_attn: nn.Module = MLAttention(config, layer_idx) if config.is_mla else Attention(config, layer_idx)
+        # A hybrid family's linear-attention layer mixes tokens with Gated DeltaNet (HF name `linear_attn`).
+        self.is_linear = config.is_linear_layer(layer_idx)
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(linear_dims(config))
+        else:
+            self.self_attn: nn.Module = (
+                MLAttention(config, layer_idx) if config.is_mla else Attention(config, layer_idx)
+            )
         self.mlp: nn.Module
         if self.is_moe:
-            self.mlp = DeepseekMoeBlock(config) if config.group_router else SparseMoeBlock(config)
+            if config.group_router:
+                self.mlp = DeepseekMoeBlock(config)
+            else:
+                self.mlp = SharedExpertMoeBlock(config) if config.is_hybrid else SparseMoeBlock(config)
         else:
             self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
 
     def forward(
         self,
@@ -57,7 +69,9 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, Selection | None]:
         """(hidden, routed expert ids of an MoE layer or None, DSA selection of an MLA layer or None)."""
         selection = None
-        if isinstance(self.self_attn, MLAttention):
+        if self.is_linear:
+            a = self._linear(self.input_layernorm(x), cu_seqlens)
+        elif isinstance(self.self_attn, MLAttention):
             h = self.input_layernorm(x)
             a, selection = self.self_attn(h, cos, sin, backend, cu_seqlens, shared, index_replay)
         else:
@@ -68,6 +82,13 @@ class DecoderLayer(nn.Module):
             out, ids = self.mlp(h, replay, compare)
             return x + out, ids, selection
         return x + self.mlp(h), None, selection
+
+    def _linear(self, h: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """Gated DeltaNet over each sequence from a zero state (rows of h, or the packed ones of cu_seqlens)."""
+        if cu_seqlens is None:
+            return self.linear_attn(h)[0]
+        lengths = [n for n in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if n > 0]
+        return self.linear_attn(h, lengths=lengths)[0]
 
 
 class DecoderModel(nn.Module):
@@ -85,7 +106,7 @@ class DecoderModel(nn.Module):
         layers: list[nn.Module] = [DecoderLayer(config, i) for i in range(n)]
         layers += [MTPLayer(config, n + j) for j in range(config.num_nextn_predict_layers)]
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
 
 
 class CausalLM(nn.Module):
@@ -123,6 +144,9 @@ class CausalLM(nn.Module):
         pad = self.model.embed_tokens.padding_idx
         if pad is not None:
             self.model.embed_tokens.weight[pad].zero_()
+        for m in self.modules():  # zero-centred norms, Gated DeltaNet's decay rates: their own initialisation
+            if isinstance(m, (OffsetRMSNorm, GatedDeltaNet)):
+                m.reset_parameters()
 
     def forward(
         self,
