@@ -296,6 +296,7 @@ def test_the_flagship_in_miniature_survives_preemption(slurm_cluster: SlurmClust
     assert [r["step"] for r in rows] == list(range(steps)), [r["step"] for r in rows]
     assert [r["weight_version"] for r in rows] == list(range(1, steps + 1))
     assert all(r["sync/engines"] == 2 and r["sync/dropped_engines"] == 0 for r in rows), rows
+    assert all(r["sync/verified_tensors"] > 0 for r in rows), "a sync without checksums verified"
     assert len(list((run_dir / "checkpoints").iterdir())) >= 2  # the preemption's and the last
     samples = list(TrajectoryReader(run_dir / "trajectories"))
     cfg = load_config(REPO / "configs/experiments/glm52_mini.yaml")

@@ -142,6 +142,7 @@ def test_fully_async_p2p_into_tp2_engines_ends(tmp_path: Path) -> None:
     assert "done: 3 steps" in out
     m = loop_metrics(run_dir)
     assert [r["weight_version"] for r in m] == [1, 2, 3] and all(r["sync/engines"] == 2 for r in m)
+    assert all(r["sync/verified_tensors"] > 0 for r in m)
     for i in range(2):
         log = (run_dir / "logs" / f"engine-{i}.log").read_text()
         assert "tensor-parallel: 2 ranks" in log and "Traceback" not in log

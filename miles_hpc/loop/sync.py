@@ -288,7 +288,12 @@ async def publish(ctx: LoopContext, version: int) -> dict[str, float]:
     engines dropped, checksums); returns the sync metrics."""
     sync = ctx.publisher.sync
     report = await ctx.publisher.publish(sync.source(ctx.trainer), str(version))  # what the strategy sends
-    return {"sync/engines": report.engines, "sync/dropped_engines": len(report.dropped), **sync.metrics()}
+    return {
+        "sync/engines": report.engines,
+        "sync/dropped_engines": len(report.dropped),
+        "sync/verified_tensors": report.tensors,  # checksums each engine matched (tensors; p2p: pieces)
+        **sync.metrics(),
+    }
 
 
 def rollout_metrics(samples: list[Any]) -> dict[str, float]:
