@@ -1,6 +1,6 @@
-"""miles_hpc.models, Qwen3-Next (hybrid: Gated DeltaNet and gated full attention, MoE with a gated shared expert):
-parity with transformers 5.24 on several tiny configs (logits, routed experts, gradients), checkpoints both ways,
-packed sequences that never share recurrent state, routing replay on the MoE layers."""
+"""miles_hpc.models, the Qwen hybrids (Gated DeltaNet and gated full attention, MoE with a gated shared expert):
+Qwen3-Next and Qwen3.5-MoE's text model, parity with transformers 5.24 on several tiny configs each (logits, routed
+experts, gradients), checkpoints both ways, packed sequences that never share recurrent state, routing replay."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ BASE: dict[str, Any] = dict(
     moe_intermediate_size=16,
     shared_expert_intermediate_size=24,
 )
-CASES: dict[str, dict[str, Any]] = {
+CASES: dict[str, dict[str, Any]] = {  # name: overrides (a "qwen35" name: Qwen3.5-MoE's text model)
     "moe-every-layer": {},
     "dense": dict(num_experts=0),
     "sparse-step-2-mlp-only-tied": dict(decoder_sparse_step=2, mlp_only_layers=[3], tie_word_embeddings=True),
@@ -36,7 +36,25 @@ CASES: dict[str, dict[str, Any]] = {
         norm_topk_prob=False,
     ),
     "one-value-head-per-key-head": dict(linear_num_value_heads=2, linear_value_head_dim=8, linear_conv_kernel_dim=2),
+    "qwen35": {},
+    "qwen35-full-first-tied-top1": dict(
+        layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
+        tie_word_embeddings=True,
+        num_experts_per_tok=1,
+    ),
+    # Whole-head RoPE of 8 frequencies: the multimodal sections (mrope_section) are plain RoPE for text.
+    "qwen35-three-value-heads-per-key-head-full-rotary": dict(
+        linear_num_key_heads=1, linear_num_value_heads=3, head_dim=16, partial_rotary_factor=1.0
+    ),
 }
+
+
+def _family(case: str) -> str:
+    return "qwen3_5_moe_text" if case.startswith("qwen35") else "qwen3_next"
+
+
+def _hf(case: str) -> Any:
+    return hf_model(_family(case), **{**BASE, **CASES[case]})
 
 
 def _hf_routes(hf: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -53,13 +71,15 @@ def _hf_routes(hf: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_qwen3_next_matches_transformers_and_round_trips(case: str, tmp_path: Path) -> None:
-    hf = hf_model("qwen3_next", **{**BASE, **CASES[case]})
+def test_hybrid_matches_transformers_and_round_trips(case: str, tmp_path: Path) -> None:
+    hf = _hf(case)
     hf.save_pretrained(tmp_path / "hf")
     ours = load_pretrained(tmp_path / "hf")
     cfg = ours.config
     assert cfg.is_hybrid and cfg.layer_types == tuple(hf.config.layer_types)
     assert [layer.is_linear for layer in ours.model.layers] == [t == "linear_attention" for t in cfg.layer_types]
+    fused = any(n.endswith("linear_attn.in_proj_qkvz.weight") for n in ours.state_dict())
+    assert cfg.model_type == _family(case) and fused == (cfg.model_type == "qwen3_next")
     ids = input_ids(seq=70)  # over one 64-token chunk of the delta rule
     with torch.no_grad():
         ref = hf(ids).logits
@@ -73,11 +93,11 @@ def test_qwen3_next_matches_transformers_and_round_trips(case: str, tmp_path: Pa
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
 
 
-@pytest.mark.parametrize("case", ["moe-every-layer", "dense"])
-def test_qwen3_next_gradients_match_transformers(case: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["moe-every-layer", "dense", "qwen35"])
+def test_hybrid_gradients_match_transformers(case: str, tmp_path: Path) -> None:
     """Every parameter's gradient of a cross-entropy loss, relative to its largest entry (the gradients of these
     randomised tiny models reach ~10: fp32 noise through the delta rule's triangular solves is ~1e-5 of that)."""
-    hf = hf_model("qwen3_next", **{**BASE, **CASES[case]})
+    hf = _hf(case)
     hf.save_pretrained(tmp_path / "hf")
     ours = load_pretrained(tmp_path / "hf")
     ids, targets = input_ids(seq=10), input_ids(seq=10, seed=7)

@@ -86,7 +86,8 @@ class RopeScaling:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """Architecture of one dense (llama, qwen2, qwen3), MoE (qwen3_moe, deepseek_v3, glm4_moe, deepseek_v32,
-    glm_moe_dsa) or hybrid (qwen3_next: Gated DeltaNet and attention layers, hybrid.py) decoder-only model."""
+    glm_moe_dsa) or hybrid (qwen3_next, qwen3_5_moe_text: Gated DeltaNet and attention layers, hybrid.py)
+    decoder-only model."""
 
     model_type: str
     """HF model_type; one of SUPPORTED_MODEL_TYPES."""
@@ -197,7 +198,7 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {SUPPORTED_ACTIVATIONS}")
         if self.model_type == "qwen2" and (not self.qkv_bias or self.o_bias):
             raise ValueError("qwen2 always has a q/k/v bias and no o_proj bias (qkv_bias=True, o_bias=False)")
-        if self.model_type in ("llama", "qwen3", "qwen3_moe", "qwen3_next") and self.qkv_bias != self.o_bias:
+        if self.model_type in ("llama", "qwen3", "qwen3_moe", *HYBRID_TYPES) and self.qkv_bias != self.o_bias:
             raise ValueError(f"{self.model_type} has one attention_bias flag: qkv_bias and o_bias must be equal")
         if self.model_type == "glm4_moe" and self.o_bias:
             raise ValueError("glm4_moe's attention_bias is on q/k/v only (o_bias=False)")
@@ -266,13 +267,13 @@ class ModelConfig:
 
     @property
     def zero_centered_norms(self) -> bool:
-        """RMSNorms scale by 1 + weight (weights start at 0; computed in float32): qwen3_next."""
-        return self.model_type == "qwen3_next"
+        """RMSNorms scale by 1 + weight (weights start at 0; computed in float32): the Qwen hybrids."""
+        return self.is_hybrid
 
     @property
     def attn_output_gate(self) -> bool:
-        """q_proj also gives a per-head gate; the attention output is scaled by its sigmoid: qwen3_next."""
-        return self.model_type == "qwen3_next"
+        """q_proj also gives a per-head gate; the attention output is scaled by its sigmoid: the Qwen hybrids."""
+        return self.is_hybrid
 
     @property
     def group_router(self) -> bool:
@@ -293,7 +294,7 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm on q and k before RoPE: fixed by the family (qwen3, qwen3_moe)."""
-        return self.model_type in ("qwen3", "qwen3_moe", "qwen3_next") or (
+        return self.model_type in ("qwen3", "qwen3_moe", *HYBRID_TYPES) or (
             self.model_type == "glm4_moe" and self.use_qk_norm
         )
 
@@ -368,8 +369,8 @@ class ModelConfig:
             elif model_type in HYBRID_TYPES:
                 moe = hybrid_fields(d, get, int(get("num_hidden_layers")))
             partial = _partial_rotary(d)
-            if partial != 1.0 and model_type not in ("glm4_moe", "qwen3_next"):
-                raise ValueError("partial_rotary_factor is supported for glm4_moe and qwen3_next only")
+            if partial != 1.0 and model_type not in ("glm4_moe", *HYBRID_TYPES):
+                raise ValueError("partial_rotary_factor is supported for glm4_moe and the Qwen hybrids only")
             return cls(
                 model_type=model_type,
                 vocab_size=int(get("vocab_size")),
@@ -524,12 +525,14 @@ def _group_router_fields(d: Mapping[str, Any], get: Any, *, mla: bool) -> dict[s
 
 def _partial_rotary(d: Mapping[str, Any]) -> float:
     """`partial_rotary_factor`, top level or inside rope_parameters; transformers' defaults: glm4_moe 0.5,
-    qwen3_next 0.25."""
+    qwen3_next and qwen3_5_moe_text 0.25."""
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
     value = d.get("partial_rotary_factor", params.get("partial_rotary_factor"))
     if value is None:
         raw_type: Any = d.get("model_type")
-        return {"glm4_moe": 0.5, "qwen3_next": 0.25}.get(MODEL_TYPE_ALIASES.get(raw_type, raw_type), 1.0)
+        return {"glm4_moe": 0.5, "qwen3_next": 0.25, "qwen3_5_moe_text": 0.25}.get(
+            MODEL_TYPE_ALIASES.get(raw_type, raw_type), 1.0
+        )
     return float(value)
 
 

@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, str] = {
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 # Checkpoints that name another model_type for one of these architectures (Kimi-K2 ships DeepSeek-V3 weights).
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
@@ -197,10 +198,31 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         linear_num_key_heads=16,
         linear_num_value_heads=32,
     ),
+    # Qwen3.5-MoE's text model: Qwen3-Next's layers with separate DeltaNet input projections, MoE in every layer
+    # (Qwen3_5MoeTextConfig). No dense layers: intermediate_size is not a key of the family (kept for the config).
+    "qwen3_5_moe_text": dict(
+        vocab_size=248320,
+        hidden_size=2048,
+        intermediate_size=512,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        max_position_embeddings=32768,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+    ),
 }
 
 # Hybrid families: linear-attention (Gated DeltaNet) layers among full-attention ones (models/hybrid.py).
-HYBRID_TYPES: tuple[str, ...] = ("qwen3_next",)
+HYBRID_TYPES: tuple[str, ...] = ("qwen3_next", "qwen3_5_moe_text")
 
 # MLA families (DeepSeek-V3 attention); the DSA ones add the lightning indexer. The indexer rotates its rope part
 # as interleaved pairs in GLM-5 and as halves in DeepSeek-V3.2 (transformers' GlmMoeDsaIndexer vs DeepseekV32Indexer).
