@@ -160,3 +160,25 @@ def test_what_does_not_serve_or_plan_hybrids_yet_says_so() -> None:
         model_config(raw)
     with pytest.raises(NotImplementedError, match="'qwen3_next' is not mapped yet"):
         mcore_rules(mc)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text"])
+def test_tiny_presets_have_every_layer_kind_and_load_in_transformers(arch: str, tmp_path: Path) -> None:
+    """`init-model --arch qwen3_next|qwen3_5_moe_text --size tiny`: DeltaNet and full-attention layers, MoE with a
+    shared expert (and Qwen3-Next's dense first layer); zero-centred norms start at 0; transformers loads the
+    checkpoint with no missing key and computes our logits."""
+    from miles_hpc.models.presets import init_model
+
+    path = init_model(arch, "tiny", tmp_path / arch, seed=3)
+    ours = load_pretrained(path)
+    cfg = ours.config
+    assert set(cfg.layer_types) == {"linear_attention", "full_attention"}
+    kinds = {type(layer.mlp).__name__ for layer in ours.model.layers}
+    assert kinds == ({"SwiGLUMLP", "SharedExpertMoeBlock"} if arch == "qwen3_next" else {"SharedExpertMoeBlock"})
+    norms = [p.detach() for n, p in ours.named_parameters() if n.endswith("layernorm.weight")]
+    assert norms and all(not p.any() for p in norms)
+    ids = input_ids(seq=20) % cfg.vocab_size
+    with torch.no_grad():
+        logits = ours(ids)
+        assert torch.isfinite(logits).all()
+        assert max_diff(hf_load(path)(ids).logits, logits) < 1e-4
