@@ -72,12 +72,14 @@ def submit(engine: Engine, results: dict[str, GenerateResult], *reqs: GenerateRe
         engine.submit(r, lambda res: results.__setitem__(res.rid, res))
 
 
-def check_greedy(plain: CausalLM, ps: list[list[int]], results: dict[str, GenerateResult], n: int) -> None:
+def check_greedy(
+    plain: CausalLM, ps: list[list[int]], results: dict[str, GenerateResult], n: int, tol: float = LP_TOL
+) -> None:
     for i, p in enumerate(ps):
         ref, ref_lps = plain_greedy(plain, p, n)
         got = results[str(i)]
         assert got.output_ids == ref, f"request {i} (prompt {len(p)} tokens)"
-        assert max(abs(a - b) for a, b in zip(got.output_logprobs, ref_lps)) < LP_TOL
+        assert max(abs(a - b) for a, b in zip(got.output_logprobs, ref_lps)) < tol
         assert got.finish_reason.type == "length" and got.prompt_tokens == len(p)
 
 

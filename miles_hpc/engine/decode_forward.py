@@ -30,6 +30,8 @@ from .kv_cache import KVCache
 
 def unsupported_reason(model: CausalLM) -> str | None:
     """Why `DecodeForward` cannot run `model` (None when it can)."""
+    if model.config.is_hybrid:
+        return "linear-attention layers (their recurrent state runs through the eager forward)"
     if model.config.is_mla:
         return "MLA attention (latent projections; K and V of different widths)"
     if model.config.rotary_dim != model.config.head_dim:

@@ -17,7 +17,9 @@ Invariants:
   block past the allocator's) for its padding rows. A short prefill chunk becomes one row per token: every row
   writes its K/V before any row attends, and row j attends the cache up to its own position, which is causal
   attention over prefix + chunk. MoE models stay eager. MLA models (DeepSeek-V3, the DSA families) have a latent
-  cache and attend through `LatentAttention` (latent_attention.py), the torch path, on every device.
+  cache and attend through `LatentAttention` (latent_attention.py), the torch path, on every device. Hybrid models
+  (Gated DeltaNet layers) carry each sequence's recurrent state in a slot per block-table row
+  (recurrent_state.py) and run eagerly.
 - Batch-invariant (zero-KL) mode (`batch_invariant`): the model was made invariant (`models.batch_invariant`),
   every step is one eager forward (no decode kernel, fused step or CUDA graphs: their GEMMs and reductions have
   batch-dependent shapes), attention per sequence by `invariant.attention`, and every reported log-prob (sampled
@@ -27,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 from collections.abc import Sequence
@@ -44,6 +47,7 @@ from .latent_attention import LatentAttention
 from .latent_cache import LatentCache
 from .lora import AdapterSet
 from .paged_attention import AttentionMetadata, DecodeKernel, PagedAttention
+from .recurrent_state import RecurrentStates
 from .sampling import SamplingBatch, sample
 from .scheduler import Scheduled
 
@@ -71,6 +75,7 @@ class StepInputs:
     tables: torch.Tensor  # int, host: the sequences' block-table rows, as wide as the longest needs
     logits_indices: torch.Tensor  # int64, host: packed rows whose logits come back
     adapters: list[str | None]  # per packed row: the LoRA adapter, or None
+    rows: list[int] = dataclasses.field(default_factory=list)  # per sequence: its block-table row (state slot)
 
 
 class StepExecutor:
@@ -87,10 +92,12 @@ class StepExecutor:
         decode_kernel: DecodeKernel | None = None,
         loras: AdapterSet | None = None,
         batch_invariant: bool = False,
+        states: RecurrentStates | None = None,
     ) -> None:
         self.model, self.cache, self.block_size, self.device = model, cache, block_size, device
         self.decode_kernel, self.loras, self.batch_invariant = decode_kernel, loras, batch_invariant
         self.is_moe = model.num_moe_layers > 0
+        self.states = states  # hybrid models: the linear-attention layers' per-row state
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [len(logits_indices), vocab]; MoE routing of every new token goes into the cache's store."""
@@ -109,6 +116,9 @@ class StepExecutor:
         else:
             backend = PagedAttention(self.cache, meta, self.decode_kernel)
         loras = self.loras.step(inputs.adapters) if self.loras is not None else contextlib.nullcontext()
+        linear = None
+        if self.states is not None:  # a sequence whose first new token is not its first continues from its row
+            linear = self.states.backend(inputs.rows, [st > 0 for st in inputs.starts])
         with loras:
             out = self.model(
                 torch.tensor(inputs.ids, dtype=torch.int64, device=self.device)[None],
@@ -117,6 +127,7 @@ class StepExecutor:
                 return_routed_experts=self.is_moe,
                 attn_backend=backend,
                 logits_indices=inputs.logits_indices.to(self.device),
+                linear_backend=linear,
             )
         if not self.is_moe:
             return out[0]
@@ -158,6 +169,9 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         if not batch_invariant and tp is None:  # else always eager (module docstring)
             self._gpu_decode(triton_kernels, cuda_graphs)
+        states = None
+        if model.config.is_hybrid:  # a state slot per block-table row (recurrent_state.py)
+            states = RecurrentStates(model, blocks.tables.shape[0], device)
         self.executor = StepExecutor(
             model,
             cache,
@@ -166,6 +180,7 @@ class ModelRunner:
             decode_kernel=self.decode_kernel,
             loras=loras,
             batch_invariant=batch_invariant,
+            states=states,
         )
 
     def _gpu_decode(self, triton_kernels: bool, cuda_graphs: bool) -> None:
@@ -265,6 +280,7 @@ class ModelRunner:
             tables=self.bm.tables[torch.tensor([s.r.row for s in batch], dtype=torch.int64), :width],
             logits_indices=torch.cat(pieces),
             adapters=[s.r.req.lora_path for s in batch for _ in range(s.n)],  # per packed row
+            rows=[s.r.row for s in batch],
         )
         if self.tp is not None:
             self.tp.step(inputs)  # the other ranks run the same forward on their shards (tp.py)

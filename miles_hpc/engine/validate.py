@@ -113,10 +113,10 @@ def validate_request(req: GenerateRequest, lim: Limits) -> None:
 
 def check_supported(mc: ModelConfig, config: EngineConfig) -> None:
     """Refuse (ValueError) what this engine does not serve, before anything is allocated."""
-    if mc.is_hybrid:
+    if mc.is_hybrid and (config.tp_size > 1 or config.batch_invariant):
         raise ValueError(
-            f"{mc.model_type}: the embedded engine does not serve hybrid models yet (their linear-attention layers "
-            "need per-sequence recurrent state beside the KV cache: issue 29); train it, or serve it with SGLang"
+            f"{mc.model_type}: a hybrid model is served at tp_size 1 without batch_invariant for now (its "
+            "linear-attention layers have no tensor-parallel layout or batch-invariant scan yet: issue 29)"
         )
     if config.batch_invariant and mc.is_dsa:
         raise ValueError(

@@ -18,6 +18,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -32,9 +34,18 @@ from .moe import DeepseekMoeBlock, SharedExpertMoeBlock, SparseMoeBlock
 from .rope import RotaryEmbedding
 
 
+class LinearBackend(Protocol):
+    """Runs one linear-attention layer: ``(layer_idx, module, h [1, T, H], cu_seqlens or None) -> [1, T, H]``."""
+
+    def __call__(
+        self, layer_idx: int, module: nn.Module, h: torch.Tensor, cu_seqlens: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.is_moe = config.is_moe_layer(layer_idx)
         # A hybrid family's linear-attention layer mixes tokens with Gated DeltaNet (HF name `linear_attn`).
         self.is_linear = config.is_linear_layer(layer_idx)
@@ -66,11 +77,17 @@ class DecoderLayer(nn.Module):
         compare: bool = False,
         shared: Selection | None = None,
         index_replay: torch.Tensor | None = None,
+        linear: LinearBackend | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, Selection | None]:
         """(hidden, routed expert ids of an MoE layer or None, DSA selection of an MLA layer or None)."""
         selection = None
         if self.is_linear:
-            a = self._linear(self.input_layernorm(x), cu_seqlens)
+            h = self.input_layernorm(x)
+            a = (
+                self._linear(h, cu_seqlens)
+                if linear is None
+                else linear(self.layer_idx, self.linear_attn, h, cu_seqlens)
+            )
         elif isinstance(self.self_attn, MLAttention):
             h = self.input_layernorm(x)
             a, selection = self.self_attn(h, cos, sin, backend, cu_seqlens, shared, index_replay)
@@ -160,6 +177,7 @@ class CausalLM(nn.Module):
         routing_compare: bool = False,
         mtp_out: list[torch.Tensor] | None = None,
         index_replay: torch.Tensor | None = None,
+        linear_backend: LinearBackend | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, T, vocab] for input_ids [B, T].
 
@@ -179,6 +197,9 @@ class CausalLM(nn.Module):
         index_replay: DSA models, int [B, T, len(indexer_layer_ids), K]: per token and layer with an indexer, the
             key positions (within the token's sequence, -1 padding) to attend to instead of the indexer's choice; a
             row of only -1 keeps the live choice (models/dsa.py). `index_replay_stats()` then says how many agreed.
+        linear_backend: hybrid models, what runs each linear-attention layer (`LinearBackend`; the engine's carries
+            state across steps); default: every sequence (row, or packed one of cu_seqlens) from a zero state.
+        Long: the contract of every argument above, and one pass that threads each through the layers.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -206,7 +227,9 @@ class CausalLM(nn.Module):
             rows = None
             if index_replay is not None and i in self.indexer_layer_ids:
                 rows = index_replay[:, :, self.indexer_layer_ids.index(i)]
-            x, ids, sel = layer(x, cos, sin, backend, cu_seqlens, replay, routing_compare, selection, rows)
+            x, ids, sel = layer(
+                x, cos, sin, backend, cu_seqlens, replay, routing_compare, selection, rows, linear_backend
+            )
             selection = sel if sel is not None else selection
             if ids is not None:
                 routed.append(ids)
