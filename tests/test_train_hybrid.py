@@ -48,3 +48,17 @@ def test_a_step_learns(world: None, hybrid_model: Path) -> None:  # noqa: F811
     fresh = dict(load_pretrained(hybrid_model).named_parameters())
     moved = [n for n in names if ".linear_attn." in n and not torch.equal(names[n].float(), fresh[n].float())]
     assert any(n.endswith("A_log") for n in moved) and any("conv1d" in n for n in moved)
+
+
+def test_a_run_of_a_hybrid_is_refused_where_it_cannot_go_yet() -> None:
+    from miles_hpc.config import ConfigError, load_config
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+    load_config(tiny, ["model.init_arch=qwen3_next"])  # our engines at TP 1, FSDP, broadcast: fine
+    for override, key in (
+        ("rollout.engine_tp=2", "rollout.engine_tp"),
+        ("train.backend=megatron megatron.distributed_optimizer=false", "train.backend"),
+        ("zero_kl=true", "zero_kl"),
+    ):
+        with pytest.raises(ConfigError, match=key):
+            load_config(tiny, ["model.init_arch=qwen3_5_moe_text", *override.split()])

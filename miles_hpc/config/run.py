@@ -16,7 +16,18 @@ from miles_hpc.config.loader import meta as _help
 from miles_hpc.config.loader import require as _require
 from miles_hpc.config.megatron import MegatronConfig
 
-Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "deepseek_v32"]
+Arch = Literal[
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "deepseek_v3",
+    "glm4_moe",
+    "glm_moe_dsa",
+    "deepseek_v32",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -574,6 +585,8 @@ class RunConfig:
             checks.zero_kl(self)
         if self.rollout.backend == "embedded":
             checks.embedded_engines(self)
+        if self.model.path is None and self.model.init_arch in checks.HYBRID_ARCHS:
+            checks.hybrid(self)
 
 
 def config_from_dict(data: Any, *, source: str = "<dict>") -> RunConfig:
