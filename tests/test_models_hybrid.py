@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_models_moe import _hf_routes
 from test_models_support import hf_load, hf_model, input_ids, max_diff
 
 from miles_hpc.models import ModelConfig, load_pretrained, save_pretrained
@@ -55,19 +56,6 @@ def _family(case: str) -> str:
 
 def _hf(case: str) -> Any:
     return hf_model(_family(case), **{**BASE, **CASES[case]})
-
-
-def _hf_routes(hf: Any, ids: torch.Tensor) -> torch.Tensor:
-    captured: list[torch.Tensor] = []
-    routers = [m for name, m in hf.named_modules() if name.endswith("mlp.gate")]
-    hooks = [r.register_forward_hook(lambda _m, _i, out: captured.append(out[2])) for r in routers]
-    try:
-        with torch.no_grad():
-            hf(ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack(captured, dim=1).view(*ids.shape, len(routers), -1)
 
 
 @pytest.mark.parametrize("case", list(CASES))

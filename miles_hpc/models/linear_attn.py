@@ -22,7 +22,7 @@ matrix; a sequence starts from zeros, so a packed row (``lengths``) runs sequenc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +83,29 @@ class LinearState:
     def select(self, rows: Sequence[int] | torch.Tensor) -> LinearState:
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.conv.device)
         return LinearState(self.conv.index_select(0, idx), self.rule.index_select(0, idx))
+
+
+Mix = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], tuple[torch.Tensor, LinearState]]
+
+
+def run_sequences(
+    mix: Mix, x: torch.Tensor, lengths: Sequence[int] | None, state: LinearState | None
+) -> tuple[torch.Tensor, LinearState]:
+    """A recurrent mixer's forward over sequences (Gated DeltaNet's, Mamba-2's): ``mix(x [N, T, H], conv, rule)``
+    on rows continuing from ``state`` (None: zeros), or, with ``lengths``, on each sequence of one packed row
+    [1, T, H] from its own row of ``state`` (or zeros), never from the previous sequence's."""
+    if lengths is None:
+        return mix(x, None if state is None else state.conv, None if state is None else state.rule)
+    if x.shape[0] != 1 or sum(lengths) != x.shape[1]:
+        raise ValueError(f"a packed row [1, T] of sequences summing to T: got {tuple(x.shape[:2])}, {list(lengths)}")
+    outs, ends, start = [], [], 0
+    for i, n in enumerate(lengths):
+        init = None if state is None else state.select([i])
+        o, end = mix(x[:, start : start + n], None if init is None else init.conv, None if init is None else init.rule)
+        outs.append(o)
+        ends.append(end)
+        start += n
+    return torch.cat(outs, dim=1), LinearState(torch.cat([e.conv for e in ends]), torch.cat([e.rule for e in ends]))
 
 
 class GatedRMSNorm(nn.Module):
@@ -168,18 +191,4 @@ class GatedDeltaNet(nn.Module):
         """``x`` [N, T, H]: N sequences of T tokens, each continuing from its row of ``state`` (None: from the
         start); or, with ``lengths``, one packed row [1, T, H] of sequences starting from zeros (``state`` then has
         one row per sequence, or is None). Returns the output like ``x`` and every sequence's state after it."""
-        if lengths is None:
-            return self._mix(x, None if state is None else state.conv, None if state is None else state.rule)
-        if x.shape[0] != 1 or sum(lengths) != x.shape[1]:
-            raise ValueError(f"a packed row [1, T] of sequences summing to T: got {tuple(x.shape[:2])}, {lengths}")
-        outs, states, start = [], [], 0
-        for i, n in enumerate(lengths):
-            init = None if state is None else state.select([i])
-            o, s = self._mix(x[:, start : start + n], None if init is None else init.conv,
-                             None if init is None else init.rule)  # fmt: skip
-            outs.append(o)
-            states.append(s)
-            start += n
-        return torch.cat(outs, dim=1), LinearState(
-            torch.cat([s.conv for s in states]), torch.cat([s.rule for s in states])
-        )
+        return run_sequences(self._mix, x, lengths, state)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .deltanet import causal_conv
-from .linear_attn import LinearState
+from .linear_attn import LinearState, run_sequences
 
 CHUNK = 128  # Nemotron-H's default mamba chunk size
 
@@ -205,17 +205,4 @@ class Mamba2Mixer(nn.Module):
     ) -> tuple[torch.Tensor, LinearState]:
         """As `linear_attn.GatedDeltaNet.forward`: sequences [N, T, H] continuing from ``state`` rows, or one packed
         row with ``lengths`` (each sequence from zeros); the state's ``rule`` is the scan's [N, heads, P, N_state]."""
-        if lengths is None:
-            return self._mix(x, None if state is None else state.conv, None if state is None else state.rule)
-        if x.shape[0] != 1 or sum(lengths) != x.shape[1]:
-            raise ValueError(f"a packed row [1, T] of sequences summing to T: got {tuple(x.shape[:2])}, {lengths}")
-        outs, convs, scans, start = [], [], [], 0
-        for i, n in enumerate(lengths):
-            init = None if state is None else state.select([i])
-            o, s = self._mix(x[:, start : start + n], None if init is None else init.conv,
-                             None if init is None else init.rule)  # fmt: skip
-            outs.append(o)
-            convs.append(s.conv)
-            scans.append(s.rule)
-            start += n
-        return torch.cat(outs, dim=1), LinearState(torch.cat(convs), torch.cat(scans))
+        return run_sequences(self._mix, x, lengths, state)
