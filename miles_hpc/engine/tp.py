@@ -580,4 +580,7 @@ def _apply_logged(shard: TPShard, model: CausalLM, named: list[tuple[str, torch.
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a native crash prints the Python stacks (cli.main does the same)
     sys.exit(_worker(sys.argv[1:]))
