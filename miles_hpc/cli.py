@@ -7,6 +7,7 @@ or 1 (data); tracebacks are for bugs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import os
 import sys
@@ -437,8 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # A crash in native code (SIGSEGV, SIGBUS, SIGFPE, SIGABRT) prints every thread's Python stack to stderr first:
-    # without it a worker that dies that way leaves only its exit status.
-    faulthandler.enable(all_threads=True)
+    # without it a worker that dies that way leaves only its exit status. (Not where stderr is no file: in-process.)
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        faulthandler.enable(all_threads=True)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

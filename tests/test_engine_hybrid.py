@@ -1,5 +1,5 @@
-"""The embedded engine on the hybrid families (issue 29): each running sequence's Gated DeltaNet state in a slot per
-block-table row (engine/recurrent_state.py). Against the plain model recomputed per token: continuous batching
+"""The embedded engine on the hybrid families (issue 29): each running sequence's Gated DeltaNet or Mamba-2 state in a
+slot per block-table row (engine/recurrent_state.py). Against the plain model recomputed per token: continuous batching
 that mixes prefill chunks and decodes, a prompt longer than the delta rule's chunk, retraction and re-prefill,
 input log-probs, a weight update, and the refusals."""
 
@@ -21,7 +21,11 @@ from miles_hpc.models import CausalLM, iter_hf_tensors, load_pretrained
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe_text"])
+# The tiny presets' recurrent state per sequence (docs/engine.md): Qwen's 3 DeltaNet layers, Nemotron-H's 2 Mamba-2.
+STATE_BYTES = {"qwen3_next": 16_896, "qwen3_5_moe_text": 16_896, "nemotron_h": 11_264}
+
+
+@pytest.fixture(scope="module", params=list(STATE_BYTES))
 def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     # std 0.1: at the shared helper's 0.2 these 4-layer hybrids are chaotic enough that fp32 rounding alone moves
     # a log-prob by 1e-4 (measured against a float64 forward: the plain fp32 forward is off by 5e-5 too).
@@ -35,7 +39,7 @@ def plain(ckpt: Path) -> CausalLM:
 
 def test_batched_chunked_greedy_matches_plain_model(ckpt: Path, plain: CausalLM) -> None:
     """Prompts chunked over steps (prefill budget 24) beside decodes, one of 80 tokens (over a 64-token chunk of the
-    rule); the prefix cache is off for hybrids, so a repeated prompt is recomputed (no state for cached KV)."""
+    rule or scan); the prefix cache is off for hybrids, so a repeated prompt is recomputed (no state for cached KV)."""
     engine = Engine.from_pretrained(str(ckpt), EngineConfig(block_size=4, max_prefill_tokens=24))
     ps = prompts([1, 7, 16, 33, 80])
     ps.append(list(ps[3]))
@@ -47,7 +51,7 @@ def test_batched_chunked_greedy_matches_plain_model(ckpt: Path, plain: CausalLM)
     assert len({t for r in results.values() for t in r.output_ids}) > 10  # the greedy text depends on its context
     assert engine.stats()["kv_blocks_used"] == 0
     states = engine.runner.executor.states
-    assert states is not None and states.bytes_per_sequence == 16_896  # docs/engine.md: the tiny preset's 3 layers
+    assert states is not None and states.bytes_per_sequence == STATE_BYTES[plain.config.model_type]
 
 
 def test_retraction_recomputes_the_state(ckpt: Path, plain: CausalLM) -> None:
@@ -71,7 +75,7 @@ def test_input_logprobs_and_a_weight_update(ckpt: Path, plain: CausalLM) -> None
     assert got is not None and got[0] is None
     want = plain_input_logprobs(plain, p)
     assert max(abs(a - b) for a, b in zip(got[1:], want, strict=True)) < TOL
-    # New weights (every DeltaNet parameter among them): the engine then answers what the updated model does.
+    # New weights (every recurrent layer's parameters among them): the engine then answers what the updated model does.
     other = load_pretrained(ckpt)
     with torch.no_grad():
         for prm in other.parameters():

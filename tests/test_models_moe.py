@@ -36,10 +36,10 @@ MOE_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def _hf_routes(hf: Any, ids: torch.Tensor) -> torch.Tensor:
+def _hf_routes(hf: Any, ids: torch.Tensor, suffix: str = "mlp.gate") -> torch.Tensor:
     """transformers' own top-k ids per MoE layer, [B, T, L, k], captured from each router's forward."""
     captured: list[torch.Tensor] = []
-    routers = [m for name, m in hf.named_modules() if name.endswith("mlp.gate")]
+    routers = [m for name, m in hf.named_modules() if name.endswith(suffix)]
     hooks = [r.register_forward_hook(lambda _m, _i, out: captured.append(out[2])) for r in routers]
     try:
         with torch.no_grad():

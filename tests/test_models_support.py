@@ -41,7 +41,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
         if p.dim() == 1 and "norm" in name:
             p.copy_(1.0 + 0.2 * noise)
-        elif name.endswith("mlp.gate.weight"):
+        elif name.endswith(("mlp.gate.weight", "mixer.gate.weight")):
             p.copy_(0.5 * noise)  # decisive routing: no near-ties between our and HF's top-k
         else:
             p.copy_(0.15 * noise)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from miles_hpc.cli import main
-from miles_hpc.models.presets import ARCHS, preset_config
+from miles_hpc.models.presets import ARCHS, HYBRID_ARCHS, preset_config
 from miles_hpc.planner.accounting import activations, indexer_peak, kv_bytes_per_token, model_config
 from miles_hpc.planner.estimate import (
     Cluster,
@@ -188,12 +188,13 @@ def _saved_bytes(cfg: dict, seq_len: int, micro_batch: int) -> int:
     return sum(n for ptr, n in live.items() if ptr not in params)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + HYBRID_ARCHS)
 def test_activations_are_what_autograd_saves(arch: str) -> None:
     """The planner's saved-activation terms add up to what the implemented forward keeps, byte for byte. The
     DeepSeek presets get v_head_dim = qk_head_dim here: with unequal widths torch's CPU SDPA falls back to its math
     kernel (float32 [H, S, S] probabilities), which CUDA's memory-efficient kernel, the one the planner assumes,
-    does not keep."""
+    does not keep. The hybrids' layers are measured on the meta device (planner/measure.py): this checks that run
+    against a real one, sequences over one 64-token chunk of the scans included."""
     cfg = preset_config(arch, "tiny")
     if arch in ("deepseek_v3", "deepseek_v32"):
         cfg["v_head_dim"] = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]

@@ -1,5 +1,5 @@
 """FSDPTrainer on the hybrid families (one CPU rank): packed micro-batches of several sequences give each sequence's
-own log-probs (no DeltaNet state crosses a boundary inside a pack), and a step learns (issue 29)."""
+own log-probs (no DeltaNet or Mamba-2 state crosses a boundary inside a pack), and a step learns (issue 29)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch
 from test_train_fsdp import make_batch, world  # noqa: F401  (the fixture `world`)
 
 from miles_hpc.config import AlgoConfig, TrainConfig
-from miles_hpc.models import load_pretrained
+from miles_hpc.models import iter_hf_tensors, load_pretrained
 from miles_hpc.models.presets import init_model
 from miles_hpc.train.fsdp import FSDPTrainer
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe_text"])
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe_text", "nemotron_h"])
 def hybrid_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(request.param, "tiny", tmp_path_factory.mktemp(request.param) / "model", seed=1)
 
@@ -43,10 +43,11 @@ def test_a_step_learns(world: None, hybrid_model: Path) -> None:  # noqa: F811
     for i in range(len(batch)):
         delta = sum(a - b for a, b, m in zip(after[i], before[i], batch.loss_mask[i]) if m)
         assert (delta > 0) == (batch.advantages[i][0] > 0), i
-    # The DeltaNet parameters were trained too (their gradients reached them).
+    # The recurrent layers' parameters were trained too (their gradients reached them).
     names = dict(trainer.state_for_sync())
-    fresh = dict(load_pretrained(hybrid_model).named_parameters())
-    moved = [n for n in names if ".linear_attn." in n and not torch.equal(names[n].float(), fresh[n].float())]
+    fresh = dict(iter_hf_tensors(load_pretrained(hybrid_model)))  # the sync's names: the checkpoint's
+    recurrent = (".linear_attn.", ".mixer.A_log", ".mixer.conv1d.")  # Gated DeltaNet's; Mamba-2's
+    moved = [n for n in names if any(r in n for r in recurrent) and not torch.equal(names[n].float(), fresh[n].float())]
     assert any(n.endswith("A_log") for n in moved) and any("conv1d" in n for n in moved)
 
 

@@ -11,13 +11,13 @@ if TYPE_CHECKING:
     from miles_hpc.config.run import RunConfig
 
 DSA_ARCHS = ("glm_moe_dsa", "deepseek_v32")  # DeepSeek sparse attention (an indexer per layer or per full layer)
-HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe_text")  # Gated DeltaNet layers with recurrent state (issue 29)
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe_text", "nemotron_h")  # recurrent layers, state per sequence (issue 29)
 
 
 def hybrid(cfg: RunConfig) -> None:
     """What a hybrid model (model.init_arch) runs on so far: our engines at TP 1, the FSDP trainer, full-weight sync
     (docs/models.md)."""
-    why = f"model.init_arch={cfg.model.init_arch} (a hybrid: Gated DeltaNet layers) runs"
+    why = f"model.init_arch={cfg.model.init_arch} (a hybrid: recurrent Gated DeltaNet or Mamba-2 layers) runs"
     _require(cfg.rollout.backend == "embedded", "rollout.backend", f"{why} on our engines (not in SGLang's list)")
     _require(cfg.rollout.engine_tp == 1, "rollout.engine_tp", f"{why} on engines of tp size 1 so far")
     _require(cfg.train.backend == "fsdp", "train.backend", f"{why} with the FSDP trainer (megatron maps no such layer)")

@@ -1,13 +1,13 @@
-"""Per-sequence recurrent state of a hybrid model's linear-attention layers (Gated DeltaNet), beside the paged KV
+"""Per-sequence recurrent state of a hybrid model's recurrent layers (Gated DeltaNet, Mamba-2), beside the paged KV
 cache of its attention layers. Issue 29.
 
 Stage: engine (the runner's `StepExecutor` hands `RecurrentStates.backend(...)` to the model's forward as its
 `linear_backend`).
 
 Invariants:
-- One slot per block-table row: a running request's state lives at its `row` for as long as it runs; per linear
-  layer, the short convolution's last W - 1 inputs (model dtype) and the delta rule's [n_v, d_k, d_v] matrix
-  (float32).
+- One slot per block-table row: a running request's state lives at its `row` for as long as it runs; per recurrent
+  layer, the short convolution's last W - 1 inputs (model dtype) and the scan's state (float32): the delta rule's
+  [n_v, d_k, d_v] matrix, or Mamba-2's [heads, head_dim, state].
 - A step's sequence whose first new token is at position 0 starts from zeros; any later one continues from its
   row's state, which the previous step of the same request left there (a prefill chunk or a decode token). So
   state exists exactly for the computed tokens, as KV does.
@@ -26,23 +26,23 @@ import torch
 from torch import nn
 
 from miles_hpc.models import CausalLM
-from miles_hpc.models.linear_attn import GatedDeltaNet, LinearState
+from miles_hpc.models.linear_attn import LinearState
 
 
 class RecurrentStates:
-    """The state slots of every linear-attention layer of `model`, `rows` of them (the block table's rows)."""
+    """The state slots of every recurrent layer of `model`, `rows` of them (the block table's rows)."""
 
     def __init__(self, model: CausalLM, rows: int, device: torch.device) -> None:
         dtype = next(model.parameters()).dtype
         self.conv: dict[int, torch.Tensor] = {}
         self.rule: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(model.model.layers[: model.config.num_hidden_layers]):
-            mixer = getattr(layer, "linear_attn", None)
-            if not isinstance(mixer, GatedDeltaNet):
+            mixer = getattr(layer, "recurrent", None)  # Gated DeltaNet, Mamba-2 or None (transformer.py)
+            if mixer is None:
                 continue
-            d = mixer.dims
-            self.conv[i] = torch.zeros(rows, d.conv_channels, d.conv_width - 1, dtype=dtype, device=device)
-            self.rule[i] = torch.zeros(rows, d.value_heads, d.key_dim, d.value_dim, dtype=torch.float32, device=device)
+            conv, scan = mixer.state_shapes()
+            self.conv[i] = torch.zeros(rows, *conv, dtype=dtype, device=device)
+            self.rule[i] = torch.zeros(rows, *scan, dtype=torch.float32, device=device)
 
     @property
     def bytes_per_sequence(self) -> int:

@@ -47,6 +47,7 @@ from torch import nn
 
 from miles_hpc.models import CausalLM, ModelConfig, iter_hf_tensors, read_config
 from miles_hpc.models.moe import Experts
+from miles_hpc.models.transformer import DecoderModel
 from miles_hpc.planner.transfer import Box
 from miles_hpc.sync.wire.pg import CustomGroup, GroupSpec
 
@@ -201,6 +202,8 @@ class TPShard:
             rows = lc.vocab_size
             emb = _VocabEmbedding(rows, c.hidden_size, self.rank * rows, comm).to(dtype)
             head = _GatheredHead(c.hidden_size, rows, c.vocab_size, comm).to(dtype)
+        if not isinstance(model.model, DecoderModel):  # validate.py refuses hybrids at tp_size > 1 first
+            raise ValueError(f"{c.model_type}: tensor-parallel engines shard decoder layers, not Nemotron-H blocks")
         model.model.embed_tokens, model.lm_head = emb, head
         model.tie_weights()
         for name, module in model.named_modules():

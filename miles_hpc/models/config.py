@@ -23,6 +23,7 @@ import torch
 
 from .families import (
     ARCHITECTURES,
+    DELTANET_TYPES,
     DSA_TYPES,
     FAMILY_DEFAULTS,
     GROUP_ROUTER_TYPES,
@@ -37,6 +38,7 @@ from .families import (
     dsa_fields,
 )
 from .hybrid import check_hybrid, hybrid_fields, hybrid_keys
+from .nemotron import DROPPED_KEYS, canonical, check_nemotron, nemotron_fields, nemotron_keys
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,8 +88,8 @@ class RopeScaling:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """Architecture of one dense (llama, qwen2, qwen3), MoE (qwen3_moe, deepseek_v3, glm4_moe, deepseek_v32,
-    glm_moe_dsa) or hybrid (qwen3_next, qwen3_5_moe_text: Gated DeltaNet and attention layers, hybrid.py)
-    decoder-only model."""
+    glm_moe_dsa) or hybrid (qwen3_next, qwen3_5_moe_text: Gated DeltaNet and attention layers, hybrid.py;
+    nemotron_h: Mamba-2, attention, MoE and MLP blocks, nemotron.py) decoder-only model."""
 
     model_type: str
     """HF model_type; one of SUPPORTED_MODEL_TYPES."""
@@ -159,14 +161,26 @@ class ModelConfig:
     """glm4_moe: per-head RMSNorm on q and k (qwen3 families always have it)."""
     # ---- hybrid families (qwen3_next; hybrid.py): 0 / () elsewhere ----
     layer_types: tuple[str, ...] = ()
-    """Per layer: "linear_attention" (Gated DeltaNet, linear_attn.py) or "full_attention"."""
+    """Per layer: "linear_attention" (Gated DeltaNet; nemotron_h: Mamba-2), "full_attention"; nemotron_h: "moe", "mlp"."""
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     shared_expert_intermediate_size: int = 0
-    """MoE layers: one shared expert of this width, its output scaled by sigmoid(shared_expert_gate(x))."""
+    """MoE layers: one shared expert of this width (the Qwen hybrids scale it by sigmoid(shared_expert_gate(x)))."""
+    # ---- nemotron_h (nemotron.py): the Mamba-2 layers' sizes, the MoE's latent width; 0 elsewhere ----
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    ssm_state_size: int = 0
+    mamba_n_groups: int = 0
+    mamba_conv_kernel: int = 0
+    mamba_chunk_size: int = 0
+    mamba_conv_bias: bool = False
+    mamba_proj_bias: bool = False
+    mamba_dt_min: float = 0.0
+    moe_latent_size: int = 0
+    """The routed experts run at this width between fc1/fc2_latent_proj (0: at hidden_size)."""
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -202,13 +216,14 @@ class ModelConfig:
             raise ValueError(f"{self.model_type} has one attention_bias flag: qkv_bias and o_bias must be equal")
         if self.model_type == "glm4_moe" and self.o_bias:
             raise ValueError("glm4_moe's attention_bias is on q/k/v only (o_bias=False)")
-        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2 or self.rotary_dim == 0:
+        bad_rope = not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2 or self.rotary_dim == 0
+        if self.uses_rope and bad_rope:
             raise ValueError(
                 f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} must "
                 f"leave an even number > 0 of rotary dims"
             )
-        if self.mlp_bias and self.model_type != "llama":
-            raise ValueError("mlp_bias exists only in llama")
+        if self.mlp_bias and self.model_type not in ("llama", "nemotron_h"):
+            raise ValueError("mlp_bias exists only in llama and nemotron_h")
         if self.model_type == "qwen3_moe" or self.group_router:
             if self.num_experts <= 0 or self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
                 raise ValueError(f"{self.model_type} needs num_experts, moe_intermediate_size, decoder_sparse_step > 0")
@@ -219,7 +234,12 @@ class ModelConfig:
         if self.is_mla and min(self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim) <= 0:
             raise ValueError(f"{self.model_type} needs kv_lora_rank, qk_nope_head_dim, v_head_dim > 0")
         check_dsa(self)
-        check_hybrid(self)
+        if self.model_type == "nemotron_h":
+            check_nemotron(self)
+        else:
+            check_hybrid(self)
+            if self.mamba_num_heads or self.moe_latent_size:
+                raise ValueError(f"mamba_* / moe_latent_size: Nemotron-H fields; {self.model_type} has none")
         if self.group_router:
             if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
                 raise ValueError(
@@ -268,12 +288,17 @@ class ModelConfig:
     @property
     def zero_centered_norms(self) -> bool:
         """RMSNorms scale by 1 + weight (weights start at 0; computed in float32): the Qwen hybrids."""
-        return self.is_hybrid
+        return self.model_type in DELTANET_TYPES
 
     @property
     def attn_output_gate(self) -> bool:
         """q_proj also gives a per-head gate; the attention output is scaled by its sigmoid: the Qwen hybrids."""
-        return self.is_hybrid
+        return self.model_type in DELTANET_TYPES
+
+    @property
+    def uses_rope(self) -> bool:
+        """Nemotron-H's attention has no position embedding (its Mamba layers carry the order)."""
+        return self.model_type != "nemotron_h"
 
     @property
     def group_router(self) -> bool:
@@ -283,8 +308,8 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Dims of each head that RoPE rotates (the first ones; the rest pass through)."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        """Dims of each head that RoPE rotates (the first ones; the rest pass through); 0 without RoPE."""
+        return int(self.head_dim * self.partial_rotary_factor) if self.uses_rope else 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -294,12 +319,15 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm on q and k before RoPE: fixed by the family (qwen3, qwen3_moe)."""
-        return self.model_type in ("qwen3", "qwen3_moe", *HYBRID_TYPES) or (
+        return self.model_type in ("qwen3", "qwen3_moe", *DELTANET_TYPES) or (
             self.model_type == "glm4_moe" and self.use_qk_norm
         )
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """Which layers get the sparse MoE block: transformers' Qwen3MoeDecoderLayer / DeepseekV3DecoderLayer rule."""
+        """Which layers get the sparse MoE block: transformers' Qwen3MoeDecoderLayer / DeepseekV3DecoderLayer rule
+        (nemotron_h: its "moe" blocks)."""
+        if self.model_type == "nemotron_h":
+            return layer_idx < self.num_hidden_layers and self.layer_types[layer_idx] == "moe"
         if self.group_router:
             if layer_idx < self.num_hidden_layers and self.mlp_layer_types:
                 return self.mlp_layer_types[layer_idx] == "sparse"
@@ -340,6 +368,8 @@ class ModelConfig:
                 f"(architectures={d.get('architectures')!r}); supported model types: {list(SUPPORTED_MODEL_TYPES)}"
             )
         defaults = FAMILY_DEFAULTS[model_type]
+        if model_type == "nemotron_h":
+            d = canonical(d)
 
         def get(key: str, default: Any = None) -> Any:
             value = d.get(key)
@@ -366,6 +396,8 @@ class ModelConfig:
                 moe = _group_router_fields(d, get, mla=model_type in MLA_TYPES)
                 if model_type in DSA_TYPES:
                     moe.update(dsa_fields(d, get, model_type, int(get("num_hidden_layers"))))
+            elif model_type == "nemotron_h":
+                moe = nemotron_fields(d)
             elif model_type in HYBRID_TYPES:
                 moe = hybrid_fields(d, get, int(get("num_hidden_layers")))
             partial = _partial_rotary(d)
@@ -391,7 +423,7 @@ class ModelConfig:
                 o_bias=False if model_type in ("qwen2", "glm4_moe") else attention_bias,
                 partial_rotary_factor=partial,
                 use_qk_norm=bool(d.get("use_qk_norm", False)) if model_type == "glm4_moe" else False,
-                mlp_bias=bool(d.get("mlp_bias", False)) if model_type == "llama" else False,
+                mlp_bias=bool(d.get("mlp_bias", False)) if model_type == "llama" else moe.pop("mlp_bias", False),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 initializer_range=float(get("initializer_range", 0.02)),
                 **moe,
@@ -432,6 +464,10 @@ class ModelConfig:
             d.update(self._group_router_keys(d))
         if self.model_type == "llama":
             d["mlp_bias"] = self.mlp_bias
+        elif self.model_type == "nemotron_h":
+            d.update(nemotron_keys(self))
+            for key in DROPPED_KEYS:
+                d.pop(key)
         elif self.is_hybrid:
             d.update(hybrid_keys(self))
         elif not self.group_router:
@@ -524,8 +560,7 @@ def _group_router_fields(d: Mapping[str, Any], get: Any, *, mla: bool) -> dict[s
 
 
 def _partial_rotary(d: Mapping[str, Any]) -> float:
-    """`partial_rotary_factor`, top level or inside rope_parameters; transformers' defaults: glm4_moe 0.5,
-    qwen3_next and qwen3_5_moe_text 0.25."""
+    """`partial_rotary_factor`, top level or in rope_parameters; defaults: glm4_moe 0.5, the Qwen hybrids 0.25."""
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
     value = d.get("partial_rotary_factor", params.get("partial_rotary_factor"))
     if value is None:

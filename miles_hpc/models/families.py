@@ -24,12 +24,13 @@ ARCHITECTURES: dict[str, str] = {
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 # Checkpoints that name another model_type for one of these architectures (Kimi-K2 ships DeepSeek-V3 weights).
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
-SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "swish", "gelu", "gelu_pytorch_tanh")
+SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu2")
 
 # transformers 5.24 class defaults for keys a config.json may omit (configuration_<family>.py). Keys absent here
 # default the same for all families (see `from_hf_dict`).
@@ -200,6 +201,16 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     # Qwen3.5-MoE's text model: Qwen3-Next's layers with separate DeltaNet input projections, MoE in every layer
     # (Qwen3_5MoeTextConfig). No dense layers: intermediate_size is not a key of the family (kept for the config).
+    # Nemotron-H (NemotronHConfig; its Mamba and MoE defaults are nemotron.DEFAULTS).
+    "nemotron_h": dict(
+        vocab_size=131072,
+        hidden_size=4096,
+        intermediate_size=21504,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+    ),
     "qwen3_5_moe_text": dict(
         vocab_size=248320,
         hidden_size=2048,
@@ -221,8 +232,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
 }
 
-# Hybrid families: linear-attention (Gated DeltaNet) layers among full-attention ones (models/hybrid.py).
-HYBRID_TYPES: tuple[str, ...] = ("qwen3_next", "qwen3_5_moe_text")
+# Hybrid families: recurrent layers among full-attention ones: Gated DeltaNet (the Qwen hybrids, models/hybrid.py)
+# or Mamba-2 (Nemotron-H, models/nemotron.py).
+DELTANET_TYPES: tuple[str, ...] = ("qwen3_next", "qwen3_5_moe_text")
+HYBRID_TYPES: tuple[str, ...] = (*DELTANET_TYPES, "nemotron_h")
 
 # MLA families (DeepSeek-V3 attention); the DSA ones add the lightning indexer. The indexer rotates its rope part
 # as interleaved pairs in GLM-5 and as halves in DeepSeek-V3.2 (transformers' GlmMoeDsaIndexer vs DeepseekV32Indexer).

@@ -10,6 +10,10 @@ Name mapping (the only place that knows it):
   `up_proj.weight` [I, H], `down_proj.weight` [H, I]. transformers 5 with `save_original_format=False` writes
   the fused tensors under their in-memory names (no `.weight` suffix). We read both, per layer, and write the
   Hub per-expert layout.
+- Nemotron-H: in memory `model.*` with fused non-gated experts `mixer.experts.up_proj` [E, I, D] and `down_proj`
+  [E, D, I]; the Hub (and transformers' `save_pretrained`) writes `backbone.*` and per-expert
+  `mixer.experts.{j}.up_proj.weight` / `down_proj.weight`. We read both prefixes and both expert layouts, and write
+  the Hub's.
 - Tied embeddings: `lm_head.weight` is not written; if a checkpoint has it anyway it is ignored (transformers
   ties it to the embedding too). Legacy `rotary_emb.inv_freq` buffers are ignored.
 - Multi-token-prediction layers (MLA families; `model.layers.{N + j}.*`, N = num_hidden_layers, mtp.py) load and
@@ -43,8 +47,22 @@ log = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = (".experts.gate_up_proj", ".experts.down_proj")
+_EXPERT = re.compile(
+    r"^((?:model|backbone)\.layers\.\d+\.(?:mlp|mixer)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
+_FUSED = (".experts.gate_up_proj", ".experts.down_proj", ".experts.up_proj")
+_HUB_PREFIX = {"nemotron_h": "backbone."}  # the Hub's prefix for our `model.` where a family renames it
+
+
+def hub_name(config: ModelConfig, name: str) -> str:
+    """The Hub's spelling of our parameter name (or of a checkpoint's in-memory-style name)."""
+    prefix = _HUB_PREFIX.get(config.model_type)
+    return prefix + name.removeprefix("model.") if prefix and name.startswith("model.") else name
+
+
+def _our_name(config: ModelConfig, name: str) -> str:
+    prefix = _HUB_PREFIX.get(config.model_type)
+    return "model." + name.removeprefix(prefix) if prefix and name.startswith(prefix) else name
 
 
 # ---------------------------------------------------------------- name mapping
@@ -56,16 +74,20 @@ def hf_target(model: CausalLM, name: str, params: dict[str, torch.nn.Parameter] 
     """
     if params is None:
         params = dict(model.named_parameters())
-    m = _EXPERT.match(name)
+    ours = _our_name(model.config, name)
+    m = _EXPERT.match(ours)
     if m is None:
-        if name not in params:
+        if ours not in params:
             raise KeyError(f"no parameter for HF tensor {name!r}")
-        return params[name].data
+        return params[ours].data
     prefix, j, kind = m.group(1), int(m.group(2)), m.group(3)
-    if f"{prefix}.gate_up_proj" not in params or j >= model.config.num_experts:
+    plain = f"{prefix}.up_proj" in params  # Nemotron-H's non-gated experts
+    if (f"{prefix}.gate_up_proj" not in params and not plain) or j >= model.config.num_experts:
         raise KeyError(f"no parameter for HF tensor {name!r}")
-    if kind == "down_proj":
-        return params[f"{prefix}.down_proj"].data[j]
+    if plain and kind == "gate_proj":
+        raise KeyError(f"no parameter for HF tensor {name!r} (these experts have no gate)")
+    if kind == "down_proj" or plain:
+        return params[f"{prefix}.{kind}"].data[j]
     inter = model.config.moe_intermediate_size
     rows = slice(0, inter) if kind == "gate_proj" else slice(inter, 2 * inter)
     return params[f"{prefix}.gate_up_proj"].data[j, rows]
@@ -78,6 +100,10 @@ def hf_parts(config: ModelConfig, name: str, shape: Iterable[int]) -> list[tuple
     """
     if config.tie_word_embeddings and name == "lm_head.weight":
         return []
+    name = hub_name(config, name)
+    if name.endswith((".experts.up_proj", ".experts.down_proj")):  # per expert (j,): gated ones' down, plain ones'
+        prefix, kind = name.rsplit(".", 1)
+        return [(f"{prefix}.{j}.{kind}.weight", (j,)) for j in range(next(iter(shape)))]
     if name.endswith(".experts.gate_up_proj"):
         prefix, inter = name[: -len(".gate_up_proj")], config.moe_intermediate_size
         return [
@@ -88,9 +114,6 @@ def hf_parts(config: ModelConfig, name: str, shape: Iterable[int]) -> list[tuple
                 (f"{prefix}.{j}.up_proj.weight", (j, slice(inter, 2 * inter))),
             )
         ]
-    if name.endswith(".experts.down_proj"):
-        prefix = name[: -len(".down_proj")]
-        return [(f"{prefix}.{j}.down_proj.weight", (j,)) for j in range(next(iter(shape)))]
     return [(name, ())]
 
 
@@ -108,9 +131,10 @@ def expected_hf_shapes(model: CausalLM, present: Iterable[str] = ()) -> dict[str
     shapes: dict[str, tuple[int, ...]] = {}
     fused_prefixes = set()
     for name, t in model.state_dict().items():
-        if name.endswith(_FUSED) and name in present:
-            fused_prefixes.add(name.rsplit(".", 1)[0])
-            shapes[name] = tuple(t.shape)
+        hub = hub_name(model.config, name)
+        if name.endswith(_FUSED) and hub in present:
+            fused_prefixes.add(hub.rsplit(".", 1)[0])
+            shapes[hub] = tuple(t.shape)
     for name, t in iter_hf_tensors(model):
         m = _EXPERT.match(name)
         if m is None or m.group(1) not in fused_prefixes:
@@ -163,6 +187,8 @@ def checkpoint_files(path: Path) -> tuple[dict[str, Path], Path]:
 def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
     """Fill every parameter of `model` from the HF checkpoint directory `path`, checking names and shapes."""
     files, blame = checkpoint_files(Path(path))
+    stored = {hub_name(model.config, n): n for n in files}  # Hub spelling -> the name in the file
+    files = {hub: files[n] for hub, n in stored.items()}
     quant = fp8.read_quantization(path)
     files, scales = fp8.split_scales(files)  # FP8 block scales: consumed with their weights, never "unexpected"
     expected = expected_hf_shapes(model, files)
@@ -184,11 +210,11 @@ def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
             raise FileNotFoundError(f"{blame}: shard {file.name} (holding {names[0]!r}) does not exist")
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for n in names:
-                shape = tuple(f.get_slice(n).get_shape())
+                shape = tuple(f.get_slice(stored[n]).get_shape())
                 if shape != expected[n]:
-                    raise ValueError(f"{file}: tensor {n!r} has shape {shape}, expected {expected[n]}")
+                    raise ValueError(f"{file}: tensor {stored[n]!r} has shape {shape}, expected {expected[n]}")
                 target = hf_target(model, n, params)  # an fp8 weight is dequantized to its dtype, one at a time
-                target.copy_(fp8.read_tensor(f, file, n, quant, scales, target.dtype))
+                target.copy_(fp8.read_tensor(f, file, stored[n], quant, scales, target.dtype))
 
 
 def read_config(path: str | os.PathLike[str]) -> ModelConfig:

@@ -28,19 +28,23 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "swish": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu2": lambda x: F.relu(x).square(),  # Nemotron-H's MLPs and experts
 }
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32  # Nemotron-H: times the weight in float32, then cast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight.float() * h).to(dtype)
         # Cast before the weight multiply, as transformers does (matters in bf16).
         return self.weight * h.to(dtype)
 
@@ -67,8 +71,10 @@ class OffsetRMSNorm(nn.Module):
 
 
 def make_norm(config: ModelConfig, dim: int) -> nn.Module:
-    """The family's RMSNorm: zero-centred (qwen3_next) or the usual."""
-    return OffsetRMSNorm(dim, config.rms_norm_eps) if config.zero_centered_norms else RMSNorm(dim, config.rms_norm_eps)
+    """The family's RMSNorm: zero-centred (qwen3_next), weight applied in float32 (nemotron_h) or the usual."""
+    if config.zero_centered_norms:
+        return OffsetRMSNorm(dim, config.rms_norm_eps)
+    return RMSNorm(dim, config.rms_norm_eps, weight_in_fp32=config.model_type == "nemotron_h")
 
 
 class SwiGLUMLP(nn.Module):
@@ -101,6 +107,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
+        self.rotary = config.rotary_dim > 0  # Nemotron-H: no position embedding
         self.q_norm = make_norm(config, d) if config.qk_norm else None
         self.k_norm = make_norm(config, d) if config.qk_norm else None
 
@@ -122,8 +129,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if self.rotary:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = backend(q, k, v.transpose(1, 2), layer_idx=self.layer_idx, scale=self.scale, cu_seqlens=cu_seqlens)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         if gate is not None:

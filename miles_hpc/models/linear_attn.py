@@ -85,6 +85,15 @@ class LinearState:
         return LinearState(self.conv.index_select(0, idx), self.rule.index_select(0, idx))
 
 
+def run_packed(module: nn.Module, h: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """A recurrent mixer (Gated DeltaNet, Mamba-2) over each sequence from a zero state: the rows of h [B, T, H], or
+    the sequences that ``cu_seqlens`` packs into its one row (empty ones skipped)."""
+    if cu_seqlens is None:
+        return module(h)[0]
+    lengths = [n for n in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if n > 0]
+    return module(h, lengths=lengths)[0]
+
+
 Mix = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], tuple[torch.Tensor, LinearState]]
 
 
@@ -184,6 +193,11 @@ class GatedDeltaNet(nn.Module):
         o, rule_out = rule_fn(q, k, v, g, b.sigmoid(), rule)
         o = self.norm(o, z).reshape(n, t, -1)
         return self.out_proj(o), LinearState(conv_out, rule_out)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per sequence: the convolution's (channels, W - 1) and the delta rule's (n_v, d_k, d_v)."""
+        d = self.dims
+        return (d.conv_channels, d.conv_width - 1), (d.value_heads, d.key_dim, d.value_dim)
 
     def forward(
         self, x: torch.Tensor, lengths: Sequence[int] | None = None, state: LinearState | None = None

@@ -52,6 +52,7 @@ class Mamba2Dims:
     proj_bias: bool = False
     dt_min: float = 1e-3  # time_step_min: the floor of each step
     eps: float = 1e-5
+    chunk: int = CHUNK  # chunk_size of the chunked scan (the result is the same up to float32 rounding)
 
     def __post_init__(self) -> None:
         if self.heads % self.groups:
@@ -70,6 +71,7 @@ class Mamba2Dims:
             proj_bias=cfg.get("use_bias", False),
             dt_min=cfg.get("time_step_min", 1e-3),
             eps=cfg.get("layer_norm_epsilon", 1e-5),
+            chunk=cfg.get("chunk_size", CHUNK),
         )
 
     @property
@@ -194,11 +196,19 @@ class Mamba2Mixer(nn.Module):
         xs = xs.reshape(n, t, d.heads, d.head_dim)
         b, c = b.reshape(n, t, d.groups, d.state), c.reshape(n, t, d.groups, d.state)
         dt = F.softplus(dt_raw.float() + self.dt_bias.float()).clamp(min=d.dt_min)
-        scan_fn = ssd_recurrent if t == 1 else ssd_chunked  # decode: one step, no chunk padding
-        y, scan_out = scan_fn(xs, dt, -self.A_log.float().exp(), b, c, scan)
+        a = -self.A_log.float().exp()
+        if t == 1:  # decode: one step, no chunk padding
+            y, scan_out = ssd_recurrent(xs, dt, a, b, c, scan)
+        else:
+            y, scan_out = ssd_chunked(xs, dt, a, b, c, scan, chunk=d.chunk)
         y = y + self.D.float()[:, None] * xs.float()
         y = self.norm(y.reshape(n, t, d.inner), z)  # float32 in, as transformers: cast after the weight
         return self.out_proj(y.to(x.dtype)), LinearState(conv_out, scan_out)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per sequence: the convolution's (channels, W - 1) and the scan's (heads, head_dim, state)."""
+        d = self.dims
+        return (d.conv_channels, d.conv_width - 1), (d.heads, d.head_dim, d.state)
 
     def forward(
         self, x: torch.Tensor, lengths: Sequence[int] | None = None, state: LinearState | None = None

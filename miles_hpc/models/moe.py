@@ -143,7 +143,10 @@ def grouped_mix(
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     w_sorted = weights.reshape(-1)[order]
     x_sorted = x[order // k]
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the one host sync
+    if flat.device.type == "meta":  # the planner's dry run (planner/measure.py): an even spread, same total rows
+        counts = [len(range(e, flat.numel(), num_experts)) for e in range(num_experts)]
+    else:
+        counts = torch.bincount(flat, minlength=num_experts).tolist()  # the one host sync
     outs: list[torch.Tensor] = []
     start = 0
     for e, n in enumerate(counts):

@@ -14,9 +14,9 @@ from miles_hpc.models.families import ARCHITECTURES
 from miles_hpc.models.tokenizer import EOS_TOKEN, NUM_BYTE_TOKENS, PAD_TOKEN, SPECIAL_TOKENS, special_token_id
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "deepseek_v32")
-# Hybrid families (issue 29): `init-model` makes them; a run (model.init_arch) cannot use them until the engine
-# keeps their recurrent state, so they are not in ARCHS, the list every stage serves.
-HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe_text")
+# Hybrid families (issue 29): recurrent layers (Gated DeltaNet, Mamba-2) whose state the embedded engine keeps per
+# sequence; not in ARCHS, the list every stage serves (SGLang, engine TP, megatron refuse them: config/checks.py).
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe_text", "nemotron_h")
 SIZES = ("tiny", "small")
 
 # Vocabulary: 256 bytes + specials, rounded up to a multiple of 64 (embedding rows past the tokenizer are unused).
@@ -221,7 +221,9 @@ def _add_family_keys(cfg: dict[str, Any], arch: str, size: str) -> None:
         cfg.update(_DSA[arch][size])
         if arch == "glm_moe_dsa":
             cfg["rms_norm_eps"] = 1e-5
-    if arch in HYBRID_ARCHS:
+    if arch == "nemotron_h":
+        _add_nemotron_keys(cfg, size)
+    elif arch in HYBRID_ARCHS:
         _add_hybrid_keys(cfg, arch, size)
     if arch == "glm4_moe":  # GLM-4.5: q/k/v bias, QK-norm, half the head rotated, router as DeepSeek-V3's
         cfg.update(
@@ -265,6 +267,35 @@ def _add_hybrid_keys(cfg: dict[str, Any], arch: str, size: str) -> None:
         cfg.update(decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True)
     else:
         del cfg["intermediate_size"]  # no dense layers: not a key of Qwen3.5-MoE
+
+
+def _add_nemotron_keys(cfg: dict[str, Any], size: str) -> None:
+    """Nemotron-H scaled down, every block kind present: Mamba-2 (M), attention (*), relu2 MLP (-) and MoE (E)
+    with a latent projection half the hidden width; its own key names (NemotronHConfig)."""
+    s = _SHAPES[size]
+    for key in ("hidden_act", "rms_norm_eps", "rope_theta", "num_hidden_layers"):
+        del cfg[key]
+    cfg.update(
+        hybrid_override_pattern="ME*M-E" if size == "tiny" else "MEM*ME-MEM*E",
+        mlp_hidden_act="relu2",
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False,
+        mamba_num_heads=s["num_attention_heads"],
+        mamba_head_dim=s["head_dim"],
+        ssm_state_size=s["head_dim"],
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=64,
+        n_routed_experts=s["num_experts"],
+        num_experts_per_tok=s["num_experts_per_tok"],
+        moe_intermediate_size=s["moe_intermediate_size"],
+        moe_shared_expert_intermediate_size=s["moe_intermediate_size"],
+        moe_latent_size=s["hidden_size"] // 2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
 
 
 def init_model(

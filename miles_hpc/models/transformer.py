@@ -28,7 +28,9 @@ from .config import ModelConfig
 from .dsa import Selection
 from .hybrid import linear_dims
 from .layers import Attention, OffsetRMSNorm, SwiGLUMLP, make_norm
-from .linear_attn import GatedDeltaNet
+from .linear_attn import GatedDeltaNet, run_packed
+from .mamba2 import Mamba2Mixer
+from .mixer_blocks import NemotronBackbone
 from .mla import MLAttention
 from .moe import DeepseekMoeBlock, SharedExpertMoeBlock, SparseMoeBlock
 from .rope import RotaryEmbedding
@@ -84,7 +86,7 @@ class DecoderLayer(nn.Module):
         if self.is_linear:
             h = self.input_layernorm(x)
             a = (
-                self._linear(h, cu_seqlens)
+                run_packed(self.linear_attn, h, cu_seqlens)
                 if linear is None
                 else linear(self.layer_idx, self.linear_attn, h, cu_seqlens)
             )
@@ -100,12 +102,10 @@ class DecoderLayer(nn.Module):
             return x + out, ids, selection
         return x + self.mlp(h), None, selection
 
-    def _linear(self, h: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        """Gated DeltaNet over each sequence from a zero state (rows of h, or the packed ones of cu_seqlens)."""
-        if cu_seqlens is None:
-            return self.linear_attn(h)[0]
-        lengths = [n for n in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if n > 0]
-        return self.linear_attn(h, lengths=lengths)[0]
+    @property
+    def recurrent(self) -> nn.Module | None:
+        """The layer's recurrent mixer (its state lives per sequence in the engine), or None."""
+        return self.linear_attn if self.is_linear else None
 
 
 class DecoderModel(nn.Module):
@@ -130,7 +130,9 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.model: DecoderModel | NemotronBackbone = (
+            NemotronBackbone(config) if config.model_type == "nemotron_h" else DecoderModel(config)
+        )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
         self.moe_layer_ids: tuple[int, ...] = config.moe_layer_ids()
@@ -161,8 +163,8 @@ class CausalLM(nn.Module):
         pad = self.model.embed_tokens.padding_idx
         if pad is not None:
             self.model.embed_tokens.weight[pad].zero_()
-        for m in self.modules():  # zero-centred norms, Gated DeltaNet's decay rates: their own initialisation
-            if isinstance(m, (OffsetRMSNorm, GatedDeltaNet)):
+        for m in self.modules():  # zero-centred norms, the recurrent mixers' decay rates: their own initialisation
+            if isinstance(m, (OffsetRMSNorm, GatedDeltaNet, Mamba2Mixer)):
                 m.reset_parameters()
 
     def forward(

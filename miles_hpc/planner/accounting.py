@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import torch
+
 from miles_hpc.models import CausalLM, ModelConfig, expected_hf_shapes
 
 Shape = tuple[int, ...]
@@ -53,7 +55,8 @@ def _get(cfg: Mapping[str, Any], key: str) -> int:
 def model_config(cfg: Mapping[str, Any]) -> ModelConfig:
     """The models package's config of an HF ``config.json`` dict. The fields that set the shapes must be written
     out (transformers would default a missing ``hidden_size``; a plan must not)."""
-    for key in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads"):
+    counted = ("hidden_size", "vocab_size", "num_attention_heads")  # Nemotron-H's layer count is its pattern's
+    for key in counted if cfg.get("model_type") == "nemotron_h" else (*counted, "num_hidden_layers"):
         _get(cfg, key)
     try:
         mc = ModelConfig.from_hf_dict(cfg, source=_SENTINEL)
@@ -72,11 +75,6 @@ def model_config(cfg: Mapping[str, Any]) -> ModelConfig:
         keys.append("intermediate_size")  # the dense layers' width
     for key in keys:
         _get(cfg, key)
-    if mc.is_hybrid:  # what its DeltaNet layers keep (activations, recurrent state) is not counted here yet
-        raise ModelSpecError(
-            f"model_type {mc.model_type!r}: the planner does not account for hybrid (linear-attention) layers yet "
-            "(issue 29)"
-        )
     return mc
 
 
@@ -105,8 +103,6 @@ def model_tensors(cfg: Mapping[str, Any]) -> ModelTensors:
 
 @lru_cache(maxsize=16)
 def _tensors(key: str) -> ModelTensors:
-    import torch
-
     mc = model_config(json.loads(key))
     with torch.device("meta"):
         model = CausalLM(mc)
@@ -182,6 +178,11 @@ def layer_saved(
     (for MLA the expanded per-head K and V), ``dsa_mask`` (the [S, S] mask of each sequence), ``mlp`` (with the
     router's float32 weight copy)."""
     tokens, a = seq_len * micro_batch, act_bytes
+    if mc.is_hybrid:  # measured on the meta device: the recurrent scans' per-chunk tensors (measure.py)
+        from .measure import layer_kept
+
+        dtype = {2: torch.bfloat16, 4: torch.float32}[a]
+        return layer_kept(mc, layer, seq_len, micro_batch, dtype)
     attn, kv = _attention(mc, a)
     mlp = _mlp(mc, layer, a) * tokens
     if mc.is_moe_layer(layer) and mc.group_router:
@@ -214,11 +215,14 @@ def activations(
     # Token ids, RoPE's cos and sin (shared by every layer), the final norm and its output (the head's input),
     # the logits the log-prob kernel keeps, with its float32 log-sum-exp and entropy and the int64 targets.
     other = t * (I64 + 2 * a * mc.rotary_dim + _norm(h, a) + a * h)
+    if mc.is_hybrid:  # their final norm multiplies in float32: it keeps the float32 normalised row (not a
+        other += t * (F32 - a) * h + F32 * h  # compute-dtype one) and the float32 weight it multiplies by
     logits = t * (a * mc.vocab_size + 2 * F32 + I64)
     scores = indexer_peak(mc, seq_len=s, micro_batch=n)
     transient = {"logits_grad": t * a * mc.vocab_size}
     if not checkpointing:
-        saved = {k: sum(layer[k] for layer in layers) for k in layers[0]}
+        terms = dict.fromkeys(k for layer in layers for k in layer)  # a hybrid's: attention, recurrent, mlp
+        saved = {k: sum(layer.get(k, 0) for layer in layers) for k in terms}
         if mc.is_dsa:
             transient["indexer_scores"] = scores
         return Activations(saved={**saved, "logits": logits, "other": other}, transient=transient)
@@ -238,8 +242,9 @@ def activations(
 # ---------------------------------------------------------------- rollout KV cache
 def kv_bytes_per_token(mc: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
     """KV-cache bytes per token on one engine rank of a TP-``tp`` engine (``tp=1``: one whole copy); decoder
-    layers only (no speculative decoding, so MTP layers cache nothing)."""
-    layers = range(mc.num_hidden_layers)
+    layers only (no speculative decoding, so MTP layers cache nothing), a hybrid's full-attention ones only (its
+    recurrent layers keep a state per sequence instead: measure.recurrent_state_bytes)."""
+    layers = [i for i in range(mc.num_hidden_layers) if not mc.is_hybrid or mc.layer_types[i] == "full_attention"]
     if mc.is_mla:
         elements = len(layers) * (mc.kv_lora_rank + mc.head_dim)
         elements += sum(mc.indexer_full(i) for i in layers) * mc.index_head_dim if mc.is_dsa else 0
