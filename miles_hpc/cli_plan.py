@@ -24,7 +24,9 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], str, str, di
         cfg, source = load_model_config(args.config)
         return cfg, source, Path(source).stem if Path(source).stem != "config" else Path(source).parent.name, {}
     run = load_config(args.config)
-    cluster = {"train_gpus": run.train.world_size, "engines": run.rollout.num_engines, "engine_tp": 1, "engine_ep": 1}
+    r = run.rollout
+    cluster = {"train_gpus": run.train.world_size, "engines": r.num_engines, "engine_tp": r.engine_tp}
+    cluster["engine_ep"] = r.engine_ep
     if model := args.model or run.model.path:
         cfg, source = load_model_config(model)
     else:
@@ -67,7 +69,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         cfg, source, name, numbers = _plan_inputs(args)
         check_spec(cfg, source)
         cluster: dict[str, Any] = {**numbers, **{k: v for k, v in flags.items() if v is not None}}
-        report = estimate(cfg, Cluster(**cluster), name=name, source=source)
+        batch = None
+        if str(args.config).endswith((".yaml", ".yml")):  # the run's own largest micro-batch
+            from miles_hpc.config import load_config
+            from miles_hpc.launch.layout_check import fsdp_batch
+
+            batch = fsdp_batch(load_config(args.config))
+        report = estimate(cfg, Cluster(**cluster), name=name, source=source, batch=batch)
     except ModelSpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -173,7 +181,7 @@ def add_plan_parser(sub: Any) -> None:
     pl.add_argument(
         "--engine-tp",
         type=int,
-        help="GPUs (tensor-parallel ranks) per engine (default: 1 for a run config, 8 for a model)",
+        help="GPUs (tensor-parallel ranks) per engine (default: rollout.engine_tp of a run config, 8 for a model)",
     )
     pl.add_argument("--engine-ep", type=int, help="expert-parallel size inside an engine; divides --engine-tp")
     pl.add_argument("--link-gbps", type=float, help="NIC line rate per GPU in Gb/s (default 200 = 25 GB/s)")

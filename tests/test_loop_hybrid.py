@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from test_loop_e2e import metrics, run
+from test_loop_e2e import REPO, metrics, run
 
 pytestmark = pytest.mark.process
 
@@ -49,3 +49,23 @@ def test_a_hybrid_learns_the_demo_task(arch: str, tmp_path: Path) -> None:
     rewards = [r["reward_mean"] for r in metrics(run_dir)]
     first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
     assert last - first >= 0.05, (first, last)
+
+
+def test_the_qwen35_opd_twin_runs(tmp_path: Path) -> None:
+    """configs/experiments/qwen35_opd_tiny.yaml, the twin of the Qwen3.5-35B-A3B distillation config: the teacher's
+    engine scores the student's samples through its own recurrent state. With the student's own initial model as
+    the teacher the reverse KL of step 0 is 0 (a teacher row off by a token, or a state carried wrong, is not)."""
+    import subprocess
+    import sys
+
+    from miles_hpc.models.presets import init_model
+
+    teacher = init_model("qwen3_5_moe_text", "tiny", tmp_path / "teacher", seed=0)
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "miles_hpc.cli", "run", str(REPO / "configs/experiments/qwen35_opd_tiny.yaml")]
+    argv += [f"run_dir={run_dir}", "steps=2", f"algo.opd_teacher={teacher}"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert len(rows) == 2 and abs(rows[0]["opd/reverse_kl"]) < 1e-5, rows[0]["opd/reverse_kl"]
+    assert all(r["r3/topk_agreement"] == 1.0 for r in rows) and (run_dir / "logs" / "teacher.log").is_file()

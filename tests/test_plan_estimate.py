@@ -363,3 +363,18 @@ def test_cli_run_config_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture
         Cluster(engine_tp=8, engine_ep=3)
     with pytest.raises(ModelSpecError, match="seq_len"):
         TrainBatch(seq_len=0)
+
+
+def test_plan_of_the_qwen35_opd_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """`miles-hpc plan` of configs/experiments/qwen35_opd.yaml with the student's shapes: its own largest micro-batch
+    (one 20,480-token response, checkpointed), the recurrent state each running sequence holds on an engine, and
+    the KV of the 10 attention layers only (2 KV heads of 256, bf16)."""
+    opd = str(REPO / "configs/experiments/qwen35_opd.yaml")
+    assert main(["plan", opd, "--model", "qwen35_35b_a3b", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    mem, cluster = report["memory"], report["cluster"]
+    assert (cluster["seq_len"], cluster["activation_checkpointing"], cluster["engine_tp"]) == (20480, True, 1)
+    assert mem["train_fits"] and mem["rollout_kv_bytes_per_token"] == 10 * 2 * 2 * 256 * 2
+    # 30 DeltaNet layers: the width-4 convolution's last 3 inputs (q, k: 16 heads x 128; v: 32 x 128; bf16) and a
+    # float32 [32, 128, 128] state each.
+    assert mem["rollout_state_bytes_per_seq"] == 30 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 4 * 32 * 128 * 128)

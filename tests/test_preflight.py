@@ -165,3 +165,33 @@ def test_a_launcher_that_sizes_its_own_processes_skips_the_components() -> None:
     alone = preflight(cfg, base=REPO, probe=lambda p: GOOD_SGLANG, mounts=local, components=False)
     assert sorted(p.key for p in batch.problems) == ["run_dir", "slurm.site", "train.world_size"]
     assert [p.key for p in alone.problems] == ["slurm.site"]
+
+
+def _qwen35_student(tmp_path: Path) -> Path:
+    """A directory holding Qwen3.5-35B-A3B's config.json (configs/models/qwen35_35b_a3b.json): what preflight reads."""
+    model = tmp_path / "qwen35"
+    model.mkdir()
+    (model / "config.json").write_text((REPO / "configs/models/qwen35_35b_a3b.json").read_text())
+    return model
+
+
+def test_the_qwen35_opd_config_passes_and_its_trainer_is_sized(tmp_path: Path) -> None:
+    """configs/experiments/qwen35_opd.yaml (issue 29): with the student's config.json readable it passes, and the
+    planner's note says what the FSDP trainer needs; without activation checkpointing its 20K-token micro-batch does
+    not fit a 141 GB GPU, and preflight says so by key."""
+    opd = "configs/experiments/qwen35_opd.yaml"
+    base = [f"model.path={_qwen35_student(tmp_path)}"]
+    pf = check(base, config=opd)
+    assert pf.problems == [], [str(p) for p in pf.problems]
+    (note,) = [n for n in pf.notes if n.startswith("train memory (FSDP)")]
+    assert "20,480-token micro-batch" in note and "of 141" in note
+    (p,) = check([*base, "train.activation_checkpointing=false"], config=opd).problems
+    assert p.key == "train.world_size" and "does not fit slurm.gpu_memory_gb=141" in p.what
+    assert "train.activation_checkpointing=true" in p.what
+
+
+def test_a_hybrid_checkpoint_goes_where_hybrids_run(tmp_path: Path) -> None:
+    base = [f"model.path={_qwen35_student(tmp_path)}", "slurm.signal_s=7200"]  # a 35B model's checkpoint: minutes
+    assert keys(base) == []
+    assert keys([*base, "train.backend=megatron", "megatron.distributed_optimizer=false"]) == ["train.backend"]
+    assert "rollout.backend" in keys([*base, "rollout.backend=sglang", "rollout.sglang_python=/opt/sglang/bin/python"])

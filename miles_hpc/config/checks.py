@@ -14,10 +14,11 @@ DSA_ARCHS = ("glm_moe_dsa", "deepseek_v32")  # DeepSeek sparse attention (an ind
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe_text", "nemotron_h")  # recurrent layers, state per sequence (issue 29)
 
 
-def hybrid(cfg: RunConfig) -> None:
-    """What a hybrid model (model.init_arch) runs on so far: our engines at TP 1, the FSDP trainer, full-weight sync
-    (docs/models.md)."""
-    why = f"model.init_arch={cfg.model.init_arch} (a hybrid: recurrent Gated DeltaNet or Mamba-2 layers) runs"
+def hybrid(cfg: RunConfig, model: str | None = None) -> None:
+    """What a hybrid model (model.init_arch, or the `model` a checkpoint's config names) runs on so far: our engines
+    at TP 1, the FSDP trainer, full-weight sync (docs/models.md)."""
+    model = model or f"model.init_arch={cfg.model.init_arch}"
+    why = f"{model} (a hybrid: recurrent Gated DeltaNet or Mamba-2 layers) runs"
     _require(cfg.rollout.backend == "embedded", "rollout.backend", f"{why} on our engines (not in SGLang's list)")
     _require(cfg.rollout.engine_tp == 1, "rollout.engine_tp", f"{why} on engines of tp size 1 so far")
     _require(cfg.train.backend == "fsdp", "train.backend", f"{why} with the FSDP trainer (megatron maps no such layer)")

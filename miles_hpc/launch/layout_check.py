@@ -1,6 +1,7 @@
-"""Does the configured megatron layout fit the training nodes? (stage: launch; `miles-hpc prepare`, docs/planning.md,
-"Megatron layouts"). The figures are the layout planner's (`planner/layouts.py`), for the run's model, layout, memory
-options and micro-batch, against `slurm.gpu_memory_gb` and `slurm.host_memory_gb`."""
+"""Does the configured trainer fit the training nodes? (stage: launch; `miles-hpc prepare`, docs/planning.md,
+"Megatron layouts"). Megatron: the layout planner's figures (`planner/layouts.py`) for the run's model, layout,
+memory options and micro-batch, against `slurm.gpu_memory_gb` and `slurm.host_memory_gb`. FSDP: `miles-hpc plan`'s
+(`planner/estimate.py`): fully sharded states plus the activations of the largest micro-batch, `fsdp_batch`."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from pathlib import Path
 
 from miles_hpc.config import RunConfig
 from miles_hpc.config.loader import ConfigError
+from miles_hpc.planner.estimate import TrainBatch
 from miles_hpc.planner.layouts import Batch, Candidate, Layout, MemoryOptions, Node, evaluate, search
 
-__all__ = ["check_train_layout", "configured"]
+__all__ = ["check_train_layout", "configured", "fsdp_batch"]
 
 
 def configured(cfg: RunConfig) -> tuple[Layout, MemoryOptions, Batch]:
@@ -34,6 +36,48 @@ def configured(cfg: RunConfig) -> tuple[Layout, MemoryOptions, Batch]:
         mixed_precision=t.mixed_precision and t.device == "cuda",
     )
     return layout, opts, Batch(seq_len=t.max_tokens_per_microbatch, micro_batch=1)
+
+
+def fsdp_batch(cfg: RunConfig) -> TrainBatch:
+    """The FSDP trainer's largest micro-batch: one sequence of the longer of `train.max_tokens_per_microbatch` and a
+    whole trajectory's generated tokens (`rollout.max_new_tokens`, times `rollout.max_turns` for an agent), since a
+    trajectory longer than the budget is a micro-batch of its own (its prompt is not counted)."""
+    r = cfg.rollout
+    longest = r.max_new_tokens * (r.max_turns if r.agent else 1)
+    return TrainBatch(
+        seq_len=max(cfg.train.max_tokens_per_microbatch, longest),
+        micro_batch=1,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+    )
+
+
+def check_fsdp_fit(cfg: RunConfig) -> str:
+    """A line saying what was checked; raises ConfigError naming the keys when the FSDP trainer's states and its
+    largest micro-batch's activations exceed `slurm.gpu_memory_gb`."""
+    from miles_hpc.planner.estimate import Cluster, estimate
+
+    if cfg.train.device != "cuda" or not cfg.slurm.gpu_memory_gb:
+        return "train memory: not checked (a CPU trainer, or no slurm.gpu_memory_gb)"
+    model = _model_config(cfg)
+    if model is None:
+        return f"train memory: not checked ({cfg.model.path}/config.json is not readable here)"
+    batch, gpus = fsdp_batch(cfg), cfg.slurm.gpu_memory_gb
+    cluster = Cluster(train_gpus=cfg.train.world_size, engines=1, engine_tp=1, gpu_mem_gb=gpus)
+    mem = estimate(model, cluster, batch=batch)["memory"]
+    what = (
+        f"{mem['train_total_per_gpu_gb']:.1f} GB per GPU: {mem['train_per_gpu_gb']:.1f} GB of states over "
+        f"train.world_size={cfg.train.world_size} + {mem['train_activations_gb']:.1f} GB of activations of one "
+        f"{batch.seq_len:,}-token micro-batch (train.activation_checkpointing={cfg.train.activation_checkpointing})"
+    )
+    if mem["train_fits"]:
+        return f"train memory (FSDP): {what}, of {gpus:g}"
+    need = mem["train_min_gpus"]
+    more = f"train.world_size >= {need}" if need else "activation checkpointing or shorter sequences"
+    raise ConfigError(
+        f"the FSDP trainer does not fit slurm.gpu_memory_gb={gpus:g}: {what}; {more}, "
+        "train.activation_checkpointing=true, or a smaller train.max_tokens_per_microbatch / rollout.max_new_tokens "
+        "(miles-hpc plan CONFIG)"
+    )
 
 
 def _model_config(cfg: RunConfig) -> dict | None:

@@ -162,9 +162,22 @@ def _check_train_component(cfg: RunConfig, pf: Preflight) -> None:
 
 
 def _check_trainer(cfg: RunConfig, model: Mapping[str, Any], pf: Preflight) -> None:
-    """The family in the configured megatron layout: it builds, the ranks divide, it fits (planner)."""
+    """The family in the configured megatron layout: it builds, the ranks divide, it fits (planner); the FSDP
+    trainer's states and largest micro-batch fit (planner)."""
     t = cfg.train
+    if t.backend == "fsdp":
+        from miles_hpc.launch.layout_check import check_fsdp_fit
+
+        try:
+            pf.notes.append(check_fsdp_fit(cfg))
+        except ConfigError as e:
+            pf.add("train.world_size", str(e), "more trainer GPUs, activation checkpointing, or shorter sequences")
+        return
     if t.backend != "megatron":
+        return
+    from miles_hpc.models.families import HYBRID_TYPES
+
+    if model.get("model_type") in HYBRID_TYPES:  # no megatron mapping: _check_hybrid_family names train.backend
         return
     from miles_hpc.launch.layout_check import configured
     from miles_hpc.planner.accounting import ModelSpecError
@@ -183,7 +196,7 @@ def _check_trainer(cfg: RunConfig, model: Mapping[str, Any], pf: Preflight) -> N
         return
     try:
         problems = layout_problems(model, layout)
-    except ModelSpecError as e:
+    except (ModelSpecError, NotImplementedError) as e:  # NotImplementedError: a family megatron does not map
         pf.add("model", f"the megatron backend cannot size this model: {e}", "use train.backend=fsdp")
         return
     for p in problems:
@@ -260,6 +273,22 @@ def _check_rollout_family(cfg: RunConfig, model: Mapping[str, Any], pf: Prefligh
             "rollout.backend",
             f"SGLang ({'.'.join(map(str, SGLANG_MIN))}) does not serve {arch or model.get('model_type')}",
             "use rollout.backend=embedded for this family (docs/models.md), or add the SGLang release that serves it",
+        )
+
+
+def _check_hybrid_family(cfg: RunConfig, model: Mapping[str, Any], pf: Preflight) -> None:
+    """A checkpoint of a hybrid family (recurrent layers) runs where its model.init_arch preset would."""
+    from miles_hpc.config import checks
+    from miles_hpc.models.families import HYBRID_TYPES
+
+    if model.get("model_type") not in HYBRID_TYPES or cfg.model.path is None:
+        return
+    try:
+        checks.hybrid(cfg, f"model.path={cfg.model.path} ({model.get('model_type')})")
+    except ConfigError as e:
+        key, _, what = str(e).partition(": ")
+        pf.add(
+            key, what, "hybrids run on our engines at TP 1 with the FSDP trainer and full-weight sync (docs/models.md)"
         )
 
 
@@ -383,6 +412,7 @@ def preflight(
     if model is not None:
         _check_trainer(cfg, model, pf)
         _check_rollout_family(cfg, model, pf)
+        _check_hybrid_family(cfg, model, pf)
         _check_signal(cfg, model, pf)
     _check_site(cfg, pf, base or Path.cwd())
     if components:

@@ -45,6 +45,7 @@ from miles_hpc.planner.accounting import (
     model_config,
     model_tensors,
 )
+from miles_hpc.planner.measure import recurrent_state_bytes
 from miles_hpc.planner.transfer import EngineRank, engine_layout, fsdp_layout, plan_transfers
 
 # Defaults. Each is an assumption unless a measurement is named; `assumptions()` prints them with the output.
@@ -372,6 +373,7 @@ def _memory(
         "rollout_kv_bytes_per_token": kv,  # on each engine GPU
         "rollout_kv_bytes_per_token_engine": kv_bytes_per_token(mc, c.rollout_bytes),  # one copy, unsplit
         "rollout_kv_tokens_per_gpu": max(int(mem - weights_per_gpu), 0) // kv,
+        "rollout_state_bytes_per_seq": recurrent_state_bytes(mc, c.rollout_bytes),
     }
 
 
@@ -476,6 +478,7 @@ _TERMS = {
     "attention_kv": "K/V",
     "dsa_mask": "DSA masks",
     "mlp": "MLP/MoE",
+    "recurrent": "recurrent (DeltaNet/Mamba)",
     "layer_inputs": "layer inputs",
     "dsa_selections": "DSA top-k",
     "logits": "logits",
@@ -503,6 +506,8 @@ def _memory_rows(m: Mapping[str, Any], c: Mapping[str, Any], mem: Mapping[str, A
     batch = f"{c['micro_batch']} x {c['seq_len']:,} tokens{ckpt}"
     kv, kv_copy = mem["rollout_kv_bytes_per_token"], mem["rollout_kv_bytes_per_token_engine"]
     room = f"room for {mem['rollout_kv_tokens_per_gpu']:,} tokens per GPU"
+    per_seq = mem.get("rollout_state_bytes_per_seq")  # a hybrid's recurrent layers, per running sequence
+    state = f"; + recurrent state {_si(per_seq, 'B')} per sequence per engine copy" if per_seq else ""
     return [
         (
             "train memory/GPU",
@@ -511,7 +516,7 @@ def _memory_rows(m: Mapping[str, Any], c: Mapping[str, Any], mem: Mapping[str, A
         ),
         ("  activations", f"{batch}: {saved}; + {_TERMS[top]} {_gb(terms[top])} (largest temporary)"),
         ("rollout memory/GPU", f"{_gb(mem['rollout_per_gpu_gb'])} of weights ({fits[mem['rollout_fits']]})"),
-        ("  KV cache", f"{_si(kv, 'B')}/token per GPU ({_si(kv_copy, 'B')}/token per engine copy); {room}"),
+        ("  KV cache", f"{_si(kv, 'B')}/token per GPU ({_si(kv_copy, 'B')}/token per engine copy); {room}{state}"),
     ]
 
 

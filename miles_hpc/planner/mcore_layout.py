@@ -87,6 +87,12 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
     """Every megatron tensor of a `GPTModel` for `cfg` (local spec), with its HF sources, in layer order; the
     multi-token-prediction layers (`num_nextn_predict_layers`) as megatron's `MultiTokenPredictionLayer`s
     (`mtp.layers.j`, the decoder layer inside as `transformer_layer`)."""
+    if cfg.is_hybrid:  # docs/models.md, "Hybrid families"
+        raise NotImplementedError(
+            f"model_type {cfg.model_type!r} is not mapped yet: megatron-core 0.16's GatedDeltaNet needs "
+            "flash-linear-attention's CUDA kernels and takes no packed sequences, its MambaMixer needs mamba_ssm's "
+            "and causal_conv1d's: neither runs on CPU; use train.backend=fsdp"
+        )
     if cfg.model_type not in MCORE_FAMILIES:
         raise NotImplementedError(
             f"the megatron backend maps {', '.join(MCORE_FAMILIES)} so far; model_type {cfg.model_type!r} is not "
