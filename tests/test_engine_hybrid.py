@@ -52,6 +52,9 @@ def test_batched_chunked_greedy_matches_plain_model(ckpt: Path, plain: CausalLM)
     assert engine.stats()["kv_blocks_used"] == 0
     states = engine.runner.executor.states
     assert states is not None and states.bytes_per_sequence == STATE_BYTES[plain.config.model_type]
+    # KV only where there is attention (the tiny presets: 1 layer of 4 or 6); the recurrent layers keep state.
+    attention = [i for i, t in enumerate(plain.config.layer_types) if t == "full_attention"]
+    assert list(engine.cache.row) == attention and engine.cache.k.shape[0] == len(attention) == 1
 
 
 def test_retraction_recomputes_the_state(ckpt: Path, plain: CausalLM) -> None:

@@ -69,3 +69,18 @@ def test_the_qwen35_opd_twin_runs(tmp_path: Path) -> None:
     rows = metrics(run_dir)
     assert len(rows) == 2 and abs(rows[0]["opd/reverse_kl"]) < 1e-5, rows[0]["opd/reverse_kl"]
     assert all(r["r3/topk_agreement"] == 1.0 for r in rows) and (run_dir / "logs" / "teacher.log").is_file()
+
+
+@pytest.mark.parametrize(("arch", "adapted"), [("qwen3_next", 25), ("nemotron_h", 14)])
+def test_lora_adapts_the_recurrent_layers_too(arch: str, adapted: int, tmp_path: Path) -> None:
+    """LoRA on a hybrid (sync.strategy=lora: only the adapters travel): the default targets add the recurrent
+    layers' input and output projections (models/lora.py RECURRENT_TARGETS). Tiny presets: Qwen3-Next's 3 DeltaNet
+    layers (in_proj_qkvz, in_proj_ba, out_proj), its attention layer (q, k, v, o), its dense MLP (gate, up, down)
+    and 3 shared experts (gate, up, down): 25 linears; Nemotron-H's 2 Mamba-2 layers (in_proj, out_proj), its
+    attention layer, its MLP (up, down) and 2 shared experts (up, down): 14. An A and a B each travel."""
+    run_dir = tmp_path / "run"
+    lora = ["sync.strategy=lora", "lora.rank=4", "train.sft_warmup_steps=0", "steps=2"]
+    run(run_dir, f"model.init_arch={arch}", *lora)
+    rows = metrics(run_dir)
+    assert [r["sync/verified_tensors"] for r in rows] == [2 * adapted] * 2
+    assert max(r["mismatch/max_abs_logprob_diff"] for r in rows) < 1e-4

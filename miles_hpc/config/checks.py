@@ -16,13 +16,12 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe_text", "nemotron_h")  # recurrent lay
 
 def hybrid(cfg: RunConfig, model: str | None = None) -> None:
     """What a hybrid model (model.init_arch, or the `model` a checkpoint's config names) runs on so far: our engines
-    at TP 1, the FSDP trainer, full-weight sync (docs/models.md)."""
+    at TP 1, the FSDP trainer (docs/models.md)."""
     model = model or f"model.init_arch={cfg.model.init_arch}"
     why = f"{model} (a hybrid: recurrent Gated DeltaNet or Mamba-2 layers) runs"
     _require(cfg.rollout.backend == "embedded", "rollout.backend", f"{why} on our engines (not in SGLang's list)")
     _require(cfg.rollout.engine_tp == 1, "rollout.engine_tp", f"{why} on engines of tp size 1 so far")
     _require(cfg.train.backend == "fsdp", "train.backend", f"{why} with the FSDP trainer (megatron maps no such layer)")
-    _require(cfg.sync.strategy != "lora", "sync.strategy", f"{why} with full-weight sync (no LoRA targets for it yet)")
     _require(not cfg.zero_kl, "zero_kl", f"{why} without zero-KL mode (no batch-invariant scan)")
 
 

@@ -414,7 +414,10 @@ class LoraConfig:
     dropout: float = field(default=0.0, metadata=_help("dropout on the adapters' input while training"))
     target_modules: tuple[str, ...] = field(
         default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-        metadata=_help("linears to adapt: module names (PEFT's matching: the name or its last parts) or 're:REGEX'"),
+        metadata=_help(
+            "linears to adapt: module names (PEFT's matching: the name or its last parts) or 're:REGEX'; on a hybrid "
+            "family this default also takes its recurrent layers' input and output projections"
+        ),
     )
 
     def __post_init__(self) -> None:

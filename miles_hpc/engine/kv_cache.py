@@ -37,10 +37,11 @@ def block_key(parent: bytes | None, tokens: Sequence[int]) -> bytes:
 
 
 class KVCache:
-    """Device tensors of the dense and GQA families: `k[layer]` [num_blocks, block_size, kv_heads, head_dim] and
-    `v[layer]` (the same with `v_head_dim`, default head_dim), and for MoE models `routing` int32
-    [num_blocks * block_size, num_moe_layers, top_k] (expert ids per slot). MLA models use `LatentCache`
-    (latent_cache.py) instead."""
+    """Device tensors of the dense and GQA families: `k[row]` [num_blocks, block_size, kv_heads, head_dim] and
+    `v[row]` (the same with `v_head_dim`, default head_dim) for the model layer `layers[row]` (default: every one of
+    `num_layers`; a hybrid's attention layers only, its recurrent ones keep a state per sequence instead), and for
+    MoE models `routing` int32 [num_blocks * block_size, num_moe_layers, top_k] (expert ids per slot). MLA models use
+    `LatentCache` (latent_cache.py) instead."""
 
     def __init__(
         self,
@@ -55,9 +56,11 @@ class KVCache:
         num_moe_layers: int = 0,
         top_k: int = 0,
         v_head_dim: int | None = None,
+        layers: Sequence[int] | None = None,
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
+        self.row = {layer: i for i, layer in enumerate(range(num_layers) if layers is None else layers)}
+        shape = (len(self.row), num_blocks, block_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(*shape[:-1], v_head_dim or head_dim, dtype=dtype, device=device)
         self.routing: torch.Tensor | None = None
@@ -70,8 +73,8 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in tensors) // (self.num_blocks * self.block_size)
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s K and V viewed as [num_slots, kv_heads, head_dim]."""
-        k, v = self.k[layer], self.v[layer]
+        """Layer `layer`'s K and V viewed as [num_slots, kv_heads, head_dim] (KeyError: a layer without KV)."""
+        k, v = self.k[self.row[layer]], self.v[self.row[layer]]
         return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
 
 

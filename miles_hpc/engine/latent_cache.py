@@ -59,13 +59,19 @@ def index_layer_ids(mc: ModelConfig) -> tuple[int, ...]:
     return tuple(i for i in range(mc.num_hidden_layers) if mc.indexer_full(i))
 
 
+def kv_layer_ids(mc: ModelConfig) -> tuple[int, ...]:
+    """The decoder layers that cache keys and values: all, or a hybrid's full-attention ones."""
+    every = range(mc.num_hidden_layers)
+    return tuple(i for i in every if not mc.is_hybrid or mc.layer_types[i] == "full_attention")
+
+
 def geometry(
     mc: ModelConfig, dtype: torch.dtype, routing_width: int, *, record_indexer_topk: bool = False
 ) -> CacheGeometry:
     """The cache geometry of `mc` in `dtype` (`routing_width` = num_moe_layers * top_k int32 ids per token;
     `record_indexer_topk`: DSA models also keep num_indexer_layers * index_topk int32 positions per token)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    layers = mc.num_hidden_layers
+    layers = len(kv_layer_ids(mc))
     v_dim = mc.v_head_dim if mc.is_mla else mc.head_dim
     expanded = layers * mc.num_key_value_heads * (mc.qk_head_dim + v_dim) * elem
     routing = 4 * routing_width
@@ -158,6 +164,7 @@ def make_cache(
         )
     return KVCache(
         num_layers=mc.num_hidden_layers,
+        layers=kv_layer_ids(mc),
         num_blocks=num_blocks,
         block_size=block_size,
         kv_heads=mc.num_key_value_heads,

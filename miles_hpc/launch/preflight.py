@@ -287,9 +287,7 @@ def _check_hybrid_family(cfg: RunConfig, model: Mapping[str, Any], pf: Preflight
         checks.hybrid(cfg, f"model.path={cfg.model.path} ({model.get('model_type')})")
     except ConfigError as e:
         key, _, what = str(e).partition(": ")
-        pf.add(
-            key, what, "hybrids run on our engines at TP 1 with the FSDP trainer and full-weight sync (docs/models.md)"
-        )
+        pf.add(key, what, "hybrids run on our engines at TP 1 with the FSDP trainer (docs/models.md)")
 
 
 def _check_site(cfg: RunConfig, pf: Preflight, base: Path) -> None:

@@ -33,9 +33,12 @@ from torch import nn
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
+    "DEFAULT_TARGETS",
+    "RECURRENT_TARGETS",
     "LoraAdapter",
     "LoraSpec",
     "attach",
+    "family_targets",
     "load_adapter",
     "merge_into",
     "peft_name",
@@ -46,6 +49,23 @@ __all__ = [
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A hybrid family's recurrent layers carry most of its token mixing: the default targets add their input and output
+# projections (Gated DeltaNet's in either layout, Mamba-2's); their convolutions and decay parameters stay frozen.
+RECURRENT_TARGETS: dict[str, tuple[str, ...]] = {
+    "qwen3_next": ("in_proj_qkvz", "in_proj_ba", "out_proj"),
+    "qwen3_5_moe_text": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+    "nemotron_h": ("in_proj", "out_proj"),
+}
+
+
+def family_targets(targets: Sequence[str], model_type: str) -> tuple[str, ...]:
+    """The targets a run adapts: the default list, on a hybrid family, with its recurrent layers' projections
+    added; any other list as given."""
+    if tuple(targets) != DEFAULT_TARGETS:
+        return tuple(targets)
+    return DEFAULT_TARGETS + RECURRENT_TARGETS.get(model_type, ())
+
+
 _PEFT = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
 
 

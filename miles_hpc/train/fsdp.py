@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from miles_hpc.config import AlgoConfig, LoraConfig, TrainConfig
 from miles_hpc.models import CausalLM, iter_hf_tensors, load_pretrained
 from miles_hpc.models.batch_invariant import make_batch_invariant, packed_attention
-from miles_hpc.models.lora import LoraAdapter, LoraSpec, attach
+from miles_hpc.models.lora import LoraAdapter, LoraSpec, attach, family_targets
 from miles_hpc.train import checkpoint as ckpt
 from miles_hpc.train.logprobs import PackedMicroBatch, token_logprobs
 from miles_hpc.train.losses import mtp_loss_sum, policy_loss
@@ -87,7 +87,7 @@ class FSDPTrainer(PackedTrainer):
         # Full fp32 copy per rank before sharding: simple, fine up to a few B params per host.
         # TODO(scale): meta-device init + rank-0 load + broadcast (or DCP) for models larger than host memory.
         model = load_pretrained(model_path, dtype=torch.float32, device=self.device)
-        self.config = model.config
+        self.config = mc = model.config
         self._model_path = Path(model_path)
         _check_model(train_cfg, model, model_path, zero_kl, lora)
         model.train()
@@ -96,7 +96,7 @@ class FSDPTrainer(PackedTrainer):
         self.adapter: LoraAdapter | None = None
         if lora is not None and lora.enabled:
             model.requires_grad_(False)
-            spec = LoraSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
+            spec = LoraSpec(lora.rank, lora.alpha, lora.dropout, family_targets(lora.target_modules, mc.model_type))
             self.adapter = LoraAdapter.for_model(model, spec, device=self.device)
             for t in self.adapter.parameters():  # rank 0's initialisation everywhere
                 if self._world > 1:
