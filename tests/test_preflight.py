@@ -195,3 +195,21 @@ def test_a_hybrid_checkpoint_goes_where_hybrids_run(tmp_path: Path) -> None:
     assert keys(base) == []
     assert keys([*base, "train.backend=megatron", "megatron.distributed_optimizer=false"]) == ["train.backend"]
     assert "rollout.backend" in keys([*base, "rollout.backend=sglang", "rollout.sglang_python=/opt/sglang/bin/python"])
+
+
+def test_the_published_multimodal_checkpoint_is_planned_as_its_text_model(tmp_path: Path) -> None:
+    """Qwen3.5-35B-A3B as published (`qwen3_5_moe`: the text model's config under `text_config`, a vision tower):
+    preflight sizes the text model the run trains, as for the text-only config."""
+    text = json.loads((REPO / "configs/models/qwen35_35b_a3b.json").read_text())
+    model = tmp_path / "published"
+    model.mkdir()
+    wrapper = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe"}
+    (model / "config.json").write_text(json.dumps({**wrapper, "text_config": text, "vision_config": {"depth": 27}}))
+    pf = check([f"model.path={model}"], config="configs/experiments/qwen35_opd.yaml")
+    assert pf.problems == [], [str(p) for p in pf.problems]
+    notes = [n for n in pf.notes if n.startswith("train memory (FSDP)")]
+    assert notes == [
+        n
+        for n in check([f"model.path={_qwen35_student(tmp_path)}"], config="configs/experiments/qwen35_opd.yaml").notes
+        if n.startswith("train memory (FSDP)")
+    ]  # noqa: E501

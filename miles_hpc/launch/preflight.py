@@ -113,7 +113,8 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 
 
 def _model_config(cfg: RunConfig, pf: Preflight) -> dict[str, Any] | None:
-    """The run's model config.json (a preset's without model.path); None after adding the problem."""
+    """The run's model config.json (a preset's without model.path; a multimodal checkpoint's text model's); None
+    after adding the problem."""
     if cfg.model.path is None:
         from miles_hpc.models.presets import preset_config
 
@@ -139,7 +140,9 @@ def _model_config(cfg: RunConfig, pf: Preflight) -> dict[str, Any] | None:
             "use a supported family (docs/models.md)",
         )
         return None
-    return dict(raw)
+    from miles_hpc.models.families import text_model
+
+    return dict(text_model(raw))  # a multimodal checkpoint: its text model, which the run trains
 
 
 def _check_train_component(cfg: RunConfig, pf: Preflight) -> None:

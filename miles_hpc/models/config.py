@@ -36,6 +36,7 @@ from .families import (
     SUPPORTED_ROPE_TYPES,
     check_dsa,
     dsa_fields,
+    text_model,
 )
 from .hybrid import check_hybrid, hybrid_fields, hybrid_keys
 from .nemotron import DROPPED_KEYS, canonical, check_nemotron, nemotron_fields, nemotron_keys
@@ -356,7 +357,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], *, source: str = "config.json") -> ModelConfig:
         """Parse an HF config dict; `source` (the file) is named in every error."""
-        raw_type: Any = d.get("model_type")
+        raw_type: Any = (d := text_model(d)).get("model_type")  # a multimodal checkpoint's: its text model
         model_type = MODEL_TYPE_ALIASES.get(raw_type, raw_type)
         if model_type is None:
             by_arch = {arch: mt for mt, arch in ARCHITECTURES.items()}
@@ -564,10 +565,8 @@ def _partial_rotary(d: Mapping[str, Any]) -> float:
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
     value = d.get("partial_rotary_factor", params.get("partial_rotary_factor"))
     if value is None:
-        raw_type: Any = d.get("model_type")
-        return {"glm4_moe": 0.5, "qwen3_next": 0.25, "qwen3_5_moe_text": 0.25}.get(
-            MODEL_TYPE_ALIASES.get(raw_type, raw_type), 1.0
-        )
+        mt = str(d.get("model_type"))
+        return {"glm4_moe": 0.5, "qwen3_next": 0.25, "qwen3_5_moe_text": 0.25}.get(MODEL_TYPE_ALIASES.get(mt, mt), 1.0)
     return float(value)
 
 

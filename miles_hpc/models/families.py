@@ -26,6 +26,21 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
 }
+# Multimodal checkpoints whose text model is one of these families (its config under `text_config`, its tensors
+# under WRAPPED_TEXT_PREFIX): we train the text model; hf_io.py keeps the other tensors and writes them back.
+WRAPPERS: dict[str, str] = {"qwen3_5_moe": "qwen3_5_moe_text"}
+WRAPPED_TEXT_PREFIX = "model.language_model."
+
+
+def text_model(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The config of a multimodal checkpoint's text model (the wrapper's `tie_word_embeddings` decides); any other
+    config as it is."""
+    if d.get("model_type") not in WRAPPERS:
+        return d
+    tie = d.get("tie_word_embeddings", d["text_config"].get("tie_word_embeddings", False))
+    return {**d["text_config"], "model_type": WRAPPERS[d["model_type"]], "tie_word_embeddings": tie}
+
+
 # Checkpoints that name another model_type for one of these architectures (Kimi-K2 ships DeepSeek-V3 weights).
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)

@@ -14,6 +14,10 @@ Name mapping (the only place that knows it):
   [E, D, I]; the Hub (and transformers' `save_pretrained`) writes `backbone.*` and per-expert
   `mixer.experts.{j}.up_proj.weight` / `down_proj.weight`. We read both prefixes and both expert layouts, and write
   the Hub's.
+- Multimodal checkpoints of a supported text family (`families.WRAPPERS`: Qwen3.5-MoE's `qwen3_5_moe`): the text
+  model's tensors are `model.language_model.*` (and `lm_head.weight`); we load those as our `model.*`, keep every
+  other tensor (the vision tower, MTP layers) as it was read (`CausalLM.hf_extra`, with the wrapper's config in
+  `hf_wrapper`) and write them back unchanged beside ours, under the same config.json with our text config.
 - Tied embeddings: `lm_head.weight` is not written; if a checkpoint has it anyway it is ignored (transformers
   ties it to the embedding too). Legacy `rotary_emb.inv_freq` buffers are ignored.
 - Multi-token-prediction layers (MLA families; `model.layers.{N + j}.*`, N = num_hidden_layers, mtp.py) load and
@@ -41,6 +45,7 @@ from safetensors.torch import save_file
 
 from . import fp8
 from .config import ModelConfig
+from .families import WRAPPED_TEXT_PREFIX, WRAPPERS
 from .transformer import CausalLM
 
 log = logging.getLogger(__name__)
@@ -187,7 +192,16 @@ def checkpoint_files(path: Path) -> tuple[dict[str, Path], Path]:
 def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
     """Fill every parameter of `model` from the HF checkpoint directory `path`, checking names and shapes."""
     files, blame = checkpoint_files(Path(path))
-    stored = {hub_name(model.config, n): n for n in files}  # Hub spelling -> the name in the file
+    wrapper = _wrapper_config(Path(path))
+    if wrapper is None:
+        stored = {hub_name(model.config, n): n for n in files}  # Hub spelling -> the name in the file
+    else:  # a multimodal checkpoint: the text model's tensors under its prefix; the others kept as they are
+        text = {n: "model." + n.removeprefix(WRAPPED_TEXT_PREFIX) for n in files if n.startswith(WRAPPED_TEXT_PREFIX)}
+        stored = {ours: n for n, ours in text.items()} | (
+            {"lm_head.weight": "lm_head.weight"} if "lm_head.weight" in files else {}
+        )
+        extra = {n: files[n] for n in files if n not in text and n != "lm_head.weight"}
+        model.hf_wrapper, model.hf_extra = wrapper, _read_all(extra)
     files = {hub: files[n] for hub, n in stored.items()}
     quant = fp8.read_quantization(path)
     files, scales = fp8.split_scales(files)  # FP8 block scales: consumed with their weights, never "unexpected"
@@ -215,6 +229,22 @@ def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
                     raise ValueError(f"{file}: tensor {stored[n]!r} has shape {shape}, expected {expected[n]}")
                 target = hf_target(model, n, params)  # an fp8 weight is dequantized to its dtype, one at a time
                 target.copy_(fp8.read_tensor(f, file, stored[n], quant, scales, target.dtype))
+
+
+def _wrapper_config(path: Path) -> dict | None:
+    """The config.json of a multimodal checkpoint whose text model we train, else None."""
+    cfg = path / "config.json"
+    d = json.loads(cfg.read_text()) if cfg.is_file() else {}
+    return d if d.get("model_type") in WRAPPERS else None
+
+
+def _read_all(files: dict[str, Path]) -> dict[str, torch.Tensor]:
+    """Tensors by name, as stored (CPU)."""
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            out.update({n: f.get_tensor(n) for n in files if files[n] == file})
+    return out
 
 
 def read_config(path: str | os.PathLike[str]) -> ModelConfig:
@@ -264,6 +294,11 @@ def save_pretrained(model: CausalLM, out_dir: str | os.PathLike[str], max_shard_
     dtype = next(model.parameters()).dtype
     config = model.config.replace(dtype=str(dtype).removeprefix("torch."))
     tensors = list(iter_hf_tensors(model))
+    if model.hf_wrapper is not None:  # the multimodal checkpoint this text model came from: its layout, all of it
+        tensors = [
+            (WRAPPED_TEXT_PREFIX + n.removeprefix("model.") if n.startswith("model.") else n, t) for n, t in tensors
+        ]
+        tensors += list(model.hf_extra.items())
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, t in tensors:
@@ -289,4 +324,12 @@ def save_pretrained(model: CausalLM, out_dir: str | os.PathLike[str], max_shard_
         total = sum(t.numel() * t.element_size() for _, t in tensors)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    written = config.to_hf_dict()
+    if model.hf_wrapper is not None:
+        text = {k: v for k, v in written.items() if k != "architectures"}
+        written = {
+            **model.hf_wrapper,
+            "text_config": {**model.hf_wrapper["text_config"], **text},
+            "dtype": config.dtype,
+        }
+    (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")

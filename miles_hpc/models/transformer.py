@@ -141,6 +141,9 @@ class CausalLM(nn.Module):
         self.indexer_layer_ids: tuple[int, ...] = tuple(
             i for i in range(config.num_hidden_layers) if config.indexer_full(i)
         )
+        # A multimodal checkpoint's wrapper config and its tensors that are not the text model's (hf_io.py).
+        self.hf_wrapper: dict | None = None
+        self.hf_extra: dict[str, torch.Tensor] = {}
         self.tie_weights()
 
     def tie_weights(self) -> None:

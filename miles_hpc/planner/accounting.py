@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from miles_hpc.models import CausalLM, ModelConfig, expected_hf_shapes
+from miles_hpc.models.families import text_model
 
 Shape = tuple[int, ...]
 Shapes = dict[str, Shape]
@@ -53,8 +54,10 @@ def _get(cfg: Mapping[str, Any], key: str) -> int:
 
 
 def model_config(cfg: Mapping[str, Any]) -> ModelConfig:
-    """The models package's config of an HF ``config.json`` dict. The fields that set the shapes must be written
-    out (transformers would default a missing ``hidden_size``; a plan must not)."""
+    """The models package's config of an HF ``config.json`` dict (a multimodal checkpoint's text model). The fields
+    that set the shapes must be written out (transformers would default a missing ``hidden_size``; a plan must
+    not)."""
+    cfg = text_model(cfg)
     counted = ("hidden_size", "vocab_size", "num_attention_heads")  # Nemotron-H's layer count is its pattern's
     for key in counted if cfg.get("model_type") == "nemotron_h" else (*counted, "num_hidden_layers"):
         _get(cfg, key)
