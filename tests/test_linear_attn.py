@@ -90,3 +90,38 @@ def test_prefill_then_decode_and_packing(fused: bool) -> None:
 def test_value_heads_must_group_over_key_heads() -> None:
     with pytest.raises(ValueError, match="multiple of linear_num_key_heads"):
         DeltaNetDims(hidden=8, key_heads=2, value_heads=3, key_dim=4, value_dim=4, conv_width=4)
+
+
+@pytest.mark.parametrize("mixer", ["deltanet", "mamba2"])
+def test_sequences_of_one_length_run_together_as_each_alone(mixer: str) -> None:
+    """run_sequences groups a packed row's sequences by length into the rows of one call: every sequence's output
+    and end state are the ones it has alone, from its own start state (a row mixed with its neighbours, or a state
+    scattered to the wrong sequence, is not), up to fp32 rounding: a batch's projections and one row's round
+    differently (1e-7 here; a mixed-up row is off by O(1))."""
+    from miles_hpc.models.linear_attn import LinearState
+    from miles_hpc.models.mamba2 import Mamba2Dims, Mamba2Mixer
+
+    torch.manual_seed(0)
+    module: torch.nn.Module
+    if mixer == "deltanet":
+        module = GatedDeltaNet(
+            DeltaNetDims(hidden=16, key_heads=2, value_heads=4, key_dim=4, value_dim=3, conv_width=3)
+        )
+    else:
+        module = Mamba2Mixer(Mamba2Dims(hidden=16, heads=4, head_dim=3, state=5, groups=2, conv_width=3, chunk=8))
+    lengths = [5, 3, 5, 1, 3, 5, 12]
+    x = torch.randn(1, sum(lengths), 16)
+    _, probe = module(x[:, :1])
+    start = LinearState(
+        torch.randn(len(lengths), *probe.conv.shape[1:]), torch.randn(len(lengths), *probe.rule.shape[1:])
+    )
+    with torch.no_grad():
+        out, end = module(x, lengths=lengths, state=start)
+        at = 0
+        for i, n in enumerate(lengths):
+            alone, alone_end = module(x[:, at : at + n], state=start.select([i]))
+            assert torch.allclose(out[:, at : at + n], alone, atol=1e-5), i
+            assert torch.allclose(end.conv[i], alone_end.conv[0], atol=1e-5) and torch.allclose(
+                end.rule[i], alone_end.rule[0], atol=1e-5
+            )
+            at += n

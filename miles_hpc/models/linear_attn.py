@@ -102,19 +102,27 @@ def run_sequences(
 ) -> tuple[torch.Tensor, LinearState]:
     """A recurrent mixer's forward over sequences (Gated DeltaNet's, Mamba-2's): ``mix(x [N, T, H], conv, rule)``
     on rows continuing from ``state`` (None: zeros), or, with ``lengths``, on each sequence of one packed row
-    [1, T, H] from its own row of ``state`` (or zeros), never from the previous sequence's."""
+    [1, T, H] from its own row of ``state`` (or zeros), never from the previous sequence's. Sequences of one length
+    run as the rows of one call (a group's samples, an engine step's decode tokens): each row is its own sequence."""
     if lengths is None:
         return mix(x, None if state is None else state.conv, None if state is None else state.rule)
     if x.shape[0] != 1 or sum(lengths) != x.shape[1]:
         raise ValueError(f"a packed row [1, T] of sequences summing to T: got {tuple(x.shape[:2])}, {list(lengths)}")
-    outs, ends, start = [], [], 0
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    by_length: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
-        init = None if state is None else state.select([i])
-        o, end = mix(x[:, start : start + n], None if init is None else init.conv, None if init is None else init.rule)
-        outs.append(o)
-        ends.append(end)
-        start += n
-    return torch.cat(outs, dim=1), LinearState(torch.cat([e.conv for e in ends]), torch.cat([e.rule for e in ends]))
+        by_length.setdefault(n, []).append(i)
+    outs: list[torch.Tensor] = [x] * len(lengths)  # placeholders, each replaced by its sequence's rows below
+    convs, rules = list(outs), list(outs)
+    for n, idx in by_length.items():
+        rows = torch.cat([x[:, starts[i] : starts[i] + n] for i in idx])  # [g, n, H]
+        init = None if state is None else state.select(idx)
+        o, end = mix(rows, None if init is None else init.conv, None if init is None else init.rule)
+        for j, i in enumerate(idx):
+            outs[i], convs[i], rules[i] = o[j : j + 1], end.conv[j : j + 1], end.rule[j : j + 1]
+    return torch.cat(outs, dim=1), LinearState(torch.cat(convs), torch.cat(rules))
 
 
 class GatedRMSNorm(nn.Module):
