@@ -22,6 +22,7 @@ bench-gpu:
 	PYTHONPATH=. python3 benchmarks/bench_weight_sync.py --only codec --device cuda --codec-mb 1024
 	PYTHONPATH=. python3 benchmarks/bench_weight_sync.py --only transfer --device cuda --strategies colocated \
 		--engines 1 --transfer-size 7b --reps 3
+	PYTHONPATH=. python3 benchmarks/bench_scan_kernels.py
 # Issue 10's runs on a machine with 2 GPUs (4 for the last test and the last loop line); docs/benchmarks.md,
 # "Across GPUs". Each line also prints its reference: NCCL all-reduce bus bandwidth, one-GPU tokens/s.
 bench-multi-gpu:
