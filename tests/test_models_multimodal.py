@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors import safe_open
 from test_models_support import VOCAB, input_ids, max_diff, randomize_
@@ -69,3 +70,16 @@ def test_qwen35_moe_multimodal_checkpoint_round_trips(tmp_path: Path) -> None:
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     with torch.no_grad():
         assert max_diff(back.eval()(input_ids=ids).logits, hf(input_ids=ids).logits) == 0.0
+
+
+def test_an_fp8_multimodal_checkpoint_is_refused(tmp_path: Path) -> None:
+    """Its vision tower would be written back in fp8 under a config without the quantization: refused by name."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    cfg = AutoConfig.for_model("qwen3_5_moe", text_config=TEXT, vision_config=VISION)
+    AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    with pytest.raises(ValueError, match="config.json: an FP8 multimodal checkpoint is not supported"):
+        load_pretrained(tmp_path / "hf")

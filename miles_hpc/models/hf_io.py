@@ -204,6 +204,10 @@ def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
         model.hf_wrapper, model.hf_extra = wrapper, _read_all(extra)
     files = {hub: files[n] for hub, n in stored.items()}
     quant = fp8.read_quantization(path)
+    if quant is not None and wrapper is not None:  # its other tensors would be written back fp8, unscaled
+        raise ValueError(
+            f"{Path(path) / 'config.json'}: an FP8 multimodal checkpoint is not supported; use its bf16 release"
+        )
     files, scales = fp8.split_scales(files)  # FP8 block scales: consumed with their weights, never "unexpected"
     expected = expected_hf_shapes(model, files)
     missing = [n for n in expected if n not in files]
@@ -215,6 +219,7 @@ def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise ValueError(f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]!r}{more}")
     fp8.check_scales(scales, files, quant)
+    by_stored = {stored[w]: file for w, file in scales.items()}  # the scales by the names the files use
     params = dict(model.named_parameters())
     by_file: dict[Path, list[str]] = {}
     for n in expected:
@@ -228,7 +233,7 @@ def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
                 if shape != expected[n]:
                     raise ValueError(f"{file}: tensor {stored[n]!r} has shape {shape}, expected {expected[n]}")
                 target = hf_target(model, n, params)  # an fp8 weight is dequantized to its dtype, one at a time
-                target.copy_(fp8.read_tensor(f, file, stored[n], quant, scales, target.dtype))
+                target.copy_(fp8.read_tensor(f, file, stored[n], quant, by_stored, target.dtype))
 
 
 def _wrapper_config(path: Path) -> dict | None:
