@@ -19,3 +19,20 @@ def test_a_ctrl_c_outside_the_runs_handlers_exits_as_sigint(capsys: pytest.Captu
     assert report_failure(RunInterrupted(signal.SIGTERM), None) == 128 + signal.SIGTERM
     assert report_failure(ValueError("bad"), tmp_path) == 1
     assert "error: ValueError: bad" in capsys.readouterr().err and (tmp_path / "controller.traceback").is_file()
+
+
+def test_a_second_signal_inside_a_checkpoint_write_still_stops_with_its_code() -> None:
+    """torch's distributed checkpoint collects what its steps raise into a CheckpointException (a second SIGINT
+    during the save arrives that way, as CI saw): the stop is found inside and exits 128 + SIGINT, not 1."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        raise RunInterrupted(signal.SIGINT)
+    except RunInterrupted as e:
+        wrapped = CheckpointException("ranks", {0: _wrap_exception(e)})
+    assert report_failure(wrapped, None) == 128 + signal.SIGINT
+    try:
+        raise ValueError("the save failed") from RunInterrupted(signal.SIGTERM)
+    except ValueError as e:
+        assert report_failure(e, None) == 128 + signal.SIGTERM
+    assert report_failure(CheckpointException("ranks", {0: _wrap_exception(OSError("disk full"))}), None) == 1

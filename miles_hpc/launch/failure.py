@@ -15,12 +15,31 @@ from pathlib import Path
 from miles_hpc.launch.signals import RunAborted, RunInterrupted
 
 
+def interrupt_in(exc: BaseException, depth: int = 0) -> RunInterrupted | None:
+    """The second-signal stop inside ``exc``: itself, its cause or context, or a rank's failure that a library
+    collected (torch's distributed checkpoint wraps what its steps raise in a CheckpointException, so a signal that
+    arrives while a checkpoint is written surfaces that way)."""
+    if isinstance(exc, RunInterrupted):
+        return exc
+    if depth > 8:
+        return None
+    inner: list[object] = [exc.__cause__, exc.__context__]
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):  # torch's: rank -> (exception, its traceback summary)
+        inner += [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+    for e in inner:
+        if isinstance(e, BaseException) and (found := interrupt_in(e, depth + 1)) is not None:
+            return found
+    return None
+
+
 def report_failure(exc: BaseException, logs: Path | None, role: str = "controller") -> int:
     """Print ``exc`` as one message (its traceback into ``logs/<role>.traceback`` when ``logs`` is given); return the
     exit code for it."""
-    if isinstance(exc, RunInterrupted):
-        print(f"[miles-hpc] {exc}; a rerun resumes from the last checkpoint", file=sys.stderr, flush=True)
-        return 128 + exc.signum
+    stop = interrupt_in(exc)
+    if stop is not None:
+        print(f"[miles-hpc] {stop}; a rerun resumes from the last checkpoint", file=sys.stderr, flush=True)
+        return 128 + stop.signum
     if type(exc) is KeyboardInterrupt:  # a Ctrl-C outside the run's handlers (e.g. while its processes stop)
         print("[miles-hpc] SIGINT: stopped; a rerun resumes from the last checkpoint", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
