@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_models_hybrid import check_packed_sequences
 from test_models_moe import _hf_routes
 from test_models_support import hf_load, hf_model, input_ids, max_diff
 
@@ -112,20 +113,7 @@ def test_in_memory_layout_with_model_prefix_loads(tmp_path: Path) -> None:
 def test_packed_sequences_start_from_zero_state(tmp_path: Path) -> None:
     hf = _hf("every-kind-grouped-router")
     hf.save_pretrained(tmp_path / "hf")
-    ours = load_pretrained(tmp_path / "hf")
-    seqs = [input_ids(batch=1, seq=n, seed=s) for n, s in ((9, 1), (1, 2), (30, 3))]
-    row = torch.cat(seqs, dim=1)
-    cu = torch.tensor([0, 9, 10, 40])
-    with torch.no_grad():
-        packed, routed = ours(row, cu_seqlens=cu, return_routed_experts=True)
-        for seq, start in zip(seqs, (0, 9, 10), strict=True):
-            assert max_diff(packed[:, start : start + seq.shape[1]], ours(seq)) < 1e-5
-        changed = ours(torch.cat([(seqs[0] + 5) % 97, *seqs[1:]], dim=1), cu_seqlens=cu)
-        assert max_diff(changed[:, 10:], packed[:, 10:]) < 1e-5 < 1e-2 < max_diff(changed[:, :9], packed[:, :9])
-        replayed = ours(row, cu_seqlens=cu, routing_replay=routed)
-    assert max_diff(replayed, packed) == 0.0
-    stats = ours.replay_stats()
-    assert stats[0] == stats[1] == stats[2] == 40 * ours.num_moe_layers
+    check_packed_sequences(load_pretrained(tmp_path / "hf"), tol=1e-5)
 
 
 def test_nemotron_fields_are_checked() -> None:
