@@ -17,7 +17,7 @@ from miles_hpc.config.loader import require as _require
 from miles_hpc.config.megatron import MegatronConfig
 
 Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "deepseek_v32",
-               "qwen3_next", "qwen3_5_moe_text", "nemotron_h"]  # fmt: skip
+               "qwen3_next", "qwen3_5_moe_text", "nemotron_h", "kimi_k25"]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -142,7 +142,10 @@ def _model_config(cfg: RunConfig, pf: Preflight) -> dict[str, Any] | None:
         return None
     from miles_hpc.models.families import text_model
 
-    return dict(text_model(raw))  # a multimodal checkpoint: its text model, which the run trains
+    text = dict(text_model(raw))  # a multimodal checkpoint: its text model, which the run trains
+    if raw.get("model_type") != text.get("model_type"):
+        text["architectures"] = raw.get("architectures")  # SGLang serves (or not) the checkpoint's own class
+    return text
 
 
 def _check_train_component(cfg: RunConfig, pf: Preflight) -> None:

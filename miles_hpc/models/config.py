@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .config_keys import RopeScaling, group_router_fields, parse_rope, partial_rotary, qwen3_moe_fields
 from .families import (
     ARCHITECTURES,
     DELTANET_TYPES,
@@ -33,57 +34,13 @@ from .families import (
     MODEL_TYPE_ALIASES,
     SUPPORTED_ACTIVATIONS,
     SUPPORTED_MODEL_TYPES,
-    SUPPORTED_ROPE_TYPES,
     check_dsa,
     dsa_fields,
+    family_module,
     text_model,
 )
 from .hybrid import check_hybrid, hybrid_fields, hybrid_keys
 from .nemotron import DROPPED_KEYS, canonical, check_nemotron, nemotron_fields, nemotron_keys
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RopeScaling:
-    """RoPE scaling parameters, named as in HF `rope_scaling` / `rope_parameters` (absent keys stay None)."""
-
-    rope_type: str
-    """One of SUPPORTED_ROPE_TYPES except "default" (no scaling is `ModelConfig.rope_scaling=None`)."""
-    factor: float | None = None
-    """Context extension factor (linear, dynamic, llama3, yarn); yarn derives it from the lengths when None."""
-    original_max_position_embeddings: int | None = None
-    """Pre-training context length (llama3, yarn)."""
-    low_freq_factor: float | None = None
-    """llama3 only."""
-    high_freq_factor: float | None = None
-    """llama3 only."""
-    attention_factor: float | None = None
-    """yarn: scale on cos/sin; derived from factor (and mscale) when None."""
-    beta_fast: float | None = None
-    """yarn: extrapolation boundary (HF default 32)."""
-    beta_slow: float | None = None
-    """yarn: interpolation boundary (HF default 1)."""
-    mscale: float | None = None
-    """yarn (DeepSeek style): numerator mscale."""
-    mscale_all_dim: float | None = None
-    """yarn (DeepSeek style): denominator mscale."""
-    truncate: bool | None = None
-    """yarn: floor/ceil the correction range (HF default True)."""
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in SUPPORTED_ROPE_TYPES or self.rope_type == "default":
-            raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: {SUPPORTED_ROPE_TYPES[1:]}")
-        needs: dict[str, tuple[str, ...]] = {
-            "linear": ("factor",),
-            "dynamic": ("factor",),
-            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-            "yarn": ("original_max_position_embeddings",),
-        }
-        missing = [k for k in needs[self.rope_type] if getattr(self, k) is None]
-        if missing:
-            raise ValueError(f"rope_scaling of type {self.rope_type!r} needs {missing}")
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,6 +139,8 @@ class ModelConfig:
     mamba_dt_min: float = 0.0
     moe_latent_size: int = 0
     """The routed experts run at this width between fc1/fc2_latent_proj (0: at hidden_size)."""
+    spec: Any = None
+    """A FAMILY_MODULES family's own keys (its module's frozen dataclass); None elsewhere."""
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -230,12 +189,16 @@ class ModelConfig:
                 raise ValueError(f"{self.model_type} needs num_experts, moe_intermediate_size, decoder_sparse_step > 0")
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} not in [1, {self.num_experts}]")
-        elif self.num_experts and not self.is_hybrid:  # a hybrid family's MoE is optional (check_hybrid)
+        elif (
+            self.num_experts and not self.is_hybrid and self.spec is None
+        ):  # a hybrid family's MoE is optional (check_hybrid)
             raise ValueError(f"{self.model_type} is dense but num_experts={self.num_experts}")
         if self.is_mla and min(self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim) <= 0:
             raise ValueError(f"{self.model_type} needs kv_lora_rank, qk_nope_head_dim, v_head_dim > 0")
         check_dsa(self)
-        if self.model_type == "nemotron_h":
+        if (fam := family_module(self.model_type)) is not None:
+            fam.check(self)
+        elif self.model_type == "nemotron_h":
             check_nemotron(self)
         else:
             check_hybrid(self)
@@ -327,6 +290,8 @@ class ModelConfig:
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Which layers get the sparse MoE block: transformers' Qwen3MoeDecoderLayer / DeepseekV3DecoderLayer rule
         (nemotron_h: its "moe" blocks)."""
+        if (fam := family_module(self.model_type)) is not None:
+            return bool(fam.is_moe_layer(self, layer_idx))
         if self.model_type == "nemotron_h":
             return layer_idx < self.num_hidden_layers and self.layer_types[layer_idx] == "moe"
         if self.group_router:
@@ -368,9 +333,10 @@ class ModelConfig:
                 f"{source}: unsupported model_type {d.get('model_type')!r} "
                 f"(architectures={d.get('architectures')!r}); supported model types: {list(SUPPORTED_MODEL_TYPES)}"
             )
-        defaults = FAMILY_DEFAULTS[model_type]
-        if model_type == "nemotron_h":
-            d = canonical(d)
+        fam = family_module(model_type)
+        defaults = fam.DEFAULTS if fam is not None else FAMILY_DEFAULTS[model_type]
+        if fam is not None or model_type == "nemotron_h":
+            d = fam.canonical(d) if fam is not None else canonical(d)
 
         def get(key: str, default: Any = None) -> Any:
             value = d.get(key)
@@ -379,30 +345,24 @@ class ModelConfig:
         try:
             heads = int(get("num_attention_heads"))
             hidden = int(get("hidden_size"))
-            rope_theta, rope_scaling = _parse_rope(d, int(get("max_position_embeddings")))
+            rope_theta, rope_scaling = parse_rope(d, int(get("max_position_embeddings")))
             attention_bias = bool(d.get("attention_bias", False))
             eos = d.get("eos_token_id")
             moe: dict[str, Any] = {}
             if model_type == "qwen3_moe":  # MoE keys of a dense config (if any) are ignored, as transformers does
-                moe = dict(
-                    # transformers 5 writes `num_local_experts` (Qwen3MoeConfig.attribute_map), the Hub `num_experts`
-                    num_experts=int(d.get("num_experts") or d.get("num_local_experts") or get("num_experts")),
-                    num_experts_per_tok=int(get("num_experts_per_tok")),
-                    moe_intermediate_size=int(get("moe_intermediate_size")),
-                    norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                    decoder_sparse_step=int(get("decoder_sparse_step", 1)),
-                    mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
-                )
+                moe = qwen3_moe_fields(d, get)
             elif model_type in GROUP_ROUTER_TYPES:
-                moe = _group_router_fields(d, get, mla=model_type in MLA_TYPES)
+                moe = group_router_fields(d, get, mla=model_type in MLA_TYPES)
                 if model_type in DSA_TYPES:
                     moe.update(dsa_fields(d, get, model_type, int(get("num_hidden_layers"))))
+            elif fam is not None:
+                moe = fam.fields(d)
             elif model_type == "nemotron_h":
                 moe = nemotron_fields(d)
             elif model_type in HYBRID_TYPES:
                 moe = hybrid_fields(d, get, int(get("num_hidden_layers")))
-            partial = _partial_rotary(d)
-            if partial != 1.0 and model_type not in ("glm4_moe", *HYBRID_TYPES):
+            partial = partial_rotary(d)
+            if partial != 1.0 and model_type not in ("glm4_moe", *HYBRID_TYPES) and fam is None:
                 raise ValueError("partial_rotary_factor is supported for glm4_moe and the Qwen hybrids only")
             return cls(
                 model_type=model_type,
@@ -471,6 +431,9 @@ class ModelConfig:
                 d.pop(key)
         elif self.is_hybrid:
             d.update(hybrid_keys(self))
+        elif (fam := family_module(self.model_type)) is not None:
+            d.update(fam.keys(self))
+            d = {k: v for k, v in d.items() if v is not None or k in ("rope_scaling", "pad_token_id")}
         elif not self.group_router:
             d["use_sliding_window"] = False
         if self.model_type == "qwen3_moe":
@@ -514,8 +477,7 @@ class ModelConfig:
             topk_method="noaux_tc",
             scoring_func="sigmoid",
         )
-        if self.num_nextn_predict_layers:
-            out["num_nextn_predict_layers"] = self.num_nextn_predict_layers
+        out["num_nextn_predict_layers"] = self.num_nextn_predict_layers  # 0 too: over a wrapper's original
         if not self.is_dsa:
             out["rope_interleave"] = self.rope_interleave
             return out
@@ -526,74 +488,6 @@ class ModelConfig:
         if self.model_type == "glm_moe_dsa":
             out["indexer_types"] = ["full" if self.indexer_full(i) else "shared" for i in range(self.num_hidden_layers)]
         return out
-
-
-def _group_router_fields(d: Mapping[str, Any], get: Any, *, mla: bool) -> dict[str, Any]:
-    """The router keys of a DeepSeek-V3 or GLM-4.5 MoE config.json, plus MLA's for DeepSeek-V3 (transformers 5.24
-    DeepseekV3Config / Glm4MoeConfig defaults)."""
-    if d.get("scoring_func", "sigmoid") != "sigmoid" or d.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise ValueError(
-            "only the sigmoid router with noaux_tc top-k (DeepSeek-V3, Kimi-K2, GLM-4.5) is supported, "
-            f"got scoring_func={d.get('scoring_func')!r}, topk_method={d.get('topk_method')!r}"
-        )
-    out: dict[str, Any] = dict(
-        num_experts=int(d.get("n_routed_experts") or d.get("num_local_experts") or get("num_experts")),
-        num_experts_per_tok=int(get("num_experts_per_tok")),
-        moe_intermediate_size=int(get("moe_intermediate_size")),
-        norm_topk_prob=bool(get("norm_topk_prob", True)),
-        n_shared_experts=int(get("n_shared_experts")),
-        n_group=int(get("n_group")),
-        topk_group=int(get("topk_group")),
-        routed_scaling_factor=float(get("routed_scaling_factor")),
-        first_k_dense_replace=int(get("first_k_dense_replace")),
-    )
-    if mla:
-        q_rank = d.get("q_lora_rank", get("q_lora_rank"))
-        out.update(
-            q_lora_rank=None if q_rank is None else int(q_rank),
-            kv_lora_rank=int(get("kv_lora_rank")),
-            qk_nope_head_dim=int(get("qk_nope_head_dim")),
-            v_head_dim=int(get("v_head_dim")),
-            rope_interleave=bool(get("rope_interleave", True)),
-            num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
-        )
-    return out
-
-
-def _partial_rotary(d: Mapping[str, Any]) -> float:
-    """`partial_rotary_factor`, top level or in rope_parameters; defaults: glm4_moe 0.5, the Qwen hybrids 0.25."""
-    params = d.get("rope_scaling") or d.get("rope_parameters") or {}
-    value = d.get("partial_rotary_factor", params.get("partial_rotary_factor"))
-    if value is None:
-        mt = str(d.get("model_type"))
-        return {"glm4_moe": 0.5, "qwen3_next": 0.25, "qwen3_5_moe_text": 0.25}.get(MODEL_TYPE_ALIASES.get(mt, mt), 1.0)
-    return float(value)
-
-
-def _parse_rope(d: Mapping[str, Any], max_position_embeddings: int) -> tuple[float, RopeScaling | None]:
-    """RoPE from either key style: Hub `rope_theta` + `rope_scaling`, or transformers 5 `rope_parameters`."""
-    if d.get("use_sliding_window"):
-        # Qwen2/Qwen3 sliding-window layers are off in every released checkpoint; refuse rather than mis-compute.
-        raise ValueError("use_sliding_window=true is not supported")
-    # transformers 5: `rope_scaling` (legacy) wins over `rope_parameters` when both are present.
-    params: dict[str, Any] = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-    theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    params.pop("partial_rotary_factor", None)  # `_partial_rotary` reads it
-    if rope_type == "default":
-        return theta, None
-    if rope_type in ("llama3", "yarn"):
-        # transformers gives a top-level original_max_position_embeddings priority, then falls back to max_pos.
-        top = d.get("original_max_position_embeddings")
-        if top is not None:
-            params["original_max_position_embeddings"] = top
-        params.setdefault("original_max_position_embeddings", max_position_embeddings)
-    known = {f.name for f in dataclasses.fields(RopeScaling)}
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise ValueError(f"rope_scaling of type {rope_type!r} has unsupported keys {unknown}")
-    return theta, RopeScaling(rope_type=rope_type, **params)
 
 
 __all__ = ["ARCHITECTURES", "MODEL_TYPE_ALIASES", "SUPPORTED_MODEL_TYPES", "ModelConfig", "RopeScaling"]

@@ -8,6 +8,7 @@ Stage: shared (config.py parses with these tables).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,19 +27,102 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
 }
-# Multimodal checkpoints whose text model is one of these families (its config under `text_config`, its tensors
-# under WRAPPED_TEXT_PREFIX): we train the text model; hf_io.py keeps the other tensors and writes them back.
-WRAPPERS: dict[str, str] = {"qwen3_5_moe": "qwen3_5_moe_text"}
-WRAPPED_TEXT_PREFIX = "model.language_model."
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Wrapper:
+    """A multimodal checkpoint whose text model is one of our families: its config under `text_config`, its
+    tensors under `prefixes`. We train the text model; hf_io.py keeps the other tensors and writes them back."""
+
+    architecture: str
+    """The checkpoint's own class (its config.json `architectures`), which SGLang serves or not."""
+    text_type: str | None
+    """The text model's family (None: the text_config's own model_type)."""
+    prefixes: tuple[tuple[str, str], ...]
+    """(stored prefix, our prefix) pairs for the text model's tensors; the first is the one we write."""
+    heads: tuple[str, ...]
+    """Names the LM head is stored under; the first is the one we write."""
+    tie_default: bool
+    """The wrapper class's `tie_word_embeddings` when neither it nor its text_config sets the key."""
+
+    def ours(self, name: str) -> str | None:
+        """Our name for a stored tensor of the text model, else None (a tower's tensor, kept as it is)."""
+        if name in self.heads:
+            return "lm_head.weight"
+        for stored, our in sorted(self.prefixes, key=lambda p: -len(p[0])):  # the longest prefix decides
+            if name.startswith(stored):
+                return our + name.removeprefix(stored)
+        return None
+
+    def stored(self, name: str) -> str:
+        """The name we write our tensor under."""
+        if name == "lm_head.weight":
+            return self.heads[0]
+        stored, our = self.prefixes[0]
+        return stored + name.removeprefix(our) if name.startswith(our) else name
+
+
+WRAPPERS: dict[str, Wrapper] = {
+    # Qwen3.5-MoE as published: `model.language_model.*` beside `model.visual.*` and `mtp.*`.
+    "qwen3_5_moe": Wrapper(
+        architecture="Qwen3_5MoeForConditionalGeneration",
+        text_type="qwen3_5_moe_text",
+        prefixes=(("model.language_model.", "model."),),
+        heads=("lm_head.weight",),
+        tie_default=False,
+    ),
+    # Kimi-K2.5 / K2.6: a DeepSeek-V3 text model (`kimi_k2`) under `language_model.*` (the Hub's), beside
+    # `vision_tower.*` and `mm_projector.*`; transformers' in-memory names and its save_pretrained output (which
+    # reverses its vision tower's `blocks` -> `layers` rename on the text layers too) read as well.
+    "kimi_k25": Wrapper(
+        architecture="Kimi_K25ForConditionalGeneration",
+        text_type=None,
+        prefixes=(
+            ("language_model.model.", "model."),
+            ("language_model.model.blocks.", "model.layers."),
+            ("model.language_model.", "model."),
+        ),
+        heads=("language_model.lm_head.weight", "lm_head.weight"),
+        tie_default=True,
+    ),
+}
 
 
 def text_model(d: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The config of a multimodal checkpoint's text model (the wrapper's `tie_word_embeddings` decides); any other
-    config as it is."""
-    if d.get("model_type") not in WRAPPERS:
+    """The config of a multimodal checkpoint's text model (the wrapper's `tie_word_embeddings` decides, its class
+    default when absent, whatever the text_config says: transformers' rule); any other config as it is."""
+    wrapper = WRAPPERS.get(d.get("model_type", ""))
+    if wrapper is None:
         return d
-    tie = d.get("tie_word_embeddings", d["text_config"].get("tie_word_embeddings", False))
-    return {**d["text_config"], "model_type": WRAPPERS[d["model_type"]], "tie_word_embeddings": tie}
+    text = d["text_config"]
+    tie = d.get("tie_word_embeddings", wrapper.tie_default)
+    return {
+        **text,
+        "model_type": wrapper.text_type or text.get("model_type", "deepseek_v3"),
+        "tie_word_embeddings": tie,
+    }
+
+
+# Families whose own config keys, checks and layers live in one module of this package (the recipe of
+# docs/models.md): model_type -> module name. The module provides
+#   DEFAULTS                  transformers' class defaults for the keys every family has (as FAMILY_DEFAULTS);
+#   canonical(d) -> dict      the config.json with those keys under the names config.py reads;
+#   fields(d) -> dict         ModelConfig field values beyond the common ones, `spec` (its frozen dataclass) among them;
+#   keys(cfg) -> dict         what to_hf_dict writes beyond the common keys (a None value removes a common key);
+#   check(cfg)                its consistency checks (ValueError naming the key);
+#   is_moe_layer(cfg, i)      which layers' routing R3 records;
+#   backbone(cfg) -> Module   `model.*` of CausalLM (embed_tokens, layers, norm, and `run`: see transformer.py).
+FAMILY_MODULES: dict[str, str] = {}
+
+
+def family_module(model_type: str) -> Any:
+    """The module of a family listed in FAMILY_MODULES, else None."""
+    name = FAMILY_MODULES.get(model_type)
+    if name is None:
+        return None
+    import importlib
+
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 # Checkpoints that name another model_type for one of these architectures (Kimi-K2 ships DeepSeek-V3 weights).

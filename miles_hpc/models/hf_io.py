@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 
 from . import fp8
 from .config import ModelConfig
-from .families import WRAPPED_TEXT_PREFIX, WRAPPERS
+from .families import WRAPPERS, family_module
 from .transformer import CausalLM
 
 log = logging.getLogger(__name__)
@@ -60,12 +60,18 @@ _HUB_PREFIX = {"nemotron_h": "backbone."}  # the Hub's prefix for our `model.` w
 
 
 def hub_name(config: ModelConfig, name: str) -> str:
-    """The Hub's spelling of our parameter name (or of a checkpoint's in-memory-style name)."""
+    """The Hub's spelling of our parameter name (or of a checkpoint's in-memory-style name); a Hub name as it is."""
+    fam = family_module(config.model_type)
+    if fam is not None and hasattr(fam, "hub_name"):
+        return str(fam.hub_name(name))
     prefix = _HUB_PREFIX.get(config.model_type)
     return prefix + name.removeprefix("model.") if prefix and name.startswith("model.") else name
 
 
 def _our_name(config: ModelConfig, name: str) -> str:
+    fam = family_module(config.model_type)
+    if fam is not None and hasattr(fam, "our_name"):  # per-expert names as `model.layers.{i}.mlp.experts.{j}.*`
+        return str(fam.our_name(name))
     prefix = _HUB_PREFIX.get(config.model_type)
     return "model." + name.removeprefix(prefix) if prefix and name.startswith(prefix) else name
 
@@ -108,16 +114,13 @@ def hf_parts(config: ModelConfig, name: str, shape: Iterable[int]) -> list[tuple
     name = hub_name(config, name)
     if name.endswith((".experts.up_proj", ".experts.down_proj")):  # per expert (j,): gated ones' down, plain ones'
         prefix, kind = name.rsplit(".", 1)
-        return [(f"{prefix}.{j}.{kind}.weight", (j,)) for j in range(next(iter(shape)))]
+        return [(hub_name(config, f"{prefix}.{j}.{kind}.weight"), (j,)) for j in range(next(iter(shape)))]
     if name.endswith(".experts.gate_up_proj"):
         prefix, inter = name[: -len(".gate_up_proj")], config.moe_intermediate_size
         return [
-            part
+            (hub_name(config, f"{prefix}.{j}.{kind}.weight"), (j, rows))
             for j in range(next(iter(shape)))
-            for part in (
-                (f"{prefix}.{j}.gate_proj.weight", (j, slice(0, inter))),
-                (f"{prefix}.{j}.up_proj.weight", (j, slice(inter, 2 * inter))),
-            )
+            for kind, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter)))
         ]
     return [(name, ())]
 
@@ -196,11 +199,9 @@ def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
     if wrapper is None:
         stored = {hub_name(model.config, n): n for n in files}  # Hub spelling -> the name in the file
     else:  # a multimodal checkpoint: the text model's tensors under its prefix; the others kept as they are
-        text = {n: "model." + n.removeprefix(WRAPPED_TEXT_PREFIX) for n in files if n.startswith(WRAPPED_TEXT_PREFIX)}
-        stored = {ours: n for n, ours in text.items()} | (
-            {"lm_head.weight": "lm_head.weight"} if "lm_head.weight" in files else {}
-        )
-        extra = {n: files[n] for n in files if n not in text and n != "lm_head.weight"}
+        text = {n: ours for n in files if (ours := WRAPPERS[wrapper["model_type"]].ours(n)) is not None}
+        stored = {hub_name(model.config, ours): n for n, ours in text.items()}
+        extra = {n: files[n] for n in files if n not in text}
         model.hf_wrapper, model.hf_extra = wrapper, _read_all(extra)
     files = {hub: files[n] for hub, n in stored.items()}
     quant = fp8.read_quantization(path)
@@ -300,9 +301,8 @@ def save_pretrained(model: CausalLM, out_dir: str | os.PathLike[str], max_shard_
     config = model.config.replace(dtype=str(dtype).removeprefix("torch."))
     tensors = list(iter_hf_tensors(model))
     if model.hf_wrapper is not None:  # the multimodal checkpoint this text model came from: its layout, all of it
-        tensors = [
-            (WRAPPED_TEXT_PREFIX + n.removeprefix("model.") if n.startswith("model.") else n, t) for n, t in tensors
-        ]
+        wrapper = WRAPPERS[model.hf_wrapper["model_type"]]
+        tensors = [(wrapper.stored(n), t) for n, t in tensors]
         tensors += list(model.hf_extra.items())
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0

@@ -10,13 +10,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from miles_hpc.models.families import ARCHITECTURES
+from miles_hpc.models.families import ARCHITECTURES, WRAPPERS
 from miles_hpc.models.tokenizer import EOS_TOKEN, NUM_BYTE_TOKENS, PAD_TOKEN, SPECIAL_TOKENS, special_token_id
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "deepseek_v32")
 # Hybrid families (issue 29): recurrent layers (Gated DeltaNet, Mamba-2) whose state the embedded engine keeps per
 # sequence; not in ARCHS, the list every stage serves (SGLang, engine TP, megatron refuse them: config/checks.py).
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe_text", "nemotron_h")
+# Multimodal checkpoints whose text model a family above is (families.WRAPPERS): the preset writes the wrapper's
+# config.json and a random tower (towers.py) beside the text model, which is what every stage loads and trains.
+WRAPPED_ARCHS = ("kimi_k25",)
 SIZES = ("tiny", "small")
 
 # Vocabulary: 256 bytes + specials, rounded up to a multiple of 64 (embedding rows past the tokenizer are unused).
@@ -136,10 +139,12 @@ _DSA: dict[str, dict[str, dict[str, Any]]] = {
 
 def preset_config(arch: str, size: str) -> dict[str, Any]:
     """The HF config.json dict of a preset."""
-    if arch not in ARCHS + HYBRID_ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS + HYBRID_ARCHS)}")
+    if arch not in ARCHS + HYBRID_ARCHS + WRAPPED_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS + HYBRID_ARCHS + WRAPPED_ARCHS)}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    if arch == "kimi_k25":
+        return _kimi_k25(size)
     s = _SHAPES[size]
     cfg: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
@@ -298,6 +303,38 @@ def _add_nemotron_keys(cfg: dict[str, Any], size: str) -> None:
     )
 
 
+def _kimi_k25(size: str) -> dict[str, Any]:
+    """Kimi-K2.5: the DeepSeek-V3 preset with Kimi-K2's router traits (one expert group, routed scale 2.827, layer
+    0 dense, untied head) as `text_config` (`kimi_k2`, as published), and a MoonViT tower of the same width."""
+    text = preset_config("deepseek_v3", size)
+    del text["architectures"], text["torch_dtype"]
+    text.update(model_type="kimi_k2", n_group=1, topk_group=1, routed_scaling_factor=2.827, tie_word_embeddings=False)
+    width = text["hidden_size"]
+    vision = dict(
+        model_type="kimi_k25_vision",
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        patch_size=14,
+        pos_emb_height=8,
+        pos_emb_width=8,
+        pos_emb_time=4,
+        merge_kernel_size=[2, 2],
+        hidden_act="gelu_pytorch_tanh",
+    )
+    return {
+        "architectures": [WRAPPERS["kimi_k25"].architecture],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": vision,
+        "projection_hidden_size": width,
+        "projection_layer_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
 def init_model(
     arch: str, size: str, out_dir: str | Path, *, seed: int = 0, overrides: dict[str, Any] | None = None
 ) -> Path:
@@ -307,12 +344,18 @@ def init_model(
 
     from miles_hpc.models import build_model, save_pretrained
     from miles_hpc.models.config import ModelConfig
+    from miles_hpc.models.families import text_model
     from miles_hpc.models.tokenizer import write_tokenizer
+    from miles_hpc.models.towers import TOWERS
 
     out = Path(out_dir)
     hf = preset_config(arch, size) | (overrides or {})
     torch.manual_seed(seed)
     model = build_model(ModelConfig.from_hf_dict(hf))
+    if arch in WRAPPED_ARCHS:  # the wrapper's config and tower, carried as a loaded checkpoint's are
+        model.hf_wrapper = hf
+        model.hf_extra = TOWERS[arch](hf, torch.Generator().manual_seed(seed))
+        hf = dict(text_model(hf))
     save_pretrained(model, out)
     gen = {"eos_token_id": hf["eos_token_id"], "pad_token_id": hf["pad_token_id"], "do_sample": True}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -26,6 +26,7 @@ from torch import nn
 from .attention import AttentionBackend, check_cu_seqlens, sdpa_attention
 from .config import ModelConfig
 from .dsa import Selection
+from .families import family_module
 from .hybrid import linear_dims
 from .layers import Attention, OffsetRMSNorm, SwiGLUMLP, make_norm
 from .linear_attn import GatedDeltaNet, run_packed
@@ -34,6 +35,14 @@ from .mixer_blocks import NemotronBackbone
 from .mla import MLAttention
 from .moe import DeepseekMoeBlock, SharedExpertMoeBlock, SparseMoeBlock
 from .rope import RotaryEmbedding
+
+
+class Backbone(Protocol):
+    """`CausalLM.model`: ours (DecoderModel), Nemotron-H's, or a FAMILY_MODULES family's (which adds `run`)."""
+
+    embed_tokens: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
 
 
 class LinearBackend(Protocol):
@@ -130,8 +139,13 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model: DecoderModel | NemotronBackbone = (
-            NemotronBackbone(config) if config.model_type == "nemotron_h" else DecoderModel(config)
+        fam = family_module(config.model_type)
+        self.model: Backbone = (
+            fam.backbone(config)
+            if fam is not None
+            else NemotronBackbone(config)
+            if config.model_type == "nemotron_h"
+            else DecoderModel(config)
         )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
@@ -167,7 +181,7 @@ class CausalLM(nn.Module):
         if pad is not None:
             self.model.embed_tokens.weight[pad].zero_()
         for m in self.modules():  # zero-centred norms, the recurrent mixers' decay rates: their own initialisation
-            if isinstance(m, (OffsetRMSNorm, GatedDeltaNet, Mamba2Mixer)):
+            if isinstance(m, (OffsetRMSNorm, GatedDeltaNet, Mamba2Mixer)) or getattr(m, "custom_init", False):
                 m.reset_parameters()
 
     def forward(
@@ -221,9 +235,14 @@ class CausalLM(nn.Module):
         self._check_replays(b, t, routing_replay, index_replay)
         backend = attn_backend if attn_backend is not None else sdpa_attention
 
+        routed: list[torch.Tensor] = []
+        if hasattr(self.model, "run"):  # a FAMILY_MODULES family's backbone runs its own layers
+            if mtp_out is not None or index_replay is not None or linear_backend is not None:
+                raise ValueError(f"{self.config.model_type}: mtp_out, index_replay and linear_backend are not built")
+            x, routed = self.model.run(input_ids, position_ids, cu_seqlens, backend, routing_replay, routing_compare)
+            return self._head(x, logits_indices, return_routed_experts, routed, b, t)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
-        routed: list[torch.Tensor] = []
         selection: Selection | None = None
         for i, layer in enumerate(self.model.layers[: self.config.num_hidden_layers]):
             replay = None
@@ -238,15 +257,29 @@ class CausalLM(nn.Module):
             selection = sel if sel is not None else selection
             if ids is not None:
                 routed.append(ids)
-        keep = None if logits_indices is None else logits_indices.to(device=x.device, dtype=torch.long)
         if mtp_out is not None:  # the MTP layers read every row's final-normed hidden state
             x = self.model.norm(x)
             mtp_out.extend(self._mtp_logits(x, input_ids, cos, sin, backend, cu_seqlens))
-            x = x if keep is None else x[:, keep]
-        else:
-            x = self.model.norm(x if keep is None else x[:, keep])
+            return self._head(x, logits_indices, return_routed_experts, routed, b, t, normed=True)
+        return self._head(x, logits_indices, return_routed_experts, routed, b, t)
+
+    def _head(
+        self,
+        x: torch.Tensor,
+        keep: torch.Tensor | None,
+        return_routed: bool,
+        routed: list[torch.Tensor],
+        b: int,
+        t: int,
+        normed: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final norm (unless `normed`) and LM head on the rows `keep` of x (all when None); with
+        `return_routed`, also the routed ids [B, T, num_moe_layers, top_k] from each MoE layer's [B*T, top_k]."""
+        if keep is not None:
+            x = x[:, keep.to(device=x.device, dtype=torch.long)]
+        x = x if normed else self.model.norm(x)
         logits = self.lm_head(x)
-        if not return_routed_experts:
+        if not return_routed:
             return logits
         if routed:
             stacked = torch.stack(routed, dim=1).view(b, t, self.num_moe_layers, self.top_k)
