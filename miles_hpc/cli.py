@@ -323,7 +323,7 @@ def _add_serve_parser(sub: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand and its flags. Long: one block per subcommand, read top to bottom as the CLI's table of
     contents (each block's handler is the ``_cmd_*`` function it names)."""
-    from miles_hpc.models.presets import ARCHS, HYBRID_ARCHS, SIZES, WRAPPED_ARCHS
+    from miles_hpc.models.presets import ARCHS, HYBRID_ARCHS, MODULE_ARCHS, SIZES, WRAPPED_ARCHS
 
     p = argparse.ArgumentParser(prog="miles-hpc", description="RL post-training on HPC batch schedulers.")
     p.add_argument("--version", action="version", version=f"miles-hpc {__version__}")
@@ -409,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=_cmd_worker)
 
     init = sub.add_parser("init-model", help="write a random-init HF-format checkpoint with a local tokenizer")
-    init.add_argument("--arch", required=True, choices=ARCHS + HYBRID_ARCHS + WRAPPED_ARCHS)
+    init.add_argument("--arch", required=True, choices=ARCHS + HYBRID_ARCHS + WRAPPED_ARCHS + MODULE_ARCHS)
     init.add_argument("--size", default="tiny", choices=SIZES)
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("out_dir")

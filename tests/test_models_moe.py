@@ -36,10 +36,11 @@ MOE_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def _hf_routes(hf: Any, ids: torch.Tensor, suffix: str = "mlp.gate") -> torch.Tensor:
-    """transformers' own top-k ids per MoE layer, [B, T, L, k], captured from each router's forward."""
+def _hf_routes(hf: Any, ids: torch.Tensor, suffix: str = "mlp.gate", kind: str | None = None) -> torch.Tensor:
+    """transformers' own top-k ids per MoE layer, [B, T, L, k], captured from each router's forward (the modules
+    named `*suffix`, or of class `kind`)."""
     captured: list[torch.Tensor] = []
-    routers = [m for name, m in hf.named_modules() if name.endswith(suffix)]
+    routers = [m for name, m in hf.named_modules() if (type(m).__name__ == kind if kind else name.endswith(suffix))]
     hooks = [r.register_forward_hook(lambda _m, _i, out: captured.append(out[2])) for r in routers]
     try:
         with torch.no_grad():

@@ -17,7 +17,8 @@ from miles_hpc.config.loader import require as _require
 from miles_hpc.config.megatron import MegatronConfig
 
 Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "deepseek_v32",
-               "qwen3_next", "qwen3_5_moe_text", "nemotron_h", "kimi_k25"]  # fmt: skip
+               "qwen3_next", "qwen3_5_moe_text", "nemotron_h", "kimi_k25",
+               "deepseek_v4", "inkling_text"]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -580,6 +581,8 @@ class RunConfig:
             checks.embedded_engines(self)
         if self.model.path is None and self.model.init_arch in checks.HYBRID_ARCHS:
             checks.hybrid(self)
+        if self.model.path is None and self.model.init_arch in checks.RECOMPUTED_ARCHS:
+            checks.recomputed(self)
 
 
 def config_from_dict(data: Any, *, source: str = "<dict>") -> RunConfig:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from miles_hpc.models import CausalLM, invariant
+from miles_hpc.models.families import logits_width
 
 from .cuda_graphs import DecodeRunner
 from .decode_forward import DecodeForward, unsupported_reason
@@ -76,6 +77,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # int64, host: packed rows whose logits come back
     adapters: list[str | None]  # per packed row: the LoRA adapter, or None
     rows: list[int] = dataclasses.field(default_factory=list)  # per sequence: its block-table row (state slot)
+    history: list[list[int]] | None = None  # recomputing families: per sequence, its tokens before `starts`
 
 
 class StepExecutor:
@@ -98,9 +100,12 @@ class StepExecutor:
         self.decode_kernel, self.loras, self.batch_invariant = decode_kernel, loras, batch_invariant
         self.is_moe = model.num_moe_layers > 0
         self.states = states  # hybrid models: the linear-attention layers' per-row state
+        self.recompute = recomputes(model)
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [len(logits_indices), vocab]; MoE routing of every new token goes into the cache's store."""
+        if self.recompute:
+            return self._recompute(inputs)
         meta = AttentionMetadata.build(
             inputs.starts,
             inputs.lens,
@@ -136,6 +141,51 @@ class StepExecutor:
         self.cache.routing.index_copy_(0, meta.slot_mapping, routed[0].to(self.cache.routing.dtype))
         return logits[0]
 
+    def _recompute(self, inputs: StepInputs) -> torch.Tensor:
+        """A family whose attention state the engine does not cache yet (`recomputes`): one packed forward over each
+        sequence's whole token list (its history, then its new tokens), the new rows' logits and routing kept.
+        Exact (the model's own forward), at O(length) work per new token."""
+        assert inputs.history is not None, "a recomputing family's step needs each sequence's history"
+        full: list[int] = []
+        remap: list[int] = []  # new-token row -> its row in the packed full sequences
+        cu = [0]
+        for hist, st, n, q in zip(inputs.history, inputs.starts, inputs.lens, _offsets(inputs.lens), strict=True):
+            new = inputs.ids[q : q + n]
+            remap.extend(range(len(full) + st, len(full) + st + n))
+            full.extend(hist[:st] + new)
+            cu.append(len(full))
+        rows = torch.tensor(remap, dtype=torch.int64)
+        out = self.model(
+            torch.tensor(full, dtype=torch.int64, device=self.device)[None],
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+            return_routed_experts=self.is_moe,
+            logits_indices=rows[inputs.logits_indices].to(self.device),
+        )
+        if not self.is_moe:
+            return out[0]
+        logits, routed = out
+        assert self.cache.routing is not None
+        meta = AttentionMetadata.build(
+            inputs.starts, inputs.lens, inputs.tables.to(self.device), self.block_size, self.device
+        )
+        new = routed[0, rows.to(self.device)].to(self.cache.routing.dtype)
+        self.cache.routing.index_copy_(0, meta.slot_mapping, new)
+        return logits[0]
+
+
+def recomputes(model: CausalLM) -> bool:
+    """A family whose backbone runs its own layers (`families.FAMILY_MODULES`: DeepSeek-V4's compressed and
+    Inkling's sliding-window attention): the engine keeps no attention state for it yet and recomputes each step."""
+    return hasattr(model.model, "run")
+
+
+def _offsets(lens: Sequence[int]) -> list[int]:
+    out, o = [], 0
+    for n in lens:
+        out.append(o)
+        o += n
+    return out
+
 
 class ModelRunner:
     def __init__(
@@ -162,12 +212,12 @@ class ModelRunner:
         self.loras = loras
         self.fused_extend_tokens = fused_extend_tokens
         self.tp = tp
-        self.vocab = model.config.vocab_size if tp is None else tp.vocab_size
+        self.vocab = logits_width(model.config) if tp is None else tp.vocab_size
         self.is_moe = model.num_moe_layers > 0
         self.decode_kernel: DecodeKernel | None = None
         self.decode: DecodeRunner | None = None  # decode-only steps; tests may inject a CPU one
         self.batch_invariant = batch_invariant
-        if not batch_invariant and tp is None:  # else always eager (module docstring)
+        if not batch_invariant and tp is None and not recomputes(model):  # else always eager (module docstring)
             self._gpu_decode(triton_kernels, cuda_graphs)
         states = None
         if model.config.is_hybrid:  # a state slot per block-table row (recurrent_state.py)
@@ -281,6 +331,7 @@ class ModelRunner:
             logits_indices=torch.cat(pieces),
             adapters=[s.r.req.lora_path for s in batch for _ in range(s.n)],  # per packed row
             rows=[s.r.row for s in batch],
+            history=[s.r.tokens[: s.start] for s in batch] if self.executor.recompute else None,
         )
         if self.tp is not None:
             self.tp.step(inputs)  # the other ranks run the same forward on their shards (tp.py)

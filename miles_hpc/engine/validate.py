@@ -118,6 +118,12 @@ def check_supported(mc: ModelConfig, config: EngineConfig) -> None:
             f"{mc.model_type}: a hybrid model is served at tp_size 1 without batch_invariant for now (its "
             "linear-attention layers have no tensor-parallel layout or batch-invariant scan yet: issue 29)"
         )
+    if mc.spec is not None and (config.tp_size > 1 or config.batch_invariant):
+        raise ValueError(
+            f"{mc.model_type}: served at tp_size 1 without batch_invariant for now (the engine keeps no attention "
+            "state for this family yet and recomputes each sequence every step: no tensor-parallel layout or "
+            "batch-invariant kernels; docs/models.md)"
+        )
     if config.batch_invariant and mc.is_dsa:
         raise ValueError(
             f"batch_invariant (zero-KL mode) is not available for {mc.model_type} (DeepSeek sparse attention): the "

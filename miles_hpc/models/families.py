@@ -26,6 +26,8 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "inkling_text": "InklingForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
 }
 
 
@@ -112,7 +114,13 @@ def text_model(d: Mapping[str, Any]) -> Mapping[str, Any]:
 #   check(cfg)                its consistency checks (ValueError naming the key);
 #   is_moe_layer(cfg, i)      which layers' routing R3 records;
 #   backbone(cfg) -> Module   `model.*` of CausalLM (embed_tokens, layers, norm, and `run`: see transformer.py).
-FAMILY_MODULES: dict[str, str] = {}
+FAMILY_MODULES: dict[str, str] = {"inkling_text": "inkling", "deepseek_v4": "deepseek_v4"}
+
+
+def logits_width(config: ModelConfig) -> int:
+    """Columns of the logits CausalLM returns: the vocabulary, less a family's padding (Inkling's
+    `unpadded_vocab_size`, whose extra head rows are no tokens)."""
+    return getattr(config.spec, "unpadded_vocab_size", None) or config.vocab_size
 
 
 def family_module(model_type: str) -> Any:

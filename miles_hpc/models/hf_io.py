@@ -111,6 +111,8 @@ def hf_parts(config: ModelConfig, name: str, shape: Iterable[int]) -> list[tuple
     """
     if config.tie_word_embeddings and name == "lm_head.weight":
         return []
+    if getattr(family_module(config.model_type), "FUSED_EXPERTS", False):  # stored fused, as held (Inkling)
+        return [(hub_name(config, name), ())]
     name = hub_name(config, name)
     if name.endswith((".experts.up_proj", ".experts.down_proj")):  # per expert (j,): gated ones' down, plain ones'
         prefix, kind = name.rsplit(".", 1)
@@ -156,6 +158,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 def _ignorable(name: str, config: ModelConfig) -> bool:
     if name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight"):
         return True
+    if name.startswith(getattr(family_module(config.model_type), "IGNORED_PREFIXES", ())):
+        return True  # a family's tensors of layers not built (DeepSeek-V4's `mtp.*`, as transformers drops them)
     m = _LAYER.match(name)
     if not config.is_mla or m is None or int(m.group(1)) < config.num_hidden_layers:
         return False

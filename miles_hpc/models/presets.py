@@ -20,6 +20,9 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe_text", "nemotron_h")
 # Multimodal checkpoints whose text model a family above is (families.WRAPPERS): the preset writes the wrapper's
 # config.json and a random tower (towers.py) beside the text model, which is what every stage loads and trains.
 WRAPPED_ARCHS = ("kimi_k25",)
+# Families whose module holds their own tiny config (families.FAMILY_MODULES: `tiny_config()`, every layer kind); the
+# engine keeps no attention state for them yet (config/checks.py `recomputed`). Tiny only.
+MODULE_ARCHS = ("deepseek_v4", "inkling_text")
 SIZES = ("tiny", "small")
 
 # Vocabulary: 256 bytes + specials, rounded up to a multiple of 64 (embedding rows past the tokenizer are unused).
@@ -139,10 +142,13 @@ _DSA: dict[str, dict[str, dict[str, Any]]] = {
 
 def preset_config(arch: str, size: str) -> dict[str, Any]:
     """The HF config.json dict of a preset."""
-    if arch not in ARCHS + HYBRID_ARCHS + WRAPPED_ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS + HYBRID_ARCHS + WRAPPED_ARCHS)}")
+    every = ARCHS + HYBRID_ARCHS + WRAPPED_ARCHS + MODULE_ARCHS
+    if arch not in every:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(every)}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    if arch in MODULE_ARCHS:
+        return _from_module(arch, size)
     if arch == "kimi_k25":
         return _kimi_k25(size)
     s = _SHAPES[size]
@@ -301,6 +307,24 @@ def _add_nemotron_keys(cfg: dict[str, Any], size: str) -> None:
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
     )
+
+
+def _from_module(arch: str, size: str) -> dict[str, Any]:
+    """The family module's `tiny_config()` with our tokenizer's special tokens and float32 weights."""
+    from miles_hpc.models.families import family_module
+
+    if size != "tiny":
+        raise ValueError(f"{arch} has a tiny preset only (its module's tiny_config), not {size!r}")
+    cfg = dict(family_module(arch).tiny_config())
+    assert cfg["vocab_size"] >= _VOCAB
+    cfg.update(
+        eos_token_id=special_token_id(EOS_TOKEN),
+        pad_token_id=special_token_id(PAD_TOKEN),
+        bos_token_id=None,
+        torch_dtype="float32",
+        max_position_embeddings=max(int(cfg.get("max_position_embeddings") or 0), 2048),
+    )
+    return cfg
 
 
 def _kimi_k25(size: str) -> dict[str, Any]:

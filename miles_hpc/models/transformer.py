@@ -140,6 +140,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         fam = family_module(config.model_type)
+        self._trim = getattr(fam, "trim_logits", None)
         self.model: Backbone = (
             fam.backbone(config)
             if fam is not None
@@ -279,6 +280,8 @@ class CausalLM(nn.Module):
             x = x[:, keep.to(device=x.device, dtype=torch.long)]
         x = x if normed else self.model.norm(x)
         logits = self.lm_head(x)
+        if self._trim is not None:  # a padded vocabulary's columns are no tokens (Inkling's unpadded_vocab_size)
+            logits = self._trim(self.config, logits)
         if not return_routed:
             return logits
         if routed:

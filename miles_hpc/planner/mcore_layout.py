@@ -83,6 +83,19 @@ def padded_vocab_size(vocab: int, tp: int, multiple: int = 128) -> int:
     return -(-vocab // step) * step
 
 
+# The layers of a family that megatron-core cannot express (docs/models.md's family table).
+UNMAPPED_LAYERS = {
+    "deepseek_v4": (
+        "compressed sparse attention (CSA/HCA compressors, an indexer over compressed entries, per-head sinks), "
+        "manifold-constrained hyper-connections, hash-routed MoE or sqrt-softplus routers"
+    ),
+    "inkling_text": (
+        "attention with relative logits and log scaling, short convolutions on keys, values and residuals, or a "
+        "router whose shared experts act as a sink"
+    ),
+}
+
+
 def mcore_rules(cfg: ModelConfig) -> list[Rule]:
     """Every megatron tensor of a `GPTModel` for `cfg` (local spec), with its HF sources, in layer order; the
     multi-token-prediction layers (`num_nextn_predict_layers`) as megatron's `MultiTokenPredictionLayer`s
@@ -92,6 +105,11 @@ def mcore_rules(cfg: ModelConfig) -> list[Rule]:
             f"model_type {cfg.model_type!r} is not mapped yet: megatron-core 0.16's GatedDeltaNet needs "
             "flash-linear-attention's CUDA kernels and takes no packed sequences, its MambaMixer needs mamba_ssm's "
             "and causal_conv1d's: neither runs on CPU; use train.backend=fsdp"
+        )
+    if cfg.model_type in UNMAPPED_LAYERS:
+        raise NotImplementedError(
+            f"model_type {cfg.model_type!r} is not mapped: megatron-core 0.16 has no {UNMAPPED_LAYERS[cfg.model_type]}; "
+            "use train.backend=fsdp"
         )
     if cfg.model_type not in MCORE_FAMILIES:
         raise NotImplementedError(
