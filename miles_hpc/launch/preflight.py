@@ -283,17 +283,20 @@ def _check_rollout_family(cfg: RunConfig, model: Mapping[str, Any], pf: Prefligh
 
 
 def _check_hybrid_family(cfg: RunConfig, model: Mapping[str, Any], pf: Preflight) -> None:
-    """A checkpoint of a hybrid family (recurrent layers) runs where its model.init_arch preset would."""
+    """A checkpoint of a hybrid family (recurrent layers), or of a family the engine recomputes (DeepSeek-V4,
+    Inkling), runs where its model.init_arch preset would."""
     from miles_hpc.config import checks
-    from miles_hpc.models.families import HYBRID_TYPES
+    from miles_hpc.models.families import FAMILY_MODULES, HYBRID_TYPES
 
-    if model.get("model_type") not in HYBRID_TYPES or cfg.model.path is None:
+    model_type = model.get("model_type")
+    if cfg.model.path is None or model_type not in (*HYBRID_TYPES, *FAMILY_MODULES):
         return
+    check = checks.hybrid if model_type in HYBRID_TYPES else checks.recomputed
     try:
-        checks.hybrid(cfg, f"model.path={cfg.model.path} ({model.get('model_type')})")
+        check(cfg, f"model.path={cfg.model.path} ({model_type})")
     except ConfigError as e:
         key, _, what = str(e).partition(": ")
-        pf.add(key, what, "hybrids run on our engines at TP 1 with the FSDP trainer (docs/models.md)")
+        pf.add(key, what, "this family runs on our engines at TP 1 with the FSDP trainer (docs/models.md)")
 
 
 def _check_site(cfg: RunConfig, pf: Preflight, base: Path) -> None:

@@ -454,7 +454,12 @@ def hub_name(name: str) -> str:
 
 def tiny_config() -> dict[str, Any]:
     """A config.json for `miles-hpc init-model --arch deepseek_v4 --size tiny`: every attention kind (sliding,
-    CSA, HCA) and both MoE kinds, rates small enough that short prompts fill several compressed entries."""
+    CSA, HCA) and both MoE kinds, rates small enough that short prompts fill several compressed entries.
+
+    The indexer keeps 16 heads (the release has 64): an entry's score is a sum over heads of ReLU(q . k), exactly 0
+    when every head's dot product is negative (2^-heads of the entries), and torch.topk breaks such ties by the
+    length of the row; with 2 heads a query would pick different entries in a sequence cut short (the engine's
+    prefix) than in the whole sample (the trainer's), as the DSA presets would (docs/models.md)."""
     return dict(
         architectures=["DeepseekV4ForCausalLM"],
         model_type="deepseek_v4",
@@ -487,7 +492,7 @@ def tiny_config() -> dict[str, Any]:
         swiglu_limit=10.0,
         o_groups=2,
         o_lora_rank=16,
-        index_n_heads=2,
+        index_n_heads=16,  # not fewer: see the docstring
         index_head_dim=16,
         index_topk=4,
         num_nextn_predict_layers=0,

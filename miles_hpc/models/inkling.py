@@ -325,7 +325,9 @@ def tiny_config() -> dict[str, Any]:
         n_shared_experts=1,
         moe_intermediate_size=32,
         route_scale=2.0,
-        logits_mup_width_multiplier=4.0,
+        # muP's width multiplier is the model's width over its base width (the release: 24 at 6,144). At 64 wide
+        # it is 1 at most; 4 divided the tiny head's logits by 4 and its warm-up learned 3x slower (docs/models.md).
+        logits_mup_width_multiplier=1.0,
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
         bos_token_id=1,

@@ -65,6 +65,8 @@ def model_config(cfg: Mapping[str, Any]) -> ModelConfig:
         mc = ModelConfig.from_hf_dict(cfg, source=_SENTINEL)
     except ValueError as e:
         raise ModelSpecError(str(e).removeprefix(f"{_SENTINEL}: ")) from None
+    if mc.spec is not None:  # a families.FAMILY_MODULES family: its module checked its keys
+        return mc
     keys = []
     if mc.is_mla:
         keys += ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
@@ -211,6 +213,7 @@ def activations(
     """What one micro-batch of ``micro_batch`` packed sequences of ``seq_len`` tokens keeps on a trainer GPU, by
     term (docs/planning.md: the terms). With ``checkpointing`` (train.activation_checkpointing) each decoder
     layer keeps its input (and a DSA layer the top-k selection it is handed) and is recomputed in backward."""
+    _modelled(mc)
     n, s, a = micro_batch, seq_len, act_bytes
     t, h = n * s, mc.hidden_size
     layers = [layer_saved(mc, i, seq_len=s, micro_batch=n, act_bytes=a) for i in range(mc.num_hidden_layers)]
@@ -242,11 +245,22 @@ def activations(
     return Activations(saved=saved, transient=transient)
 
 
+def _modelled(mc: ModelConfig) -> None:
+    """Activations and the attention cache are modelled for the families built in transformer.py and
+    mixer_blocks.py; a families.FAMILY_MODULES family's (DeepSeek-V4, Inkling) are not yet: refused by name."""
+    if mc.spec is not None:
+        raise ModelSpecError(
+            f"model_type {mc.model_type!r}: the planner does not model this family's activations and attention "
+            "cache yet (its weights it counts: they come from the model built on the meta device)"
+        )
+
+
 # ---------------------------------------------------------------- rollout KV cache
 def kv_bytes_per_token(mc: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
     """KV-cache bytes per token on one engine rank of a TP-``tp`` engine (``tp=1``: one whole copy); decoder
     layers only (no speculative decoding, so MTP layers cache nothing), a hybrid's full-attention ones only (its
     recurrent layers keep a state per sequence instead: measure.recurrent_state_bytes)."""
+    _modelled(mc)
     layers = [i for i in range(mc.num_hidden_layers) if not mc.is_hybrid or mc.layer_types[i] == "full_attention"]
     if mc.is_mla:
         elements = len(layers) * (mc.kv_lora_rank + mc.head_dim)
