@@ -46,6 +46,21 @@ def test_a_new_family_runs_with_r3(arch: str, tmp_path: Path) -> None:
     rows = metrics(run_dir)
     assert [r["weight_version"] for r in rows] == [1, 2] and all(r["sync/verified_tensors"] > 0 for r in rows)
     assert all(r["r3/coverage"] > 0.9 and r["r3/topk_agreement"] == 1.0 for r in rows)
+    assert all(r["response_len_mean"] > 0 for r in rows)  # the engines generated (a failed step is an error)
+    assert max(r["mismatch/max_abs_logprob_diff"] for r in rows) < 1e-4
+
+
+@pytest.mark.parametrize(("arch", "adapted"), [("kimi_k25", 8), ("deepseek_v4", 35), ("inkling_text", 22)])
+def test_lora_runs_on_the_new_families(arch: str, adapted: int, tmp_path: Path) -> None:
+    """sync.strategy=lora: only the adapters travel. Kimi-K2.5's tiny text model: 2 layers x (its MLA projections
+    that are targets: o_proj) + layer 0's dense MLP (3) + layer 1's shared expert (3) = 8 linears. DeepSeek-V4's
+    own targets (models/lora.py FAMILY_TARGETS): 5 layers x (4 attention + 3 shared-expert projections) = 35,
+    none in its compressors or indexers. Inkling: 4 layers x (q, k, v, o) + 2 dense MLPs x 3 = 22."""
+    run_dir = tmp_path / "run"
+    run(run_dir, f"model.init_arch={arch}", "sync.strategy=lora", "lora.rank=4", "train.sft_warmup_steps=0", "steps=2")
+    rows = metrics(run_dir)
+    assert [r["sync/verified_tensors"] for r in rows] == [2 * adapted] * 2  # an A and a B each
+    assert all(r["response_len_mean"] > 0 and r["rollout/failed_frac"] == 0.0 for r in rows)
     assert max(r["mismatch/max_abs_logprob_diff"] for r in rows) < 1e-4
 
 
@@ -85,12 +100,14 @@ def test_what_the_new_families_refuse(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["kimi_k25"])
-def test_a_new_family_learns_the_demo_task(arch: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("arch", "steps"), [("kimi_k25", 150), ("inkling_text", 300)])
+def test_a_new_family_learns_the_demo_task(arch: str, steps: int, tmp_path: Path) -> None:
     """The README's demo with the family's tiny preset: the mean reward of the last 10 steps beats the first 10's
-    by 0.05 or more (measurements in docs/models.md)."""
+    by 0.05 or more. Measured on the 2-core dev machine (2026-12-06): Kimi-K2.5 0.073 -> 0.231 in 150 steps
+    (1 min 17 s), Inkling 0.061 -> 0.214 in 300 steps (5 min 25 s; 0.061 -> 0.100 after 150). DeepSeek-V4 is not
+    here: the engine recomputes each sequence every step for it, and 150 steps would take ~25 min (docs/models.md)."""
     run_dir = tmp_path / "demo"
-    run(run_dir, f"model.init_arch={arch}", "steps=150", small=False)
+    run(run_dir, f"model.init_arch={arch}", f"steps={steps}", small=False)
     rewards = [r["reward_mean"] for r in metrics(run_dir)]
     first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
     assert last - first >= 0.05, (first, last)

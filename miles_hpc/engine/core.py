@@ -202,8 +202,8 @@ class Engine:
             try:
                 progressed = self.step()
             except Exception as e:  # a bug or OOM in a step must not leave clients hanging forever
-                log.exception("engine step failed; aborting all requests")
-                self.abort(None, message=f"engine step failed: {type(e).__name__}: {e}")
+                log.exception("engine step failed; failing all requests")
+                self.abort(None, message=f"engine step failed: {type(e).__name__}: {e}", failed=True)
                 continue
             if not progressed:
                 with self._cond:
@@ -282,16 +282,17 @@ class Engine:
             if req.rid in self._live:
                 raise RequestError(f"rid {req.rid!r} is already in flight")
             # Unseeded requests get a seed from the engine's generator: reproducible per engine seed and order.
-            r.seed = sp.sampling_seed if sp.sampling_seed is not None else _draw_seed(self._seed_gen)
+            seed = sp.sampling_seed
+            r.seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen).item())
             self._live.add(req.rid)
             self._inbox.append(r)
             self._counters.num_requests += 1
             self._counters.prompt_tokens += len(prompt)
             self._cond.notify_all()
 
-    def abort(self, rid: str | None, *, message: str | None = None) -> int:
-        """Abort one request (`rid`) or all (None): they finish with FinishReason("abort") and the tokens so far.
-        Returns how many were aborted (0 for an unknown or already finished rid)."""
+    def abort(self, rid: str | None, *, message: str | None = None, failed: bool = False) -> int:
+        """Abort one request (`rid`) or all (None): FinishReason("abort") and the tokens so far (`failed`: a step
+        raised, the results carry `message` as an error: a 500, not an output). Returns how many (0: unknown rid)."""
         with self._between_steps():
             self._drain_inbox()
             taken = self.scheduler.remove(rid)
@@ -299,6 +300,8 @@ class Engine:
             for r in taken:
                 r.finish = FinishReason(type="abort", message=msg)
             results = [self._finish(r) for r in taken]
+        for result, _ in results if failed else ():
+            result.error = msg
         _deliver(results)
         return len(results)
 
@@ -594,7 +597,3 @@ def _recording(named: Iterable[tuple[str, torch.Tensor]], applied: list[str]) ->
     for name, t in named:
         applied.append(name)
         yield name, t
-
-
-def _draw_seed(gen: torch.Generator) -> int:
-    return int(torch.randint(0, 2**62, (1,), generator=gen).item())

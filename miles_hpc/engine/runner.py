@@ -155,12 +155,17 @@ class StepExecutor:
             full.extend(hist[:st] + new)
             cu.append(len(full))
         rows = torch.tensor(remap, dtype=torch.int64)
-        out = self.model(
-            torch.tensor(full, dtype=torch.int64, device=self.device)[None],
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-            return_routed_experts=self.is_moe,
-            logits_indices=rows[inputs.logits_indices].to(self.device),
-        )
+        # A sequence's adapter on each of its rows, history included (`adapters` names it on each new-token row).
+        firsts = [inputs.adapters[q] for q in _offsets(inputs.lens)]
+        per_row = [a for a, lo, hi in zip(firsts, cu[:-1], cu[1:], strict=True) for _ in range(hi - lo)]
+        loras = self.loras.step(per_row) if self.loras is not None else contextlib.nullcontext()
+        with loras:
+            out = self.model(
+                torch.tensor(full, dtype=torch.int64, device=self.device)[None],
+                cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                return_routed_experts=self.is_moe,
+                logits_indices=rows[inputs.logits_indices].to(self.device),
+            )
         if not self.is_moe:
             return out[0]
         logits, routed = out

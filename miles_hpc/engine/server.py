@@ -213,6 +213,9 @@ class EngineServer:
             return _error(503, "the server is shutting down")
         parsed = protocol.parse_generate(await self._json(request), self.limits, lambda: uuid.uuid4().hex)
         results = await self._run(parsed.requests)
+        failed = next((r.error for r in results if r.error is not None), None)
+        if failed is not None:  # the engine's step broke (engine log has the traceback); it keeps serving
+            return _error(500, failed)
         items = zip(parsed.requests, results, parsed.skip_special_tokens)
         out = [protocol.generate_response(req, res, self._decode(res.output_ids, skip)) for req, res, skip in items]
         return web.json_response(out if parsed.batched else out[0])

@@ -86,6 +86,7 @@ class GenerateResult:
     weight_version: str = "0"
     num_retractions: int = 0
     e2e_latency: float = 0.0
+    error: str | None = None  # the step running it failed: the server answers 500 with this, not an abort
 
     @property
     def completion_tokens(self) -> int:

@@ -170,7 +170,8 @@ def gate_weights(scores: torch.Tensor, ids: torch.Tensor, scaling: float, dtype:
 class IndexTable(nn.Parameter):
     """An integer lookup table held as a frozen parameter: CausalLM's random init (normal_) leaves it alone."""
 
-    def __new__(cls, data: torch.Tensor) -> IndexTable:
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = False) -> IndexTable:
+        del requires_grad  # deepcopy passes the flag on; an index table never has a gradient
         return super().__new__(cls, data, requires_grad=False)
 
     def normal_(self, *args: Any, **kwargs: Any) -> IndexTable:

@@ -58,12 +58,29 @@ RECURRENT_TARGETS: dict[str, tuple[str, ...]] = {
 }
 
 
+# A family whose modules the default names would miss or mis-hit gets its own default list (PEFT's matching: a
+# target names a module or the end of its dotted path). DeepSeek-V4: its attention's projections and the shared
+# expert's, not the compressors' and indexer's (`gate_proj`, `kv_proj` there pool blocks; the indexer gets no
+# gradient).
+FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
+    "deepseek_v4": (
+        "self_attn.q_a_proj",
+        "self_attn.q_b_proj",
+        "self_attn.kv_proj",
+        "self_attn.o_b_proj",
+        "shared_experts.gate_proj",
+        "shared_experts.up_proj",
+        "shared_experts.down_proj",
+    ),
+}
+
+
 def family_targets(targets: Sequence[str], model_type: str) -> tuple[str, ...]:
     """The targets a run adapts: the default list, on a hybrid family, with its recurrent layers' projections
-    added; any other list as given."""
+    added, or a family's own (FAMILY_TARGETS); any other list as given."""
     if tuple(targets) != DEFAULT_TARGETS:
         return tuple(targets)
-    return DEFAULT_TARGETS + RECURRENT_TARGETS.get(model_type, ())
+    return FAMILY_TARGETS.get(model_type) or DEFAULT_TARGETS + RECURRENT_TARGETS.get(model_type, ())
 
 
 _PEFT = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")

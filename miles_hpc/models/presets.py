@@ -322,6 +322,7 @@ def _from_module(arch: str, size: str) -> dict[str, Any]:
         pad_token_id=special_token_id(PAD_TOKEN),
         bos_token_id=None,
         torch_dtype="float32",
+        dtype="float32",  # both spellings: a module's `dtype` would win over `torch_dtype` (config.py)
         max_position_embeddings=max(int(cfg.get("max_position_embeddings") or 0), 2048),
     )
     return cfg
