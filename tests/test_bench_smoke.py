@@ -130,3 +130,11 @@ def test_agent_cache_bench_reaches_its_ceiling_with_one_token_pages() -> None:
         assert x["prompt_tokens"] == x["engine_prompt_tokens"] and x["turns_played"] == 2.0
         assert x["hit_rate"] <= x["ceiling"] + 1e-9 and x["ceiling"] <= x["ceiling_without_flush"]
     assert lines[1]["of_ceiling"] > 0.999 and lines[0]["of_ceiling"] < lines[1]["of_ceiling"]
+
+
+def test_family_decode_bench_times_both_paths() -> None:
+    lines = bench("benchmarks/bench_family_decode.py", "--sequences", "2", "--prompt", "16", "--new", "8")
+    paths = [(line["model"], line["path"]) for line in lines if "path" in line]
+    assert paths == [(m, p) for m in ("deepseek_v4", "inkling_text") for p in ("cached", "recomputed")]
+    assert all(line["new_tokens_per_s"] > 0 for line in lines if "path" in line)
+    assert [line["model"] for line in lines if "cached_over_recomputed" in line] == ["deepseek_v4", "inkling_text"]

@@ -1,10 +1,13 @@
 """miles_hpc.models, DeepSeek-V4 (sliding / CSA / HCA attention with sinks, mHC streams, hash and top-k MoE):
 parity with transformers 5.24 on several tiny configs (logits, routed experts, gradients), checkpoints in the
 Hub's names and in transformers' own save, packed sequences that never share state, routing replay, the legacy
-config keys and the refusals."""
+config keys and the refusals; the engine's cached decode (dsv4_state.py) against the one-shot forward."""
 
 from __future__ import annotations
 
+import itertools
+import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +253,135 @@ def test_the_tiny_presets_prefixes_score_as_the_whole_sequence() -> None:
         whole = ours(ids)
         for cut in range(1, 64, 5):
             assert max_diff(ours(ids[:, :cut]), whole[:, :cut]) < 1e-5, cut
+
+
+# ---------------------------------------------------------------- the engine's cached decode (dsv4_state.py)
+
+
+def _ours(case: str) -> Any:
+    """Our model of a CASES config with 16 indexer heads (or "tiny": the preset), fp32, no transformers: the
+    preset's init (std 0.02), then random sinks, pooling position biases and correction biases (zero at init,
+    which would hide a slot or sink mistake) and decisive routers (no near-tie flips on rounding noise). With 2 or
+    3 indexer heads the full forward itself is not prefix-consistent (exact-zero score ties break by the row's
+    length: the tiny preset's docstring), so no cache could equal both a prefix's forward and the whole's."""
+    if case == "tiny":
+        raw = tiny_config()
+    else:
+        raw = {"model_type": "deepseek_v4", "vocab_size": VOCAB, "hidden_size": 32, "num_attention_heads": 4}
+        raw.update(max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
+        raw.update({k: v for k, v in {**BASE, **CASES[case]}.items() if v is not None}, index_n_heads=16)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_hf_dict(raw).replace(dtype=None)).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = {"sinks": 0.5, "position_bias": 0.5, "mlp.gate.weight": 0.5, "correction_bias": 0.1}
+            for suffix, std in scale.items():
+                if name.endswith(suffix):
+                    p.copy_(std * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Many small calls: intra-op threads only contend (10x slower on a busy 2-core runner)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _splits(total: int, decodes: int, seed: int) -> list[int]:
+    """Random prefill chunk sizes (1..17: inside and across blocks of 3..16 tokens), then 1-token decodes."""
+    rng = random.Random(seed)
+    sizes: list[int] = []
+    while sum(sizes) < total - decodes:
+        sizes.append(min(rng.randint(1, 17), total - decodes - sum(sizes)))
+    return sizes + [1] * decodes
+
+
+def _step(model: Any, ids: torch.Tensor, lengths: list[int], states: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One engine call: the packed new tokens ids [1, T] of sequences of `lengths`, continuing `states`."""
+    cu = torch.tensor([0, *itertools.accumulate(lengths)])
+    return model(ids, cu_seqlens=cu, family_states=states, return_routed_experts=True)
+
+
+@pytest.mark.parametrize("case", ["tiny", *CASES])
+def test_chunked_decode_equals_the_full_forward(case: str, one_thread: None) -> None:
+    """Any split of a sequence into prefill chunks and 1-token decodes (boundaries inside and across compression
+    blocks) gives the one-shot forward's logits and routes, row for row; every config at 16 indexer heads (_ours)."""
+    model = _ours(case)
+    total = 66
+    assert model.config.spec.index_n_heads == 16
+    ids = torch.randint(0, VOCAB, (1, total), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        whole = model(ids, return_routed_experts=True)
+        for seed in (0, 1):
+            state, start = model.model.new_state(), 0
+            for n in _splits(total, decodes=12, seed=seed):
+                logits, routes = _step(model, ids[:, start : start + n], [n], [state])
+                ref_logits, ref_routes = whole
+                assert max_diff(logits, ref_logits[:, start : start + n]) < 1e-5, (case, seed, start, n)
+                assert torch.equal(routes, ref_routes[:, start : start + n]), (case, seed, start, n)
+                start += n
+                assert state.length == start
+
+
+def test_packed_sequences_with_different_histories_decode_as_their_own(one_thread: None) -> None:
+    """Three sequences at different lengths (one fresh, one empty this step) advance in one packed call per step,
+    each row equal to its own sequence's full forward; a state whose layers disagree is refused."""
+    model = _ours("tiny")
+    seqs = [torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(n)) for n in (61, 45, 30)]
+    states = [model.model.new_state() for _ in seqs]
+    plan = [[29, 17, 0], [5, 1, 9], [0, 3, 13], [1, 1, 1], [6, 4, 0], [1, 1, 7], *[[1, 1, 0]] * 3]
+    with torch.no_grad():
+        whole = [model(seq, return_routed_experts=True) for seq in seqs]
+        for lengths in plan:
+            starts = [state.length for state in states]
+            row = torch.cat([seq[:, s : s + n] for seq, s, n in zip(seqs, starts, lengths, strict=True)], dim=1)
+            logits, routes = _step(model, row, lengths, states)
+            at = 0
+            for (ref, ref_routes), s, n in zip(whole, starts, lengths, strict=True):
+                if n == 0:  # nothing new for this one: its state must not move (checked by the lengths below)
+                    continue
+                assert max_diff(logits[:, at : at + n], ref[:, s : s + n]) < 1e-5, (lengths, s)
+                assert torch.equal(routes[:, at : at + n], ref_routes[:, s : s + n]), (lengths, s)
+                at += n
+        assert [state.length for state in states] == [sum(p[i] for p in plan) for i in range(3)]
+        with pytest.raises(ValueError, match="2 states for B=1 and 3 packed"):
+            _step(model, row, lengths, states[:2])
+        states[0].layers[1].length += 1
+        with pytest.raises(ValueError, match="disagree on its length"):
+            _step(model, row, lengths, states)
+
+
+def test_the_cache_keeps_a_window_and_grows_an_entry_per_block(one_thread: None) -> None:
+    """Decoding token by token, every layer holds exactly (dsv4_state.py): the last sliding_window - 1 kv vectors,
+    one entry per complete block, the partial block's kv and gate rows, and (CSA, main and indexer) the last
+    complete block's first halves; nbytes() is that sum, 4 bytes a float, so nothing pins a chunk's tensors."""
+    model = _ours("tiny")
+    spec, d = model.config.spec, model.config.head_dim
+    ids = torch.randint(0, 300, (1, 80), generator=torch.Generator().manual_seed(2))
+    state = model.model.new_state()
+
+    def floats(kind: str, length: int, width: int) -> int:
+        rate = spec.compress_rate(kind)
+        pairs = 2 if kind == CSA else 1  # CSA rows carry both halves; its overlap keeps [rate, width] kv and gate
+        overlap = 2 * rate * width if kind == CSA and length >= rate else 0
+        return (length // rate) * width + 2 * (length % rate) * pairs * width + overlap
+
+    with torch.no_grad():
+        for length in range(1, 81):
+            _step(model, ids[:, length - 1 : length], [1], [state])
+            expected = 0
+            for kind, layer in zip(spec.layer_types, state.layers, strict=True):
+                assert layer.window.shape == (min(length, spec.sliding_window - 1), d)
+                expected += layer.window.numel()
+                assert (layer.entries is None) == (kind == SW) and (layer.index is None) == (kind != CSA)
+                if layer.entries is not None:
+                    assert layer.entries.entries.shape == (length // spec.compress_rate(kind), d)
+                    expected += floats(kind, length, d)
+                if layer.index is not None:
+                    assert layer.index.entries.shape == (length // spec.csa_rate, spec.index_head_dim)
+                    expected += floats(kind, length, spec.index_head_dim)
+            assert state.nbytes() == 4 * expected, length

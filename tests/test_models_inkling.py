@@ -284,3 +284,109 @@ def test_attention_in_query_chunks_equals_one_pass(tmp_path: Path) -> None:
     for n, p in ours.named_parameters():
         if n in grads:
             assert max_diff(p.grad, grads[n]) <= 1e-5 * grads[n].abs().max().item() + 1e-8, n
+
+
+# Incremental decode (InklingBackbone.new_state / run(states=...)): chunked feeding equals the one-shot forward.
+
+
+@pytest.fixture
+def one_thread() -> Any:
+    """Hundreds of tiny forwards: one intra-op thread is ~20x faster than several on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _random_model(case: str, **changes: Any) -> Any:
+    """Our model of a CASES config (with `changes`), fp32, every weight random; no checkpoint round trip."""
+    from miles_hpc.models.hf_io import build_model
+
+    model = build_model(ModelConfig.from_hf_dict({**_raw(case), **changes}), dtype=torch.float32)
+    with torch.no_grad():
+        randomize_(model, 3)
+    return model.eval()
+
+
+def _chunks(total: int, seed: int) -> list[int]:
+    """A split of `total` tokens: prefill chunks of several sizes among 1-token decodes, in a random order."""
+    g = torch.Generator().manual_seed(seed)
+    sizes, left = [], total
+    while left:
+        n = min(left, (7, 1, 1, 5, 1, 13, 1, 2, 1, 3)[int(torch.randint(0, 10, (1,), generator=g))])
+        sizes.append(n)
+        left -= n
+    return sizes
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_incremental_decode_equals_one_shot(case: str, one_thread: None) -> None:
+    """Any split of a sequence (53 tokens: past every window and relative extent but wide-window-conv1's) into
+    calls that continue a state gives the one-shot forward's logits and routed experts, row for row."""
+    model = _random_model(case)
+    total = 53
+    ids = input_ids(batch=1, seq=total, seed=5)
+    with torch.no_grad():
+        full, routed = model(ids, return_routed_experts=True)
+        for split in (_chunks(total, 0), _chunks(total, 1), [30] + [1] * (total - 30), [1] * 6 + [total - 6]):
+            state, at = model.model.new_state(), 0
+            for n in split:
+                rows = slice(at, at + n)
+                out, ids_out = model(
+                    ids[:, rows], cu_seqlens=torch.tensor([0, n]), family_states=[state], return_routed_experts=True
+                )
+                assert max_diff(out, full[:, rows]) < 1e-5, (split, at)
+                assert torch.equal(ids_out, routed[:, rows]), (split, at)
+                at += n
+                assert state.length == at
+
+
+def test_packed_states_with_different_histories(one_thread: None) -> None:
+    """Three sequences at different lengths (one fresh), packed in calls of 1 and several new tokens each, and a
+    sequence with no new tokens in a call: each sequence's rows equal its own one-shot forward's. Attention runs 4
+    query rows at a time here, so a chunk of new rows also starts past the cached keys."""
+    model = _random_model("mixed-padded-logscale")
+    for layer in model.model.layers:
+        layer.self_attn.chunk = 4
+    seqs = [input_ids(batch=1, seq=n, seed=s) for n, s in ((40, 11), (30, 12), (36, 13))]
+    with torch.no_grad():
+        full = [model(seq, return_routed_experts=True) for seq in seqs]
+        states = [model.model.new_state() for _ in seqs]
+        for state, seq, n in zip(states[:2], seqs[:2], (12, 19), strict=True):  # histories 12, 19 and 0 tokens
+            model(seq[:, :n], family_states=[state])
+        for news in ((1, 6, 1), (5, 1, 3), (1, 0, 1), (2, 1, 13), (1, 1, 1)):
+            starts = [s.length for s in states]
+            row = torch.cat([seq[:, a : a + n] for seq, a, n in zip(seqs, starts, news, strict=True)], dim=1)
+            cu = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()])
+            out, routed = model(row, cu_seqlens=cu, family_states=states, return_routed_experts=True)
+            for i, (a, n) in enumerate(zip(starts, news, strict=True)):
+                mine, ref = slice(int(cu[i]), int(cu[i + 1])), slice(a, a + n)
+                assert states[i].length == a + n
+                if not n:
+                    continue
+                assert max_diff(out[:, mine], full[i][0][:, ref]) < 1e-5, (news, i)
+                assert torch.equal(routed[:, mine], full[i][1][:, ref]), (news, i)
+        with pytest.raises(ValueError, match="states: 2 for 3 sequences"):
+            model(row, cu_seqlens=cu, family_states=states[:2])
+
+
+def test_sliding_state_stays_bounded(one_thread: None) -> None:
+    """A sliding-only model's state stops growing once the window is full (window - 1 keys and values, K - 1
+    convolution inputs per layer); a global layer's grows by one key and value per token."""
+    sliding = _random_model("mixed-padded-logscale", layer_types=["hybrid_sliding"] * 4)
+    mixed = _random_model("mixed-padded-logscale")
+    ids = input_ids(batch=1, seq=30, seed=4)
+    sizes: dict[str, list[int]] = {"sliding": [], "mixed": []}
+    with torch.no_grad():
+        for name, model in (("sliding", sliding), ("mixed", mixed)):
+            state = model.model.new_state()
+            for i in range(ids.shape[1]):
+                model(ids[:, i : i + 1], family_states=[state])
+                sizes[name].append(state.nbytes())
+    cfg = sliding.config
+    s = cfg.spec
+    kv = 2 * (s.sliding_window_size - 1) * s.swa_num_key_value_heads * s.swa_head_dim
+    conv = (s.conv_kernel_size - 1) * (2 * s.swa_num_key_value_heads * s.swa_head_dim + 2 * cfg.hidden_size)
+    assert sizes["sliding"][s.sliding_window_size :] == [4 * (kv + conv) * 4] * (30 - s.sliding_window_size)
+    global_kv = 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * 2  # per token: k and v, fp32, two global layers
+    assert [b - a for a, b in zip(sizes["mixed"][10:], sizes["mixed"][11:])] == [global_kv] * 19

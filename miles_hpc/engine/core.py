@@ -84,7 +84,7 @@ class Engine:
             self.blocks,
             max_running=config.max_running_requests,
             max_prefill_tokens=config.max_prefill_tokens,
-            enable_prefix_cache=config.enable_prefix_cache and not mc.is_hybrid,  # recurrent_state.py
+            enable_prefix_cache=config.enable_prefix_cache and not (mc.is_hybrid or mc.spec),  # *_state.py
         )
         self.loras = AdapterSet(self.model, self.device, dtype, max_loras=config.max_loras)
         self.runner = ModelRunner(

@@ -43,6 +43,7 @@ from miles_hpc.models.families import logits_width
 
 from .cuda_graphs import DecodeRunner
 from .decode_forward import DecodeForward, unsupported_reason
+from .family_states import FamilyStates, keeps_state
 from .kv_cache import BlockManager, KVCache
 from .latent_attention import LatentAttention
 from .latent_cache import LatentCache
@@ -100,6 +101,7 @@ class StepExecutor:
         self.decode_kernel, self.loras, self.batch_invariant = decode_kernel, loras, batch_invariant
         self.is_moe = model.num_moe_layers > 0
         self.states = states  # hybrid models: the linear-attention layers' per-row state
+        self.family = FamilyStates(model) if keeps_state(model) else None  # DeepSeek-V4, Inkling: their own caches
         self.recompute = recomputes(model)
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
@@ -124,6 +126,7 @@ class StepExecutor:
         linear = None
         if self.states is not None:  # a sequence whose first new token is not its first continues from its row
             linear = self.states.backend(inputs.rows, [st > 0 for st in inputs.starts])
+        family = None if self.family is None else self.family.for_step(inputs.rows, inputs.starts)
         with loras:
             out = self.model(
                 torch.tensor(inputs.ids, dtype=torch.int64, device=self.device)[None],
@@ -133,6 +136,7 @@ class StepExecutor:
                 attn_backend=backend,
                 logits_indices=inputs.logits_indices.to(self.device),
                 linear_backend=linear,
+                family_states=family,
             )
         if not self.is_moe:
             return out[0]
@@ -179,9 +183,9 @@ class StepExecutor:
 
 
 def recomputes(model: CausalLM) -> bool:
-    """A family whose backbone runs its own layers (`families.FAMILY_MODULES`: DeepSeek-V4's compressed and
-    Inkling's sliding-window attention): the engine keeps no attention state for it yet and recomputes each step."""
-    return hasattr(model.model, "run")
+    """A family whose backbone runs its own layers (`families.FAMILY_MODULES`) and keeps no state between calls
+    (no `new_state`, family_states.py): the engine recomputes each of its sequences every step."""
+    return hasattr(model.model, "run") and not keeps_state(model)
 
 
 def _offsets(lens: Sequence[int]) -> list[int]:
@@ -222,7 +226,7 @@ class ModelRunner:
         self.decode_kernel: DecodeKernel | None = None
         self.decode: DecodeRunner | None = None  # decode-only steps; tests may inject a CPU one
         self.batch_invariant = batch_invariant
-        if not batch_invariant and tp is None and not recomputes(model):  # else always eager (module docstring)
+        if not batch_invariant and tp is None and not hasattr(model.model, "run"):  # else eager (module docstring)
             self._gpu_decode(triton_kernels, cuda_graphs)
         states = None
         if model.config.is_hybrid:  # a state slot per block-table row (recurrent_state.py)

@@ -25,11 +25,12 @@ Checkpoint names: in memory (our state dict) transformers' DeepseekV4ForCausalLM
 transformers loads. `our_name` reads those, transformers' own save_pretrained mix (`model.layers.{i}.attn.*`,
 `model.embed_tokens.weight`, `head.weight`) and the in-memory names.
 
-Engine notes (what a cached decode step needs per layer; none of it is built here): every layer keeps the last
-sliding_window - 1 post-RoPE kv vectors [D]; an HCA layer also its compressed entries so far [N, D] and the
-kv_proj / gate_proj rows of the current partial block (< rate tokens); a CSA layer also its entries, the indexer's
-entries [N, index_head_dim], both partial blocks (2 * D and 2 * index_head_dim wide) and the first halves of the
-last complete block of each (the overlap the next entry pools). The mHC streams are recomputed per token.
+Engine notes (what a cached decode step keeps per layer; built in dsv4_state.py, `DSV4Backbone.new_state`):
+every layer keeps the last sliding_window - 1 post-RoPE kv vectors [D]; an HCA layer also its compressed entries
+so far [N, D] and the kv_proj / gate_proj rows of the current partial block (< rate tokens); a CSA layer also its
+entries, the indexer's entries [N, index_head_dim], both partial blocks (2 * D and 2 * index_head_dim wide) and
+the first halves of the last complete block of each (the overlap the next entry pools). The mHC streams are
+recomputed per token.
 """
 
 from __future__ import annotations

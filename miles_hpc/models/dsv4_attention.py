@@ -1,7 +1,9 @@
 """DeepSeek-V4 attention: shared-KV multi-query attention over a sliding window, plus (per layer kind) entries
 compressed from whole blocks of tokens; as transformers 5.24's DeepseekV4Attention computes it (eager, no cache).
 
-Stage: shared model code (the trainer's forward; an engine would substitute cached versions, see the family module).
+Stage: shared model code (the trainer's forward, and the engine's cached decode: with per-sequence caches from
+dsv4_state.py, `DSV4Attention.forward` hands each sequence's new tokens to its cache, which reuses the pooling,
+indexer selection and attention below).
 
 Per layer, with D = head_dim, R = int(D * partial_rotary_factor) rotary dims, W = sliding_window:
 - One key-value vector per token, kv = RMSNorm(kv_proj(x)) [D], used as key AND value by every query head.
@@ -33,7 +35,9 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -120,16 +124,34 @@ class Pooling(nn.Module):
             return x.new_zeros(0, dim)
         kv = self.kv_proj(x[: n * rate]).view(n, rate, -1)
         gate = self.gate_proj(x[: n * rate]).view(n, rate, -1) + self.position_bias
+        return self.combine(kv, gate, None, 0, rope)
+
+    def combine(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        prev: tuple[torch.Tensor, torch.Tensor] | None,
+        first: int,
+        rope: Rope,
+    ) -> torch.Tensor:
+        """Entries first .. first + n - 1 from their blocks' kv / gate rows [n, rate, width] (gate with
+        position_bias added); `prev` = (kv, gate) first halves [rate, dim] of block first - 1 (overlap only; None
+        for block 0). The full forward pools every block at once, a cached decode the blocks that just completed."""
+        rate, dim, n = self.rate, self.dim, kv.shape[0]
         if self.overlap:
             # Slots [0, rate): the first halves of the previous block (none before block 0: weight 0 via -inf);
             # slots [rate, 2 * rate): this block's second halves.
-            prev_kv = torch.cat([kv.new_zeros(1, rate, dim), kv[:-1, :, :dim]])
-            prev_gate = torch.cat([gate.new_full((1, rate, dim), float("-inf")), gate[:-1, :, :dim]])
+            if prev is None:
+                head_kv, head_gate = kv.new_zeros(1, rate, dim), gate.new_full((1, rate, dim), float("-inf"))
+            else:
+                head_kv, head_gate = prev[0][None], prev[1][None]
+            prev_kv = torch.cat([head_kv, kv[:-1, :, :dim]])
+            prev_gate = torch.cat([head_gate, gate[:-1, :, :dim]])
             kv = torch.cat([prev_kv, kv[..., dim:]], dim=1)
             gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
         # Per channel, a softmax over the block's slots (float32, as transformers) weights the values.
         pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
-        cos, sin = rope(torch.arange(n, device=x.device) * rate, x.dtype)
+        cos, sin = rope((torch.arange(n, device=kv.device) + first) * rate, kv.dtype)
         return rotate_tail(self.kv_norm(pooled), cos, sin)
 
 
@@ -163,7 +185,15 @@ class Indexer(Pooling):
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, rope: Rope) -> torch.Tensor:
         """x [L, hidden], q_resid [L, q_lora_rank], pos [L] of one sequence -> bool [L, N]: entry s is attended
         by query t (complete, and among t's index_topk best)."""
-        keys = self.pool(x, rope)
+        return self.select(x, q_resid, pos, self.pool(x, rope), rope)
+
+    @torch.no_grad()
+    def select(
+        self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, rope: Rope
+    ) -> torch.Tensor:
+        """As forward, scoring the indexer entries `keys` [N, index_head_dim] given (a cached decode passes the
+        entries so far: k = min(index_topk, N) still picks every visible entry when fewer than k are, and the same
+        index_topk best when more are, as the full forward's row with its future at -inf does)."""
         n = keys.shape[0]
         q = self.q_b_proj(q_resid).view(-1, self.heads, self.dim)
         cos, sin = rope(pos, x.dtype)
@@ -209,6 +239,22 @@ def sequence_spans(b: int, t: int, cu_seqlens: torch.Tensor | None) -> list[tupl
     return [(0, s, e) for s, e in zip(cu[:-1], cu[1:], strict=True) if e > s]
 
 
+class SequenceCache(Protocol):
+    """What one packed sequence's cache of one layer does (dsv4_state.LayerCache): attend its new tokens over what
+    it holds plus them, then keep what later tokens need."""
+
+    def attend(
+        self,
+        attn: DSV4Attention,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        pos: torch.Tensor,
+        rope: Rope,
+    ) -> torch.Tensor: ...
+
+
 class DSV4Attention(nn.Module):
     """`self_attn` of one DeepSeek-V4 layer (module docstring). HF names: `q_a_proj`, `q_a_norm`, `q_b_proj`,
     `kv_proj`, `kv_norm`, `o_a_proj`, `o_b_proj`, `sinks`, and `compressor.*` in CSA / HCA layers."""
@@ -235,8 +281,17 @@ class DSV4Attention(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.sinks)  # transformers' init; CausalLM's loop set this 1-D parameter to 1
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: Rope, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        """x [B, T, hidden], pos [B, T] -> [B, T, hidden]; `rope` is the layer kind's (main or compress)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        rope: Rope,
+        cu_seqlens: torch.Tensor | None,
+        caches: Sequence[SequenceCache] | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, hidden], pos [B, T] -> [B, T, hidden]; `rope` is the layer kind's (main or compress).
+        `caches`: one per non-empty packed sequence (B == 1), whose tokens continue what it has seen
+        (dsv4_state.py); None: every sequence from its first token."""
         b, t, _ = x.shape
         d = self.d
         q_resid = self.q_a_norm(self.q_a_proj(x))
@@ -244,9 +299,13 @@ class DSV4Attention(nn.Module):
         cos, sin = rope(pos, x.dtype)
         q = rotate_tail(q, cos[:, :, None], sin[:, :, None])
         kv = rotate_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+        spans = sequence_spans(b, t, cu_seqlens)
+        if caches is not None and len(caches) != len(spans):
+            raise ValueError(f"{len(caches)} caches for {len(spans)} non-empty sequences")
         rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
-        for r, s, e in sequence_spans(b, t, cu_seqlens):
-            rows[r].append(self._sequence(x[r, s:e], q_resid[r, s:e], q[r, s:e], kv[r, s:e], pos[r, s:e], rope))
+        for i, (r, s, e) in enumerate(spans):
+            args = (x[r, s:e], q_resid[r, s:e], q[r, s:e], kv[r, s:e], pos[r, s:e], rope)
+            rows[r].append(self._sequence(*args) if caches is None else caches[i].attend(self, *args))
         out = torch.stack([torch.cat(parts) for parts in rows])  # [B, T, heads, D]
         out = rotate_tail(out, cos[:, :, None], -sin[:, :, None])  # values carried RoPE: undo it at the query
         out = self.o_a_proj(out.reshape(b, t, d.o_groups, -1))
@@ -276,8 +335,13 @@ class DSV4Attention(nn.Module):
                 seen = torch.arange(n, device=x.device)[None, :] < ((pos + 1) // self.d.rate)[:, None]
             keys = torch.cat([kv, entries])
             allowed = torch.cat([allowed, seen], dim=1)
+        return self.attend(q, keys, allowed)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """q [L, heads, D] over keys [S, D] (keys and values both) where allowed [L, S], plus the sink -> [L, heads,
+        D]. The full forward passes every token of the sequence, a cached decode its window and entries."""
         logits = torch.einsum("lhd,sd->hls", q, keys) * self.d.head_dim**-0.5
         logits = logits.masked_fill(~allowed, float("-inf"))
-        sink = self.sinks.to(logits.dtype)[:, None, None].expand(-1, length, 1)
+        sink = self.sinks.to(logits.dtype)[:, None, None].expand(-1, q.shape[0], 1)
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
         return torch.einsum("hls,sd->lhd", probs, keys)

@@ -2,7 +2,8 @@
 top-k routed MoE with clipped SwiGLU experts, the decoder layer and the backbone `model.*` that CausalLM runs;
 as transformers 5.24's modeling_deepseek_v4.py computes them.
 
-Stage: shared model code (the trainer's forward; the engine's later).
+Stage: shared model code (the trainer's forward; the engine's cached decode through `DSV4Backbone.new_state`
+and `run(..., states=...)`, whose per-layer caches live in dsv4_state.py).
 
 Invariants:
 - The residual stream is `hc_mult` parallel copies [B, T, n, hidden]. Before a block, `HyperConnection` computes
@@ -24,7 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dsv4_attention import AttnDims, DSV4Attention, Rope, rms
+from .dsv4_attention import AttnDims, DSV4Attention, Rope, SequenceCache, rms
+from .dsv4_state import DSV4State, LayerCache
 from .layers import ACTIVATIONS, RMSNorm
 from .moe import Experts, grouped_mix, merge_replay
 from .rope import compute_inv_freq
@@ -287,10 +289,11 @@ class DSV4Layer(nn.Module):
         cu_seqlens: torch.Tensor | None,
         replay: torch.Tensor | None,
         compare: bool,
+        caches: Sequence[SequenceCache] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [B, T, n, H] -> (h, routed ids [B*T, k])."""
+        """h [B, T, n, H] -> (h, routed ids [B*T, k]); `caches`: this layer's, one per non-empty sequence."""
         post, comb, x = self.attn_hc(h)
-        a = self.self_attn(self.input_layernorm(x), pos, ropes[self.rope_kind], cu_seqlens)
+        a = self.self_attn(self.input_layernorm(x), pos, ropes[self.rope_kind], cu_seqlens, caches)
         h = hc_merge(h, a, post, comb)
         post, comb, x = self.ffn_hc(h)
         m, ids = self.mlp(self.post_attention_layernorm(x), token_ids, replay, compare)
@@ -333,6 +336,10 @@ class DSV4Backbone(nn.Module):
         self.hc_mult = s.hc_mult
         self.ropes = make_ropes(config)  # plain tensors: no dtype cast, not in the state dict
 
+    def new_state(self) -> DSV4State:
+        """An empty cache for one sequence (dsv4_state.py); `run(..., states=...)` fills it."""
+        return DSV4State(layers=[LayerCache() for _ in self.layers])
+
     def run(
         self,
         input_ids: torch.Tensor,
@@ -341,20 +348,52 @@ class DSV4Backbone(nn.Module):
         backend: Any,
         routing_replay: torch.Tensor | None,
         routing_compare: bool,
+        states: list[DSV4State] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Hidden states [B, T, H] after the final stream collapse (before `norm`), and the routed ids
-        [B*T, k] of each top-k MoE layer. `backend` is unused (module docstring of dsv4_attention.py)."""
+        [B*T, k] of each top-k MoE layer. `backend` is unused (module docstring of dsv4_attention.py).
+
+        states: one per packed sequence of cu_seqlens (B == 1; None: the row is one sequence); sequence i's tokens
+        follow the states[i].length tokens it has seen, at positions length + offset (position_ids is ignored),
+        and each state is extended in place. None: every sequence from its first token (the trainer's path)."""
         b, t = input_ids.shape
         pos = position_ids.expand(b, t)
+        caches: list[list[LayerCache]] | None = None
+        if states is not None:
+            pos, caches = self._continue(states, b, t, cu_seqlens, input_ids.device)
         x = self.embed_tokens(input_ids)
         h = x.unsqueeze(2).expand(b, t, self.hc_mult, x.shape[-1])
         ropes = {kind: rope.on(input_ids.device) for kind, rope in self.ropes.items()}
         routed: list[torch.Tensor] = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             replay = None
             if routing_replay is not None and layer.is_moe:
                 replay = routing_replay[:, :, len(routed)].reshape(b * t, -1)
-            h, ids = layer(h, input_ids, pos, ropes, cu_seqlens, replay, routing_compare)
+            layer_caches = None if caches is None else [c[i] for c in caches]
+            h, ids = layer(h, input_ids, pos, ropes, cu_seqlens, replay, routing_compare, layer_caches)
             if layer.is_moe:
                 routed.append(ids)
+        if states is not None and cu_seqlens is not None:
+            for state, n in zip(states, cu_seqlens.diff().tolist(), strict=True):
+                state.length += int(n)
+        elif states is not None:
+            states[0].length += t
         return self.hc_head(h), routed
+
+    def _continue(
+        self, states: list[DSV4State], b: int, t: int, cu_seqlens: torch.Tensor | None, device: torch.device
+    ) -> tuple[torch.Tensor, list[list[LayerCache]]]:
+        """Positions [1, T] (each sequence from its state's length) and the layer caches of the non-empty
+        sequences, in the order the attention meets them (sequence_spans)."""
+        cu = [0, t] if cu_seqlens is None else [int(v) for v in cu_seqlens.tolist()]
+        if b != 1 or len(cu) != len(states) + 1:
+            raise ValueError(f"states: {len(states)} states for B={b} and {len(cu) - 1} packed sequences (B must be 1)")
+        pos: list[int] = []
+        caches: list[list[LayerCache]] = []
+        for state, s, e in zip(states, cu[:-1], cu[1:], strict=True):
+            if any(c.length != state.length for c in state.layers):
+                raise ValueError("states: a state's layers disagree on its length (a call failed part way?)")
+            pos.extend(range(state.length, state.length + e - s))
+            if e > s:
+                caches.append(state.layers)
+        return torch.tensor(pos, dtype=torch.long, device=device)[None], caches

@@ -1,8 +1,8 @@
 """Inkling's token mixing: short causal convolutions with a residual, and attention with per-query relative logits
 (sliding-window and global layers), as transformers 5.24's InklingShortConvolution / InklingAttention compute them.
 
-Stage: shared model code (the trainer's packed forward; the engine's own decode path is still to be written: see
-the notes on `InklingAttention` for what it must cache).
+Stage: shared model code (the trainer's packed forward; the engine's incremental decode, which passes each
+sequence's `LayerState` (inkling_state.py) so that new tokens continue a cached past).
 
 Invariants:
 - Nothing crosses a packed-sequence boundary: `Segments` carries each sequence's token range, the convolutions
@@ -14,6 +14,9 @@ Invariants:
 - Log scaling (global layers with `log_scaling_n_floor`): q and the relative bias of a query at position p are
   multiplied (in float32) by 1 + alpha * log(max((p + 1) / n_floor, 1)), p from `position_ids`.
 - Scores are q . k / head_dim (q, k RMS-normed per head) plus the bias; softmax over the allowed keys.
+- With caches (decode), a sequence's new rows are the tokens after its cached past: the convolutions read the
+  cached last inputs instead of zeros, the queries attend to the cached keys too, at their true distances, and
+  the forward appends to the caches; every value equals the one-shot forward's (up to summation order).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import nn
 
 from .attention import no_cudnn_sdpa
 from .config import ModelConfig
+from .inkling_state import LayerState
 from .layers import RMSNorm
 
 # Query rows per attention step: bounds the dense relative-bias tensor (see InklingAttention._attend).
@@ -64,6 +68,33 @@ class ShortConvolution(nn.Module):
 
     def forward(self, x: torch.Tensor, seg: Segments) -> torch.Tensor:
         """x [B, T, C] -> [B, T, C] in x's dtype."""
+        return self._taps(x, seg.within)
+
+    def resume(
+        self, x: torch.Tensor, bounds: tuple[tuple[int, int], ...], caches: list[LayerState], name: str
+    ) -> torch.Tensor:
+        """x [1, T, C] holds the new rows of the sequences at `bounds`, caches[i].conv[name] the last K - 1 inputs
+        before sequence i (absent: zeros, as a sequence's start reads). Returns [1, T, C] and stores each
+        sequence's last K - 1 inputs back. Each sequence goes through as [its history; its rows] laid end to end
+        in one unpacked row: a kept row's taps reach K - 1 back at most, so never past its own history."""
+        keep = self.conv1d.weight.shape[-1] - 1
+        pieces, rows, at = [], [], 0
+        for (s, e), cache in zip(bounds, caches, strict=True):
+            past = cache.conv.get(name)
+            if past is None:
+                past = x.new_zeros(keep, x.shape[-1])
+            seq = torch.cat([past, x[0, s:e]])
+            # `- keep`, not `-keep` (keep may be 0); a copy, so the state does not pin the whole of `seq`.
+            cache.conv[name] = seq[seq.shape[0] - keep :].detach().clone()
+            pieces.append(seq)
+            rows.append(torch.arange(at + keep, at + seq.shape[0], device=x.device))
+            at += seq.shape[0]
+        out = self._taps(torch.cat(pieces)[None], None)
+        return out[:, torch.cat(rows)]
+
+    def _taps(self, x: torch.Tensor, within: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, C] -> x + conv(x) in x's dtype; `within` [T] (None: one sequence per row) zeroes the taps
+        reaching before a packed sequence's start."""
         h = x.float()
         w = self.conv1d.weight.float()[:, 0]  # [C, K]
         width, t = w.shape[1], h.shape[1]
@@ -71,8 +102,8 @@ class ShortConvolution(nn.Module):
         # Sum the taps oldest first (as conv1d does); a tap reaching before its sequence's start reads zeros.
         for lag in range(width - 1, -1, -1):
             shifted = h if lag == 0 else F.pad(h, (0, 0, lag, 0))[:, :t]
-            if lag and seg.within is not None:
-                shifted = shifted * (seg.within >= lag).to(h.dtype)[None, :, None]
+            if lag and within is not None:
+                shifted = shifted * (within >= lag).to(h.dtype)[None, :, None]
             term = shifted * w[:, width - 1 - lag]
             out = term if out is None else out + term
         assert out is not None
@@ -110,8 +141,8 @@ class InklingAttention(nn.Module):
     """HF `self_attn` of one layer: q/k/v/r/o projections, `k_sconv`, `v_sconv`, per-head `q_norm`, `k_norm`,
     `rel_logits_proj`. The layer's layout is the sliding one (swa_* heads) or the global one (common keys).
 
-    A decode step must cache per layer: k (after k_sconv and k_norm) and v (after v_sconv) of each past token,
-    only the last `window - 1` of them in a sliding layer, every one in a global layer; the last K - 1 raw
+    A decode step caches per layer (`LayerState`): k (after k_sconv and k_norm) and v (after v_sconv) of each past
+    token, only the last `window - 1` of them in a sliding layer, every one in a global layer; the last K - 1 raw
     k_proj and v_proj outputs (the convolutions' state); nothing for the relative logits (they depend only on the
     query's own r_proj state and the distances)."""
 
@@ -142,19 +173,28 @@ class InklingAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.rel_logits_proj = RelativeLogits(s.d_rel, s.sliding_window_size if self.sliding else s.rel_extent)
 
-    def forward(self, x: torch.Tensor, seg: Segments) -> torch.Tensor:
-        """x [B, T, hidden] (normed) -> [B, T, hidden]."""
+    def forward(self, x: torch.Tensor, seg: Segments, caches: list[LayerState] | None = None) -> torch.Tensor:
+        """x [B, T, hidden] (normed) -> [B, T, hidden]. With `caches` (B == 1, one per sequence of seg.bounds, and
+        seg.positions the absolute positions), the rows continue the cached sequences, which are extended."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_sconv(self.k_proj(x), seg).view(b, t, self.num_kv_heads, self.head_dim))
-        v = self.v_sconv(self.v_proj(x), seg).view(b, t, self.num_kv_heads, self.head_dim)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        k_in, v_in = self.k_proj(x), self.v_proj(x)
+        if caches is None:
+            k_in, v_in = self.k_sconv(k_in, seg), self.v_sconv(v_in, seg)
+        else:
+            k_in = self.k_sconv.resume(k_in, seg.bounds, caches, "k")
+            v_in = self.v_sconv.resume(v_in, seg.bounds, caches, "v")
+        k = self.k_norm(k_in.view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v_in.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         rel = self.rel_logits_proj(self.r_proj(x).view(b, t, self.num_heads, -1))
         tau = self.log_scale(seg.positions) if self.log_floor is not None else None
-        parts = [
-            self._attend(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], rel[:, :, s:e], None if tau is None else tau[:, s:e])
-            for s, e in seg.bounds
-        ]
+        parts = []
+        for i, (s, e) in enumerate(seg.bounds):
+            ks, vs, past = k[:, :, s:e], v[:, :, s:e], 0
+            if caches is not None:
+                ks, vs, past = self._extend(caches[i], ks, vs)
+            scale = None if tau is None else tau[:, s:e]
+            parts.append(self._attend(q[:, :, s:e], ks, vs, rel[:, :, s:e], scale, past))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
@@ -164,12 +204,33 @@ class InklingAttention(nn.Module):
         ratio = (positions.float() + 1.0) / self.log_floor
         return 1.0 + self.log_alpha * torch.log(ratio.clamp(min=1.0))
 
+    def _extend(self, cache: LayerState, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One sequence's new k, v [1, Hkv, n, D] -> (its cached and new keys, values [1, Hkv, past + n, D], past);
+        the cache keeps all of them (global layer) or the last window - 1 (sliding: no later query sees older)."""
+        past = 0 if cache.k is None else cache.k.shape[2]
+        if cache.k is not None and cache.v is not None:
+            k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
+        start = 0 if self.window is None else max(0, k.shape[2] - (self.window - 1))
+        # The concatenation is a tensor of its own; anything else (a slice of the packed k, a trimmed tail) is
+        # copied, so the state pins only what it reports in nbytes().
+        whole = past > 0 and start == 0
+        cache.k = (k if whole else k[:, :, start:].clone()).detach()
+        cache.v = (v if whole else v[:, :, start:].clone()).detach()
+        return k, v, past
+
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, tau: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rel: torch.Tensor,
+        tau: torch.Tensor | None,
+        past: int = 0,
     ) -> torch.Tensor:
-        """One sequence (or unpacked rows): q [B, H, t, D], k/v [B, Hkv, t, D], rel [B, H, t, E] -> [B, H, t, D].
-        Queries go `chunk` rows at a time against the keys they may see (a sliding layer's window, a global
-        layer's prefix), so the dense bias is [B, H, chunk, <= chunk + window] or [B, H, chunk, t], not [.., t, t]."""
+        """One sequence (or unpacked rows): q [B, H, t, D], k/v [B, Hkv, past + t, D] (the first `past` keys are
+        cached ones, before the queries' tokens), rel [B, H, t, E] -> [B, H, t, D]. Queries go `chunk` rows at a
+        time against the keys they may see (a sliding layer's window, a global layer's prefix), so the dense bias
+        is [B, H, chunk, <= chunk + window] or [B, H, chunk, past + t], not [.., t, t]."""
         if tau is not None:  # float32, then back: transformers scales q and the bias (below) this way
             q = (q.float() * tau[:, None, :, None]).to(q.dtype)
         groups = self.num_heads // self.num_kv_heads
@@ -178,15 +239,17 @@ class InklingAttention(nn.Module):
         t, outs = q.shape[2], []
         for q0 in range(0, t, self.chunk):
             q1 = min(q0 + self.chunk, t)
-            k0 = 0 if self.window is None else max(0, q0 - self.window + 1)
-            bias, blocked = distance_bias(rel[:, :, q0:q1], q0, k0, q1, self.window)
+            # Key indices count from the first cached key: query row r sits at key index past + r.
+            k0 = 0 if self.window is None else max(0, past + q0 - self.window + 1)
+            k1 = past + q1
+            bias, blocked = distance_bias(rel[:, :, q0:q1], past + q0, k0, k1, self.window)
             if tau is not None:
                 bias = (bias.float() * tau[:, None, q0:q1, None]).to(bias.dtype)
             bias = bias.masked_fill(blocked, float("-inf"))
             with no_cudnn_sdpa():
                 outs.append(
                     F.scaled_dot_product_attention(
-                        q[:, :, q0:q1], k[:, :, k0:q1], v[:, :, k0:q1], attn_mask=bias, scale=self.scale
+                        q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], attn_mask=bias, scale=self.scale
                     )
                 )
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

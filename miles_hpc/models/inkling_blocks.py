@@ -1,7 +1,8 @@
 """Inkling's MLPs, MoE, decoder layer and backbone (`model.*` of CausalLM), as transformers 5.24's
 modeling_inkling.py computes them; attention and the short convolutions are in inkling_attention.py.
 
-Stage: shared model code (the trainer's packed forward; R3 records and replays the routers' choices).
+Stage: shared model code (the trainer's packed forward; R3 records and replays the routers' choices; the
+engine's incremental decode through per-sequence `InklingState`s, inkling_state.py).
 
 Invariants:
 - Parameter names are transformers' in-memory ones: `embed_tokens.weight`, `embed_tokens.embed_norm.weight`,
@@ -17,6 +18,9 @@ Invariants:
   sink), times route_scale * global_scale. Replay (moe.merge_replay) re-evaluates the weights at the recorded ids.
 - `norm` divides by logits_mup_width_multiplier after the RMSNorm: CausalLM's head then computes transformers'
   logits (before `inkling.trim_logits`).
+- `run(..., states=None)` is the trainer's forward, unchanged. With states, sequence i's rows are the tokens at
+  positions states[i].length + 0, 1, ...: they read and extend the caches, and their logits and routed ids equal
+  the one-shot forward's rows for those positions, whatever the split of a sequence into calls.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .inkling_attention import InklingAttention, Segments, ShortConvolution
+from .inkling_state import InklingState, LayerState
 from .layers import ACTIVATIONS, RMSNorm, SwiGLUMLP
 from .moe import Experts, merge_replay
 
@@ -151,17 +156,26 @@ class InklingDecoderLayer(nn.Module):
         self.mlp_sconv = ShortConvolution(h, s.conv_kernel_size)
 
     def forward(
-        self, x: torch.Tensor, seg: Segments, replay: torch.Tensor | None, compare: bool
+        self,
+        x: torch.Tensor,
+        seg: Segments,
+        replay: torch.Tensor | None,
+        compare: bool,
+        caches: list[LayerState] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(hidden [B, T, H], routed ids [B*T, k] of a MoE layer or None)."""
-        x = x + self.attn_sconv(self.self_attn(self.input_layernorm(x), seg), seg)
+        """(hidden [B, T, H], routed ids [B*T, k] of a MoE layer or None). `caches`: this layer's state of each
+        sequence of seg.bounds (decode; the residual convolutions continue from their cached inputs)."""
+        a = self.self_attn(self.input_layernorm(x), seg, caches)
+        x = x + (self.attn_sconv(a, seg) if caches is None else self.attn_sconv.resume(a, seg.bounds, caches, "attn"))
         h = self.post_attention_layernorm(x)
         ids = None
         if self.is_moe:
             out, ids = self.mlp(h, replay, compare)
         else:
             out = self.mlp(h)
-        return x + self.mlp_sconv(out, seg), ids
+        if caches is None:
+            return x + self.mlp_sconv(out, seg), ids
+        return x + self.mlp_sconv.resume(out, seg.bounds, caches, "mlp"), ids
 
 
 class InklingBackbone(nn.Module):
@@ -175,6 +189,10 @@ class InklingBackbone(nn.Module):
         self.layers = nn.ModuleList([InklingDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = MupScaledNorm(config.hidden_size, config.rms_norm_eps, config.spec.logits_mup_width_multiplier)
 
+    def new_state(self) -> InklingState:
+        """An empty cache for one sequence (nothing seen yet), for `run(..., states=...)`."""
+        return InklingState.empty(len(self.layers))
+
     def run(
         self,
         input_ids: torch.Tensor,
@@ -183,19 +201,49 @@ class InklingBackbone(nn.Module):
         backend: object,
         routing_replay: torch.Tensor | None,
         routing_compare: bool,
+        states: list[InklingState] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(hidden [B, T, H] before `norm`, routed ids [B*T, k] per MoE layer). `backend` is not used: the relative
-        logits are an additive bias per (query, key), which the engine's paged kernels do not take."""
+        logits are an additive bias per (query, key), which the engine's paged kernels do not take.
+
+        states: one per packed sequence of cu_seqlens (B == 1; one sequence when cu_seqlens is None); sequence i's
+        rows continue the states[i].length tokens it has seen, at those absolute positions (position_ids is not
+        read: the states know them), and each state is extended in place."""
         del backend
         b, t = input_ids.shape
-        seg = Segments.build(t, cu_seqlens, position_ids)
+        caches: list[InklingState] | None = None
+        if states is None:
+            seg = Segments.build(t, cu_seqlens, position_ids)
+        else:
+            seg, caches = _resume_segments(t, b, cu_seqlens, states, input_ids.device)
         x = self.embed_tokens(input_ids)
         routed: list[torch.Tensor] = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             replay = None
             if routing_replay is not None and layer.is_moe:
                 replay = routing_replay[:, :, len(routed)].reshape(b * t, -1)
-            x, ids = layer(x, seg, replay, routing_compare)
+            per_seq = None if caches is None else [c.layers[i] for c in caches]
+            x, ids = layer(x, seg, replay, routing_compare, per_seq)
             if ids is not None:
                 routed.append(ids)
+        if caches is not None:  # after every layer read the old lengths (the positions)
+            for state, (s, e) in zip(caches, seg.bounds, strict=True):
+                state.length += e - s
         return x, routed
+
+
+def _resume_segments(
+    t: int, b: int, cu_seqlens: torch.Tensor | None, states: list[InklingState], device: torch.device
+) -> tuple[Segments, list[InklingState]]:
+    """The Segments of a decode call (positions: each state's length onwards) and the states of its non-empty
+    sequences, in seg.bounds' order (a sequence with no new rows is left as it is)."""
+    cu = [0, t] if cu_seqlens is None else [int(c) for c in cu_seqlens.tolist()]
+    if b != 1 or len(states) != len(cu) - 1:
+        raise ValueError(f"states: {len(states)} for {len(cu) - 1} sequences of a batch of {b} (B must be 1)")
+    live = [(s, e, state) for s, e, state in zip(cu, cu[1:], states) if e > s]
+    positions = torch.cat(
+        [torch.arange(st.length, st.length + e - s, device=device) for s, e, st in live]
+        or [torch.zeros(0, dtype=torch.long, device=device)]
+    )[None]
+    seg = Segments.build(t, torch.tensor(cu), positions)
+    return seg, [state for _, _, state in live]

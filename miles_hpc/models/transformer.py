@@ -198,6 +198,7 @@ class CausalLM(nn.Module):
         mtp_out: list[torch.Tensor] | None = None,
         index_replay: torch.Tensor | None = None,
         linear_backend: LinearBackend | None = None,
+        family_states: list | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, T, vocab] for input_ids [B, T].
 
@@ -219,6 +220,8 @@ class CausalLM(nn.Module):
             row of only -1 keeps the live choice (models/dsa.py). `index_replay_stats()` then says how many agreed.
         linear_backend: hybrid models, what runs each linear-attention layer (`LinearBackend`; the engine's carries
             state across steps); default: every sequence (row, or packed one of cu_seqlens) from a zero state.
+        family_states: a FAMILY_MODULES family whose backbone caches (`new_state`): one state per packed sequence;
+            each sequence's tokens continue the `length` tokens its state has seen, which the call extends.
         Long: the contract of every argument above, and one pass that threads each through the layers.
         """
         if input_ids.dim() != 2:
@@ -237,10 +240,15 @@ class CausalLM(nn.Module):
         backend = attn_backend if attn_backend is not None else sdpa_attention
 
         routed: list[torch.Tensor] = []
+        if family_states is not None and not hasattr(self.model, "new_state"):
+            raise ValueError(f"family_states: {self.config.model_type} keeps no state between calls")
         if hasattr(self.model, "run"):  # a FAMILY_MODULES family's backbone runs its own layers
             if mtp_out is not None or index_replay is not None or linear_backend is not None:
                 raise ValueError(f"{self.config.model_type}: mtp_out, index_replay and linear_backend are not built")
-            x, routed = self.model.run(input_ids, position_ids, cu_seqlens, backend, routing_replay, routing_compare)
+            extra = {} if family_states is None else {"states": family_states}
+            x, routed = self.model.run(
+                input_ids, position_ids, cu_seqlens, backend, routing_replay, routing_compare, **extra
+            )
             return self._head(x, logits_indices, return_routed_experts, routed, b, t)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)

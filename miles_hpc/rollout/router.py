@@ -57,6 +57,7 @@ __all__ = ["NoEngineAvailableError", "Router", "RouterConfig", "RouterStats"]
 log = logging.getLogger(__name__)
 ReadmitHook = Callable[[int, EngineClient], Awaitable[None]]
 _ABORTED = FinishReason(type="abort", message="aborted by the client")
+STEP_FAILED = "engine step failed"  # how our engine's 500 for a failed step begins (engine/core.py `_loop`)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -340,7 +341,12 @@ class Router:
                 raise _EngineFailed(i, e) from e
             except EngineHTTPError as e:
                 # A 5xx may be this request's fault or the engine's: ask the engine. A live engine's 5xx goes to
-                # the caller (resubmitting a request that breaks engines would take them all down).
+                # the caller (resubmitting a request that breaks engines would take them all down), except a step
+                # that failed (a dead tensor-parallel rank, an OOM: our engine's 500 says so), which takes the
+                # engine out like a lost connection; max_resubmits still bounds a request that breaks every engine.
+                if e.status >= 500 and e.server_message.startswith(STEP_FAILED):
+                    self.quarantine(i, e)
+                    raise _EngineFailed(i, e) from e
                 if e.status >= 500 and not await self._probe(i):
                     raise _EngineFailed(i, e) from e
                 raise

@@ -1,7 +1,8 @@
-"""The embedded engine on the families whose attention state it does not cache yet (DeepSeek-V4, Inkling:
-engine/runner.py `recomputes`): every step recomputes each running sequence from its first token, so the tokens
-and log-probs are the model's own; continuous batching, a preemption (a tiny cache) and LoRA adapters beside
-base-model requests still hold; what these engines refuse (TP, batch-invariant mode) is refused at start."""
+"""The embedded engine on the families that keep their own decode state (DeepSeek-V4, Inkling:
+engine/family_states.py): tokens and log-probs are the model's own under continuous batching, chunked prefill and
+preemption (a tiny cache), with LoRA adapters beside base-model requests, and also on the path that recomputes
+each sequence every step (engine/runner.py `recomputes`, a family without `new_state`); what these engines refuse
+(TP, batch-invariant mode) is refused at start."""
 
 from __future__ import annotations
 
@@ -32,11 +33,14 @@ def _prompts(n: int) -> list[list[int]]:
     return [torch.randint(3, 300, (9 + 4 * i,), generator=g).tolist() for i in range(n)]
 
 
+@pytest.mark.parametrize("path", ["cached", "recomputed"])
 @pytest.mark.parametrize("blocks", [None, 12])  # 12 blocks of 4 tokens: sequences are preempted and resumed
-def test_greedy_tokens_and_logprobs_are_the_models(ckpt: Path, blocks: int | None) -> None:
+def test_greedy_tokens_and_logprobs_are_the_models(ckpt: Path, blocks: int | None, path: str) -> None:
     model = load_pretrained(ckpt).eval()
     config = EngineConfig(block_size=4, max_prefill_tokens=24, num_blocks=blocks)
     engine = Engine.from_pretrained(str(ckpt), config)
+    if path == "recomputed":  # the path of a family without `new_state`: every step from each sequence's start
+        engine.runner.executor.family, engine.runner.executor.recompute = None, True
     results: dict[str, GenerateResult] = {}
     ps = _prompts(5)
     submit(engine, results, *(greedy_req(str(i), p, 10) for i, p in enumerate(ps)))
@@ -46,6 +50,7 @@ def test_greedy_tokens_and_logprobs_are_the_models(ckpt: Path, blocks: int | Non
         assert results[str(i)].output_ids == ids, i
         assert max(abs(x - y) for x, y in zip(results[str(i)].output_logprobs, lps, strict=True)) < LP_TOL
     assert engine.stats()["kv_blocks_used"] == 0
+    assert (sum(results[str(i)].num_retractions for i in range(len(ps))) > 0) == (blocks is not None)
 
 
 def test_adapter_requests_equal_the_merged_model(ckpt: Path, tmp_path: Path) -> None:
