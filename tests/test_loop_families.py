@@ -65,7 +65,7 @@ def test_lora_runs_on_the_new_families(arch: str, adapted: int, tmp_path: Path) 
 
 
 def test_what_the_new_families_refuse(tmp_path: Path) -> None:
-    """Each refusal names its key: SGLang, engine TP, megatron, zero-KL (config/checks.py `recomputed`)."""
+    """Each refusal names its key: SGLang, engine TP, megatron, zero-KL (config/checks.py `module_family`)."""
     from test_preflight import check
 
     from miles_hpc.config import load_config
@@ -105,7 +105,7 @@ def test_a_new_family_learns_the_demo_task(arch: str, steps: int, tmp_path: Path
     """The README's demo with the family's tiny preset: the mean reward of the last 10 steps beats the first 10's
     by 0.05 or more. Measured on the 2-core dev machine (2026-12-06): Kimi-K2.5 0.073 -> 0.231 in 150 steps
     (1 min 17 s), Inkling 0.061 -> 0.214 in 300 steps (5 min 25 s; 0.061 -> 0.100 after 150). DeepSeek-V4 is not
-    here: the engine recomputes each sequence every step for it, and 150 steps would take ~25 min (docs/models.md)."""
+    here yet: its demo was last timed with an engine that recomputed every step (~25 min for 150 steps)."""
     run_dir = tmp_path / "demo"
     run(run_dir, f"model.init_arch={arch}", f"steps={steps}", small=False)
     rewards = [r["reward_mean"] for r in metrics(run_dir)]

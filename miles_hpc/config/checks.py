@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 DSA_ARCHS = ("glm_moe_dsa", "deepseek_v32")  # DeepSeek sparse attention (an indexer per layer or per full layer)
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe_text", "nemotron_h")  # recurrent layers, state per sequence (issue 29)
-RECOMPUTED_ARCHS = ("deepseek_v4", "inkling_text")  # the engine keeps no attention state for them yet (issue 30)
+MODULE_ARCHS = ("deepseek_v4", "inkling_text")  # families.FAMILY_MODULES families: their own layers (issue 30)
 
 
 def hybrid(cfg: RunConfig, model: str | None = None) -> None:
@@ -26,9 +26,9 @@ def hybrid(cfg: RunConfig, model: str | None = None) -> None:
     _require(not cfg.zero_kl, "zero_kl", f"{why} without zero-KL mode (no batch-invariant scan)")
 
 
-def recomputed(cfg: RunConfig, model: str | None = None) -> None:
-    """What DeepSeek-V4 and Inkling run on so far: our engines at TP 1 (recomputing each sequence every step), the
-    FSDP trainer (docs/models.md)."""
+def module_family(cfg: RunConfig, model: str | None = None) -> None:
+    """What DeepSeek-V4 and Inkling run on so far: our engines at TP 1 (each sequence's own decode state,
+    engine/family_states.py), the FSDP trainer (docs/models.md)."""
     model = model or f"model.init_arch={cfg.model.init_arch}"
     why = f"{model} runs"
     _require(cfg.rollout.backend == "embedded", "rollout.backend", f"{why} on our engines (not in SGLang's list)")

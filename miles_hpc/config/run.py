@@ -581,8 +581,8 @@ class RunConfig:
             checks.embedded_engines(self)
         if self.model.path is None and self.model.init_arch in checks.HYBRID_ARCHS:
             checks.hybrid(self)
-        if self.model.path is None and self.model.init_arch in checks.RECOMPUTED_ARCHS:
-            checks.recomputed(self)
+        if self.model.path is None and self.model.init_arch in checks.MODULE_ARCHS:
+            checks.module_family(self)
 
 
 def config_from_dict(data: Any, *, source: str = "<dict>") -> RunConfig:

@@ -19,7 +19,9 @@ Invariants:
   attention over prefix + chunk. MoE models stay eager. MLA models (DeepSeek-V3, the DSA families) have a latent
   cache and attend through `LatentAttention` (latent_attention.py), the torch path, on every device. Hybrid models
   (Gated DeltaNet layers) carry each sequence's recurrent state in a slot per block-table row
-  (recurrent_state.py) and run eagerly.
+  (recurrent_state.py) and run eagerly. DeepSeek-V4 and Inkling (families.FAMILY_MODULES, whose backbones run their
+  own layers) keep a decode state per row (family_states.py) and run eagerly; a family module without one is
+  recomputed: each step runs every scheduled sequence from its first token (`recomputes`), exact and O(length).
 - Batch-invariant (zero-KL) mode (`batch_invariant`): the model was made invariant (`models.batch_invariant`),
   every step is one eager forward (no decode kernel, fused step or CUDA graphs: their GEMMs and reductions have
   batch-dependent shapes), attention per sequence by `invariant.attention`, and every reported log-prob (sampled

@@ -291,7 +291,7 @@ def _check_hybrid_family(cfg: RunConfig, model: Mapping[str, Any], pf: Preflight
     model_type = model.get("model_type")
     if cfg.model.path is None or model_type not in (*HYBRID_TYPES, *FAMILY_MODULES):
         return
-    check = checks.hybrid if model_type in HYBRID_TYPES else checks.recomputed
+    check = checks.hybrid if model_type in HYBRID_TYPES else checks.module_family
     try:
         check(cfg, f"model.path={cfg.model.path} ({model_type})")
     except ConfigError as e:

@@ -14,10 +14,15 @@ Name mapping (the only place that knows it):
   [E, D, I]; the Hub (and transformers' `save_pretrained`) writes `backbone.*` and per-expert
   `mixer.experts.{j}.up_proj.weight` / `down_proj.weight`. We read both prefixes and both expert layouts, and write
   the Hub's.
-- Multimodal checkpoints of a supported text family (`families.WRAPPERS`: Qwen3.5-MoE's `qwen3_5_moe`): the text
-  model's tensors are `model.language_model.*` (and `lm_head.weight`); we load those as our `model.*`, keep every
-  other tensor (the vision tower, MTP layers) as it was read (`CausalLM.hf_extra`, with the wrapper's config in
-  `hf_wrapper`) and write them back unchanged beside ours, under the same config.json with our text config.
+- Multimodal checkpoints of a supported text family (`families.WRAPPERS`: Qwen3.5-MoE's `qwen3_5_moe`, Kimi-K2.5's
+  `kimi_k25`): the text model's tensors sit under the wrapper's prefixes (`model.language_model.*`; Kimi's Hub
+  `language_model.model.*`) and its head under its names; we load those as our `model.*`, keep every other tensor
+  (the vision tower, projector, MTP layers) as it was read (`CausalLM.hf_extra`, with the wrapper's config in
+  `hf_wrapper`) and write them back unchanged beside ours, ours under the wrapper's first prefix, under the same
+  config.json with our text config.
+- A `families.FAMILY_MODULES` family names its Hub tensors itself (`hub_name` / `our_name`; DeepSeek-V4's release
+  names), may store its experts fused (`FUSED_EXPERTS`: Inkling) and ignore tensors of layers it does not build
+  (`IGNORED_PREFIXES`: DeepSeek-V4's `mtp.*`).
 - Tied embeddings: `lm_head.weight` is not written; if a checkpoint has it anyway it is ignored (transformers
   ties it to the embedding too). Legacy `rotary_emb.inv_freq` buffers are ignored.
 - Multi-token-prediction layers (MLA families; `model.layers.{N + j}.*`, N = num_hidden_layers, mtp.py) load and

@@ -21,7 +21,7 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe_text", "nemotron_h")
 # config.json and a random tower (towers.py) beside the text model, which is what every stage loads and trains.
 WRAPPED_ARCHS = ("kimi_k25",)
 # Families whose module holds their own tiny config (families.FAMILY_MODULES: `tiny_config()`, every layer kind); the
-# engine keeps no attention state for them yet (config/checks.py `recomputed`). Tiny only.
+# engine keeps their own decode state, at TP 1 (config/checks.py `module_family`). Tiny only.
 MODULE_ARCHS = ("deepseek_v4", "inkling_text")
 SIZES = ("tiny", "small")
 

@@ -1,6 +1,8 @@
 """The decoder-only causal LM for every supported family (dense layers; sparse MoE layers for qwen3_moe,
 deepseek_v3, whose attention is MLA, mla.py, and glm4_moe, which shares DeepSeek-V3's router; deepseek_v32 and
-glm_moe_dsa, DeepSeek-V3 with DeepSeek sparse attention, dsa.py).
+glm_moe_dsa, DeepSeek-V3 with DeepSeek sparse attention, dsa.py). A `families.FAMILY_MODULES` family (DeepSeek-V4,
+Inkling) brings its own backbone, whose `run` this class calls; the head, routing records and logits rows are
+shared.
 
 Stage: shared model code: the trainer calls it on packed sequences, the engine with its own attention backend.
 
