@@ -11,7 +11,8 @@ Checks, each printed as ``ok``/``FAIL``:
 2. every key of ``SAMPLING_KEYS`` exists in both SGLang sampling-param definitions;
 3. every endpoint exists in SGLang's HTTP app with our method, and our admin flag equals SGLang's auth level;
 4. our launcher's command line parses with ``ServerArgs.add_cli_args`` (values round-trip), and the keys handed over
-   through ``--config`` arrive as ``api_key``/``admin_api_key``.
+   through ``--config`` arrive as ``api_key``/``admin_api_key``;
+5. every architecture preflight lets SGLang serve (``SGLANG_ARCHS``) is an ``EntryClass`` of its model modules.
 Exit status 1 when any check fails.
 """
 
@@ -31,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 warnings.filterwarnings("ignore")
 
 from miles_hpc.rollout import requests as rq  # noqa: E402  (after the path insert above)
-from miles_hpc.rollout.sglang import SGLangLaunchSpec  # noqa: E402
+from miles_hpc.rollout.sglang import SGLANG_ARCHS, SGLangLaunchSpec  # noqa: E402
 
 FAILURES: list[str] = []
 VERBOSE = "-v" in sys.argv
@@ -54,6 +55,34 @@ def strict(cls: type, body: dict[str, Any]) -> None:
     from pydantic import TypeAdapter
 
     TypeAdapter(cls).validate_python(dict(body))
+
+
+def entry_classes(models_dir: Path) -> dict[str, str]:
+    """Class name -> module file of every `EntryClass` in SGLang's model modules, read from their source (importing
+    them all needs CUDA kernels)."""
+    import ast
+
+    found: dict[str, str] = {}
+    for file in sorted(models_dir.glob("*.py")):
+        for node in ast.parse(file.read_text(), str(file)).body:
+            targets = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+            if "EntryClass" in targets:
+                value = node.value  # type: ignore[attr-defined]
+                for elt in value.elts if isinstance(value, ast.List | ast.Tuple) else [value]:
+                    if isinstance(elt, ast.Name):
+                        found[elt.id] = file.name
+    return found
+
+
+def archs_check() -> None:
+    import sglang.srt.models as models
+
+    found = entry_classes(Path(models.__path__[0]))
+    missing = sorted(SGLANG_ARCHS - found.keys())
+    if missing:
+        raise ValueError(f"not an EntryClass of this sglang: {missing}")
+    if VERBOSE:
+        print("     " + ", ".join(f"{a} ({found[a]})" for a in sorted(SGLANG_ARCHS)))
 
 
 def main() -> int:
@@ -297,6 +326,7 @@ def main() -> int:
         assert (args.model_path, args.port, args.tp_size) == ("/m", 30000, 1)
 
     check("minimal launcher command parses", minimal_launcher_check)
+    check("every architecture preflight lets SGLang serve is an EntryClass of sglang.srt.models", archs_check)
     print(f"{len(FAILURES)} failed" if FAILURES else "all checks passed")
     return 1 if FAILURES else 0
 

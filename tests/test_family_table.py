@@ -82,3 +82,29 @@ def test_the_sglang_column_is_what_preflight_says(family: str, tmp_path: Path) -
     problems = [p for p in check(base).problems if p.key == "rollout.backend"]
     assert bool(problems) == refused, problems
     assert not refused or arch in problems[0].what, problems
+
+
+def test_kimi_k25_is_served_by_sglang_under_the_release_class_name(tmp_path: Path) -> None:
+    """Preflight lets SGLang serve a Kimi-K2.5 checkpoint under the release's class name (SGLang's EntryClass,
+    tests/sglang_schema_check.py), names transformers' spelling with the fix, and the weight sync's names are the
+    text model's (SGLang's Kimi-K2.5 class drops `language_model.` from each name it loads: rollout/sglang.py)."""
+    import json
+
+    from test_preflight import check
+
+    from miles_hpc.models.hf_io import iter_hf_tensors, load_pretrained
+    from miles_hpc.models.presets import init_model
+
+    path = init_model("kimi_k25", "tiny", tmp_path / "m")
+    base = ["rollout.backend=sglang", "rollout.sglang_python=/opt/sglang/bin/python", f"model.path={path}"]
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert not [p for p in check(base).problems if p.key == "rollout.backend"]
+    names = [n for n, _ in iter_hf_tensors(load_pretrained(path))]
+    assert names and all(n.startswith(("model.", "lm_head.")) for n in names), names[:5]
+
+    config["architectures"] = ["Kimi_K25ForConditionalGeneration"]  # what transformers' save_pretrained writes
+    (path / "config.json").write_text(json.dumps(config))
+    (problem,) = [p for p in check(base).problems if p.key == "rollout.backend"]
+    assert "Kimi_K25ForConditionalGeneration" in problem.what
+    assert '"architectures": ["KimiK25ForConditionalGeneration"]' in problem.fix

@@ -236,19 +236,14 @@ def test_inkling_config_keys() -> None:
 
 def test_multimodal_config_names_its_text_model() -> None:
     """An InklingConfig (`inkling_mm_model`) carries the text model under `text_config`: parsed as that text model
-    once families.WRAPPERS lists the wrapper (the family's report says what it needs)."""
+    (families.WRAPPERS; its tensors: tests/test_models_inkling_release.py)."""
     from transformers import InklingConfig
-
-    from miles_hpc.models.families import WRAPPERS
 
     text = {k: v for k, v in _raw().items() if k != "architectures"}
     wrapped = InklingConfig(text_config=text).to_dict()
     alone = ModelConfig.from_hf_dict(wrapped["text_config"])
     assert alone == ModelConfig.from_hf_dict(_raw())
-    # Not read yet (docs/models.md): its Hub layout (`model.llm.*`, interleaved w13) needs a rename table in hf_io.
-    assert "inkling_mm_model" not in WRAPPERS
-    with pytest.raises(ValueError, match="unsupported model_type 'inkling_mm_model'"):
-        ModelConfig.from_hf_dict(wrapped)
+    assert ModelConfig.from_hf_dict(wrapped) == alone
 
 
 def test_tiny_config_has_every_kind_and_loads_in_transformers(tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ def check_fsdp_fit(cfg: RunConfig) -> str:
     cluster = Cluster(train_gpus=cfg.train.world_size, engines=1, engine_tp=1, gpu_mem_gb=gpus)
     try:
         mem = estimate(model, cluster, batch=batch)["memory"]
-    except ModelSpecError as e:  # a family the planner does not model yet: said, not guessed
+    except ModelSpecError as e:  # a config the planner cannot read (a missing field): said, not guessed
         return f"train memory: not checked ({e})"
     what = (
         f"{mem['train_total_per_gpu_gb']:.1f} GB per GPU: {mem['train_per_gpu_gb']:.1f} GB of states over "

@@ -22,6 +22,7 @@ from typing import Any
 
 from miles_hpc.config import RunConfig
 from miles_hpc.config.loader import ConfigError
+from miles_hpc.rollout.sglang import SGLANG_ARCHS
 
 __all__ = [
     "SGLANG_ARCHS",
@@ -38,20 +39,6 @@ __all__ = [
 # 0.6 may change both.
 SGLANG_MIN = (0, 5, 23)
 SGLANG_BELOW = (0, 6)
-# HF architectures of the families we ship that SGLang serves (its models' EntryClass, 0.5.23); a family outside
-# this list is refused for rollout.backend=sglang until its row is added here with the SGLang release that has it.
-SGLANG_ARCHS = frozenset(
-    {
-        "LlamaForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM",
-        "DeepseekV3ForCausalLM",
-        "Glm4MoeForCausalLM",
-        "GlmMoeDsaForCausalLM",
-        "DeepseekV32ForCausalLM",
-    }
-)
 # File systems a job's nodes share (a run directory elsewhere is seen by one node only).
 SHARED_FS = frozenset({"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "wekafs", "pvfs2", "orangefs"})
 
@@ -273,8 +260,18 @@ def _check_rollout_component(
 def _check_rollout_family(cfg: RunConfig, model: Mapping[str, Any], pf: Preflight) -> None:
     if cfg.rollout.backend != "sglang" or cfg.rollout.engine_urls:
         return
+    from miles_hpc.models.families import WRAPPERS
+
     arch = (model.get("architectures") or [None])[0]
-    if arch not in SGLANG_ARCHS:
+    wrapper = next((w for w in WRAPPERS.values() if arch in w.aliases), None)
+    if wrapper is not None and wrapper.architecture in SGLANG_ARCHS:
+        pf.add(
+            "rollout.backend",
+            f"{cfg.model.path}/config.json names its class {arch} (transformers' name); SGLang registers the "
+            f"release's name, {wrapper.architecture}",
+            f'set "architectures": ["{wrapper.architecture}"] in that config.json',
+        )
+    elif arch not in SGLANG_ARCHS:
         pf.add(
             "rollout.backend",
             f"SGLang ({'.'.join(map(str, SGLANG_MIN))}) does not serve {arch or model.get('model_type')}",

@@ -21,16 +21,21 @@ Invariants:
 - The indexer scores the entries so far with k = min(index_topk, N): a query with fewer than k visible entries
   picks them all, one with more picks its index_topk best, the full forward's valid picks (Indexer.select).
 - Buffers are views of nothing: each update keeps fresh tensors, so `nbytes` is what the cache pins; the window
-  never holds more than W - 1 rows, pending rows fewer than m.
+  never holds more than W - 1 rows, pending rows fewer than m. `state_bytes` says it from the config alone (the
+  planner's rollout cache, planner/measure.py), a function of the length only, however the tokens came in calls.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .dsv4_attention import CSACompressor, DSV4Attention, Pooling, Rope
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
 
 def _bytes(*tensors: torch.Tensor | None) -> int:
@@ -135,3 +140,27 @@ class DSV4State:
     def nbytes(self) -> int:
         """Bytes of the tensors held (windows, entries, partial blocks, overlap halves)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+
+def state_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+    """`DSV4State.nbytes()` of a sequence of `tokens` tokens whose tensors hold `dtype_bytes` per element (the
+    model's dtype: every one of them is computed in it): per layer the window, and per compressed layer its
+    pooling's `BlockBuffer` (a CSA layer's indexer's too) as `LayerCache.attend` leaves them."""
+    s = cfg.spec
+    elements = 0
+    for kind in s.layer_types:
+        elements += min(tokens, max(s.sliding_window - 1, 0)) * cfg.head_dim
+        rate = s.compress_rate(kind)
+        if rate:
+            overlap = kind == "compressed_sparse_attention"
+            for dim in (cfg.head_dim, s.index_head_dim) if overlap else (cfg.head_dim,):
+                elements += _buffer_elements(tokens, rate, dim, overlap)
+    return elements * dtype_bytes
+
+
+def _buffer_elements(tokens: int, rate: int, dim: int, overlap: bool) -> int:
+    """A `BlockBuffer` after `tokens` tokens: the entries [N, dim], the kv and gate rows of the partial block
+    [tokens % rate, width] and, overlapping, the first halves [rate, dim] of the last complete block (kv, gate)."""
+    n, rest = divmod(tokens, rate)
+    width = 2 * dim if overlap else dim
+    return n * dim + 2 * rest * width + (2 * rate * dim if overlap and n else 0)

@@ -7,12 +7,17 @@ Stage: shared (config.py parses with these tables).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from .config import ModelConfig
+
+    Transform = Callable[[torch.Tensor], torch.Tensor]
 
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -37,7 +42,9 @@ class Wrapper:
     tensors under `prefixes`. We train the text model; hf_io.py keeps the other tensors and writes them back."""
 
     architecture: str
-    """The checkpoint's own class (its config.json `architectures`), which SGLang serves or not."""
+    """The checkpoint's class as released (its config.json `architectures`), the name SGLang registers."""
+    aliases: tuple[str, ...] = ()
+    """Other names of the same class in a config.json (transformers' own, which its save_pretrained writes)."""
     text_type: str | None
     """The text model's family (None: the text_config's own model_type)."""
     prefixes: tuple[tuple[str, str], ...]
@@ -46,6 +53,23 @@ class Wrapper:
     """Names the LM head is stored under; the first is the one we write."""
     tie_default: bool
     """The wrapper class's `tie_word_embeddings` when neither it nor its text_config sets the key."""
+
+    codec: str | None = None
+    """A module of this package that renames and reshapes the text tensors (its `sources` and `stored`), where a
+    prefix is not enough (Inkling's release: inkling_release.py); None: `prefixes` and `heads` say it all."""
+
+    def sources(self, names: Iterable[str]) -> dict[str, tuple[str, Transform | None]]:
+        """Our name -> (the stored tensor it is read from, what turns that into ours) for the text model's tensors
+        among a checkpoint's `names`; the others are the towers'."""
+        if self.codec is not None:
+            return dict(importlib.import_module(f"{__package__}.{self.codec}").sources(names))
+        return {ours: (n, None) for n in names if (ours := self.ours(n)) is not None}
+
+    def store(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """(stored name, tensor) for our text tensors, as the checkpoint keeps them."""
+        if self.codec is not None:
+            return list(importlib.import_module(f"{__package__}.{self.codec}").stored(tensors))
+        return [(self.stored(n), t) for n, t in tensors]
 
     def ours(self, name: str) -> str | None:
         """Our name for a stored tensor of the text model, else None (a tower's tensor, kept as it is)."""
@@ -75,9 +99,11 @@ WRAPPERS: dict[str, Wrapper] = {
     ),
     # Kimi-K2.5 / K2.6: a DeepSeek-V3 text model (`kimi_k2`) under `language_model.*` (the Hub's), beside
     # `vision_tower.*` and `mm_projector.*`; transformers' in-memory names and its save_pretrained output (which
-    # reverses its vision tower's `blocks` -> `layers` rename on the text layers too) read as well.
+    # reverses its vision tower's `blocks` -> `layers` rename on the text layers too) read as well. The release
+    # names its class `KimiK25ForConditionalGeneration` (SGLang's too); transformers calls it Kimi_K25....
     "kimi_k25": Wrapper(
-        architecture="Kimi_K25ForConditionalGeneration",
+        architecture="KimiK25ForConditionalGeneration",
+        aliases=("Kimi_K25ForConditionalGeneration",),
         text_type=None,
         prefixes=(
             ("language_model.model.", "model."),
@@ -86,6 +112,16 @@ WRAPPERS: dict[str, Wrapper] = {
         ),
         heads=("language_model.lm_head.weight", "lm_head.weight"),
         tie_default=True,
+    ),
+    # Inkling as released: the text model under `model.llm.*` in the release's own names, gate and up rows
+    # interleaved in fused tensors (inkling_release.py), beside `model.visual.*`, `model.audio.*`, `model.mtp.*`.
+    "inkling_mm_model": Wrapper(
+        architecture="InklingForConditionalGeneration",
+        text_type="inkling_text",
+        prefixes=(("model.llm.", "model."),),
+        heads=("model.llm.unembed.weight",),
+        tie_default=False,
+        codec="inkling_release",
     ),
 }
 
@@ -128,8 +164,6 @@ def family_module(model_type: str) -> Any:
     name = FAMILY_MODULES.get(model_type)
     if name is None:
         return None
-    import importlib
-
     return importlib.import_module(f"{__package__}.{name}")
 
 

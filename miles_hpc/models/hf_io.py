@@ -41,7 +41,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -205,12 +205,15 @@ def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
     """Fill every parameter of `model` from the HF checkpoint directory `path`, checking names and shapes."""
     files, blame = checkpoint_files(Path(path))
     wrapper = _wrapper_config(Path(path))
+    transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # ours from a reshaped stored tensor
     if wrapper is None:
         stored = {hub_name(model.config, n): n for n in files}  # Hub spelling -> the name in the file
     else:  # a multimodal checkpoint: the text model's tensors under its prefix; the others kept as they are
-        text = {n: ours for n in files if (ours := WRAPPERS[wrapper["model_type"]].ours(n)) is not None}
-        stored = {hub_name(model.config, ours): n for n, ours in text.items()}
-        extra = {n: files[n] for n in files if n not in text}
+        text = WRAPPERS[wrapper["model_type"]].sources(files)
+        stored = {hub_name(model.config, ours): n for ours, (n, _) in text.items()}
+        transforms = {hub_name(model.config, ours): f for ours, (_, f) in text.items() if f is not None}
+        consumed = {n for n, _ in text.values()}
+        extra = {n: files[n] for n in files if n not in consumed}
         model.hf_wrapper, model.hf_extra = wrapper, _read_all(extra)
     files = {hub: files[n] for hub, n in stored.items()}
     quant = fp8.read_quantization(path)
@@ -239,6 +242,12 @@ def load_hf_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> None:
             raise FileNotFoundError(f"{blame}: shard {file.name} (holding {names[0]!r}) does not exist")
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for n in names:
+                if n in transforms:  # a multimodal release's fused or permuted tensor (families.Wrapper.codec)
+                    t = transforms[n](f.get_tensor(stored[n]))
+                    if tuple(t.shape) != expected[n]:
+                        raise ValueError(f"{file}: {stored[n]!r} gives {n!r} of {tuple(t.shape)}, not {expected[n]}")
+                    hf_target(model, n, params).copy_(t)
+                    continue
                 shape = tuple(f.get_slice(stored[n]).get_shape())
                 if shape != expected[n]:
                     raise ValueError(f"{file}: tensor {stored[n]!r} has shape {shape}, expected {expected[n]}")
@@ -310,8 +319,7 @@ def save_pretrained(model: CausalLM, out_dir: str | os.PathLike[str], max_shard_
     config = model.config.replace(dtype=str(dtype).removeprefix("torch."))
     tensors = list(iter_hf_tensors(model))
     if model.hf_wrapper is not None:  # the multimodal checkpoint this text model came from: its layout, all of it
-        wrapper = WRAPPERS[model.hf_wrapper["model_type"]]
-        tensors = [(wrapper.stored(n), t) for n, t in tensors]
+        tensors = WRAPPERS[model.hf_wrapper["model_type"]].store(tensors)
         tensors += list(model.hf_extra.items())
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0

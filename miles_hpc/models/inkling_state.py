@@ -17,13 +17,19 @@ Invariants:
 - `length` counts the tokens every layer's cache has consumed; all layers advance together (the backbone bumps it
   once per call, after every layer ran).
 - Tensors are detached and hold the dtype the forward computed them in (the model's); nothing needs gradients.
+- `state_bytes` says what a state holds from the config and its length alone (the planner's rollout cache,
+  planner/measure.py), however the tokens came in calls.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
 CONV_NAMES = ("k", "v", "attn", "mlp")
 """The four short convolutions of a layer whose last inputs a state keeps."""
@@ -59,3 +65,20 @@ class InklingState:
     def nbytes(self) -> int:
         """Bytes of the tensors held (keys, values, convolution inputs of every layer)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+
+def state_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+    """`InklingState.nbytes()` of a sequence of `tokens` tokens whose tensors hold `dtype_bytes` per element (the
+    model's dtype): per layer its keys and values (a sliding layer's last window - 1, a global layer's all) and,
+    once a token has come, the last K - 1 inputs of its four convolutions (module docstring)."""
+    if tokens <= 0:
+        return 0
+    s = cfg.spec
+    elements = 0
+    for kind in s.layer_types:
+        if kind == "hybrid_sliding":
+            width, held = s.swa_num_key_value_heads * s.swa_head_dim, min(tokens, max(s.sliding_window_size - 1, 0))
+        else:
+            width, held = cfg.num_key_value_heads * cfg.head_dim, tokens
+        elements += 2 * width * held + (s.conv_kernel_size - 1) * 2 * (width + cfg.hidden_size)
+    return elements * dtype_bytes

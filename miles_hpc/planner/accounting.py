@@ -13,10 +13,13 @@ Invariants.
   bf16 compute with the float32 parts where the code upcasts; each saved storage once, parameters excluded.
   ``tests/test_plan_estimate.py`` checks the sum against ``saved_tensors_hooks`` on tiny built models of every
   family. The CUDA attention kernels keep what the CPU one keeps (q, k, v, output, float32 log-sum-exp, and the
-  mask a DSA layer passes, as an additive mask in the compute dtype).
+  mask a DSA layer passes, as an additive mask in the compute dtype). The hybrids' and the FAMILY_MODULES families'
+  (DeepSeek-V4, Inkling) layers, and the latter's parts outside them, are measured on the meta device instead
+  (measure.py); ``tests/test_plan_families.py`` checks those two the same way.
 - :func:`kv_bytes_per_token` is the cache SGLang keeps per token: MLA's latent (``kv_lora_rank`` +
   ``qk_rope_head_dim``), whole on every TP rank, plus DSA's indexer key (``index_head_dim``) on layers that run
-  their indexer; GQA's K and V heads, split over TP ranks (replicated below one head per rank).
+  their indexer; GQA's K and V heads, split over TP ranks (replicated below one head per rank). DeepSeek-V4 and
+  Inkling: what our engine's per-sequence decode state grows by per token (measure.family_state).
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from typing import Any
 import torch
 
 from miles_hpc.models import CausalLM, ModelConfig, expected_hf_shapes
-from miles_hpc.models.families import text_model
+from miles_hpc.models.families import logits_width, text_model
 
 Shape = tuple[int, ...]
 Shapes = dict[str, Shape]
 
 ACT_BYTES = 2  # bf16 compute (train.mixed_precision, the GPU default)
+_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 F32, I64 = 4, 8
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _SENTINEL = "<model config>"
@@ -183,11 +187,11 @@ def layer_saved(
     (for MLA the expanded per-head K and V), ``dsa_mask`` (the [S, S] mask of each sequence), ``mlp`` (with the
     router's float32 weight copy)."""
     tokens, a = seq_len * micro_batch, act_bytes
-    if mc.is_hybrid:  # measured on the meta device: the recurrent scans' per-chunk tensors (measure.py)
-        from .measure import layer_kept
+    if mc.is_hybrid or mc.spec is not None:  # measured on the meta device (measure.py): the recurrent scans'
+        from .measure import family_layer_kept, layer_kept  # per-chunk tensors; DeepSeek-V4's and Inkling's layers
 
-        dtype = {2: torch.bfloat16, 4: torch.float32}[a]
-        return layer_kept(mc, layer, seq_len, micro_batch, dtype)
+        kept = family_layer_kept if mc.spec is not None else layer_kept
+        return kept(mc, layer, seq_len, micro_batch, _DTYPES[a])
     attn, kv = _attention(mc, a)
     mlp = _mlp(mc, layer, a) * tokens
     if mc.is_moe_layer(layer) and mc.group_router:
@@ -213,19 +217,17 @@ def activations(
     """What one micro-batch of ``micro_batch`` packed sequences of ``seq_len`` tokens keeps on a trainer GPU, by
     term (docs/planning.md: the terms). With ``checkpointing`` (train.activation_checkpointing) each decoder
     layer keeps its input (and a DSA layer the top-k selection it is handed) and is recomputed in backward."""
-    _modelled(mc)
     n, s, a = micro_batch, seq_len, act_bytes
-    t, h = n * s, mc.hidden_size
+    t = n * s
     layers = [layer_saved(mc, i, seq_len=s, micro_batch=n, act_bytes=a) for i in range(mc.num_hidden_layers)]
     full = [mc.indexer_full(i) for i in range(mc.num_hidden_layers)]
-    # Token ids, RoPE's cos and sin (shared by every layer), the final norm and its output (the head's input),
-    # the logits the log-prob kernel keeps, with its float32 log-sum-exp and entropy and the int64 targets.
-    other = t * (I64 + 2 * a * mc.rotary_dim + _norm(h, a) + a * h)
-    if mc.is_hybrid:  # their final norm multiplies in float32: it keeps the float32 normalised row (not a
-        other += t * (F32 - a) * h + F32 * h  # compute-dtype one) and the float32 weight it multiplies by
+    other = _other(mc, s, n, a)
+    # The logits the log-prob kernel keeps (a padded vocabulary's storage whole: CausalLM's trim is a view), with
+    # its float32 log-sum-exp and entropy and the int64 targets; their gradient, and a trimmed one's padded copy.
     logits = t * (a * mc.vocab_size + 2 * F32 + I64)
+    width = logits_width(mc)
+    transient = {"logits_grad": t * a * (mc.vocab_size + (width if width < mc.vocab_size else 0))}
     scores = indexer_peak(mc, seq_len=s, micro_batch=n)
-    transient = {"logits_grad": t * a * mc.vocab_size}
     if not checkpointing:
         terms = dict.fromkeys(k for layer in layers for k in layer)  # a hybrid's: attention, recurrent, mlp
         saved = {k: sum(layer.get(k, 0) for layer in layers) for k in terms}
@@ -235,32 +237,50 @@ def activations(
     topk = min(mc.index_topk, s)
     handed = sum(full[:-1]) if mc.is_dsa else 0  # selections passed on to a later layer's checkpoint
     saved = {
-        "layer_inputs": mc.num_hidden_layers * t * a * h,
+        "layer_inputs": sum(_input_width(mc, i) for i in range(mc.num_hidden_layers)) * t * a,
         "dsa_selections": handed * n * s * topk * 4,  # int32 [S, top-k] per sequence
         "logits": logits,
         "other": other,
     }
-    recompute = max(sum(layer.values()) + (scores if f else 0) for layer, f in zip(layers, full, strict=True))
-    transient["recompute"] = recompute
+    # A recomputed layer's input is the checkpoint's (above), not counted again.
+    sums = [sum(v for k, v in layer.items() if k != "layer_inputs") for layer in layers]
+    transient["recompute"] = max(v + (scores if f else 0) for v, f in zip(sums, full, strict=True))
     return Activations(saved=saved, transient=transient)
 
 
-def _modelled(mc: ModelConfig) -> None:
-    """Activations and the attention cache are modelled for the families built in transformer.py and
-    mixer_blocks.py; a families.FAMILY_MODULES family's (DeepSeek-V4, Inkling) are not yet: refused by name."""
+def _other(mc: ModelConfig, seq_len: int, micro_batch: int, a: int) -> int:
+    """Bytes outside the layers and the logits: token ids, RoPE's cos and sin (shared by every layer), the final
+    norm and its output (the head's input); a FAMILY_MODULES model's measured (measure.family_ends_kept: no shared
+    RoPE, an embedding norm, DeepSeek-V4's final stream collapse)."""
+    t, h = seq_len * micro_batch, mc.hidden_size
     if mc.spec is not None:
-        raise ModelSpecError(
-            f"model_type {mc.model_type!r}: the planner does not model this family's activations and attention "
-            "cache yet (its weights it counts: they come from the model built on the meta device)"
-        )
+        from .measure import family_ends_kept
+
+        return family_ends_kept(mc, seq_len, micro_batch, _DTYPES[a])
+    other = t * (I64 + 2 * a * mc.rotary_dim + _norm(h, a) + a * h)
+    if mc.is_hybrid:  # their final norm multiplies in float32: it keeps the float32 normalised row (not a
+        other += t * (F32 - a) * h + F32 * h  # compute-dtype one) and the float32 weight it multiplies by
+    return other
+
+
+def _input_width(mc: ModelConfig, layer: int) -> int:
+    """Elements per token of a decoder layer's input: DeepSeek-V4's hc_mult streams (its first layer's, the
+    embedding broadcast over them: a view), else the hidden state."""
+    wide = mc.model_type == "deepseek_v4" and layer > 0
+    return mc.hidden_size * (mc.spec.hc_mult if wide else 1)
 
 
 # ---------------------------------------------------------------- rollout KV cache
 def kv_bytes_per_token(mc: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
     """KV-cache bytes per token on one engine rank of a TP-``tp`` engine (``tp=1``: one whole copy); decoder
     layers only (no speculative decoding, so MTP layers cache nothing), a hybrid's full-attention ones only (its
-    recurrent layers keep a state per sequence instead: measure.recurrent_state_bytes)."""
-    _modelled(mc)
+    recurrent layers keep a state per sequence instead: measure.recurrent_state_bytes). DeepSeek-V4 and Inkling:
+    what our engine's decode state grows by per token (measure.family_state; its bounded part is per sequence),
+    whole on the engine (it runs them without TP)."""
+    if mc.spec is not None:
+        from .measure import family_state
+
+        return family_state(mc, dtype_bytes)[0]
     layers = [i for i in range(mc.num_hidden_layers) if not mc.is_hybrid or mc.layer_types[i] == "full_attention"]
     if mc.is_mla:
         elements = len(layers) * (mc.kv_lora_rank + mc.head_dim)

@@ -45,7 +45,7 @@ from miles_hpc.planner.accounting import (
     model_config,
     model_tensors,
 )
-from miles_hpc.planner.measure import recurrent_state_bytes
+from miles_hpc.planner.measure import family_notes, recurrent_state_bytes
 from miles_hpc.planner.transfer import EngineRank, engine_layout, fsdp_layout, plan_transfers
 
 # Defaults. Each is an assumption unless a measurement is named; `assumptions()` prints them with the output.
@@ -343,7 +343,7 @@ def _activation_assumptions(c: TrainBatch, mc: ModelConfig | None) -> list[str]:
             "keeps its [S, S] mask per sequence, as the additive mask SDPA makes of it (compute dtype); indexer "
             "keys cached by the engines on the layers that run their indexer (index_head_dim each)"
         )
-    return out
+    return out + family_notes(mc)
 
 
 def _memory(
@@ -372,7 +372,7 @@ def _memory(
         "rollout_fits": weights_per_gpu <= mem,
         "rollout_kv_bytes_per_token": kv,  # on each engine GPU
         "rollout_kv_bytes_per_token_engine": kv_bytes_per_token(mc, c.rollout_bytes),  # one copy, unsplit
-        "rollout_kv_tokens_per_gpu": max(int(mem - weights_per_gpu), 0) // kv,
+        "rollout_kv_tokens_per_gpu": max(int(mem - weights_per_gpu), 0) // max(kv, 1),  # 0: only bounded state
         "rollout_state_bytes_per_seq": recurrent_state_bytes(mc, c.rollout_bytes),
     }
 
@@ -507,7 +507,7 @@ def _memory_rows(m: Mapping[str, Any], c: Mapping[str, Any], mem: Mapping[str, A
     kv, kv_copy = mem["rollout_kv_bytes_per_token"], mem["rollout_kv_bytes_per_token_engine"]
     room = f"room for {mem['rollout_kv_tokens_per_gpu']:,} tokens per GPU"
     per_seq = mem.get("rollout_state_bytes_per_seq")  # a hybrid's recurrent layers, per running sequence
-    state = f"; + recurrent state {_si(per_seq, 'B')} per sequence per engine copy" if per_seq else ""
+    state = f"; + per-sequence state {_si(per_seq, 'B')} per sequence per engine copy" if per_seq else ""
     return [
         (
             "train memory/GPU",

@@ -59,6 +59,27 @@ _MANAGED_FLAGS = frozenset(
 )
 
 
+# HF architectures of the families we ship that SGLang serves (its models' EntryClass in the release preflight accepts,
+# SGLANG_MIN there; tests/sglang_schema_check.py finds each in the installed sglang). A family outside this list is
+# refused for rollout.backend=sglang until its row is added here with the SGLang release that has it. The weight sync
+# sends a text model's names (`model.layers.*`, `lm_head.weight`) for a multimodal checkpoint too: SGLang's
+# KimiK25ForConditionalGeneration.load_weights drops `language_model.` from every name and hands the rest to its
+# DeepseekV3ForCausalLM, so those names load as the checkpoint's do.
+SGLANG_ARCHS = frozenset(
+    {
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "Glm4MoeForCausalLM",
+        "GlmMoeDsaForCausalLM",
+        "DeepseekV32ForCausalLM",
+        "KimiK25ForConditionalGeneration",
+    }
+)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SGLangLaunchSpec:
     """One SGLang engine (possibly spanning nodes with TP > GPUs per node). Render with :meth:`command`."""
