@@ -100,32 +100,40 @@ def bench(kind: str, args: argparse.Namespace, bw: float) -> None:
     with torch.no_grad():
         want = ref()
         torch_s = cuda_time(ref, reps=args.reps if decode else max(1, args.reps // 10))
-        for block in args.blocks:
-            for precision in [None] if decode else args.precisions:
-                fn = _kernel(sk, kind, ins, block, precision)
+        settings = [(b, None, None) for b in args.blocks] if decode else [
+            (b, p, st) for b in args.blocks for p in args.precisions for st in args.stages
+        ]  # fmt: skip
+        for block, precision, stages in settings:
+            line: dict[str, Any] = {"bench": "scan_kernels", "result": kind, **shape, "block": block}
+            if precision is not None:
+                line |= {"precision": precision, "stages": stages}
+            fn = _kernel(sk, kind, ins, block, precision, stages)
+            try:
                 got = fn()
-                s = cuda_time(fn, reps=args.reps)
-                line: dict[str, Any] = {"bench": "scan_kernels", "result": kind, **shape, "block": block}
-                if precision is not None:
-                    line["precision"] = precision
-                line |= {"triton_ms": round(s * 1e3, 4), "torch_ms": round(torch_s * 1e3, 4),
-                         "speedup": round(torch_s / s, 2)}  # fmt: skip
-                if decode:  # the state read and written once: the step's compulsory traffic
-                    line["state_GBps"] = round(2 * state_bytes / s / 1e9, 1)
-                    line["frac_copy_bw"] = round(2 * state_bytes / s / bw, 3)
-                else:
-                    line["tokens_per_s"] = round(t * bsz / s)
-                emit(line, got, want)
+            except Exception as e:  # a setting the GPU cannot hold (shared memory): say so, go on with the rest
+                print(json.dumps({**line, "error": f"{type(e).__name__}: {str(e)[:160]}"}), flush=True)
+                continue
+            s = cuda_time(fn, reps=args.reps)
+            line |= {"triton_ms": round(s * 1e3, 4), "torch_ms": round(torch_s * 1e3, 4),
+                     "speedup": round(torch_s / s, 2)}  # fmt: skip
+            if decode:  # the state read and written once: the step's compulsory traffic
+                line["state_GBps"] = round(2 * state_bytes / s / 1e9, 1)
+                line["frac_copy_bw"] = round(2 * state_bytes / s / bw, 3)
+            else:
+                line["tokens_per_s"] = round(t * bsz / s)
+            emit(line, got, want)
 
 
-def _kernel(sk: Any, kind: str, ins: list[torch.Tensor], block: int, precision: str | None) -> Callable[[], Any]:
+def _kernel(
+    sk: Any, kind: str, ins: list[torch.Tensor], block: int, precision: str | None, stages: int | None
+) -> Callable[[], Any]:
     if kind == "gdn_decode":
         return lambda: sk.gated_delta_recurrent_triton(*ins, block_v=block)
     if kind == "gdn_prefill":
-        return lambda: sk.gated_delta_chunked_triton(*ins, block_v=block, precision=precision)
+        return lambda: sk.gated_delta_chunked_triton(*ins, block_v=block, precision=precision, stages=stages)
     if kind == "ssd_decode":
         return lambda: sk.ssd_recurrent_triton(*ins, block_p=block)
-    return lambda: sk.ssd_chunked_triton(*ins, block_p=block, precision=precision)
+    return lambda: sk.ssd_chunked_triton(*ins, block_p=block, precision=precision, stages=stages)
 
 
 def main() -> int:
@@ -142,6 +150,7 @@ def main() -> int:
     ap.add_argument("--state", type=int, default=128, help="Mamba-2's ssm_state_size")
     ap.add_argument("--blocks", default="32", help="state columns (rows for SSD) per program, comma-separated")
     ap.add_argument("--precisions", default="ieee", help="tl.dot input precisions of the chunked kernels")
+    ap.add_argument("--stages", default="1", help="software-pipelining stages of the chunked kernels' loops")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -157,6 +166,7 @@ def main() -> int:
         ap.error(f"unknown --only {sorted(unknown)}; choose from {KINDS}")
     args.blocks = [int(b) for b in args.blocks.split(",")]
     args.precisions = args.precisions.split(",")
+    args.stages = [int(s) for s in args.stages.split(",")]
     bw = copy_bandwidth()
     print(json.dumps({"bench": "scan_kernels", "result": "copy", "GBps": round(bw / 1e9, 1),
                       "device": torch.cuda.get_device_name()}), flush=True)  # fmt: skip

@@ -11,6 +11,7 @@ test without one of ``PROCESS_MARKERS`` that starts a subprocess, a multiprocess
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing.process
 import os
 import shutil
@@ -25,6 +26,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REQUIRE_ALL = os.environ.get("MILES_REQUIRE_ALL", "") not in ("", "0")
+
+
+def has_megatron() -> bool:
+    """megatron-core importable (find_spec of a dotted name raises when its parent package is absent)."""
+    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
 
 def require(available: bool, what: str) -> None:

@@ -9,7 +9,6 @@ The model runs are subprocesses (tests/mcore_worker.py): megatron's parallel sta
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -38,7 +37,7 @@ from miles_hpc.train.mcore_weights import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import require  # noqa: E402
+from conftest import has_megatron, require  # noqa: E402
 from test_train_fsdp import STEP_ALGO, STEP_CFG, make_batch, tiny_model, world  # noqa: E402,F401
 
 from miles_hpc.train.fsdp import FSDPTrainer  # noqa: E402
@@ -252,7 +251,7 @@ def test_megatron_model_matches_ours_gpu(arch: str, size: str, tmp_path: Path) -
 
 
 def _compare_with_ours(cfg: ModelConfig, tp: int, tmp_path: Path, device: str, atol: float, ep: int = 1) -> None:
-    require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
+    require(has_megatron(), "megatron-core (the megatron extra)")
     torch.manual_seed(1)
     model = build_model(cfg)
     with torch.no_grad():  # a correction bias large enough to change which experts win (init leaves it at 0)
@@ -425,7 +424,7 @@ def _compare_step_with_fsdp(
     """The megatron step (in `world_size` processes) against FSDP's on one rank. `indexer_loss`: both with
     train.indexer_loss_coef (the workers read it from MCORE_INDEXER_LOSS); `recompute`: megatron with
     train.activation_checkpointing and that megatron.recompute_granularity, "full" or "selective" (MCORE_RECOMPUTE)."""
-    require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
+    require(has_megatron(), "megatron-core (the megatron extra)")
     os.environ["MCORE_INDEXER_LOSS"] = str(indexer_loss)
     os.environ["MCORE_RECOMPUTE"] = recompute or ""
     os.environ["MCORE_OFFLOAD"] = str(offload)
@@ -536,7 +535,7 @@ def test_activation_recompute_trains_the_same(
 def test_layout_refusals_name_the_key(world: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """What this backend does not do yet is refused by key before a model is built: recompute with R3 under
     pipeline stages, selective recompute for the DSA families, the DSA indexer loss under context parallelism."""
-    require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
+    require(has_megatron(), "megatron-core (the megatron extra)")
     from megatron.core import parallel_state
 
     from miles_hpc.config import AlgoConfig, MegatronConfig, TrainConfig
@@ -680,6 +679,7 @@ def test_a_checkpoint_names_its_backend(world: None, tiny_model: Path, tmp_path:
 
 
 def _megatron_run(run_dir: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    require(has_megatron(), "megatron-core (the megatron extra)")
     argv = [
         sys.executable,
         "-m",

@@ -8,7 +8,6 @@ The runs are subprocesses (tests/mcore_ckpt_worker.py): megatron's parallel stat
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ from miles_hpc.models import ModelConfig, build_model, read_config, save_pretrai
 from miles_hpc.models.presets import preset_config
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import require  # noqa: E402
+from conftest import has_megatron, require  # noqa: E402
 from test_megatron import _free_port, tiny_moe_model, untrained  # noqa: E402,F401
 from test_train_fsdp import tiny_model  # noqa: E402,F401
 
@@ -49,7 +48,7 @@ def _run(
     pp: int = 1,
     vpp: int = 1,
 ) -> dict:
-    require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
+    require(has_megatron(), "megatron-core (the megatron extra)")
     env = {
         **os.environ,
         "WORLD_SIZE": str(world),

@@ -32,7 +32,7 @@ from test_megatron_mla import YARN  # noqa: E402
 from test_train_fsdp import world  # noqa: E402,F401
 
 from miles_hpc.models import build_model, save_pretrained  # noqa: E402
-from miles_hpc.train.mcore_pipeline import StageLayout  # noqa: E402
+from miles_hpc.planner.mcore_layout import StageLayout  # noqa: E402
 from miles_hpc.train.mcore_weights import is_frozen, mcore_rules  # noqa: E402
 
 ARCHS = ("glm_moe_dsa", "deepseek_v32")

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import require
+from conftest import has_megatron, require
 from test_train_fsdp import free_port
 
 
 def _fix() -> types.ModuleType:
-    require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
+    require(has_megatron(), "megatron-core (the megatron extra)")
     return importlib.import_module("miles_hpc.train.mcore_fixes")
 
 

@@ -11,11 +11,11 @@ import importlib.util
 import types
 
 import torch
-from conftest import require
+from conftest import has_megatron, require
 
 
 def _layout(dtypes: list[torch.dtype]) -> tuple[types.SimpleNamespace, list[torch.nn.Parameter], list[list]]:
-    require(importlib.util.find_spec("megatron.core") is not None, "megatron-core (the megatron extra)")
+    require(has_megatron(), "megatron-core (the megatron extra)")
     mod = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
     params = [torch.nn.Parameter(torch.zeros(i + 1, dtype=d)) for i, d in enumerate(dtypes)]
     param_groups = [{"params": params[:3]}, {"params": params[3:]}]

@@ -4,7 +4,6 @@ equal to FSDP's (tests/mcore_worker.py under MCORE_PP / MCORE_VPP)."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import sys
@@ -20,11 +19,11 @@ from miles_hpc.planner.layouts import Batch, Layout, MemoryOptions, layout_probl
 from miles_hpc.planner.mcore_layout import StageLayout
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import require  # noqa: E402
+from conftest import has_megatron, require  # noqa: E402
 from test_megatron import _compare_step_with_fsdp, run_fsdp_once, tiny_config  # noqa: E402
 from test_train_fsdp import world  # noqa: E402,F401
 
-MEGATRON = importlib.util.find_spec("megatron.core") is not None
+MEGATRON = has_megatron()
 
 
 # ---------------------------------------------------------------- pure layouts

@@ -14,7 +14,9 @@ rtol 1e-4, atol 1e-5, the repository's bar for two float32 evaluations of one co
 (tl.dot, tl.cumsum, tree reductions) and use their own exp. bf16 outputs (the delta rule's output takes v's dtype):
 both sides round float32 values that agree to the bar above once to bf16, which may land one bf16 ulp apart; one
 ulp is at most 2^-7 of the value, so rtol 2^-7 (plus the same atol). Inputs in bf16 are exact in float32, so the
-states of a bf16 run are held to the float32 bar.
+states of a bf16 run are held to the float32 bar. On a GPU at the models' sizes (a state of 128 x 128, hundreds of
+tokens) the references' own two forms (chunked and recurrent, both float32) differ by more than that bar: the
+kernels are held to twice that difference where it is larger (measured per case: `spread`, the other form).
 """
 
 from __future__ import annotations
@@ -89,12 +91,23 @@ def ssd_inputs(shape: tuple[Any, ...], device: str, seed: int) -> tuple[list[tor
     return [y if y is None else y.to(device) for y in ins], chunk
 
 
-def assert_same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], what: str) -> None:
+def assert_same(
+    got: tuple[torch.Tensor, torch.Tensor],
+    want: tuple[torch.Tensor, torch.Tensor],
+    what: str,
+    spread: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """`got` within the tolerances of the module docstring of `want`; with `spread` (the reference's other form on
+    the same inputs), the absolute bar is at least twice the two forms' own largest difference."""
     (o, s), (ro, rs) = got, want
     assert o.shape == ro.shape and o.dtype == ro.dtype and s.dtype == rs.dtype == torch.float32, what
-    tol = F32 if ro.dtype == torch.float32 else BF16_OUT
+    tol = dict(F32 if ro.dtype == torch.float32 else BF16_OUT)
+    s_tol = dict(F32)
+    if spread is not None:
+        tol["atol"] = max(tol["atol"], 2 * (spread[0].float() - ro.float()).abs().max().item())
+        s_tol["atol"] = max(s_tol["atol"], 2 * (spread[1] - rs).abs().max().item())
     torch.testing.assert_close(o.float(), ro.float(), **tol, msg=lambda m: f"{what} output: {m}")
-    torch.testing.assert_close(s, rs, **F32, msg=lambda m: f"{what} state: {m}")
+    torch.testing.assert_close(s, rs, **s_tol, msg=lambda m: f"{what} state: {m}")
 
 
 def check_gdn(device: str, shapes: list[tuple[Any, ...]], precision: str) -> None:
@@ -104,15 +117,17 @@ def check_gdn(device: str, shapes: list[tuple[Any, ...]], precision: str) -> Non
         (q, k, v, g, beta, state), chunk = gdn_inputs(shape, device, seed=i)
         assert q is not None and k is not None and v is not None and g is not None and beta is not None
         want = deltanet.gated_delta_recurrent(q, k, v, g, beta, state)
-        assert_same(sk.gated_delta_recurrent_triton(q, k, v, g, beta, state, block_v=16), want, f"recurrent {shape}")
+        other = deltanet.gated_delta_chunked(q, k, v, g, beta, state, chunk) if device == "cuda" else None
+        assert_same(sk.gated_delta_recurrent_triton(q, k, v, g, beta, state, block_v=16), want, f"recurrent {shape}",
+                    other)  # fmt: skip
         if shape[1] == 1 and state is not None:  # the engine's form: the new state written over the old one
             again = state.clone()
             got = sk.gated_delta_recurrent_triton(q, k, v, g, beta, again, out_state=again)
             assert got[1] is again
             assert_same(got, want, f"recurrent in place {shape}")
-        want = deltanet.gated_delta_chunked(q, k, v, g, beta, state, chunk)
+        recurrent, want = want, deltanet.gated_delta_chunked(q, k, v, g, beta, state, chunk)
         got = sk.gated_delta_chunked_triton(q, k, v, g, beta, state, min(chunk, sk.MAX_CHUNK), precision=precision)
-        assert_same(got, want, f"chunked {shape} {precision}")
+        assert_same(got, want, f"chunked {shape} {precision}", spread=recurrent if device == "cuda" else None)
 
 
 def check_ssd(device: str, shapes: list[tuple[Any, ...]], precision: str) -> None:
@@ -122,15 +137,16 @@ def check_ssd(device: str, shapes: list[tuple[Any, ...]], precision: str) -> Non
         (x, dt, a, b, c, state), chunk = ssd_inputs(shape, device, seed=100 + i)
         assert x is not None and dt is not None and a is not None and b is not None and c is not None
         want = mamba2.ssd_recurrent(x, dt, a, b, c, state)
-        assert_same(sk.ssd_recurrent_triton(x, dt, a, b, c, state, block_p=16), want, f"ssd recurrent {shape}")
+        other = mamba2.ssd_chunked(x, dt, a, b, c, state, chunk) if device == "cuda" else None
+        assert_same(sk.ssd_recurrent_triton(x, dt, a, b, c, state, block_p=16), want, f"ssd recurrent {shape}", other)
         if shape[1] == 1 and state is not None:
             again = state.clone()
             got = sk.ssd_recurrent_triton(x, dt, a, b, c, again, out_state=again)
             assert got[1] is again
             assert_same(got, want, f"ssd recurrent in place {shape}")
-        want = mamba2.ssd_chunked(x, dt, a, b, c, state, chunk)
+        recurrent, want = want, mamba2.ssd_chunked(x, dt, a, b, c, state, chunk)
         got = sk.ssd_chunked_triton(x, dt, a, b, c, state, min(chunk, sk.MAX_CHUNK), precision=precision)
-        assert_same(got, want, f"ssd {shape} {precision}")
+        assert_same(got, want, f"ssd {shape} {precision}", spread=recurrent if device == "cuda" else None)
 
 
 def check_strided(device: str) -> None:
@@ -155,9 +171,9 @@ def check(device: str, large: bool, precision: str | None = None) -> None:
     """Every kernel on every shape; the chunked kernels' products at ``precision`` (None: the module's default)."""
     from miles_hpc.models import scan_kernels as sk
 
-    precision = precision or sk.DOT_PRECISION
-    check_gdn(device, GDN_SMALL + (GDN_LARGE if large else []), precision)
-    check_ssd(device, SSD_SMALL + (SSD_LARGE if large else []), precision)
+    check_gdn(device, GDN_SMALL + (GDN_LARGE if large else []), precision or sk.GDN_PRECISION)
+    if precision in (None, sk.SSD_PRECISION):  # SSD under tf32x3 is not used (scan_kernels.SSD_PRECISION says why)
+        check_ssd(device, SSD_SMALL + (SSD_LARGE if large else []), precision or sk.SSD_PRECISION)
     check_strided(device)
     print("ok")
 
@@ -247,10 +263,10 @@ def test_kernels_compile_for_hopper() -> None:
     ssd = {"H": 4, "HPG": 2, "P": 20, "N": 24, "BP": 16, "BN": 32, "HAS_S0": True}
     for fn, constexprs, warps in (
         (sk._gdn_recurrent, {**heads, "BV": 16, "HAS_S0": True}, sk.WARPS),
-        (sk._gdn_chunk_prep, {**heads, "BVF": 32, "C": 16, "PREC": sk.DOT_PRECISION}, sk.PREP_WARPS),
-        (sk._gdn_chunk_scan, {**heads, "BV": 16, "C": 16, "HAS_S0": True, "PREC": sk.DOT_PRECISION}, sk.WARPS),
+        (sk._gdn_chunk_prep, {**heads, "BVF": 32, "C": 16, "PREC": sk.GDN_PRECISION}, sk.PREP_WARPS),
+        (sk._gdn_chunk_scan, {**heads, "BV": 16, "C": 16, "HAS_S0": True, "PREC": sk.GDN_PRECISION}, sk.WARPS),
         (sk._ssd_recurrent, ssd, sk.WARPS),
-        (sk._ssd_chunk_scan, {**ssd, "C": 16, "PREC": sk.DOT_PRECISION}, sk.PREP_WARPS),
+        (sk._ssd_chunk_scan, {**ssd, "C": 16, "PREC": sk.SSD_PRECISION}, sk.PREP_WARPS),
     ):
         assert ".entry" in _compile_for_hopper(fn, constexprs, warps).asm["ptx"]
 
@@ -259,7 +275,8 @@ def test_kernels_compile_for_hopper() -> None:
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
 def test_kernels_on_the_gpu(precision: str) -> None:
     """Compiled, at the GPU's sizes too; the chunked kernels' products in float32 on the FMA units (ieee) and in
-    three TF32 tensor-core passes (tf32x3), each held to the float32 bar (the interpreter computes both as ieee)."""
+    three TF32 tensor-core passes (tf32x3, the delta rule's default; SSD runs ieee only), each held to the float32
+    bar (the interpreter computes both as ieee)."""
     require(torch.cuda.is_available(), "a CUDA device")
     check("cuda", large=True, precision=precision)
 
@@ -273,12 +290,14 @@ def test_dispatchers_on_the_gpu() -> None:
 
     (q, k, v, g, beta, state), _ = gdn_inputs(GDN_LARGE[1], "cuda", seed=5)
     assert sk.use_triton(q, k, v, g, beta, state)
+    spread = deltanet.gated_delta_recurrent(q, k, v, g, beta, state)  # the reference's own float32 spread
     assert_same(sk.gated_delta_chunked(q, k, v, g, beta, state), deltanet.gated_delta_chunked(q, k, v, g, beta, state),
-                "dispatched chunked")  # fmt: skip
+                "dispatched chunked", spread)  # fmt: skip
     step = [t[:, :1] for t in (q, k, v, g, beta)]
     assert_same(sk.gated_delta_recurrent(*step, state), deltanet.gated_delta_recurrent(*step, state), "dispatched step")
     (x, dt, a, b, c, s0), _ = ssd_inputs(SSD_LARGE[1], "cuda", seed=6)
-    assert_same(sk.ssd_chunked(x, dt, a, b, c, s0), mamba2.ssd_chunked(x, dt, a, b, c, s0), "dispatched ssd")
+    spread = mamba2.ssd_recurrent(x, dt, a, b, c, s0)
+    assert_same(sk.ssd_chunked(x, dt, a, b, c, s0), mamba2.ssd_chunked(x, dt, a, b, c, s0), "dispatched ssd", spread)
     step = [t[:, :1] for t in (x, dt)]
     assert_same(sk.ssd_recurrent(step[0], step[1], a, b[:, :1], c[:, :1], s0),
                 mamba2.ssd_recurrent(step[0], step[1], a, b[:, :1], c[:, :1], s0), "dispatched ssd step")  # fmt: skip

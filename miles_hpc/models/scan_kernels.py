@@ -48,9 +48,19 @@ SSD_CHUNK = 128  # mamba2.CHUNK (a test checks they agree)
 MAX_CHUNK = 64
 BLOCK_V = 32  # delta rule: value columns per program (the state tile is [d_k, BLOCK_V] float32)
 BLOCK_P = 32  # SSD: head_dim rows per program (the state tile is [BLOCK_P, N] float32)
-DOT_PRECISION = "ieee"  # float32 products (torch's matmul default; TF32 would miss the references' tolerance)
+# tl.dot's input precision per chunked kernel. "tf32x3": three TF32 tensor-core passes (hi*hi + hi*lo + lo*hi),
+# float32-accurate here (the same largest differences from the references as "ieee" at Qwen3.5's and Nemotron-H's
+# sizes) and ~18x faster than "ieee" for the delta rule on an H100 (benchmarks/bench_scan_kernels.py, 2026-12-06:
+# 1.86 ms against 33.3 ms at 4,096 tokens; the torch reference 15.6 ms). SSD stays on "ieee" (float32 FMA): its
+# scan under tf32x3 hit an illegal memory access on a head of 3 x 5 on that H100 (Triton's bug or ours, not found).
+GDN_PRECISION = "tf32x3"
+SSD_PRECISION = "ieee"
+DOT_PRECISION = "ieee"  # the interpreter's (it computes every precision as float32 FMA)
 WARPS = 4
 PREP_WARPS = 8  # the prep kernel holds several [C, d] tiles and the [C, C] inverse
+# Software-pipelining stages of the chunk loops (Triton's num_stages): each stage buffers another chunk's tiles in
+# shared memory; at d_k = 128 with float32 inputs the default 3 needs ~279 KB, over Hopper's 227 KB (H100, 2026-12-06).
+SCAN_STAGES = 1
 
 
 @jit
@@ -357,7 +367,8 @@ def gated_delta_chunked_triton(
     chunk: int = deltanet.CHUNK,
     *,
     block_v: int = BLOCK_V,
-    precision: str = DOT_PRECISION,
+    precision: str = GDN_PRECISION,
+    stages: int = SCAN_STAGES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`deltanet.gated_delta_chunked` in two launches (module docstring); ``chunk`` a power of two in [16, 64].
     Scratch: float32, per value head and padded token, d_k + d_v + chunk + 1 values."""
@@ -380,7 +391,7 @@ def gated_delta_chunked_triton(
     bv = min(block_v, _pow2(dv))
     _gdn_chunk_scan[(bsz * n_v, triton.cdiv(dv, bv))](
         q, k, w, kd, attn, cum, s1 if s0 is None else s0, o, s1, *_strides(q, k), t, nt, EPS, dk**-0.5,
-        BV=bv, HAS_S0=s0 is not None, num_warps=WARPS, **heads,
+        BV=bv, HAS_S0=s0 is not None, num_warps=WARPS, num_stages=stages, **heads,
     )  # fmt: skip
     return o, s1
 
@@ -431,7 +442,8 @@ def ssd_chunked_triton(
     chunk: int = MAX_CHUNK,
     *,
     block_p: int = BLOCK_P,
-    precision: str = DOT_PRECISION,
+    precision: str = SSD_PRECISION,
+    stages: int = SCAN_STAGES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mamba2.ssd_chunked` in one launch: each (sequence, head, block of head_dim rows) walks its chunks in order;
     ``chunk`` a power of two in [16, 64]."""
@@ -446,7 +458,7 @@ def ssd_chunked_triton(
     _ssd_chunk_scan[(bsz * heads, triton.cdiv(p, bp))](
         x, dt, a, b, c, s1 if s0 is None else s0, y, s1, *_strides(x, b, c), t, triton.cdiv(t, chunk),
         H=heads, HPG=heads // b.shape[2], P=p, N=n, BP=bp, BN=_pow2(n), C=chunk, HAS_S0=s0 is not None,
-        PREC=precision, num_warps=PREP_WARPS,
+        PREC=precision, num_warps=PREP_WARPS, num_stages=stages,
     )  # fmt: skip
     return y, s1
 
