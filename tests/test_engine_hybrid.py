@@ -94,3 +94,26 @@ def test_what_a_hybrid_engine_refuses(ckpt: Path) -> None:
     for cfg in (EngineConfig(tp_size=2), EngineConfig(batch_invariant=True)):
         with pytest.raises(ValueError, match="hybrid model is served at tp_size 1 without batch_invariant"):
             Engine.from_pretrained(str(ckpt), cfg)
+
+
+@pytest.mark.gpu
+def test_a_gpu_engine_runs_the_scan_kernels(ckpt: Path, plain: CausalLM) -> None:
+    """On a GPU the engine's prefill and decode run the recurrent layers in Triton (models/scan_kernels.py): its
+    greedy tokens and log-probs, and a prompt's input log-probs, equal the plain float32 model's on the CPU (the
+    torch forms) within the same 1e-4, with chunked prefill beside decodes, and every kernel ran."""
+    from conftest import require
+    from test_scan_kernels import counting_kernels
+
+    require(torch.cuda.is_available(), "a CUDA device")
+    engine = Engine.from_pretrained(str(ckpt), EngineConfig(device="cuda", block_size=4, max_prefill_tokens=24))
+    ps = prompts([1, 7, 16, 33, 80])
+    results: dict[str, GenerateResult] = {}
+    with counting_kernels() as ran:
+        submit(engine, results, *(greedy_req(str(i), p, 16) for i, p in enumerate(ps)))
+        submit(engine, results, greedy_req("lp", ps[4], 1, return_logprob=True, logprob_start_len=0))
+        drain(engine, results)
+    check_greedy(plain, ps, results, 16, TOL)
+    got = results["lp"].input_logprobs
+    assert got is not None and max(abs(a - b) for a, b in zip(got[1:], plain_input_logprobs(plain, ps[4]))) < TOL
+    family = "ssd" if "nemotron" in str(ckpt) else "gated_delta"
+    assert ran[f"{family}_recurrent_triton"] > 0 and ran[f"{family}_chunked_triton"] > 0, dict(ran)

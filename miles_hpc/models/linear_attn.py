@@ -1,7 +1,8 @@
 """The Gated DeltaNet token mixer of Qwen3-Next and Qwen3.5 (their "linear_attention" layers), over the gated delta
 rule of deltanet.py. Issue 29: the families' decoder layers take it where `layer_types` says linear_attention.
 
-Stage: shared model code (the trainer's packed forward; the engine's prefill and decode on per-sequence state).
+Stage: shared model code (the trainer's packed forward; the engine's prefill and decode on per-sequence state). The
+rule runs in `scan_kernels`' Triton kernels on a GPU when no gradient is asked for, else in deltanet.py's torch forms.
 
 Per token: projections give q, k (n_k heads of d_k), v and the output gate z (n_v heads of d_v), and per value head
 ``b`` and ``a``; q | k | v pass a depthwise causal convolution of width W then SiLU; ``beta = sigmoid(b)``, the
@@ -30,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .deltanet import causal_conv, gated_delta_chunked, gated_delta_recurrent
+from . import scan_kernels
+from .deltanet import causal_conv
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -197,7 +199,8 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(n, t, d.key_heads, d.key_dim)
         v = v.reshape(n, t, d.value_heads, d.value_dim)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        rule_fn = gated_delta_recurrent if t == 1 else gated_delta_chunked  # decode: one step, no chunk padding
+        # decode: one step, no chunk padding; scan_kernels runs Triton on a GPU when no gradient is asked for
+        rule_fn = scan_kernels.gated_delta_recurrent if t == 1 else scan_kernels.gated_delta_chunked
         o, rule_out = rule_fn(q, k, v, g, b.sigmoid(), rule)
         o = self.norm(o, z).reshape(n, t, -1)
         return self.out_proj(o), LinearState(conv_out, rule_out)

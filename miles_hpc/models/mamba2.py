@@ -1,7 +1,8 @@
 """The Mamba-2 mixer of Nemotron-H (its "M" layers): the state-space scan in a chunked form (training, prefill) and a
 recurrent one (decode), and the layer around it. Issue 29: the family's blocks take it where the pattern says M.
 
-Stage: shared model code (the trainer's packed forward; the engine's prefill and decode on per-sequence state).
+Stage: shared model code (the trainer's packed forward; the engine's prefill and decode on per-sequence state). The
+scan runs in `scan_kernels`' Triton kernels on a GPU when no gradient is asked for, else in the torch forms here.
 
 Per head h (P = head_dim channels, N = ssm_state_size), state ``S`` [P, N]; token t with input ``x_t`` [P], the
 group's ``B_t``, ``C_t`` [N] (heads share them in n_groups groups), step ``dt_t = max(softplus(dt_raw + dt_bias),
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import scan_kernels
 from .deltanet import causal_conv
 from .linear_attn import LinearState, run_sequences
 
@@ -197,10 +199,10 @@ class Mamba2Mixer(nn.Module):
         b, c = b.reshape(n, t, d.groups, d.state), c.reshape(n, t, d.groups, d.state)
         dt = F.softplus(dt_raw.float() + self.dt_bias.float()).clamp(min=d.dt_min)
         a = -self.A_log.float().exp()
-        if t == 1:  # decode: one step, no chunk padding
-            y, scan_out = ssd_recurrent(xs, dt, a, b, c, scan)
+        if t == 1:  # decode: one step, no chunk padding (scan_kernels: Triton on a GPU when no gradient is asked)
+            y, scan_out = scan_kernels.ssd_recurrent(xs, dt, a, b, c, scan)
         else:
-            y, scan_out = ssd_chunked(xs, dt, a, b, c, scan, chunk=d.chunk)
+            y, scan_out = scan_kernels.ssd_chunked(xs, dt, a, b, c, scan, chunk=d.chunk)
         y = y + self.D.float()[:, None] * xs.float()
         y = self.norm(y.reshape(n, t, d.inner), z)  # float32 in, as transformers: cast after the weight
         return self.out_proj(y.to(x.dtype)), LinearState(conv_out, scan_out)
