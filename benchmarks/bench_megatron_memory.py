@@ -10,7 +10,10 @@ Prints one JSON line per result:
   planner's prediction in GB (1e9 B) with their ratio, the planner's terms, and the host memory the planner gives
   the optimizer;
 - ``offload_vs_gpu``: the largest absolute difference of any weight after the same two steps with and without
-  offload (bf16 weights, fp32 optimizer both ways: the same Adam arithmetic on another device).
+  offload (bf16 weights, fp32 optimizer both ways: the same Adam arithmetic on another device);
+- ``peak_composition`` per option set, with ``--peak-report``: the allocations live at the peak (the allocator's
+  recorded history replayed), summed by the innermost frame in this project or megatron that made each, largest
+  first: where the bytes the planner does not predict come from.
 
     python benchmarks/bench_megatron_memory.py                 # one H200: ~1.9B parameters, 8 layers of 32 experts
     python benchmarks/bench_megatron_memory.py --layers 2 --experts 4 --hidden 256 --moe-inter 128 --seq 256
@@ -81,6 +84,8 @@ def _step(model_dir: Path, cfg: dict[str, Any], args: argparse.Namespace, offloa
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()  # what an earlier trainer left (0 unless one leaked)
+    if args.peak_report:
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
     trainer = mg.MegatronTrainer(model_dir, train, AlgoConfig(), mcfg, device="cuda", seed=0)
     batch = _batch(args.seq, args.sequences, args.vocab)
     times = []
@@ -91,6 +96,10 @@ def _step(model_dir: Path, cfg: dict[str, Any], args: argparse.Namespace, offloa
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() - before
+    if args.peak_report:
+        report = peak_composition(torch.cuda.memory._snapshot())
+        torch.cuda.memory._record_memory_history(enabled=None)
+        print(json.dumps({"result": "peak_composition", "offload": offload, **report}), flush=True)
     opts = MemoryOptions(offload_fraction=offload, precision_aware=offload > 0)
     plan = rank_memory(cfg, Layout(), opts, Batch(seq_len=args.seq, micro_batch=1))
     weights = {n: t.float().cpu() for n, t in trainer.state_for_sync()}
@@ -119,6 +128,41 @@ def _step(model_dir: Path, cfg: dict[str, Any], args: argparse.Namespace, offloa
     return weights
 
 
+def _where(frames: list[dict[str, Any]]) -> str:
+    for f in frames:  # innermost first
+        name = f.get("filename", "")
+        if "miles_hpc" in name or "megatron" in name:
+            return f"{name.split('site-packages/')[-1].split('miles_hpc/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+    return "elsewhere"
+
+
+def peak_composition(snapshot: dict[str, Any], top: int = 20) -> dict[str, Any]:
+    """Replay the recorded allocations and frees of device 0; at the largest live total, the live bytes by where
+    they were allocated (`_where`), the `top` largest in GB."""
+    events = snapshot["device_traces"][0]
+
+    def replay(stop: int) -> tuple[dict[int, tuple[int, Any]], int, int]:
+        live: dict[int, tuple[int, Any]] = {}
+        total = best = best_at = 0
+        for i, ev in enumerate(events[:stop]):
+            if ev["action"] == "alloc":
+                live[ev["addr"]] = (ev["size"], ev.get("frames", []))
+                total += ev["size"]
+                if total > best:
+                    best, best_at = total, i + 1
+            elif ev["action"] == "free_completed" and ev["addr"] in live:
+                total -= live.pop(ev["addr"])[0]
+        return live, best, best_at
+
+    _, best, best_at = replay(len(events))  # where the live total peaked, then what was live there
+    at_peak = {a: (size, _where(frames)) for a, (size, frames) in replay(best_at)[0].items()}
+    sums: dict[str, int] = {}
+    for size, where in at_peak.values():
+        sums[where] = sums.get(where, 0) + size
+    biggest = sorted(sums.items(), key=lambda kv: -kv[1])[:top]
+    return {"peak_traced_gb": best / GB, "by_site_gb": {k: round(v / GB, 4) for k, v in biggest}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
@@ -128,6 +172,7 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=4096, help="tokens per sequence (one sequence per micro-batch)")
     ap.add_argument("--sequences", type=int, default=2)
+    ap.add_argument("--peak-report", action="store_true", help="also print what is live at each step's peak")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_megatron_memory: needs a CUDA GPU (megatron's optimizer and its offload are CUDA-only)")

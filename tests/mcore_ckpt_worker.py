@@ -11,7 +11,7 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
 
 MCORE_RECOMPUTE=full or selective in the environment: train.activation_checkpointing with that
 megatron.recompute_granularity; MCORE_CP: megatron.context_parallel; MCORE_PP, MCORE_VPP: megatron.pipeline_parallel and
-virtual_pipeline. DEVICE cuda: megatron's own optimizer (DISTRIBUTED_OPTIMIZER 1: the distributed one) instead of the CPU path's AdamW.
+virtual_pipeline; MCORE_OFFLOAD: megatron.optimizer_offload_fraction (precision-aware when > 0). DEVICE cuda: megatron's own optimizer (DISTRIBUTED_OPTIMIZER 1: the distributed one) instead of the CPU path's AdamW.
 Rank 0 saves what it got to OUT_FILE: weights and (CPU) Adam moments under HF names (gathered over TP and EP), Adam's
 and our step, lr, four draws of torch's RNG, the loop's state and the next step's metrics and weights.
 """
@@ -93,6 +93,7 @@ def main(
     world = tdist.world_from_env(device=device)
     tdist.init_trainer_world(world)
     recompute = os.environ.get("MCORE_RECOMPUTE", "")  # full / selective: train.activation_checkpointing
+    offload = float(os.environ.get("MCORE_OFFLOAD", "0"))
     mcfg = MegatronConfig(
         tensor_parallel=int(tp),
         expert_parallel=int(ep),
@@ -101,6 +102,8 @@ def main(
         context_parallel=int(os.environ.get("MCORE_CP", "1")),
         pipeline_parallel=int(os.environ.get("MCORE_PP", "1")),
         virtual_pipeline=int(os.environ.get("MCORE_VPP", "1")),
+        optimizer_offload_fraction=offload,
+        precision_aware_optimizer=offload > 0,
     )
     train_cfg = dataclasses.replace(CKPT_CFG, activation_checkpointing=bool(recompute))
     trainer = mg.MegatronTrainer(model_dir, train_cfg, STEP_ALGO, mcfg, device=world.device, seed=0)

@@ -54,12 +54,33 @@ def test_without_a_gpu_share_nothing_is_touched() -> None:
     fixes.gpu_share_grads(types.SimpleNamespace(gpu_optimizer=None, fp32_param_to_orig_param={}))
 
 
+def test_loaded_masters_reach_what_each_sub_optimizer_steps() -> None:
+    """After a state load megatron writes each loaded master into the float32 copy of a 16-bit parameter; the fix
+    also takes a float32 parameter kept on the GPU (its own master: no copy, megatron raised KeyError there) and a
+    float32 parameter offloaded (its host copy)."""
+    fixes = _fix()
+    bf16, kept, offloaded = torch.zeros(3, dtype=torch.bfloat16), torch.zeros(2), torch.zeros(4)
+    copy16, host = torch.zeros(3), torch.zeros(4)
+    masters = {bf16: torch.full((3,), 1.5), kept: torch.full((2,), 2.5), offloaded: torch.full((4,), 3.5)}
+    hdo = types.SimpleNamespace(
+        param_update_in_fp32=True,
+        state={p: {"master_param": m, "exp_avg": torch.ones_like(m)} for p, m in masters.items()},
+        param_to_inner_param={bf16: copy16, kept: kept, offloaded: host},
+    )
+    fixes.restore_masters(hdo)
+    for inner, p in ((copy16, bf16), (kept, kept), (host, offloaded)):
+        assert torch.equal(inner, masters[p])
+    assert torch.equal(bf16, torch.zeros(3, dtype=torch.bfloat16))  # the 16-bit weights come from the model's load
+
+
 def test_megatron_optimizer_is_patched() -> None:
-    """Importing the fixes wraps the two methods of megatron's class the fix needs (its step reads them)."""
+    """Importing the fixes wraps the two methods of megatron's class the fix needs (its step reads them) and
+    replaces the one a state load calls."""
     fixes = _fix()
     hdo = importlib.import_module("megatron.core.optimizer.cpu_offloading.hybrid_optimizer").HybridDeviceOptimizer
     assert hdo._set_sub_optimizer_grads.__qualname__.startswith(fixes._hybrid_set_grads.__qualname__)
     assert hdo._init_sub_optimizers.__qualname__.startswith(fixes._hybrid_init.__qualname__)
+    assert hdo._update_fp32_params_by_new_state is fixes.restore_masters
 
 
 FREED = r"""

@@ -24,7 +24,9 @@ Invariants.
   times 1F1B's activations on stage 0; the last stage also the logits. With full recompute a
   layer keeps its input and one layer's whole set is the largest temporary; with selective recompute (megatron's
   core_attn) a layer keeps all but the softmax, one layer's softmax the temporary. A DSA full layer's selection
-  (int32 [S, min(index_topk, S)] per sequence) is held per micro-batch in flight in every mode.
+  (int32 [S, min(index_topk, S)] per sequence) is held per micro-batch in flight in every mode, as is one layer's
+  attention backward: d(probabilities) and d(scores) in float32 and d(probabilities) in bf16, [heads / TP, S / CP,
+  S] each (an H100's step of 16 heads at 4,096 tokens peaked there: 3.25 GB in autograd; docs/benchmarks.md).
 - Nothing is measured here; `assumptions()` lists what the figures rest on.
 """
 
@@ -326,7 +328,8 @@ def _activations(mc: ModelConfig, layout: Layout, opts: MemoryOptions, batch: Ba
     ids = layout.stage_layers(mc.num_hidden_layers, stage)
     per = len(ids)
     heads = mc.num_attention_heads // layout.tp
-    probs = n * heads * (s // layout.cp) * s * (F32 + a)  # megatron's local attention: softmax out, float32 + copy
+    scores = n * heads * (s // layout.cp) * s  # one layer's [heads, S, S]; megatron's local attention keeps
+    probs = scores * (F32 + a)  # the softmax's float32 output and a bf16 copy
     layer_sets = []
     for i in ids:
         saved = layer_saved(mc, i, seq_len=s, micro_batch=n, act_bytes=a)
@@ -341,6 +344,7 @@ def _activations(mc: ModelConfig, layout: Layout, opts: MemoryOptions, batch: Ba
     else:
         out["layer_inputs"] = in_flight * per * n * s * mc.hidden_size * a // split // vpp
         out["recompute"] = max(layer_sets) + (_indexer_peak(mc, s, n) if any(mc.indexer_full(i) for i in ids) else 0)
+    out["attention_backward"] = scores * (2 * F32 + a)  # one layer's: d(probs), d(scores) float32, d(probs) bf16
     if mc.is_dsa:  # each full layer's selection, held for its micro-batch's backward (train/mcore_dsa.py)
         full = sum(mc.indexer_full(i) for i in ids)
         out["dsa_selections"] = in_flight * full * n * s * min(mc.index_topk, s) * 4 // vpp
@@ -566,7 +570,8 @@ def assumptions(node: Node, batch: Batch) -> list[str]:
         "element of the optimizer's shard; offloaded: 16 B on the host (master, gradient copy, m, v), and the GPU "
         "keeps the fp32 master unless precision-aware",
         "activations: our model's saved tensors per token over TP x CP, plus megatron's unfused attention "
-        "(float32 softmax + bf16 copy per score); frozen tensors (MTP, indexers) hold weights only; NCCL buffers, "
+        "(float32 softmax + bf16 copy per score) and one layer's attention backward (float32 gradients of the "
+        "probabilities and scores, a bf16 one); frozen tensors (MTP, indexers) hold weights only; NCCL buffers, "
         "the allocator's fragmentation and CUDA context excluded",
         "search: TP within a node (power of two), PP dividing the layers, EP dividing the experts and TP x CP x DP, "
         "CP up to --max-cp (default 1; all-gather attention: a rank's probabilities [heads / TP, S / CP, S]); "

@@ -103,6 +103,22 @@ def _hybrid_init(init: Any) -> Any:
     return wrapped
 
 
+def restore_masters(hdo: Any) -> None:
+    """megatron-core 0.16's HybridDeviceOptimizer, after a state load, writes each parameter's loaded master weights
+    (`state[p]["master_param"]`) into the float32 copy it keeps of a 16-bit parameter, and looks every parameter up
+    among those copies: a float32 parameter has none (a KeyError: a float32 model's, or a bf16 model's float32 router
+    and norm weights, failed to resume on a GPU), and a float32 parameter it offloaded keeps its host copy unloaded.
+    Here the master goes to whatever the sub-optimizer steps: the float32 copy, the host copy, or the parameter."""
+    if not hdo.param_update_in_fp32:
+        return
+    for param, state in hdo.state.items():
+        master = state.get("master_param")
+        inner = hdo.param_to_inner_param.get(param, param)
+        if master is not None and inner is not master:
+            inner.data.copy_(master)
+
+
+_HybridDeviceOptimizer._update_fp32_params_by_new_state = restore_masters
 _HybridDeviceOptimizer._set_sub_optimizer_grads = _hybrid_set_grads(_HybridDeviceOptimizer._set_sub_optimizer_grads)
 _HybridDeviceOptimizer._init_sub_optimizers = _hybrid_init(_HybridDeviceOptimizer._init_sub_optimizers)
 

@@ -515,7 +515,10 @@ class MegatronTrainer(PackedTrainer):
         check_same_model(root, layout.get("model"), self.config)
         for inner in self._inner_optimizers():
             init_adam_state(inner)
-        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(root / "mcore"))
+        # megatron's CPU-offload optimizer keeps its sub-optimizers' classes among its hyperparameters, which the
+        # common state's weights-only load refuses unless named: torch's own optimizer classes (offload on or off).
+        with torch.serialization.safe_globals([torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD]):
+            state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(root / "mcore"))
         models = (
             [state["model"]]
             if len(self.chunks) == 1
