@@ -3,7 +3,8 @@
 A random-init model almost never emits an answer followed by the end-of-turn token, so every GRPO group has zero
 reward variance and RL has no signal. The warm-up trains on ``prompt -> label + eos`` through the same trainer and
 loss: with advantage 1 on the answer tokens and the PPO ratio at 1 (the trainer computes the old log-probs itself),
-the policy gradient is exactly the negative log-likelihood gradient of the answer.
+the policy gradient is exactly the negative log-likelihood gradient of the answer. The batches are marked
+``supervised``: the run's off-policy corrections (TIS, MIS) and KL penalty do not apply to them (train/step.py).
 
 ``shuffle_labels`` pairs every prompt with the label of another record: the model learns the answer *format*
 (one digit, then stop) but not which answer is right, so the reward after the warm-up stays at chance and any rise
@@ -52,4 +53,5 @@ def warmup_batches(
             rollout_logprobs=[[0.0] * len(t) for t in tokens],
             advantages=[[float(m) for m in mask] for mask in masks],
             token_hash=[token_hash(t) for t in tokens],
+            supervised=True,
         )

@@ -12,6 +12,8 @@ The trainer never sees `Sample` objects or HTTP: the loop flattens samples into 
 - ``indexer_topk[i]`` (DSA indexer replay): int [R_i, indexer_layers, index_topk], the key positions (within the
   sample, -1 padding) each of tokens 0..R_i-1 attended to in each layer with an indexer (``Sample.indexer_topk``);
   tokens past R_i, and rows of only -1, use the live indexer.
+- ``supervised``: teacher-forced tokens no engine sampled (the warm-up, loop/warmup.py): ``rollout_logprobs`` are
+  placeholders, so the trainer applies no off-policy correction (TIS, MIS) and no KL penalty to such a batch.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class TrainBatch:
     ref_logprobs: list[list[float]] | None = None  # reference-model log-probs, when a KL penalty is on
     routed_experts: list[np.ndarray | None] | None = None  # R3 records per sample (module docstring)
     indexer_topk: list[np.ndarray | None] | None = None  # DSA indexer records per sample (module docstring)
+    supervised: bool = False  # teacher-forced, not sampled: no TIS/MIS, no KL (module docstring)
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -52,6 +53,13 @@ _LossOf = Callable[[PackedMicroBatch, torch.Tensor, "torch.Tensor | None"], torc
 # micro-batches and ranks); pg_loss is globally normalised (summed); ratio_max is a max.
 _SUMMED = ("pg_loss",)
 _MAXED = ("ratio_max",)
+
+
+def supervised_algo(cfg: AlgoConfig) -> AlgoConfig:
+    """The loss of a supervised batch (`TrainBatch.supervised`): its log-probs come from no behaviour policy, so
+    truncated and masked importance sampling (which would weigh each token by its probability under the model
+    against the placeholder 0 and mask nearly all of them) and the KL penalty (no reference log-probs) are off."""
+    return dataclasses.replace(cfg, tis_cap=None, mis_low=None, mis_high=None, kl_coef=0.0)
 
 
 class PackedTrainer:
@@ -180,7 +188,8 @@ class PackedTrainer:
             raise ValueError(f"TrainBatch.indexer_topk: {type(self).__name__} does not replay DSA indexer records")
         minibatches = split_minibatches(len(batch), self.train_cfg.updates_per_step)
         plans = [self._plan(batch, mini) for mini in minibatches]
-        want_entropy = self.algo_cfg.entropy_coef != 0.0
+        algo = supervised_algo(self.algo_cfg) if batch.supervised else self.algo_cfg
+        want_entropy = algo.entropy_coef != 0.0
         acc = _Metrics()
         grad_norms: list[torch.Tensor] = []
 
@@ -217,7 +226,7 @@ class PackedTrainer:
                     mb.advantages,
                     mb.loss_mask,
                     mb.seq_ids,
-                    self.algo_cfg,
+                    algo,
                     rollout_logprobs=mb.rollout_logprobs,
                     ref_logprobs=mb.ref_logprobs,
                     entropy=ent if want_entropy else None,
