@@ -182,10 +182,13 @@ class PackedTrainer:
                 merged = [union[i] for i in range(len(batch))]
         return self._logprobs_to_rank0(merged)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def _check_batch(self, batch: TrainBatch) -> None:
         check_token_hashes(batch)
         if batch.indexer_topk is not None and not self.replays_indexer:
             raise ValueError(f"TrainBatch.indexer_topk: {type(self).__name__} does not replay DSA indexer records")
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        self._check_batch(batch)
         minibatches = split_minibatches(len(batch), self.train_cfg.updates_per_step)
         plans = [self._plan(batch, mini) for mini in minibatches]
         algo = supervised_algo(self.algo_cfg) if batch.supervised else self.algo_cfg
