@@ -11,7 +11,8 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT:
 
 MCORE_RECOMPUTE=full or selective in the environment: train.activation_checkpointing with that
 megatron.recompute_granularity; MCORE_CP: megatron.context_parallel; MCORE_PP, MCORE_VPP: megatron.pipeline_parallel and
-virtual_pipeline; MCORE_OFFLOAD: megatron.optimizer_offload_fraction (precision-aware when > 0). DEVICE cuda: megatron's own optimizer (DISTRIBUTED_OPTIMIZER 1: the distributed one) instead of the CPU path's AdamW.
+virtual_pipeline; MCORE_OFFLOAD: megatron.optimizer_offload_fraction (precision-aware when > 0); MCORE_MIXED=1: train.mixed_precision (bf16).
+DEVICE cuda: megatron's own optimizer (DISTRIBUTED_OPTIMIZER 1: the distributed one) instead of the CPU path's AdamW.
 Rank 0 saves what it got to OUT_FILE: weights and (CPU) Adam moments under HF names (gathered over TP and EP), Adam's
 and our step, lr, four draws of torch's RNG, the loop's state and the next step's metrics and weights.
 """
@@ -105,7 +106,8 @@ def main(
         optimizer_offload_fraction=offload,
         precision_aware_optimizer=offload > 0,
     )
-    train_cfg = dataclasses.replace(CKPT_CFG, activation_checkpointing=bool(recompute))
+    mixed = os.environ.get("MCORE_MIXED", "0") == "1"  # train.mixed_precision (bf16): the flagship's
+    train_cfg = dataclasses.replace(CKPT_CFG, activation_checkpointing=bool(recompute), mixed_precision=mixed)
     trainer = mg.MegatronTrainer(model_dir, train_cfg, STEP_ALGO, mcfg, device=world.device, seed=0)
     if mode == "save":
         trainer.train_step(make_batch(TRAIN_LENGTHS))

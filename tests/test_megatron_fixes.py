@@ -73,14 +73,39 @@ def test_loaded_masters_reach_what_each_sub_optimizer_steps() -> None:
     assert torch.equal(bf16, torch.zeros(3, dtype=torch.bfloat16))  # the 16-bit weights come from the model's load
 
 
+def test_loaded_state_goes_to_the_device_of_what_each_sub_optimizer_steps() -> None:
+    """After a state load megatron moved a sub-optimizer's state to the host when it was an instance of the CPU
+    optimizer's class: without Transformer Engine both are torch's AdamW, so the GPU share's moments went to the host
+    too. Here the GPU share is stood in by the meta device (no GPU on CI): its moments and step follow its
+    parameter there, the host share's stay on the host."""
+    fixes = _fix()
+    host, kept = torch.zeros(3), torch.zeros(2, device="meta")
+    cpu_opt, gpu_opt = torch.optim.AdamW([host]), torch.optim.AdamW([kept])  # the classes megatron picks without TE
+    orig_host, orig_kept = torch.zeros(3, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.bfloat16)
+    loaded = {p: {"step": torch.tensor(2.0), "exp_avg": torch.ones(n)} for p, n in ((orig_host, 3), (orig_kept, 2))}
+    cpu_opt.state = {host: loaded[orig_host]}  # as megatron's _sync_hdo_state_to_sub_optimizers shares them
+    gpu_opt.state = {kept: loaded[orig_kept]}
+    hdo = types.SimpleNamespace(
+        sub_optimizers=[cpu_opt, gpu_opt],
+        inner_param_to_orig_param={host: orig_host, kept: orig_kept},
+        state=loaded,
+        defaults={"cpu_optimizer_cls": torch.optim.AdamW},
+    )
+    fixes.state_to_param_devices(hdo)
+    assert {v.device.type for v in loaded[orig_kept].values()} == {"meta"}
+    assert {v.device.type for v in loaded[orig_host].values()} == {"cpu"}
+    assert gpu_opt.state[kept] is loaded[orig_kept]
+
+
 def test_megatron_optimizer_is_patched() -> None:
     """Importing the fixes wraps the two methods of megatron's class the fix needs (its step reads them) and
-    replaces the one a state load calls."""
+    replaces the two a state load calls."""
     fixes = _fix()
     hdo = importlib.import_module("megatron.core.optimizer.cpu_offloading.hybrid_optimizer").HybridDeviceOptimizer
     assert hdo._set_sub_optimizer_grads.__qualname__.startswith(fixes._hybrid_set_grads.__qualname__)
     assert hdo._init_sub_optimizers.__qualname__.startswith(fixes._hybrid_init.__qualname__)
     assert hdo._update_fp32_params_by_new_state is fixes.restore_masters
+    assert hdo._move_new_state_to_right_device is fixes.state_to_param_devices
 
 
 FREED = r"""

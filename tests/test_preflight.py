@@ -96,17 +96,6 @@ def test_megatron_layout_that_cannot_build_or_divide(tmp_path: Path) -> None:
     assert build and all(p.key == "megatron" for p in build) and "routed experts" in build[0].what
 
 
-def test_an_offloaded_optimizer_is_told_its_resume_is_unverified(tmp_path: Path) -> None:
-    """The flagship offloads half its optimizer state; resuming such state has not passed on a GPU yet
-    (docs/megatron.md), so preflight says so before the job queues, and says nothing without offload."""
-    moe = init_model("qwen3_moe", "tiny", tmp_path / "moe")
-    base = [f"model.path={moe}", "train.backend=megatron", "train.device=cuda"]
-    offload = ["megatron.optimizer_offload_fraction=0.5", "megatron.precision_aware_optimizer=true"]
-    said = [n for n in check([*base, *offload]).notes if n.startswith("megatron.optimizer_offload_fraction=0.5")]
-    assert len(said) == 1 and "a requeued job may fail to load its checkpoint" in said[0]
-    assert not [n for n in check(base).notes if "offload" in n]
-
-
 def test_site_file_must_exist() -> None:
     site = sorted((REPO / "slurm" / "sites").glob("*.sh"))[0].relative_to(REPO)
     assert keys([f"slurm.site={site}"]) == []

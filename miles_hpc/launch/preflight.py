@@ -168,12 +168,6 @@ def _check_trainer(cfg: RunConfig, model: Mapping[str, Any], pf: Preflight) -> N
         return
     if t.backend != "megatron":
         return
-    if cfg.megatron.optimizer_offload_fraction > 0:  # a known gap, said before the job queues (docs/megatron.md)
-        pf.notes.append(
-            f"megatron.optimizer_offload_fraction={cfg.megatron.optimizer_offload_fraction:g}: resuming offloaded "
-            "optimizer state has not yet passed on a GPU (docs/megatron.md, checkpoints): a requeued job may fail "
-            "to load its checkpoint"
-        )
     from miles_hpc.models.families import HYBRID_TYPES
 
     if model.get("model_type") in HYBRID_TYPES:  # no megatron mapping: _check_hybrid_family names train.backend

@@ -118,7 +118,22 @@ def restore_masters(hdo: Any) -> None:
             inner.data.copy_(master)
 
 
+def state_to_param_devices(hdo: Any) -> None:
+    """megatron-core 0.16's HybridDeviceOptimizer, after a state load, moves each sub-optimizer's loaded state to
+    the host when that sub-optimizer is an instance of its CPU optimizer's class, else to the GPU. Without
+    Transformer Engine and Apex both classes are torch's AdamW, so the state of the share kept on the GPU went to the
+    host too, and its first step failed ("exp_avgs is on cpu, different from other tensors on cuda:0": an H100
+    resuming offload 0.5). Here each state tensor goes to the device of the parameter its sub-optimizer steps."""
+    for optimizer in hdo.sub_optimizers:
+        for param, state in optimizer.state.items():
+            orig = hdo.inner_param_to_orig_param.get(param, param)
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device != param.device:
+                    state[key] = hdo.state[orig][key] = value.to(param.device)
+
+
 _HybridDeviceOptimizer._update_fp32_params_by_new_state = restore_masters
+_HybridDeviceOptimizer._move_new_state_to_right_device = state_to_param_devices
 _HybridDeviceOptimizer._set_sub_optimizer_grads = _hybrid_set_grads(_HybridDeviceOptimizer._set_sub_optimizer_grads)
 _HybridDeviceOptimizer._init_sub_optimizers = _hybrid_init(_HybridDeviceOptimizer._init_sub_optimizers)
 
