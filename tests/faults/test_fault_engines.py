@@ -67,7 +67,10 @@ def test_an_engine_killed_mid_weight_update_is_restarted_and_nothing_is_lost(tmp
             proc.kill()
     assert (tmp_path / "crashed").exists(), "the crash point was never reached"
     out = output(run_dir)
-    assert "exited with code -9" in out and "restarting engine" in out, out[-3000:]
+    assert "exited with code -9" in out and ": restarting it" in out, out[-3000:]  # the restart is scheduled
+    if engines == 1:  # the run cannot go on without it; with two, the other engine may finish these short steps
+        # before the restart's backoff (1 s) ends (seen in CI: the run ended first, and the test failed)
+        assert "restarting engine 0 (1/3)" in out, out[-3000:]
     assert_exactly_once(run_dir, 6)
     no_orphans(run_dir)
 
