@@ -41,6 +41,9 @@ SHAPE = dict(
 )
 
 
+SPLITS = [1, 2]
+
+
 def cuda_time(fn, reps: int = 20) -> float:  # noqa: ANN001
     """Mean seconds per call (CUDA events, after 3 warm-ups)."""
     for _ in range(3):
@@ -87,8 +90,9 @@ def bench_kernel(batch: int, ctx: int, bw: float) -> None:
         ),
         flush=True,
     )
-    configs = [(64, 4, 2), (64, 4, 3), (32, 4, 3), (64, 2, 3), (32, 2, 2)]
-    for splits in (1, 2):
+    configs = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (64, 2, 3), (32, 2, 2), (128, 4, 2), (128, 8, 3)]
+    configs += [(64, 8, 3), (32, 2, 4), (16, 1, 4), (128, 4, 3)]
+    for splits in SPLITS:
         for block_n, warps, stages in configs:
             fn = functools.partial(
                 paged_decode,
@@ -214,13 +218,19 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=768)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--skip-kernel", action="store_true")
+    ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--batches", default=None, help="kernel sweep at these batch sizes (default: --batch)")
+    ap.add_argument("--splits", default="1,2")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(json.dumps({"bench": "decode_kernels", "result": "copy", "GBps": round(bw / 1e9, 1)}), flush=True)
+    SPLITS[:] = [int(x) for x in args.splits.split(",")]
     if not args.skip_kernel:
-        bench_kernel(args.batch, args.ctx, bw)
-    bench_step(args.batch, args.prompt_len, bw, args.cuda_graphs)
+        for b in [int(x) for x in args.batches.split(",")] if args.batches else [args.batch]:
+            bench_kernel(b, args.ctx, bw)
+    if not args.skip_step:
+        bench_step(args.batch, args.prompt_len, bw, args.cuda_graphs)
 
 
 if __name__ == "__main__":

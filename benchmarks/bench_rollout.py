@@ -96,20 +96,25 @@ def run_engine(
     results: list[GenerateResult] = []
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    for p in prompts:
-        req = GenerateRequest(rid=uuid.uuid4().hex, input_ids=tuple(p), sampling=params)
+    for i, p in enumerate(prompts):
+        req = GenerateRequest(rid=f"{i:06d}-{uuid.uuid4().hex}", input_ids=tuple(p), sampling=params)
         engine.submit(req, results.append)
-    run = engine.runner.run
+    runner = engine.runner
+    wrapped = {name: getattr(runner, name) for name in ("run", "launch", "collect") if hasattr(runner, name)}
     run_s = [0.0]
 
-    def timed_run(batch):  # noqa: ANN001, ANN202
-        tr = time.perf_counter()
-        out = run(batch)
-        run_s[0] += time.perf_counter() - tr
-        return out
+    def timed(fn):  # noqa: ANN001, ANN202
+        def call(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            tr = time.perf_counter()
+            out = fn(*a, **k)
+            run_s[0] += time.perf_counter() - tr
+            return out
+
+        return call
 
     if step_times is not None:
-        engine.runner.run = timed_run  # type: ignore[method-assign]
+        for name, fn in wrapped.items():
+            setattr(runner, name, timed(fn))
     while len(results) < len(prompts):
         ts = time.perf_counter()
         engine.step()
@@ -118,8 +123,9 @@ def run_engine(
     sync(str(engine.device))
     elapsed = time.perf_counter() - t0
     if step_times is not None:
-        engine.runner.run = run  # type: ignore[method-assign]
-        step_times.append(run_s[0])  # last entry: total time inside runner.run
+        for name in wrapped:
+            delattr(runner, name)  # the class's methods again
+        step_times.append(run_s[0])  # last entry: total time inside the runner (launch, collect, run)
     return elapsed, results
 
 
@@ -206,80 +212,115 @@ def bench_prefix(engine: Engine, vocab: int, prefix_len: int, device: str, reps:
     }
 
 
+def bench_decode(
+    engine: Engine, batch: int, prompt_len: int, new_tokens: int, bw: float | None, meta: dict[str, object]
+) -> dict[str, object]:
+    """One `decode` line: `batch` random prompts of `prompt_len` tokens run to `new_tokens` each, after a warm-up
+    batch of the same shape (other tokens, 4 new tokens), against the roofline at the mean context."""
+    vocab = engine.model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+    # Warm-up, as HF gets: a batch of the same shape with other tokens (no prefix-cache hits), 4 new tokens,
+    # so one-time costs (lazy kernel loading, allocator growth, kernel compilation) stay out of both timings.
+    warm = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+    run_engine(engine, warm, 4)
+    step_times: list[float] = []
+    t_ours, results = run_engine(engine, prompts, new_tokens, step_times)
+    assert all(r.completion_tokens == new_tokens for r in results)
+    tokens = batch * new_tokens
+    line: dict[str, object] = {
+        "bench": "rollout",
+        "result": "decode",
+        **meta,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "engine_tok_s": round(tokens / t_ours, 1),
+        "engine_s": round(t_ours, 3),
+        "step_summary": step_summary(step_times),
+        "_prompts": prompts,
+        "_warm": warm,
+        "_outputs": [(r.output_ids, r.output_logprobs) for r in sorted(results, key=lambda r: r.rid)],
+    }
+    if bw is not None:
+        step_bytes = decode_bytes_per_step(engine, batch, prompt_len + new_tokens / 2)
+        roofline = batch / (step_bytes / bw)
+        line.update(
+            copy_GBps=round(bw / 1e9, 1),
+            roofline_tok_s=round(roofline, 1),
+            roofline_step_ms=round(step_bytes / bw * 1e3, 3),
+            roofline_frac=round(tokens / t_ours / roofline, 4),
+        )
+    return line
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shape", default=None, help="qwen3-0.6b or a preset size (tiny, small)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument(
+        "--batches", default=None, help="comma-separated batch sizes: one decode line each (HF runs the first)"
+    )
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--prefix-len", type=int, default=2000)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-prefix", action="store_true")
+    ap.add_argument("--dump-outputs", type=Path, default=None, help="JSON of each batch's greedy ids and log-probs")
     ap.add_argument("--triton-kernels", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--tuned-attention-tiles", action="store_true", help="EngineConfig.tuned_attention_tiles")
     args = ap.parse_args()
     gpu = args.device.startswith("cuda")
     shape = args.shape or ("qwen3-0.6b" if gpu else "tiny")
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
-    batch = args.batch or (64 if gpu else 8)
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch or (64 if gpu else 8)]
     prompt_len = args.prompt_len or (256 if gpu else 32)
     new_tokens = args.new_tokens or (512 if gpu else 64)
+    meta: dict[str, object] = {
+        "device": args.device,
+        "shape": shape,
+        "dtype": str(dtype)[6:],
+        "triton_kernels": args.triton_kernels,
+        "cuda_graphs": args.cuda_graphs,
+        "tuned_attention_tiles": args.tuned_attention_tiles,
+    }
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_checkpoint(shape, dtype, Path(tmp) / "model")
         cfg = EngineConfig(
-            device=args.device, dtype=str(dtype)[6:], triton_kernels=args.triton_kernels, cuda_graphs=args.cuda_graphs
+            device=args.device,
+            dtype=str(dtype)[6:],
+            triton_kernels=args.triton_kernels,
+            cuda_graphs=args.cuda_graphs,
+            tuned_attention_tiles=args.tuned_attention_tiles,
         )
         engine = Engine.from_pretrained(str(model_dir), cfg)
         vocab = engine.model.config.vocab_size
-        g = torch.Generator().manual_seed(0)
-        prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
-        # Warm-up, as HF gets: a batch of the same shape with other tokens (no prefix-cache hits), 4 new tokens,
-        # so one-time costs (lazy kernel loading, allocator growth, kernel compilation) stay out of both timings.
-        warm = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
-        run_engine(engine, warm, 4)
-        step_times: list[float] = []
-        t_ours, results = run_engine(engine, prompts, new_tokens, step_times)
-        assert all(r.completion_tokens == new_tokens for r in results)
-        tokens = batch * new_tokens
-        line: dict[str, object] = {
-            "bench": "rollout",
-            "result": "decode",
-            "device": args.device,
-            "shape": shape,
-            "dtype": str(dtype)[6:],
-            "batch": batch,
-            "prompt_len": prompt_len,
-            "new_tokens": new_tokens,
-            "triton_kernels": args.triton_kernels,
-            "cuda_graphs": args.cuda_graphs,
-            "engine_tok_s": round(tokens / t_ours, 1),
-            "engine_s": round(t_ours, 3),
-        }
-        line["step_summary"] = step_summary(step_times)
         bw = copy_bandwidth(args.device)
-        if bw is not None:
-            step_bytes = decode_bytes_per_step(engine, batch, prompt_len + new_tokens / 2)
-            roofline = batch / (step_bytes / bw)
-            line.update(
-                copy_GBps=round(bw / 1e9, 1),
-                roofline_tok_s=round(roofline, 1),
-                roofline_frac=round(tokens / t_ours / roofline, 4),
-            )
-        prefix = bench_prefix(engine, vocab, args.prefix_len, args.device)
+        lines = [bench_decode(engine, b, prompt_len, new_tokens, bw, meta) for b in batches]
+        prefix = None if args.skip_prefix else bench_prefix(engine, vocab, args.prefix_len, args.device)
         engine.shutdown()
         del engine
         gc.collect()  # the KV cache and graph pools go before HF allocates (no effect on either timing)
         if gpu:
             torch.cuda.empty_cache()
+        first = lines[0]
+        prompts, warm = first["_prompts"], first["_warm"]
         if not args.skip_hf:
-            t_hf = run_hf(model_dir, prompts, warm, new_tokens, args.device, dtype)
-            line.update(hf_generate_tok_s=round(tokens / t_hf, 1), speedup_vs_hf=round(t_hf / t_ours, 2))
+            t_hf = run_hf(model_dir, prompts, warm, new_tokens, args.device, dtype)  # type: ignore[arg-type]
+            tokens = len(prompts) * new_tokens  # type: ignore[arg-type]
+            first.update(hf_generate_tok_s=round(tokens / t_hf, 1), speedup_vs_hf=round(t_hf / first["engine_s"], 2))
             if bw is not None:
-                line["hf_roofline_frac"] = round(tokens / t_hf / line["roofline_tok_s"], 4)  # type: ignore[operator]
-        print(json.dumps(line), flush=True)
-        print(json.dumps(prefix), flush=True)
+                first["hf_roofline_frac"] = round(tokens / t_hf / first["roofline_tok_s"], 4)  # type: ignore[operator]
+        for line in lines:
+            print(json.dumps({k: v for k, v in line.items() if not k.startswith("_")}), flush=True)
+        if args.dump_outputs is not None:  # to compare two engines' outputs on the same prompts
+            args.dump_outputs.write_text(json.dumps({str(line["batch"]): line["_outputs"] for line in lines}))
+        if prefix is not None:
+            print(json.dumps(prefix), flush=True)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,11 @@ def check_paged_decode(hq: int, hkv: int, d: int, dtype: torch.dtype, splits: in
         # A non-contiguous q (the layout the engine passes: [heads, rows, D] transposed) gives the same result.
         qt = q.transpose(0, 1).contiguous().transpose(0, 1)
         torch.testing.assert_close(paged_decode(qt, k, v, tables, lens, num_splits=splits, **kw), got)
+        for block_n, warps, stages in ((32, 2, 2), (64, 2, 3)):  # the tiles `default_tiles` picks at larger batches
+            tiled = paged_decode(
+                q, k, v, tables, lens, num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, **kw
+            )
+            torch.testing.assert_close(tiled.double(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -2,7 +2,8 @@
 
 Stage: engine. The HTTP server (server.py) is the only caller: it runs an asyncio loop in the main thread and calls
 these methods; `start()` runs the step loop in a background thread. One step = scheduler.schedule() ->
-runner.run() -> scheduler.postprocess() (nano-vllm's three calls), under `_step_lock`.
+runner.launch() (or run()) -> scheduler.commit() -> scheduler.postprocess(), under `_step_lock`; a fused step's
+postprocess runs in the next call, after the step behind it is launched (`step`).
 
 Threading invariants:
 - `submit` never waits for a step: it validates, then queues into an inbox the next step drains.
@@ -23,7 +24,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict
 from typing import Literal
 
 import torch
@@ -36,13 +36,13 @@ from .config import EngineConfig
 from .kv_cache import BlockManager
 from .latent_cache import geometry, make_cache
 from .lora import AdapterSet
-from .report import Counters, build_result, engine_stats
-from .runner import ModelRunner
-from .scheduler import Req, Scheduler
+from .report import Counters, build_result, engine_stats, model_info, server_config
+from .runner import InFlight, ModelRunner, StepOutput
+from .scheduler import Req, Scheduled, Scheduler
 from .tp import TPDriver, start_tp
 from .types import FinishReason, GenerateRequest, GenerateResult
 from .validate import Limits, RequestError, check_supported, validate_request
-from .weights import apply_named, checksums, eos_token_ids, iter_checkpoint, piece_checksums
+from .weights import apply_named, checksums, eos_token_ids, iter_checkpoint, piece_checksums, recording
 
 __all__ = ["DoneCallback", "Engine", "PauseMode", "RequestError"]
 
@@ -98,6 +98,7 @@ class Engine:
             loras=self.loras,
             batch_invariant=config.batch_invariant,
             tp=tp,
+            tuned_attention_tiles=config.tuned_attention_tiles,
         )
         self.limits = Limits(
             vocab_size=self.vocab_size,
@@ -110,14 +111,13 @@ class Engine:
         )
 
         self._lock = threading.Lock()  # inbox, live rids, paused flag; held briefly, never across a step
-        self._cond = threading.Condition(self._lock)
-        self._step_lock = threading.RLock()  # one step or one control call at a time
+        self._cond, self._step_lock = threading.Condition(self._lock), threading.RLock()  # step lock: one step or call
         self._inbox: list[Req] = []
         self._live: set[str] = set()
         self._paused = False
-        self._stop = False
-        self._control_waiting = 0
+        self._stop, self._control_waiting = False, 0
         self._thread: threading.Thread | None = None
+        self._inflight: InFlight | None = None  # a launched step whose results are not postprocessed yet
         self._version = "0"
         self._half_updated = False  # see `resume`
         self.instance_id = secrets.token_hex(8)  # names this process's weights for direct writes (handles)
@@ -194,7 +194,9 @@ class Engine:
         while True:
             with self._cond:
                 while not self._stop and (
-                    self._paused or self._control_waiting or not (self._inbox or self.scheduler.has_work())
+                    self._paused
+                    or self._control_waiting
+                    or not (self._inbox or self._inflight or self.scheduler.has_work())
                 ):
                     self._cond.wait()
                 if self._stop:
@@ -210,21 +212,48 @@ class Engine:
                     self._cond.wait(timeout=0.01)
 
     def step(self) -> bool:
-        """Run one scheduler step; False when paused or there was nothing to do. Tests call it without `start`."""
+        """Run one scheduler step; False when paused or there was nothing to do. Tests call it without `start`.
+
+        Overlap: a fused step is launched and left in flight; the next call schedules and launches the step after
+        it (its pending inputs read on the device), then waits for the first one's results and postprocesses them,
+        so the host's work for step n + 1 runs while the device computes step n. A step that cannot be launched so
+        (eager path) waits for the one in flight first. Control calls finish the step in flight before they act."""
         with self._step_lock:
             if not self._drain_inbox():
                 return False
+            prev, self._inflight = self._inflight, None
             batch = self.scheduler.schedule()
-            if not batch:
+            if not batch and prev is None:
                 return False
-            out = self.runner.run(batch)
-            finished = self.scheduler.postprocess(
-                batch, out.tokens, out.logprobs, out.input_logprobs, self._version, self.eos_token_ids
-            )
-            self._counters.record_step(sum(t is not None for t in out.tokens))
-            results = [self._finish(r) for r in finished]
+            fused = self.runner.launch(batch, prev) if batch else None
+            results = []
+            if fused is not None:
+                self.scheduler.commit(batch)
+                self._inflight = fused
+                if prev is not None:
+                    results = self._postprocess(prev.batch, self.runner.collect(prev))
+            else:
+                if prev is not None:
+                    results = self._postprocess(prev.batch, self.runner.collect(prev))
+                    batch = [s for s in batch if s.r.finish is None]
+                if batch:
+                    out = self.runner.run(batch)
+                    self.scheduler.commit(batch)
+                    results += self._postprocess(batch, out)
         _deliver(results)
         return True
+
+    def _postprocess(self, batch: list[Scheduled], out: StepOutput) -> list[tuple[GenerateResult, DoneCallback]]:
+        finished, added = self.scheduler.postprocess(
+            batch, out.tokens, out.logprobs, out.input_logprobs, self._version, self.eos_token_ids
+        )
+        self._counters.record_step(added)
+        return [self._finish(r) for r in finished]
+
+    def _finish_inflight(self) -> list[tuple[GenerateResult, DoneCallback]]:
+        """Wait for the step in flight (if any) and postprocess it (step lock held)."""
+        prev, self._inflight = self._inflight, None
+        return [] if prev is None else self._postprocess(prev.batch, self.runner.collect(prev))
 
     def _drain_inbox(self) -> bool:
         """Move submitted requests into the scheduler (step lock held); False when paused."""
@@ -237,15 +266,20 @@ class Engine:
 
     @contextlib.contextmanager
     def _between_steps(self) -> Iterator[None]:
+        """Hold the step lock with no step in flight (the one in flight is finished first; its finished requests
+        are delivered after the lock is released)."""
         with self._cond:
             self._control_waiting += 1
+        done: list[tuple[GenerateResult, DoneCallback]] = []
         try:
             with self._step_lock:
+                done = self._finish_inflight()
                 yield
         finally:
             with self._cond:
                 self._control_waiting -= 1
                 self._cond.notify_all()
+            _deliver(done)
 
     # ---------------------------------------------------------------- requests
     def submit(self, req: GenerateRequest, on_done: DoneCallback) -> None:
@@ -362,7 +396,7 @@ class Engine:
                 # TP: whole tensors go to every rank (tp.apply); an `apply` given: the others have theirs already
                 if apply is None:
                     apply = apply_named if self.tp is None else self.tp.apply
-                applied = apply(self.model, _recording(named, started))
+                applied = apply(self.model, recording(named, started))
             finally:
                 if flush_cache and started:
                     self.blocks.flush()
@@ -550,38 +584,11 @@ class Engine:
         return engine_stats(self.scheduler, self.blocks, self._counters, queued=queued, paused=self._paused)
 
     def model_info(self) -> dict[str, object]:
-        """For /get_model_info."""
-        return {
-            "model_path": self.model_path,
-            "model_type": self.model.config.model_type,
-            "is_generation": True,
-            "weight_version": self._version,
-            "weights_half_updated": self._half_updated,
-            "vocab_size": self.vocab_size,
-            "tp_size": self.config.tp_size,
-            # the KV heads its TP layout splits or replicates (null: MLA), for a trainer planning per-rank sends
-            "layout_kv_heads": None if self._full_config.is_mla else self._full_config.num_key_value_heads,
-            "max_context_len": self.max_context_len,
-            "num_moe_layers": self.num_moe_layers,
-            "top_k": self.top_k,
-            # DSA: the shape of `indexer_topk` rows (our extension); records only with record_indexer_topk
-            "num_indexer_layers": self.geometry.index_layers,
-            "index_topk": self.model.config.index_topk if self.geometry.index_layers else 0,
-            "records_indexer_topk": self.config.record_indexer_topk,
-            "eos_token_ids": sorted(self.eos_token_ids),
-        }
+        return model_info(self)  # for /get_model_info
 
     def server_info(self) -> dict[str, object]:
         """For /get_server_info: the EngineConfig, model_info(), the resolved KV geometry and stats()."""
-        return {
-            **asdict(self.config),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "num_blocks": self.blocks.num_blocks,
-            "max_total_num_tokens": self.blocks.num_blocks * self.blocks.block_size,
-            **self.geometry.info(),
-            **self.model_info(),
-            **self.stats(),
-        }
+        return {**server_config(self), **self.model_info(), **self.stats()}
 
 
 def _deliver(results: list[tuple[GenerateResult, DoneCallback]]) -> None:
@@ -590,10 +597,3 @@ def _deliver(results: list[tuple[GenerateResult, DoneCallback]]) -> None:
             cb(result)
         except Exception:  # a broken callback must not take the engine down
             log.exception("on_done callback for %s raised", result.rid)
-
-
-def _recording(named: Iterable[tuple[str, torch.Tensor]], applied: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass tensors through, noting names as they are handed on (so a failed update still knows it started)."""
-    for name, t in named:
-        applied.append(name)
-        yield name, t

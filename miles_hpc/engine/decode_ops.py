@@ -53,6 +53,11 @@ class DecodeOps(Protocol):
         """silu(gate) * up."""
         ...
 
+    def greedy_sample(self, logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Per row of logits [N, V]: the first index of the largest value into tokens (int64 [N]) and its
+        log-prob under the float32 log-softmax into logprobs (float32 [N]), as `sampling.sample` does greedily."""
+        ...
+
     def attention(
         self,
         q: torch.Tensor,
@@ -101,6 +106,14 @@ def paged_decode_reference(
     return o[:, :, 0]
 
 
+def greedy_sample_reference(logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    """`sampling.sample`'s greedy case, op for op: argmax of the float32 logits, log_softmax gathered there."""
+    lf = logits.to(torch.float32)
+    tok = lf.argmax(dim=-1)
+    tokens.copy_(tok)
+    logprobs.copy_(torch.log_softmax(lf, dim=-1).gather(1, tok[:, None]).squeeze(1))
+
+
 class TorchDecodeOps:
     """`DecodeOps` in plain torch, op for op the model's code."""
 
@@ -140,6 +153,9 @@ class TorchDecodeOps:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
+
+    def greedy_sample(self, logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        greedy_sample_reference(logits, tokens, logprobs)
 
     def attention(
         self,

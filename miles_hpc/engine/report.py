@@ -1,6 +1,6 @@
 """What the engine reports: each finished request's `GenerateResult`, and the gauges/counters behind /metrics.
 
-Stage: engine. Pure functions over scheduler state and the cache's slot-indexed stores (MoE routing ids, DSA
+Stage: engine. Pure functions over an engine, its scheduler state and the cache's slot-indexed stores (MoE routing ids, DSA
 indexer selections); `Engine` calls them with its step lock held (a result is built before the request's blocks
 are released).
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from .kv_cache import BlockManager, KVCache
 from .latent_cache import LatentCache
 from .scheduler import Req, Scheduler
 from .types import GenerateResult
+
+if TYPE_CHECKING:
+    from .core import Engine
 
 THROUGHPUT_WINDOW_S = 10.0
 
@@ -110,4 +114,39 @@ def engine_stats(
         "kv_blocks_total": total,
         "token_usage": used / total,
         "num_retractions_total": sched.num_retractions,
+    }
+
+
+def model_info(e: Engine) -> dict[str, object]:
+    """/get_model_info of engine `e`."""
+    full = e._full_config
+    return {
+        "model_path": e.model_path,
+        "model_type": e.model.config.model_type,
+        "is_generation": True,
+        "weight_version": e.weight_version,
+        "weights_half_updated": e.half_updated,
+        "vocab_size": e.vocab_size,
+        "tp_size": e.config.tp_size,
+        # the KV heads its TP layout splits or replicates (null: MLA), for a trainer planning per-rank sends
+        "layout_kv_heads": None if full.is_mla else full.num_key_value_heads,
+        "max_context_len": e.max_context_len,
+        "num_moe_layers": e.num_moe_layers,
+        "top_k": e.top_k,
+        # DSA: the shape of `indexer_topk` rows (our extension); records only with record_indexer_topk
+        "num_indexer_layers": e.geometry.index_layers,
+        "index_topk": e.model.config.index_topk if e.geometry.index_layers else 0,
+        "records_indexer_topk": e.config.record_indexer_topk,
+        "eos_token_ids": sorted(e.eos_token_ids),
+    }
+
+
+def server_config(e: Engine) -> dict[str, object]:
+    """/get_server_info's configuration part: the EngineConfig, the dtype and the resolved KV geometry."""
+    return {
+        **asdict(e.config),
+        "dtype": str(e.dtype).removeprefix("torch."),
+        "num_blocks": e.blocks.num_blocks,
+        "max_total_num_tokens": e.blocks.num_blocks * e.blocks.block_size,
+        **e.geometry.info(),
     }

@@ -11,6 +11,10 @@ Invariants:
 - MoE models always capture routing (cheap next to the experts) into the cache's slot-indexed routing store, so
   every cached block carries the expert ids of its tokens.
 - One host sync per step for the results (`.tolist()`), none per token.
+- Fused steps are launched without a host wait (`launch` -> `InFlight`, `collect` waits for its results): inputs
+  are copied from pinned memory, sampling runs on the device (greedy inside the captured graph), results come back
+  behind an event. A row whose input token the previous, still running, step sampled (`scheduler.PLACEHOLDER`)
+  reads it on the device from that step's row, so the engine schedules step n + 1 while the device runs step n.
 - On CUDA with Triton (`triton_kernels`): decode rows use the paged-decode kernel; a step of a dense model whose
   chunks are all decodes or short prefills (<= `fused_extend_tokens`, no input log-probs) goes to `DecodeRunner`
   (fused `DecodeForward`, replayed from a CUDA graph when `cuda_graphs`), which needs the cache's scratch block (one
@@ -43,7 +47,7 @@ import torch
 from miles_hpc.models import CausalLM, invariant
 from miles_hpc.models.families import logits_width
 
-from .cuda_graphs import DecodeRunner
+from .cuda_graphs import DecodeRunner, Pending
 from .decode_forward import DecodeForward, unsupported_reason
 from .family_states import FamilyStates, keeps_state
 from .kv_cache import BlockManager, KVCache
@@ -53,7 +57,7 @@ from .lora import AdapterSet
 from .paged_attention import AttentionMetadata, DecodeKernel, PagedAttention
 from .recurrent_state import RecurrentStates
 from .sampling import SamplingBatch, sample
-from .scheduler import Scheduled
+from .scheduler import PLACEHOLDER, Scheduled
 
 if TYPE_CHECKING:
     from .tp import TPDriver
@@ -198,6 +202,16 @@ def _offsets(lens: Sequence[int]) -> list[int]:
     return out
 
 
+@dataclass(slots=True)
+class InFlight:
+    """A launched fused step whose results are on their way (`ModelRunner.collect`)."""
+
+    batch: list[Scheduled]
+    sample_rows: list[int]  # per sampling sequence, in batch order: its row in the step
+    row_of: dict[int, int]  # id(Req) -> its sampling row, for the next step's PLACEHOLDER inputs
+    pending: Pending
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -212,13 +226,15 @@ class ModelRunner:
         loras: AdapterSet | None = None,
         batch_invariant: bool = False,
         tp: TPDriver | None = None,
+        tuned_attention_tiles: bool = False,
     ) -> None:
         """`triton_kernels` / `cuda_graphs` take effect on CUDA where Triton imports (EngineConfig's knobs).
         `loras`: the engine's LoRA adapters; a step with a request that names one runs eagerly (the hooks that
         apply adapters run in the model's own forward, not in the fused decode step).
         `batch_invariant`: zero-KL mode (module docstring); the caller has made `model` invariant.
         `tp`: rank 0 of a tensor-parallel engine (`model` is its shard): every step is eager, the other ranks run
-        it too (tp.py), and the logits of the vocabulary-parallel head come back whole."""
+        it too (tp.py), and the logits of the vocabulary-parallel head come back whole.
+        `tuned_attention_tiles`: `EngineConfig.tuned_attention_tiles`."""
         self.model, self.cache, self.bm, self.device = model, cache, blocks, device
         self.loras = loras
         self.fused_extend_tokens = fused_extend_tokens
@@ -229,7 +245,7 @@ class ModelRunner:
         self.decode: DecodeRunner | None = None  # decode-only steps; tests may inject a CPU one
         self.batch_invariant = batch_invariant
         if not batch_invariant and tp is None and not hasattr(model.model, "run"):  # else eager (module docstring)
-            self._gpu_decode(triton_kernels, cuda_graphs)
+            self._gpu_decode(triton_kernels, cuda_graphs, tuned_attention_tiles)
         states = None
         if model.config.is_hybrid:  # a state slot per block-table row (recurrent_state.py)
             states = RecurrentStates(model, blocks.tables.shape[0], device)
@@ -244,7 +260,7 @@ class ModelRunner:
             states=states,
         )
 
-    def _gpu_decode(self, triton_kernels: bool, cuda_graphs: bool) -> None:
+    def _gpu_decode(self, triton_kernels: bool, cuda_graphs: bool, tuned_attention_tiles: bool) -> None:
         model, cache, blocks, device = self.model, self.cache, self.bm, self.device
         if not (triton_kernels and device.type == "cuda" and _triton_available()):
             return
@@ -253,7 +269,7 @@ class ModelRunner:
             return
         from .triton_ops import TritonDecodeOps
 
-        ops = TritonDecodeOps()
+        ops = TritonDecodeOps(tuned_tiles=tuned_attention_tiles)
         self.decode_kernel = ops.attention
         reason = unsupported_reason(model)
         if reason is not None or cache.num_blocks <= blocks.num_blocks:
@@ -268,13 +284,15 @@ class ModelRunner:
             device=device,
             dtype=next(model.parameters()).dtype,
             use_graphs=cuda_graphs,
+            sampler=ops.greedy_sample,
         )
 
     @torch.inference_mode()
     def run(self, batch: Sequence[Scheduled]) -> StepOutput:
-        with_lora = any(s.r.req.lora_path is not None for s in batch)
-        if self.decode is not None and not with_lora and self._fits_rows(batch, self.decode.max_batch):
-            return self._run_rows(batch, self.decode)
+        """Run one step and wait for its results."""
+        fused = self.launch(batch, None)
+        if fused is not None:
+            return self.collect(fused)
         lp_counts = [0 if s.lp_rows is None else s.lp_rows[1] - s.lp_rows[0] for s in batch]
         n_lp = sum(lp_counts)
         logits = self._forward(batch)  # [n_lp + n_sample, vocab]: input log-prob rows, then sampling rows
@@ -298,26 +316,70 @@ class ModelRunner:
             rows += s.n
         return rows <= max_rows
 
-    def _run_rows(self, batch: Sequence[Scheduled], decode: DecodeRunner) -> StepOutput:
-        """One row per new token at its absolute position, with its sequence's block-table row; logits of every
-        row come back and each sampling sequence samples from its last row."""
+    @torch.inference_mode()
+    def launch(self, batch: Sequence[Scheduled], prev: InFlight | None) -> InFlight | None:
+        """Launch `batch` as rows of the fused decode step without waiting for it; None when it cannot run so (the
+        caller then waits for `prev` and calls `run`). One row per new token at its absolute position, with its
+        sequence's block-table row; each sampling sequence samples from its last row. `prev`: the step still in
+        flight, whose sampled tokens are the PLACEHOLDER inputs of this one."""
+        decode = self.decode
+        if decode is None or any(s.r.req.lora_path is not None for s in batch):
+            return None
+        if not self._fits_rows(batch, decode.max_batch):
+            return None
         ids: list[int] = []
+        src: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
         sample_rows: list[int] = []
+        row_of: dict[int, int] = {}
         for s in batch:
-            ids.extend(s.r.tokens[s.start : s.start + s.n])
+            for tok in s.r.tokens[s.start : s.start + s.n]:
+                if tok == PLACEHOLDER:
+                    assert prev is not None, "a pending token without the step that samples it"
+                    src.append(prev.row_of[id(s.r)])
+                    ids.append(0)
+                else:
+                    src.append(-1)
+                    ids.append(tok)
             positions.extend(range(s.start, s.start + s.n))
             rows.extend([s.r.row] * s.n)
             if s.sample:
                 sample_rows.append(len(ids) - 1)
+                row_of[id(s.r)] = len(ids) - 1
         width = -(-(max(positions) + 1) // self.bm.block_size)
-        sb = self._sampling_batch(batch)  # its host-to-device copies go before the forward, not after it
-        logits = decode(ids, positions, self.bm.tables[torch.tensor(rows, dtype=torch.int64), :width])
-        if len(sample_rows) < len(ids):
-            logits = logits[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
-        tokens, logprobs = self._sample(batch, logits, sb)
-        return StepOutput(tokens, logprobs, [None] * len(batch))
+        greedy = all(s.r.req.sampling.temperature == 0 and not self._bans(s) for s in batch if s.sample)
+        sb = None if greedy else self._sampling_batch(batch)  # its copies go before the forward, not after it
+        table = self.bm.tables[:, :width].index_select(0, torch.tensor(rows, dtype=torch.int64))
+        logits = decode(ids, positions, table, src if prev is not None else None)
+        if sb is not None:
+            picked = None if len(sample_rows) == len(ids) else self._device_index(sample_rows)
+            tok_t, lp_t = sample(logits if picked is None else logits[picked], sb)
+            decode.set_samples(picked, tok_t, lp_t)
+        return InFlight(list(batch), sample_rows, row_of, decode.read_back(len(ids)))
+
+    def collect(self, step: InFlight) -> StepOutput:
+        """Wait for a launched step's samples: the token and log-prob of each sampling sequence."""
+        toks, lps = step.pending.wait()
+        tokens: list[int | None] = [None] * len(step.batch)
+        logprobs: list[float | None] = [None] * len(step.batch)
+        it = iter(step.sample_rows)
+        for i, s in enumerate(step.batch):
+            if s.sample:
+                row = next(it)
+                tokens[i], logprobs[i] = toks[row], lps[row]
+        return StepOutput(tokens, logprobs, [None] * len(step.batch))
+
+    @staticmethod
+    def _bans(s: Scheduled) -> bool:
+        r = s.r
+        return bool(r.banned_early) and r.num_output < r.req.sampling.min_new_tokens
+
+    def _device_index(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _forward(self, batch: Sequence[Scheduled]) -> torch.Tensor:
         ids: list[int] = []

@@ -95,7 +95,10 @@ class SamplingBatch:
         cols = [t for b in bans for t in b]
 
         def t(values: Sequence[float | int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            host = torch.tensor(values, dtype=dtype)
+            if torch.device(device).type != "cuda":
+                return host.to(device)
+            return host.pin_memory().to(device, non_blocking=True)  # no wait for the step in flight
 
         return cls(
             temperature=t(temps, torch.float32),

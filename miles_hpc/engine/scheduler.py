@@ -17,6 +17,12 @@ Invariants:
   requests are admitted past it): once that block is registered it is a hit. Without this, requests that arrive
   together with a shared prefix (the episodes of a step after a weight update flushed the cache: one system
   prompt) would each compute it.
+- A step is launched, then `commit`ted (its tokens count as computed, and each sampling row appends `PLACEHOLDER`
+  for the token it will sample), then `postprocess`ed with its results (placeholders filled in order). Between
+  `commit` and `postprocess` the next step may be scheduled (the engine's overlap of host and device): a request's
+  next input may then be a placeholder, which the runner takes from the device; a request whose every token is
+  sampled (pending included) is not scheduled again, and one that an earlier result finished (a stop token) is
+  skipped when the later step's results come.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from dataclasses import dataclass, field
 
 from .kv_cache import BlockManager, block_key
 from .types import FinishReason, GenerateRequest, GenerateResult
+
+PLACEHOLDER = -1
+"""`Req.tokens` entry of a token sampled by a launched step whose results are not in yet."""
 
 
 @dataclass(eq=False, slots=True)
@@ -49,6 +58,7 @@ class Req:
     namespace: bytes | None = None  # seeds the key chain: the LoRA adapter's name, None for the base model
     num_registered: int = 0  # blocks of `blocks` offered to the prefix index
     num_computed: int = 0
+    pending: int = 0  # trailing PLACEHOLDER entries of `tokens` (sampled by steps in flight)
     row: int = -1  # block-table row while running
     epoch: int = 0  # prefix-cache epoch at admission
     cached_tokens: int = 0
@@ -68,7 +78,9 @@ class Req:
         while len(self.keys) < n_blocks:
             j = len(self.keys)
             parent = self.keys[-1] if self.keys else self.namespace
-            self.keys.append(block_key(parent, self.tokens[j * block_size : (j + 1) * block_size]))
+            chunk = self.tokens[j * block_size : (j + 1) * block_size]
+            assert PLACEHOLDER not in chunk, "a block key over a token not sampled yet"
+            self.keys.append(block_key(parent, chunk))
         return self.keys[:n_blocks]
 
 
@@ -119,7 +131,7 @@ class Scheduler:
             r = self.running[i]
             remaining = len(r.tokens) - r.num_computed
             n = 1 if remaining == 1 else min(remaining, budget)
-            if n == 0:
+            if n == 0 or 0 < r.req.sampling.max_new_tokens <= r.num_output:  # all sampled: results in flight
                 i += 1
                 continue
             need = self._blocks_for(r.num_computed + n) - len(r.blocks)
@@ -162,10 +174,11 @@ class Scheduler:
         return next((k for k in self._prefix_keys(r) if k not in self.bm.index), None)
 
     def _computing(self, r: Req) -> set[bytes]:
-        """Keys of the full blocks running request `r` computes and will register (none after a flush)."""
+        """Keys of the full blocks running request `r` computes and will register (none after a flush); a block
+        that ends in a token a step in flight samples is left out until that token is known."""
         if not self.prefix_cache or r.epoch != self.bm.epoch:
             return set()
-        return set(r.ensure_keys(len(r.tokens) // self.bs, self.bs)[r.num_registered :])
+        return set(r.ensure_keys((len(r.tokens) - r.pending) // self.bs, self.bs)[r.num_registered :])
 
     def _pending_keys(self) -> set[bytes]:
         if not self.prefix_cache:
@@ -252,6 +265,15 @@ class Scheduler:
         r.num_registered = 0
 
     # ---------------------------------------------------------------- postprocess
+    def commit(self, batch: Sequence[Scheduled]) -> None:
+        """A launched step's tokens count as computed; each sampling row appends the PLACEHOLDER of its token."""
+        for s in batch:
+            r = s.r
+            r.num_computed += s.n
+            if s.sample:
+                r.tokens.append(PLACEHOLDER)
+                r.pending += 1
+
     def postprocess(
         self,
         batch: Sequence[Scheduled],
@@ -260,27 +282,37 @@ class Scheduler:
         input_lps: Sequence[list[float] | None],
         version: str,
         eos_ids: frozenset[int],
-    ) -> list[Req]:
-        """Advance each scheduled request by the step's results; returns the finished ones (removed from
-        `running`, blocks still held so the caller can read their routing before `free`)."""
+    ) -> tuple[list[Req], int]:
+        """Fill a committed step's results in; returns the requests it finished (out of `running`/`waiting`, blocks
+        still held so the caller can read their routing before `free`) and how many tokens it added. Rows of
+        requests that an earlier step's results already finished are skipped."""
         finished: list[Req] = []
+        added = 0
         for s, tok, lp, ilp in zip(batch, tokens, logprobs, input_lps):
             r = s.r
-            r.num_computed += s.n
+            if r.finish is not None:
+                continue
+            if s.sample:
+                assert tok is not None and lp is not None and r.pending > 0
+                self._fill(r, tok, lp, version, eos_ids)
+                added += 1
             self._register(r)
             if s.lp_rows is not None and ilp is not None and r.input_logprobs is not None:
                 a, b = s.lp_rows
                 r.input_logprobs[a + 1 : b + 1] = ilp
                 r.lp_next = b if b < r.prompt_len - 1 else None
-            if s.sample:
-                assert tok is not None and lp is not None
-                self._append(r, tok, lp, version, eos_ids)
-            elif r.req.sampling.max_new_tokens == 0 and r.num_computed == len(r.tokens):
+            if not s.sample and r.req.sampling.max_new_tokens == 0 and r.num_computed == len(r.tokens):
                 r.finish = FinishReason(type="length")
             if r.finish is not None:
-                self.running.remove(r)
+                if r.pending:  # tokens sampled after the finishing one (steps in flight) are dropped
+                    del r.tokens[len(r.tokens) - r.pending :]
+                    r.pending = 0
+                if r in self.running:
+                    self.running.remove(r)
+                else:  # retracted while its last step was in flight
+                    self.waiting.remove(r)
                 finished.append(r)
-        return finished
+        return finished, added
 
     def _register(self, r: Req) -> None:
         if not self.prefix_cache or r.epoch != self.bm.epoch:
@@ -293,9 +325,12 @@ class Scheduler:
             r.num_registered = full
 
     @staticmethod
-    def _append(r: Req, tok: int, lp: float, version: str, eos_ids: frozenset[int]) -> None:
-        n_out = r.num_output
-        r.tokens.append(tok)
+    def _fill(r: Req, tok: int, lp: float, version: str, eos_ids: frozenset[int]) -> None:
+        """The oldest pending token of `r` is `tok` (log-prob `lp`)."""
+        i = len(r.tokens) - r.pending
+        r.pending -= 1
+        n_out = i - r.prompt_len
+        r.tokens[i] = tok
         r.output_logprobs.append(lp)
         if r.spans and r.spans[-1]["version"] == version:
             r.spans[-1]["end"] = n_out + 1

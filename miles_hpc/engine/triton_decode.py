@@ -170,6 +170,19 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     return min(16, triton.next_power_of_2(max(1, want)))
 
 
+def tuned_tiles(batch: int) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) by batch size, from graph-replayed timings on an H200 at context 512
+    (`benchmarks/bench_decode_attn.py`, Qwen3-0.6B heads): batch 256 ran at 98% of copy bandwidth with 32-token
+    tiles and 2 warps (91% with the default 64 / 4 / 2), batch 64 at 87% with 64 / 2 / 3 (84%); at batch <= 16
+    the knobs moved it by less than the spread. Other tiles sum the softmax in another order: bfloat16 outputs
+    differ from the default tiles' by rounding (`EngineConfig.tuned_attention_tiles` opts in)."""
+    if batch >= 128:
+        return 32, 2, 2
+    if batch >= 32:
+        return 64, 2, 3
+    return 64, 4, 2
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -180,14 +193,16 @@ def paged_decode(
     block_size: int,
     scale: float,
     num_splits: int | None = None,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row: q [N, Hq, D] (last dim contiguous), caches [slots, Hkv, D],
     block_tables int32 [N, >= max blocks], context_lens int32 [N] (>= 1) -> [N, Hq, D] in q's dtype.
-    `num_splits`, `block_n`, `num_warps`, `num_stages` are tuning knobs (defaults: `default_splits`, 64, 4, 2)."""
+    `num_splits`, `block_n`, `num_warps`, `num_stages` are tuning knobs (defaults: `default_splits`, 64, 4, 2;
+    `tuned_tiles` gives faster tiles by batch size, which change the bfloat16 rounding)."""
     n, hq, d = q.shape
+    block_n, num_warps, num_stages = (a or b for a, b in zip((block_n, num_warps, num_stages), (64, 4, 2)))
     hkv = k_cache.shape[1]
     if hq % hkv or q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("paged_decode needs Hq % Hkv == 0 and a contiguous head dim")

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .decode_ops import DecodeOps
-from .triton_decode import paged_decode
+from .triton_decode import paged_decode, tuned_tiles
 
 
 @triton.jit
@@ -156,6 +156,39 @@ def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, N: tl.constexpr, B
     tl.store(Out + row * stride_o + offs, (s * u).to(Out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _greedy_kernel(L, Tok, Lp, stride_l, V, BLOCK: tl.constexpr):
+    """One row: running max, first index of the max, and sum of exp(x - max) in one pass over the row."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    base = L + row.to(tl.int64) * stride_l
+    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)  # per lane: max, its first index, sum of exp(x - max)
+    idx = tl.zeros([BLOCK], dtype=tl.int32)
+    s = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        bigger = x > m
+        m_new = tl.maximum(m, x)
+        alpha = tl.where(m == m_new, 1.0, tl.exp(m - m_new))  # 1 also while both are -inf
+        s = s * alpha + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
+        idx = tl.where(bigger, cols, idx)
+        m = m_new
+    row_max = tl.max(m, 0)
+    s = tl.where(m == float("-inf"), 0.0, s * tl.exp(m - row_max))
+    first = tl.min(tl.where(m == row_max, idx, V), 0)  # lanes hold the first index of their max
+    tl.store(Tok + row, first.to(tl.int64))
+    tl.store(Lp + row, -tl.log(tl.sum(s, 0)))
+
+
+def greedy_sample(logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    """`decode_ops.greedy_sample_reference` in one pass over the logits (any float dtype): the same tokens; the
+    log-prob of the max is -log(sum(exp(x - max))) with its own float32 summation order."""
+    n, v = _rows(logits).shape
+    if n:
+        _greedy_kernel[(n,)](logits, tokens, logprobs, logits.stride(0), v, BLOCK=2048, num_warps=8)
+
+
 def _mode(dtype: torch.dtype) -> int:
     """The `_round` mode of an activation dtype."""
     return {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
@@ -168,7 +201,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class TritonDecodeOps(DecodeOps):
-    """`DecodeOps` as fused Triton kernels (CUDA, any float dtype) plus the paged-decode attention kernel."""
+    """`DecodeOps` as fused Triton kernels (CUDA, any float dtype) plus the paged-decode attention kernel
+    (`tuned_tiles`: its tiles by batch size, `triton_decode.tuned_tiles`; default: the kernel's fixed tiles)."""
+
+    def __init__(self, tuned_tiles: bool = False) -> None:
+        self.tuned_tiles = tuned_tiles
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm(_rows(x), None, weight, eps)
@@ -274,6 +311,9 @@ class TritonDecodeOps(DecodeOps):
         )
         return out
 
+    def greedy_sample(self, logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        greedy_sample(logits, tokens, logprobs)
+
     def attention(
         self,
         q: torch.Tensor,
@@ -285,4 +325,16 @@ class TritonDecodeOps(DecodeOps):
         block_size: int,
         scale: float,
     ) -> torch.Tensor:
-        return paged_decode(q, k_cache, v_cache, block_tables, context_lens, block_size=block_size, scale=scale)
+        tiles = tuned_tiles(q.shape[0]) if self.tuned_tiles else (None, None, None)
+        return paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            block_size=block_size,
+            scale=scale,
+            block_n=tiles[0],
+            num_warps=tiles[1],
+            num_stages=tiles[2],
+        )

@@ -150,3 +150,10 @@ def _generation_eos(model_path: str | None) -> object:
     except (ValueError, AttributeError):
         logging.getLogger(__name__).warning("%s is not valid JSON; ignoring its eos_token_id", path)
         return None
+
+
+def recording(named: Iterable[tuple[str, torch.Tensor]], applied: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass tensors through, noting names as they are handed on (so a failed update still knows it started)."""
+    for name, t in named:
+        applied.append(name)
+        yield name, t
