@@ -138,3 +138,19 @@ def test_family_decode_bench_times_both_paths() -> None:
     assert paths == [(m, p) for m in ("deepseek_v4", "inkling_text") for p in ("cached", "recomputed")]
     assert all(line["new_tokens_per_s"] > 0 for line in lines if "path" in line)
     assert [line["model"] for line in lines if "cached_over_recomputed" in line] == ["deepseek_v4", "inkling_text"]
+
+
+def test_prefill_bench_reports_its_roofline_and_the_prefix_cache_at_each_length() -> None:
+    lines = bench(
+        "benchmarks/bench_prefill.py", "--device", "cpu", "--lens", "64,128", "--reps", "1", "--peak-n", "256"
+    )
+    prefill = [x for x in lines if x["result"] == "prefill"]
+    assert [x["prompt_tokens"] for x in prefill] == [64, 128]
+    for x in prefill:  # the fraction is the roofline time over the measured time, at the measured matmul rate
+        assert x["tok_s"] > 0 and 0 < x["roofline_frac"] and x["matmul_tflops"] >= 0
+        assert math.isclose(x["roofline_frac"], x["roofline_s"] / x["prefill_s"], rel_tol=0.05, abs_tol=1e-3)
+    cache = [x for x in lines if x["result"] == "prefix_cache"]
+    assert [(x["prefix_tokens"], x["cached_tokens"], x["fresh_cached_tokens"]) for x in cache] == [
+        (64, 64, 0),
+        (128, 128, 0),
+    ]
