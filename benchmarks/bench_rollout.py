@@ -10,6 +10,10 @@ Prints one JSON line per result:
 
     python benchmarks/bench_rollout.py                       # CPU: the tiny preset
     python benchmarks/bench_rollout.py --device cuda --shape qwen3-0.6b --batch 64 --prompt-len 256 --new-tokens 512
+    python benchmarks/bench_rollout.py --device cuda --shape qwen3-30b-a3b-12l --skip-hf --batches 1,8,64
+
+MoE shapes: the roofline's weight bytes are the dense weights plus the routed experts each step's tokens chose
+(distinct (layer, expert) pairs, read from the results' routed experts, averaged over the steps).
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from miles_hpc.engine.config import EngineConfig
 from miles_hpc.engine.core import Engine
 from miles_hpc.engine.types import GenerateRequest, GenerateResult, SamplingParams
 from miles_hpc.models import ModelConfig, build_model, save_pretrained
+from miles_hpc.models.moe import Experts
 from miles_hpc.models.presets import preset_config
 
 # Real shapes of public models (random weights): what matters for throughput is the shape, not the values.
@@ -51,11 +57,41 @@ SHAPES: dict[str, dict[str, object]] = {
         attention_bias=False,
         eos_token_id=151645,
     ),
+    # Qwen3-30B-A3B's widths (128 experts, 8 per token, expert width 768) with 12 of its 48 layers: MoE decode at
+    # real widths in ~8 GB of bf16 weights.
+    "qwen3-30b-a3b-12l": dict(
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=12,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        attention_bias=False,
+        eos_token_id=151645,
+    ),
 }
 
 
 def make_checkpoint(shape: str, dtype: torch.dtype, out: Path) -> Path:
-    return write_checkpoint(dict(SHAPES[shape]) if shape in SHAPES else preset_config("qwen3", shape), dtype, out)
+    """`shape`: a key of SHAPES, a qwen3 preset size, or ARCH:SIZE of the presets (qwen3_moe:tiny, ...)."""
+    if shape in SHAPES:
+        return write_checkpoint(dict(SHAPES[shape]), dtype, out)
+    arch, _, size = shape.rpartition(":")
+    return write_checkpoint(preset_config(arch or "qwen3", size), dtype, out)
 
 
 def write_checkpoint(hf: dict[str, object], dtype: torch.dtype, out: Path) -> Path:
@@ -90,14 +126,25 @@ def copy_bandwidth(device: str) -> float | None:
 
 
 def run_engine(
-    engine: Engine, prompts: list[list[int]], new_tokens: int, step_times: list[float] | None = None
+    engine: Engine,
+    prompts: list[list[int]],
+    new_tokens: int,
+    step_times: list[float] | None = None,
+    routed: bool = False,
 ) -> tuple[float, list[GenerateResult]]:
-    """Wall time to run `prompts` to completion; `step_times` (if given) gets each step's wall time."""
+    """Wall time to run `prompts` to completion; `step_times` (if given) gets each step's wall time; `routed`: the
+    results carry the experts of each output token's step (MoE)."""
     results: list[GenerateResult] = []
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        req = GenerateRequest(rid=f"{i:06d}-{uuid.uuid4().hex}", input_ids=tuple(p), sampling=params)
+        req = GenerateRequest(
+            rid=f"{i:06d}-{uuid.uuid4().hex}",
+            input_ids=tuple(p),
+            sampling=params,
+            return_routed_experts=routed,
+            routed_experts_start_len=len(p) if routed else 0,
+        )
         engine.submit(req, results.append)
     runner = engine.runner
     wrapped = {name: getattr(runner, name) for name in ("run", "launch", "collect") if hasattr(runner, name)}
@@ -164,9 +211,35 @@ def run_hf(
     return time.perf_counter() - t0
 
 
-def decode_bytes_per_step(engine: Engine, batch: int, mean_context: float) -> float:
-    """Bytes one decode step must read: every weight once + the K and V of each sequence's context."""
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+def expert_bytes(engine: Engine) -> tuple[int, int]:
+    """(bytes of every weight outside the routed experts, bytes of one routed expert of one layer)."""
+    experts = [m for m in engine.model.modules() if isinstance(m, Experts)]
+    total = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    if not experts:
+        return total, 0
+    e = experts[0]
+    one = (e.gate_up_proj[0].numel() + e.down_proj[0].numel()) * e.gate_up_proj.element_size()
+    return total - one * sum(m.num_experts for m in experts), one
+
+
+def touched_experts(results: list[GenerateResult]) -> float:
+    """Mean over decode steps of the distinct (layer, expert) pairs the batch's tokens route to in that step: the
+    expert weights the step must read. Row j of each result is its output token j's input (decode step j + 1)."""
+    rows = [r.routed_experts for r in results]
+    assert all(x is not None for x in rows)
+    steps = min(x.shape[0] for x in rows)  # type: ignore[union-attr]
+    counts = []
+    for j in range(steps):
+        step = np.stack([x[j] for x in rows])  # type: ignore[index]  # [batch, layers, top_k]
+        counts.append(sum(len(np.unique(step[:, layer])) for layer in range(step.shape[1])))
+    return float(np.mean(counts))
+
+
+def decode_bytes_per_step(engine: Engine, batch: int, mean_context: float, experts_touched: float = 0.0) -> float:
+    """Bytes one decode step must read: every weight once (MoE: the routed experts the step's tokens chose, mean
+    `experts_touched` (layer, expert) pairs) + the K and V of each sequence's context."""
+    dense, one_expert = expert_bytes(engine)
+    weights = dense + experts_touched * one_expert
     c = engine.model.config
     kv_per_token = (
         2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * engine.model.lm_head.weight.element_size()
@@ -223,9 +296,10 @@ def bench_decode(
     # Warm-up, as HF gets: a batch of the same shape with other tokens (no prefix-cache hits), 4 new tokens,
     # so one-time costs (lazy kernel loading, allocator growth, kernel compilation) stay out of both timings.
     warm = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
-    run_engine(engine, warm, 4)
+    moe = engine.model.num_moe_layers > 0
+    run_engine(engine, warm, 4, routed=moe)
     step_times: list[float] = []
-    t_ours, results = run_engine(engine, prompts, new_tokens, step_times)
+    t_ours, results = run_engine(engine, prompts, new_tokens, step_times, routed=moe)
     assert all(r.completion_tokens == new_tokens for r in results)
     tokens = batch * new_tokens
     line: dict[str, object] = {
@@ -242,8 +316,13 @@ def bench_decode(
         "_warm": warm,
         "_outputs": [(r.output_ids, r.output_logprobs) for r in sorted(results, key=lambda r: r.rid)],
     }
+    touched = 0.0
+    if moe:  # the roofline reads the experts this run's steps touched (all of them: every step reads the rest)
+        touched = touched_experts(results)
+        total = engine.model.num_moe_layers * engine.model.config.num_experts
+        line.update(experts_touched_per_step=round(touched, 1), experts_total=total)
     if bw is not None:
-        step_bytes = decode_bytes_per_step(engine, batch, prompt_len + new_tokens / 2)
+        step_bytes = decode_bytes_per_step(engine, batch, prompt_len + new_tokens / 2, touched)
         roofline = batch / (step_bytes / bw)
         line.update(
             copy_GBps=round(bw / 1e9, 1),
@@ -257,7 +336,7 @@ def bench_decode(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shape", default=None, help="qwen3-0.6b or a preset size (tiny, small)")
+    ap.add_argument("--shape", default=None, help=f"{', '.join(SHAPES)}, a qwen3 preset size or ARCH:SIZE")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument(

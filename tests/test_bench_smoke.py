@@ -154,3 +154,14 @@ def test_prefill_bench_reports_its_roofline_and_the_prefix_cache_at_each_length(
         (64, 64, 0),
         (128, 128, 0),
     ]
+
+
+def test_moe_decode_counts_the_experts_each_step_touches() -> None:
+    lines = bench(
+        *("benchmarks/bench_rollout.py", "--device", "cpu", "--shape", "qwen3_moe:tiny", "--skip-hf", "--skip-prefix"),
+        *("--batches", "1,6", "--new-tokens", "12"),
+    )
+    one, six = (x for x in lines if x["result"] == "decode")
+    assert one["experts_total"] == six["experts_total"] == 2 * 8  # the tiny preset: 2 MoE layers of 8 experts
+    assert one["experts_touched_per_step"] == 2 * 2  # one token: its top-2 in each layer, distinct
+    assert 2 * 2 < six["experts_touched_per_step"] <= 16
