@@ -20,7 +20,8 @@ Invariants:
   (fused `DecodeForward`, replayed from a CUDA graph when `cuda_graphs`), which needs the cache's scratch block (one
   block past the allocator's) for its padding rows. A short prefill chunk becomes one row per token: every row
   writes its K/V before any row attends, and row j attends the cache up to its own position, which is causal
-  attention over prefix + chunk. MoE models stay eager. MLA models (DeepSeek-V3, the DSA families) have a latent
+  attention over prefix + chunk. MoE models stay eager, their routed experts (SiLU) as triton_moe's two grouped GEMMs
+  (no host sync, `fused_experts`; not on a tensor-parallel engine). MLA models (DeepSeek-V3, the DSA families) have a latent
   cache and attend through `LatentAttention` (latent_attention.py), the torch path, on every device. Hybrid models
   (Gated DeltaNet layers) carry each sequence's recurrent state in a slot per block-table row
   (recurrent_state.py) and run eagerly. DeepSeek-V4 and Inkling (families.FAMILY_MODULES, whose backbones run their
@@ -246,6 +247,11 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         if not batch_invariant and tp is None and not hasattr(model.model, "run"):  # else eager (module docstring)
             self._gpu_decode(triton_kernels, cuda_graphs, tuned_attention_tiles)
+        self.fused_experts = 0  # MoE layers whose routed experts run as triton_moe's grouped GEMMs
+        if triton_kernels and not batch_invariant and tp is None and device.type == "cuda" and _triton_available():
+            from .triton_moe import install
+
+            self.fused_experts = install(model)
         states = None
         if model.config.is_hybrid:  # a state slot per block-table row (recurrent_state.py)
             states = RecurrentStates(model, blocks.tables.shape[0], device)
