@@ -39,7 +39,10 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     n = flat.numel()
     rows = n + num_experts * (block_m - 1)
     rows = -(-rows // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not torch.bincount: on CUDA it reads the largest id on the host (a sync); integer adds are exact in any order
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
