@@ -17,7 +17,8 @@ test-sglang:
 bench-gpu:
 	PYTHONPATH=. python3 benchmarks/bench_rollout.py --device cuda --batches 64,1,8,256
 	PYTHONPATH=. python3 benchmarks/bench_decode_attn.py --batches 1,8,64,256
-	PYTHONPATH=. python3 benchmarks/bench_rollout.py --device cuda --shape qwen3-30b-a3b-12l --skip-hf --skip-prefix --batches 1,8,64
+	PYTHONPATH=. python3 benchmarks/bench_rollout.py --device cuda --shape qwen3-30b-a3b-12l --skip-hf --skip-prefix --batches 1,8,64 --new-tokens 128
+	PYTHONPATH=. python3 benchmarks/bench_rollout.py --device cuda --shape qwen3-30b-a3b-12l --skip-hf --skip-prefix --batches 1,8,64 --new-tokens 128 --fused-moe
 	PYTHONPATH=. python3 benchmarks/bench_prefill.py --device cuda
 	PYTHONPATH=. python3 benchmarks/bench_train.py --steps 10
 	PYTHONPATH=. python3 benchmarks/bench_zero_kl.py

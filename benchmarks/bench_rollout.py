@@ -351,6 +351,7 @@ def main() -> None:
     ap.add_argument("--triton-kernels", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--tuned-attention-tiles", action="store_true", help="EngineConfig.tuned_attention_tiles")
+    ap.add_argument("--fused-moe", action="store_true", help="EngineConfig.fused_moe (MoE shapes)")
     args = ap.parse_args()
     gpu = args.device.startswith("cuda")
     shape = args.shape or ("qwen3-0.6b" if gpu else "tiny")
@@ -365,6 +366,7 @@ def main() -> None:
         "triton_kernels": args.triton_kernels,
         "cuda_graphs": args.cuda_graphs,
         "tuned_attention_tiles": args.tuned_attention_tiles,
+        "fused_moe": args.fused_moe,
     }
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -376,6 +378,7 @@ def main() -> None:
             cuda_graphs=args.cuda_graphs,
             # only when asked: an engine from before the option (a baseline tree) still runs this bench
             **({"tuned_attention_tiles": True} if args.tuned_attention_tiles else {}),
+            **({"fused_moe": True} if args.fused_moe else {}),
         )
         engine = Engine.from_pretrained(str(model_dir), cfg)
         vocab = engine.model.config.vocab_size

@@ -206,11 +206,12 @@ def test_moe_engine_uses_kernel_eagerly(tmp_path: Path) -> None:
     ps = prompts([3, 20, 9, 41], seed=4)
     engine = engine_on(moe, "float32")
     assert engine.runner.decode is None and engine.runner.decode_kernel is not None
-    assert engine.runner.fused_experts == engine.model.num_moe_layers  # triton_moe's grouped GEMMs
-    got = run(engine, ps, 10)
-    plain = engine_on(moe, "float32", triton_kernels=False)
-    assert plain.runner.fused_experts == 0
-    want = run(plain, ps, 10)
-    assert all(got[rid].output_ids == w.output_ids for rid, w in want.items())
-    for rid, w in want.items():
-        assert max(abs(a - b) for a, b in zip(got[rid].output_logprobs, w.output_logprobs)) < 1e-4, rid
+    assert engine.runner.fused_experts == 0  # EngineConfig.fused_moe is off by default
+    fused = engine_on(moe, "float32", fused_moe=True)
+    assert fused.runner.fused_experts == fused.model.num_moe_layers  # triton_moe's grouped GEMMs
+    want = run(engine_on(moe, "float32", triton_kernels=False), ps, 10)
+    for e in (engine, fused):
+        got = run(e, ps, 10)
+        assert all(got[rid].output_ids == w.output_ids for rid, w in want.items())
+        for rid, w in want.items():
+            assert max(abs(a - b) for a, b in zip(got[rid].output_logprobs, w.output_logprobs)) < 1e-4, rid

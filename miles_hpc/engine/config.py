@@ -56,6 +56,10 @@ class EngineConfig:
     """With the fused decode step: the paged-attention kernel's tiles by batch size (measured on an H200: +8% attention
     bandwidth at batch 256, +4% at 64), which sum the softmax in another order, so bfloat16 outputs differ from the
     default tiles' by rounding; False keeps the fixed tiles (outputs as before)."""
+    fused_moe: bool = False
+    """With `triton_kernels` on CUDA: MoE layers' routed experts (SiLU) as two Triton grouped GEMMs
+    (engine/triton_moe.py) instead of one launch group per expert with a host sync per layer. Off until measured
+    on a GPU (checked against the torch path in Triton's interpreter only so far; docs/benchmarks.md)."""
     fused_extend_tokens: int = 32
     """With the fused decode step: a step whose prefill chunks are each at most this many tokens (a cached-prefix
     request's new suffix, a short follow-up turn) runs its tokens as rows of that step (each row attends the cache
@@ -106,6 +110,7 @@ class EngineConfig:
             "batch_invariant",
             "record_indexer_topk",
             "tuned_attention_tiles",
+            "fused_moe",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

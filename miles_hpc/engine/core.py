@@ -99,6 +99,7 @@ class Engine:
             batch_invariant=config.batch_invariant,
             tp=tp,
             tuned_attention_tiles=config.tuned_attention_tiles,
+            fused_moe=config.fused_moe,
         )
         self.limits = Limits(
             vocab_size=self.vocab_size,

@@ -20,8 +20,8 @@ Invariants:
   (fused `DecodeForward`, replayed from a CUDA graph when `cuda_graphs`), which needs the cache's scratch block (one
   block past the allocator's) for its padding rows. A short prefill chunk becomes one row per token: every row
   writes its K/V before any row attends, and row j attends the cache up to its own position, which is causal
-  attention over prefix + chunk. MoE models stay eager, their routed experts (SiLU) as triton_moe's two grouped GEMMs
-  (no host sync, `fused_experts`; not on a tensor-parallel engine). MLA models (DeepSeek-V3, the DSA families) have a latent
+  attention over prefix + chunk. MoE models stay eager; with `fused_moe` their routed experts (SiLU) run as triton_moe's two grouped
+  GEMMs (no host sync, `fused_experts`; not on a tensor-parallel engine). MLA models (DeepSeek-V3, the DSA families) have a latent
   cache and attend through `LatentAttention` (latent_attention.py), the torch path, on every device. Hybrid models
   (Gated DeltaNet layers) carry each sequence's recurrent state in a slot per block-table row
   (recurrent_state.py) and run eagerly. DeepSeek-V4 and Inkling (families.FAMILY_MODULES, whose backbones run their
@@ -228,6 +228,7 @@ class ModelRunner:
         batch_invariant: bool = False,
         tp: TPDriver | None = None,
         tuned_attention_tiles: bool = False,
+        fused_moe: bool = False,
     ) -> None:
         """`triton_kernels` / `cuda_graphs` take effect on CUDA where Triton imports (EngineConfig's knobs).
         `loras`: the engine's LoRA adapters; a step with a request that names one runs eagerly (the hooks that
@@ -235,7 +236,7 @@ class ModelRunner:
         `batch_invariant`: zero-KL mode (module docstring); the caller has made `model` invariant.
         `tp`: rank 0 of a tensor-parallel engine (`model` is its shard): every step is eager, the other ranks run
         it too (tp.py), and the logits of the vocabulary-parallel head come back whole.
-        `tuned_attention_tiles`: `EngineConfig.tuned_attention_tiles`."""
+        `tuned_attention_tiles`, `fused_moe`: the EngineConfig knobs."""
         self.model, self.cache, self.bm, self.device = model, cache, blocks, device
         self.loras = loras
         self.fused_extend_tokens = fused_extend_tokens
@@ -248,7 +249,8 @@ class ModelRunner:
         if not batch_invariant and tp is None and not hasattr(model.model, "run"):  # else eager (module docstring)
             self._gpu_decode(triton_kernels, cuda_graphs, tuned_attention_tiles)
         self.fused_experts = 0  # MoE layers whose routed experts run as triton_moe's grouped GEMMs
-        if triton_kernels and not batch_invariant and tp is None and device.type == "cuda" and _triton_available():
+        gpu = triton_kernels and device.type == "cuda" and _triton_available()
+        if fused_moe and gpu and not batch_invariant and tp is None:
             from .triton_moe import install
 
             self.fused_experts = install(model)
