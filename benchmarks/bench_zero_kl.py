@@ -46,31 +46,8 @@ from miles_hpc.train import dist as tdist  # noqa: E402
 from miles_hpc.train.batch import TrainBatch  # noqa: E402
 from miles_hpc.train.fsdp import FSDPTrainer  # noqa: E402
 
-# A reduced Qwen3-MoE (Qwen3-30B-A3B's head and expert widths, fewer layers and experts): random weights.
-MOE_1B = dict(
-    model_type="qwen3_moe",
-    architectures=["Qwen3MoeForCausalLM"],
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    num_hidden_layers=8,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    tie_word_embeddings=False,
-    hidden_act="silu",
-    attention_bias=False,
-    num_experts=16,
-    num_experts_per_tok=4,
-    moe_intermediate_size=768,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    eos_token_id=151645,
-)
+# A reduced Qwen3-MoE: Qwen3-30B-A3B's widths (bench_rollout's shape) with 8 layers of 16 experts, 4 per token.
+MOE_1B = SHAPES["qwen3-30b-a3b-12l"] | dict(num_hidden_layers=8, num_experts=16, num_experts_per_tok=4)
 
 
 def make_checkpoint(shape: str, dtype: torch.dtype, out: Path) -> Path:

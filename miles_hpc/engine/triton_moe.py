@@ -175,7 +175,7 @@ def fused_experts(
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     pairs, block_expert = align(ids, e, block_m)
     h = torch.empty((n_tok * k, inter), dtype=x.dtype, device=x.device)
-    y = torch.zeros((n_tok * k, hidden), dtype=x.dtype, device=x.device)
+    y = torch.empty((n_tok * k, hidden), dtype=x.dtype, device=x.device)  # every pair's row is written once
     w = weights.reshape(-1).to(x.dtype).contiguous()
     ieee = x.dtype == torch.float32
     nb = block_expert.numel()
