@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from miles_hpc.rollout.agents import AgentContext
 from miles_hpc.rollout.conversation import Conversation
-from miles_hpc.rollout.pieces import continue_aborted
+from miles_hpc.rollout.pieces import CLIENT_ABORT, continue_aborted
 from miles_hpc.rollout.responses import FinishReason, GenerateOutput, WeightVersionSpan, parse_generate
 
 LAYERS, TOP_K = 2, 2
@@ -108,6 +109,12 @@ def test_a_conversations_rows_line_up_with_its_tokens(tok: object, aborts: dict[
     assert starts[0] == 0 and starts == sorted(starts)  # each request from the first row missing
 
 
+async def _continued(engine: FakeEngine, prompt: list[int], params: dict) -> GenerateOutput:
+    """One generation with R3 rows through `continue_aborted`, as the fully async producer makes it."""
+    kw = {"return_routed_experts": True}
+    return await continue_aborted(engine.generate, prompt, params, await engine.generate(prompt, params, **kw), **kw)
+
+
 def test_a_continuation_asks_from_the_first_missing_row() -> None:
     """`continue_aborted` on a single-turn sample whose aborted first piece computed 3 rows fewer than its tokens:
     the continuation asks from there (not from the last token sampled), and the rows tile the whole sample."""
@@ -115,16 +122,35 @@ def test_a_continuation_asks_from_the_first_missing_row() -> None:
     prompt = list(range(10, 30))
     params = {"max_new_tokens": 9}
 
-    async def main() -> GenerateOutput:
-        kw = {"return_routed_experts": True}
-        return await continue_aborted(
-            engine.generate, prompt, params, await engine.generate(prompt, params, **kw), **kw
-        )
-
-    out = asyncio.run(main())
+    out = asyncio.run(_continued(engine, prompt, params))
     assert len(out.output_ids) == 9
     assert engine.calls[1][2]["routed_experts_start_len"] == len(prompt) + 4 - 1 - 3
     np.testing.assert_array_equal(out.routed_experts, code(range(len(prompt) + 9 - 1)))
+
+
+@pytest.mark.parametrize("short", [0, 7], ids=["waiting", "mid_prefill"])
+def test_a_generation_aborted_before_its_first_token_is_continued(short: int) -> None:
+    """A weight update that aborts a request while it waits (no rows) or mid-prefill (some of its prompt's rows)
+    before any token: the generation is continued from its prompt, not returned short of its tokens or rows."""
+    engine = FakeEngine(n=5, aborts={0: (0, short)})
+    prompt = list(range(10, 30))
+    params = {"max_new_tokens": 5}
+
+    out = asyncio.run(_continued(engine, prompt, params))
+    assert out.finish_reason.type == "length" and len(out.output_ids) == 5 and len(engine.calls) == 2
+    assert engine.calls[1][2]["routed_experts_start_len"] == len(prompt) - 1 - short
+    np.testing.assert_array_equal(out.routed_experts, code(range(len(prompt) + 5 - 1)))
+
+
+def test_an_abort_the_caller_asked_for_is_not_continued() -> None:
+    out = replace(asyncio.run(FakeEngine(n=2).generate([1, 2, 3], {"max_new_tokens": 4})), finish_reason=CLIENT_ABORT)
+    calls: list[object] = []
+
+    async def never(*a: object, **kw: object) -> GenerateOutput:
+        calls.append(a)
+        raise AssertionError("continued an abort the caller asked for")
+
+    assert asyncio.run(continue_aborted(never, [1, 2, 3], {"max_new_tokens": 4}, out)) is out and not calls
 
 
 def _answer(rows: np.ndarray, n: int, prompt: int, finish: str) -> dict:

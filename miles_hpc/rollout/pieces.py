@@ -18,7 +18,9 @@ Invariants:
   recomputes what the flush dropped: the prefix-cache account counts it).
 - An aborted piece (a weight update in pause mode ``abort``) holds the records it computed, which may stop short of
   its prompt + output - 1 (none while it waited, part of its prompt mid-prefill): `continue_aborted` asks the next
-  piece for records from the first one missing, so they still tile without a gap.
+  piece for records from the first one missing, so they still tile without a gap. A piece aborted before its first
+  token is continued too (from no output): only an abort the caller asked for (:data:`CLIENT_ABORT`) ends a
+  generation early.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from miles_hpc.rollout.responses import FinishReason, GenerateOutput, WeightVersionSpan
+
+CLIENT_ABORT = FinishReason(type="abort", message="aborted by the client")  # `Router.abort`: never continued
 
 CONTINUABLE_KEYS = frozenset(
     {
@@ -156,14 +160,20 @@ async def continue_aborted(
     until the generation finishes otherwise: one output, as if never interrupted (its later tokens carry the new
     weight version). `kw` goes to every call of `generate_fn` (``Router.generate``'s signature); a continuation asks
     for its routing and indexer records from the first row not held yet (the last token sampled before it, or
-    earlier when the aborted piece had not computed all of its tokens), so the records stitch without a gap."""
-    if out.finish_reason.type != "abort" or not out.output_ids or params.get("max_new_tokens") is None:
+    earlier when the aborted piece had not computed all of its tokens), so the records stitch without a gap. A
+    generation aborted before its first token (waiting, or mid-prefill) is continued from its prompt alike; one the
+    caller aborted (`CLIENT_ABORT`) is returned as it is."""
+    if out.finish_reason.type != "abort" or out.finish_reason == CLIENT_ABORT or params.get("max_new_tokens") is None:
         return out
     pieces = Pieces(prompt=list(ids))
     pieces.add(out)
     cont = {k: v for k, v in params.items() if k != "sampling_seed"}  # continuing a seeded request is not exact
     first = {f: int(kw.get(f) or 0) for f, on in _RECORD_STARTS.items() if kw.get(on)}
-    while out.finish_reason.type == "abort" and len(pieces.output_ids) < int(params["max_new_tokens"]):
+    while (
+        out.finish_reason.type == "abort"
+        and out.finish_reason != CLIENT_ABORT
+        and len(pieces.output_ids) < int(params["max_new_tokens"])
+    ):
         starts = {f: start + pieces.rows(f) for f, start in first.items()}
         params_now = piece_params(cont, len(pieces.output_ids), 0)
         out = await generate_fn(list(ids) + pieces.output_ids, params_now, **{**kw, **starts})

@@ -48,15 +48,14 @@ from miles_hpc.rollout.client import (
     EngineTimeoutError,
     EngineUnreachableError,
 )
-from miles_hpc.rollout.pieces import Pieces, continuable, piece_params
+from miles_hpc.rollout.pieces import CLIENT_ABORT, Pieces, continuable, piece_params
 from miles_hpc.rollout.placement import EngineSelector, NoEngineAvailableError
 from miles_hpc.rollout.requests import PauseMode
-from miles_hpc.rollout.responses import FinishReason, GenerateOutput
+from miles_hpc.rollout.responses import GenerateOutput
 
 __all__ = ["NoEngineAvailableError", "Router", "RouterConfig", "RouterStats"]
 log = logging.getLogger(__name__)
 ReadmitHook = Callable[[int, EngineClient], Awaitable[None]]
-_ABORTED = FinishReason(type="abort", message="aborted by the client")
 STEP_FAILED = "engine step failed"  # how our engine's 500 for a failed step begins (engine/core.py `_loop`)
 
 
@@ -241,7 +240,7 @@ class Router:
         while True:
             done = len(pieces.output_ids)
             if pieces.count and rid in self._aborted:  # aborted between two pieces
-                return pieces.result(rid, resubmits, _ABORTED)
+                return pieces.result(rid, resubmits, CLIENT_ABORT)
             piece = piece_params(sampling, done, chunk) if can_continue else sampling
             first = pieces.count == 0
             if engine is None or engine in self.selector.quarantined:
@@ -280,7 +279,7 @@ class Router:
                 continue
             pieces.add(out)
             if rid in self._aborted:
-                return pieces.result(rid, resubmits, _ABORTED)
+                return pieces.result(rid, resubmits, CLIENT_ABORT)
             more = (
                 can_continue
                 and out.finish_reason.type == "length"
