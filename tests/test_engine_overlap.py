@@ -137,3 +137,37 @@ def test_abort_and_pause_finish_the_step_in_flight(ckpt: Path) -> None:
     for rid in ("0", "2"):
         assert results[rid].output_ids == want[rid].output_ids, rid
     assert fused.stats()["kv_blocks_used"] == 0
+
+
+def test_a_failed_step_with_one_in_flight_fails_its_requests_and_the_loop_serves_on(ckpt: Path) -> None:
+    """A device error surfaces when the step in flight is collected, and stays (a CUDA error is sticky): the loop
+    fails every request held with the error instead of dying on a second collect, and serves the next ones."""
+    import threading
+
+    _, fused = engines(ckpt)
+    real_collect, broken = fused.runner.collect, [True]
+
+    def collect(step: object) -> object:
+        if broken[0]:
+            raise RuntimeError("device error")
+        return real_collect(step)  # type: ignore[arg-type]
+
+    fused.runner.collect = collect  # type: ignore[method-assign]
+    done: dict[str, GenerateResult] = {}
+    arrived = threading.Event()
+
+    def on_done(res: GenerateResult) -> None:
+        done[res.rid] = res
+        arrived.set()
+
+    fused.start()
+    try:
+        fused.submit(greedy_req("a", [5, 6, 7, 8], 12), on_done)
+        assert arrived.wait(60), "the failed step left its request hanging"
+        assert done["a"].error is not None and "device error" in done["a"].error
+        broken[0], arrived = False, threading.Event()
+        fused.submit(greedy_req("b", [5, 6, 7, 8], 4), on_done)
+        assert arrived.wait(60), "the loop stopped serving after a failed step"
+        assert done["b"].error is None and len(done["b"].output_ids) == 4
+    finally:
+        fused.shutdown()

@@ -113,8 +113,7 @@ class Engine:
 
         self._lock = threading.Lock()  # inbox, live rids, paused flag; held briefly, never across a step
         self._cond, self._step_lock = threading.Condition(self._lock), threading.RLock()  # step lock: one step or call
-        self._inbox: list[Req] = []
-        self._live: set[str] = set()
+        self._inbox, self._live = list[Req](), set[str]()
         self._paused = False
         self._stop, self._control_waiting = False, 0
         self._thread: threading.Thread | None = None
@@ -206,6 +205,8 @@ class Engine:
                 progressed = self.step()
             except Exception as e:  # a bug or OOM in a step must not leave clients hanging forever
                 log.exception("engine step failed; failing all requests")
+                with self._step_lock:  # a step left in flight is lost with it: collecting it again may raise again
+                    self._inflight = None
                 self.abort(None, message=f"engine step failed: {type(e).__name__}: {e}", failed=True)
                 continue
             if not progressed:
@@ -580,12 +581,11 @@ class Engine:
         """Gauges and counters for /metrics and /get_server_info: num_running_reqs, num_queue_reqs, paused,
         num_requests_total, prompt_tokens_total, generation_tokens_total, cached_tokens_total, cache_hit_rate,
         gen_throughput (tokens/s, last 10 s), kv_blocks_used/cached/total, token_usage, num_retractions_total."""
-        with self._lock:
-            queued = len(self._inbox)
+        queued = len(self._inbox)  # one read of a list's length: no lock needed
         return engine_stats(self.scheduler, self.blocks, self._counters, queued=queued, paused=self._paused)
 
-    def model_info(self) -> dict[str, object]:
-        return model_info(self)  # for /get_model_info
+    def model_info(self) -> dict[str, object]:  # for /get_model_info
+        return model_info(self)
 
     def server_info(self) -> dict[str, object]:
         """For /get_server_info: the EngineConfig, model_info(), the resolved KV geometry and stats()."""
