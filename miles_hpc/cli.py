@@ -7,8 +7,6 @@ or 1 (data); tracebacks are for bugs.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import faulthandler
 import os
 import sys
 from collections.abc import Sequence
@@ -17,6 +15,7 @@ from typing import Any
 
 from miles_hpc import __version__
 from miles_hpc.config import ConfigError
+from miles_hpc.faults import enable_stack_dumps
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -438,9 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # A crash in native code (SIGSEGV, SIGBUS, SIGFPE, SIGABRT) prints every thread's Python stack to stderr first:
-    # without it a worker that dies that way leaves only its exit status. (Not where stderr is no file: in-process.)
-    with contextlib.suppress(AttributeError, ValueError, OSError):
-        faulthandler.enable(all_threads=True)
+    # without it a worker that dies that way leaves only its exit status. SIGQUIT prints them too (a hang's where).
+    enable_stack_dumps()
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -189,3 +189,53 @@ def test_engine_killed_mid_push_is_dropped_and_the_others_complete(engines: list
                 await sync.close()
 
     asyncio.run(main())
+
+
+class _KillingAfterPush(BroadcastSync):
+    """Kills one engine once its update went out: it dies between the transfer and the verification."""
+
+    victim: EngineProcess
+
+    async def push(self, named, version):  # type: ignore[no-untyped-def]
+        sums = await super().push(named, version)
+        self.victim.kill(signal.SIGKILL)
+        return sums
+
+
+def test_engine_dead_before_verification_is_dropped_and_the_others_verified(engines: list[EngineProcess]) -> None:
+    """An engine that dies after its transfer (a tensor-parallel rank gone, the process gone) cannot answer the
+    checksum call: it is dropped as in a transfer, the others are verified at the new version, the run goes on."""
+    records = wait_for_engines(engines[0].rendezvous.parent, 3, timeout=90, poll_s=0.05)
+    urls = [r.url for r in records]
+
+    async def main() -> None:
+        sync = _KillingAfterPush(GroupSyncSpec(master_address="127.0.0.1", next_port=free_port, timeout_s=15))
+        sync.victim = engines[2]
+        async with Router.from_urls(urls, RouterConfig(health_interval_s=60), connect_retries=0) as router:
+            publisher = Publisher(sync, router)
+            try:
+                report = await publisher.publish(lambda: iter(weights(6)), "1")
+                assert report.dropped == (urls[2],) and report.engines == 2 and publisher.version == "1"
+                assert list(router.stats().quarantined) == [urls[2]]
+                out = await router.generate([5, 6, 7], {"max_new_tokens": 2})
+                assert out.engine_url != urls[2] and out.weight_versions[0].version == "1"
+            finally:
+                await sync.close()
+
+    asyncio.run(main())
+
+
+def test_check_answers_stops_on_a_mismatch_before_naming_failed_engines() -> None:
+    from miles_hpc.sync.protocol import EngineSyncError, check_answers
+
+    clients = [EngineClient(f"http://e{i}:1") for i in range(3)]
+    want = {"a": "1", "b": "2"}
+    check_answers(clients, [dict(want)] * 3, want, "weight checksum", "tensor")
+    with pytest.raises(EngineSyncError, match="failed on http://e1:1: gone") as e:
+        check_answers(clients, [dict(want), OSError("gone"), dict(want)], want, "weight checksum", "tensor")
+    assert e.value.failed == ("http://e1:1",)
+    with pytest.raises(WeightSyncError, match="mismatch on http://e2:1 for tensor 'b'") as e2:
+        check_answers(clients, [dict(want), OSError("gone"), {"a": "1"}], want, "weight checksum", "tensor")
+    assert not isinstance(e2.value, EngineSyncError)
+    with pytest.raises(asyncio.CancelledError):
+        check_answers(clients, [asyncio.CancelledError()], want, "weight checksum", "tensor")

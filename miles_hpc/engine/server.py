@@ -16,7 +16,8 @@ Invariants:
 - Pause lease (pause_lease.py): every admin call renews it; a pause that nothing continues or follows with a
   weight-sync call within `pause_lease_s` ends by itself (a warning, then generation continues), unless the
   weights are half-updated: then `/health` and `/health_generate` answer 503 naming that. While paused within the
-  lease `/health_generate` answers 200 saying so (a paused engine cannot generate its probe token).
+  lease `/health_generate` answers 200 saying so (a paused engine cannot generate its probe token). Both answer 503
+  naming the rank once a tensor-parallel rank has exited (the server stops within a second: tp.py `watch`).
 - A client that disconnects from `/generate` has its requests aborted (aiohttp handler cancellation).
 - Weight endpoints (weight_receiver.WeightEndpoints) run one at a time, in arrival order.
 - `serve()` listens only once the engine is loaded and started, then writes the rendezvous file (tmp + rename),
@@ -245,16 +246,22 @@ class EngineServer:
         return None if self._tokenizer is None else self._tokenizer.decode(ids, skip_special_tokens=skip_special)
 
     # ------------------------------------------------------------------ health and info
+    def _unhealthy(self) -> str | None:
+        """Why the engine cannot serve although its server answers: a tensor-parallel rank gone (the server is
+        about to stop), or half-updated weights past the pause lease."""
+        dead = self.engine.tp.dead_rank() if self.engine.tp is not None else None
+        return dead or self.lease.stuck_reason(self.engine)
+
     async def health(self, request: web.Request) -> web.Response:
         if self.closing:
             return web.Response(status=503)
-        stuck = self.lease.stuck_reason(self.engine)
+        stuck = self._unhealthy()
         return _error(503, stuck) if stuck else web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         if self.closing:
             return web.Response(status=503)
-        stuck = self.lease.stuck_reason(self.engine)
+        stuck = self._unhealthy()
         if stuck:
             return _error(503, stuck)
         if self.engine.paused:  # paused on purpose (weight sync): a 1-token request would wait, not fail

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles_hpc.faults import crash_point
 from miles_hpc.models import CausalLM, ModelConfig, iter_hf_tensors, read_config
 from miles_hpc.models.moe import Experts
 from miles_hpc.models.transformer import DecoderModel
@@ -547,26 +548,14 @@ def _weights_op(
             groups[spec.group_name] = open_group(spec, None if spec.backend == "gloo" else device)
         except Exception as e:  # noqa: BLE001 (rank 0's join fails alike and answers the trainer)
             log.warning("rank %d: joining weight-update group %r failed: %s", rank, spec.group_name, e)
-    elif op == "receive":
-        group = groups[msg["group_name"]]
-        bucket = []
-        for name, dtype, shape in zip(msg["names"], msg["dtypes"], msg["shapes"], strict=True):
-            t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=group.device)
-            group.broadcast(t, src=0)
-            bucket.append((name, t))
-        _apply_logged(shard, model, bucket)
-    elif op == "p2p":
-        from .weight_receiver import receive_into
-
-        group = groups[msg["group_name"]]
-        names = msg["names"]
-        shapes = [shard.part_shape(n) for n in names]
-        mine = [[(src, tuple(tuple(d) for d in dims)) for src, dims in ranks[rank]] for ranks in msg["tp_pieces"]]
-        bucket = receive_into(group, names, msg["dtypes"], shapes, mine)
+    elif op in ("receive", "p2p"):
         try:
-            shard.apply_parts(model, bucket)
-        except RequestError as e:
-            log.warning("rank %d: weight update: %s", rank, e)
+            _receive(op, msg, rank, shard, model, groups[msg["group_name"]])
+        except Exception as e:  # noqa: BLE001 (a member died: rank 0's receive fails alike and answers the trainer)
+            log.warning("rank %d: weight update from group %r failed: %s", rank, msg["group_name"], e)
+            broken = groups.pop(msg["group_name"], None)
+            if broken is not None:  # at once: members waiting on this rank fail too (weight_receiver `_breaks`)
+                broken.destroy()
     elif op == "destroy_group":
         g = groups.pop(msg["group_name"], None)
         if g is not None:
@@ -575,15 +564,35 @@ def _weights_op(
         raise RuntimeError(f"tensor-parallel rank {rank}: unknown message {op!r}")
 
 
-def _apply_logged(shard: TPShard, model: CausalLM, named: list[tuple[str, torch.Tensor]]) -> None:
+def _receive(op: str, msg: dict[str, Any], rank: int, shard: TPShard, model: CausalLM, group: Any) -> None:
+    """A rank's part of an update from a weight-update group: the whole bucket (``receive``: broadcast) or its own
+    parts of it (``p2p``). A broken group raises; rank 0 then marks the weights half-updated until a whole update."""
+    if op == "receive":
+        bucket = []
+        for name, dtype, shape in zip(msg["names"], msg["dtypes"], msg["shapes"], strict=True):
+            t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=group.device)
+            group.broadcast(t, src=0)
+            crash_point("engine-tp:receiving")  # a tensor of an update received by a rank > 0, the update unfinished
+            bucket.append((name, t))
+        _apply_logged(shard, model, bucket)
+        return
+    from .weight_receiver import receive_into
+
+    names = msg["names"]
+    shapes = [shard.part_shape(n) for n in names]
+    mine = [[(src, tuple(tuple(d) for d in dims)) for src, dims in ranks[rank]] for ranks in msg["tp_pieces"]]
+    _apply_logged(shard, model, receive_into(group, names, msg["dtypes"], shapes, mine), parts=True)
+
+
+def _apply_logged(shard: TPShard, model: CausalLM, named: list[tuple[str, torch.Tensor]], parts: bool = False) -> None:
     try:
-        shard.apply(model, named)
+        (shard.apply_parts if parts else shard.apply)(model, named)
     except RequestError as e:
         log.warning("rank %d: weight update: %s", shard.rank, e)
 
 
 if __name__ == "__main__":
-    import faulthandler
+    from miles_hpc.faults import enable_stack_dumps
 
-    faulthandler.enable(all_threads=True)  # a native crash prints the Python stacks (cli.main does the same)
+    enable_stack_dumps()  # a native crash or SIGQUIT prints the Python stacks (cli.main does the same)
     sys.exit(_worker(sys.argv[1:]))

@@ -13,7 +13,9 @@ Invariants:
   would leave the trainer blocked and every later bucket misaligned. The error is reported after the receive.
 - Tensors arrive exactly as sent (dtype and bits); casting to the engine's dtype is ``update_weights``' job, so
   checksums of what was sent can be compared with what was received.
-- One group per ``group_name``; joining a name twice is an error (SGLang's too), ``destroy`` frees it.
+- One group per ``group_name``; joining a name twice is an error (SGLang's too), ``destroy`` frees it. A receive
+  that fails (a member of the group died) destroys the group on this engine at once (``_breaks``): a broken group
+  cannot carry another bucket, and closing this rank's connections frees the members waiting on it.
 
 :class:`WeightEndpoints` holds the HTTP handlers of every way new weights reach this engine (disk, tensor,
 distributed, and our delta files: delta_receiver.py), of the weight version and of ``/weights_checker``; they
@@ -29,7 +31,7 @@ import contextlib
 import hashlib
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -129,16 +131,18 @@ class WeightReceiver:
         engine its other ranks receive the same broadcasts and apply their parts at once: call this between the
         engine's steps (`Engine.update_weights_from_group`)."""
         group = self._group(group_name)
-        if self._tp is not None:
-            self._tp.receive_group(group_name, names, dtypes, shapes)
-        bucket: list[tuple[str, torch.Tensor]] = []
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            if dtype not in TORCH_DTYPES:
-                raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
-            t = torch.empty(tuple(shape), dtype=TORCH_DTYPES[dtype], device=group.device)
-            group.broadcast(t, src=0)
-            bucket.append((name, t))
-            crash_point("engine:receiving")  # a tensor of an update received, the update unfinished
+        bad = [(n, d) for n, d in zip(names, dtypes, strict=True) if d not in TORCH_DTYPES]
+        if bad:
+            raise ValueError(f"tensor {bad[0][0]!r}: unknown dtype {bad[0][1]!r}")
+        with self._breaks(group_name):
+            if self._tp is not None:
+                self._tp.receive_group(group_name, names, dtypes, shapes)
+            bucket: list[tuple[str, torch.Tensor]] = []
+            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+                t = torch.empty(tuple(shape), dtype=TORCH_DTYPES[dtype], device=group.device)
+                group.broadcast(t, src=0)
+                bucket.append((name, t))
+                crash_point("engine:receiving")  # a tensor of an update received, the update unfinished
         return bucket
 
     def receive_pieces(
@@ -163,7 +167,9 @@ class WeightReceiver:
                 raise ValueError("tp_pieces: this engine is not tensor-parallel")
             for name, shape, ps in zip(names, shapes, pieces, strict=True):
                 _check_cover(name, shape, [dims for _, dims in ps])
-            return receive_into(self._group(group_name), names, dtypes, shapes, pieces)
+            group = self._group(group_name)
+            with self._breaks(group_name):
+                return receive_into(group, names, dtypes, shapes, pieces)
         shard = self._tp.shard
         for name, ranks in zip(names, tp_pieces, strict=True):
             if len(ranks) != shard.tp:
@@ -177,9 +183,31 @@ class WeightReceiver:
                 raise ValueError(
                     f"tensor {name!r}: piece from rank {bad[0]}, outside the {group.world_size}-rank group"
                 )
-        self._tp.receive_parts(group_name, names, dtypes, tp_pieces)
         mine = [ranks[0] for ranks in tp_pieces]
-        return receive_into(group, names, dtypes, [shard.part_shape(n) for n in names], mine)
+        with self._breaks(group_name):
+            self._tp.receive_parts(group_name, names, dtypes, tp_pieces)
+            return receive_into(group, names, dtypes, [shard.part_shape(n) for n in names], mine)
+
+    @contextlib.contextmanager
+    def _breaks(self, group_name: str) -> Iterator[None]:
+        """Around a collective of `group_name`: when it fails (a member died) the group is broken for everyone, so
+        it is destroyed here at once, closing this rank's connections: members waiting on this one (a broadcast
+        tree passes through engine ranks) then fail too instead of waiting out their timeout. Then the other
+        tensor-parallel ranks are told (after, not before: one may be waiting on this rank). The trainer's next
+        connect makes a new group."""
+        try:
+            yield
+        except BaseException:
+            with self._lock:
+                group = self._groups.pop(group_name, None)
+            if group is not None:
+                group.destroy()
+                if self._tp is not None:
+                    try:
+                        self._tp.destroy_group(group_name)
+                    except Exception as e:  # noqa: BLE001 (a rank gone: the engine is going down anyway)
+                        log.warning("destroying group %r on the other ranks: %s", group_name, e)
+            raise
 
     def destroy(self, group_name: str) -> None:
         with self._lock:

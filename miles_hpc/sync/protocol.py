@@ -15,7 +15,8 @@ Contract of a strategy:
 - `takes_named`: False for a strategy that moves the trainer's shards itself (p2p): the publisher then hands
   `push` an empty iterator instead of building the gathered one.
 - `verify(clients, expected)` checks that every engine holds what `push` returned (`verify_checksums`: one
-  checksum per tensor; p2p: one per held piece, `verify_pieces`).
+  checksum per tensor; p2p: one per held piece, `verify_pieces`): a mismatch raises `WeightSyncError`, an engine
+  whose check failed (it died after the transfer) `EngineSyncError` naming it.
 - What it knows of itself (strategies/base.py `Strategy`): `sends` and `source(trainer)` (full state or the
   adapter), `publish_at_start`, `engine_needs`, `check_placement`, and `metrics()` of the last push.
 - Failures raise `EngineSyncError` naming the engines that failed when the strategy can tell (the publisher then
@@ -34,7 +35,7 @@ from miles_hpc.planner.transfer import Box
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.sync.strategies.base import Sends, SyncSource
 
-__all__ = ["EngineSyncError", "WeightSync", "WeightSyncError", "verify_checksums", "verify_pieces"]
+__all__ = ["EngineSyncError", "WeightSync", "WeightSyncError", "check_answers", "verify_checksums", "verify_pieces"]
 
 
 class WeightSyncError(RuntimeError):
@@ -89,18 +90,12 @@ async def engine_tp_sizes(clients: Sequence[EngineClient]) -> list[int]:
 
 async def verify_checksums(clients: Sequence[EngineClient], expected: dict[str, str]) -> None:
     """Every engine holds exactly the tensors sent: compare its per-tensor checksums (HF names) with `expected`;
-    raise naming the engine and the first tensor that differs."""
-    answers = await asyncio.gather(*(c.weights_checksums() for c in clients))
-    for client, answer in zip(clients, answers):
-        got: dict[str, str] = {}
-        for rank in answer.ranks:
-            got.update(rank.checksums)
-        for name, want in expected.items():
-            if got.get(name) != want:
-                raise WeightSyncError(
-                    f"weight checksum mismatch on {client.url} for tensor {name!r}: "
-                    f"trainer {want}, engine {got.get(name, 'missing')}"
-                )
+    raise naming the engine and the first tensor that differs (`check_answers`)."""
+    answers = await asyncio.gather(*(c.weights_checksums() for c in clients), return_exceptions=True)
+    held = [
+        a if isinstance(a, BaseException) else {k: v for r in a.ranks for k, v in r.checksums.items()} for a in answers
+    ]
+    check_answers(clients, held, expected, "weight checksum", "tensor")
 
 
 async def verify_pieces(
@@ -110,11 +105,34 @@ async def verify_pieces(
     the boxes partition each tensor, so equal piece checksums mean equal tensors."""
     names = list(pieces)
     boxes = [[[x for d in b.dims for x in d] for b in pieces[n]] for n in names]
-    answers = await asyncio.gather(*(c.weights_piece_checksums(names, boxes) for c in clients))
+    answers = await asyncio.gather(*(c.weights_piece_checksums(names, boxes) for c in clients), return_exceptions=True)
+    check_answers(clients, answers, expected, "weight checksum", "tensor piece")
+
+
+def check_answers(
+    clients: Sequence[EngineClient],
+    answers: Sequence[Mapping[str, str] | BaseException],
+    expected: Mapping[str, str],
+    what: str,
+    unit: str,
+) -> None:
+    """Each engine's checksums (or the error its call raised) against `expected`: a mismatch of an engine that
+    answered raises WeightSyncError naming it and the first `unit` that differs (the run stops); otherwise engines
+    whose call failed (died after the transfer: a tensor-parallel rank gone, the process gone) raise
+    EngineSyncError naming them, which the publisher treats as in a transfer (drops those no longer healthy)."""
+    failed: list[tuple[str, Exception]] = []
     for client, got in zip(clients, answers):
-        for key, want in expected.items():
-            if got.get(key) != want:
+        if isinstance(got, BaseException):
+            if not isinstance(got, Exception):
+                raise got  # cancelled: not the engine's failure
+            failed.append((client.url, got))
+            continue
+        for name, want in expected.items():
+            if got.get(name) != want:
                 raise WeightSyncError(
-                    f"weight checksum mismatch on {client.url} for tensor piece {key!r}: "
-                    f"trainer {want}, engine {got.get(key, 'missing')}"
+                    f"{what} mismatch on {client.url} for {unit} {name!r}: trainer {want}, engine "
+                    f"{got.get(name, 'missing')}"
                 )
+    if failed:
+        url, error = failed[0]
+        raise EngineSyncError([u for u, _ in failed], f"checking the weights failed on {url}: {error}")

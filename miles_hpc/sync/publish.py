@@ -14,7 +14,8 @@
    broken group free themselves after their own receive timeout (`miles-hpc serve --weight-update-timeout`,
    set from `sync.timeout_s`), so a retry can wait up to that long; when no engine is left (none could be paused,
    or every one died), the version is recorded as published and engines catch up when they return (below);
-5. verify every target's per-tensor checksums against what was sent (a mismatch stops the run, naming the tensor);
+5. verify every target's per-tensor checksums against what was sent (a mismatch stops the run, naming the tensor;
+   an engine that died after the transfer, whose check fails and whose /health no longer answers, is dropped);
 6. continue generation on the updated engines (also after a failure, so nothing stays paused by accident; an
    engine left half-updated refuses to continue, engine/core.py, and stays out of the fleet).
 
@@ -123,13 +124,7 @@ class Publisher:
                     await self.sync.close()
                     # A collective breaks for every member when one dies: drop the engines that are gone (or
                     # hung: no /health answer), retry with the ones that answer.
-                    named_failed = [c for c in targets if c.url in set(e.failed)]
-                    alive = await asyncio.gather(*(self._alive(c) for c in named_failed))
-                    failed = {c.url for c, ok in zip(named_failed, alive) if not ok}
-                    for c in targets:
-                        if c.url in failed:
-                            self._drop(c, e, dropped)
-                    targets = [c for c in targets if c.url not in failed]
+                    targets = await self._drop_dead(targets, e, dropped)
                     if not targets:  # every member died during the update: nothing holds it (see publish)
                         return PublishReport(version, 0, tuple(dropped), 0, time.perf_counter() - t0)
                     if attempt == 1:
@@ -138,13 +133,33 @@ class Publisher:
                 except BaseException:
                     _drain(it)
                     raise
-            await self.sync.verify(targets, sent)
+            try:
+                await self.sync.verify(targets, sent)
+            except EngineSyncError as e:  # no mismatch, but engines that could not answer: dead ones leave
+                targets = await self._drop_dead(targets, e, dropped)
+                if any(c.url in e.failed for c in targets):  # one that still answers /health: not verified
+                    raise WeightSyncError(f"weight version {version}: {e}") from e
+            if not targets:
+                return PublishReport(version, 0, tuple(dropped), 0, time.perf_counter() - t0)
             self.version = version
         finally:
             await asyncio.gather(
                 *(c.continue_generation() for c in paused if c.url not in dropped), return_exceptions=True
             )
         return PublishReport(version, len(targets), tuple(dropped), len(sent), time.perf_counter() - t0)
+
+    async def _drop_dead(
+        self, targets: list[EngineClient], error: EngineSyncError, dropped: list[str]
+    ) -> list[EngineClient]:
+        """`targets` less the engines `error` names that no longer answer /health (dead, or a tensor-parallel rank
+        gone), each dropped."""
+        named = [c for c in targets if c.url in set(error.failed)]
+        alive = await asyncio.gather(*(self._alive(c) for c in named))
+        gone = {c.url for c, ok in zip(named, alive) if not ok}
+        for c in targets:
+            if c.url in gone:
+                self._drop(c, error, dropped)
+        return [c for c in targets if c.url not in gone]
 
     def _drop(self, client: EngineClient, error: BaseException, dropped: list[str]) -> None:
         """Out of the fleet (the router fails over its work); the next publish tries it again."""

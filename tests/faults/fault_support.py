@@ -3,6 +3,7 @@ exact sample accounting every scenario ends with (docs/reliability.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -66,6 +67,35 @@ def start(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> 
 def output(run_dir: Path) -> str:
     path = run_dir.parent / f"{run_dir.name}.out"
     return path.read_text() if path.exists() else ""
+
+
+def finish(proc: subprocess.Popen[str], run_dir: Path, timeout: float) -> int:
+    """The run's exit code once it ends; past ``timeout``, every process of the run prints its threads' stacks
+    (SIGQUIT: `miles_hpc.faults.enable_stack_dumps`), is killed, and the test fails with the output's tail and the
+    stacks where each process waited: a hang in CI says where it hung."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        files = [run_dir.parent / f"{run_dir.name}.out", *sorted((run_dir / "logs").glob("*.log"))]
+        before, tail = {f: f.stat().st_size for f in files}, output(run_dir)[-3000:]
+        pids = run_processes(run_dir)
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGQUIT)
+        time.sleep(3)
+        proc.kill()
+        for pid in run_processes(run_dir):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        dumps = []
+        for f, size in before.items():
+            with open(f, errors="replace") as fh:
+                fh.seek(size)
+                dumps.append(f"--- {f.name}, after SIGQUIT:\n{fh.read()[:6000]}")
+        raise AssertionError(
+            f"the run did not end within {timeout:.0f} s; its processes {pids} dumped their stacks\n"
+            f"--- the run's output (tail):\n{tail}\n" + "\n".join(dumps)
+        ) from None
 
 
 def steps_logged(run_dir: Path) -> list[int]:

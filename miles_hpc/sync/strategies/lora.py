@@ -33,7 +33,7 @@ from miles_hpc.models.lora import LoraAdapter, LoraSpec, adapter_modules, save_a
 from miles_hpc.rollout.client import EngineClient
 from miles_hpc.rollout.errors import EngineError
 from miles_hpc.sync.codec.delta_manifest import prune_versions
-from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError
+from miles_hpc.sync.protocol import EngineSyncError, WeightSyncError, check_answers
 from miles_hpc.sync.strategies.base import EngineNeeds, Sends, Strategy
 from miles_hpc.sync.wire.checksum import tensor_checksums
 
@@ -111,14 +111,10 @@ class LoraSync(Strategy):
     async def verify(self, clients: Sequence[EngineClient], expected: dict[str, str]) -> None:
         if not self.spec.verify_bits:
             return  # SGLang: /load_lora_adapter answered success with the adapter listed (push checks that)
-        answers = await asyncio.gather(*(c.lora_adapter_checksums(self.spec.adapter_name) for c in clients))
-        for client, got in zip(clients, answers):
-            for name, want in expected.items():
-                if got.get(name) != want:
-                    raise WeightSyncError(
-                        f"LoRA adapter checksum mismatch on {client.url} for tensor {name!r}: "
-                        f"trainer {want}, engine {got.get(name, 'missing')}"
-                    )
+        answers = await asyncio.gather(
+            *(c.lora_adapter_checksums(self.spec.adapter_name) for c in clients), return_exceptions=True
+        )
+        check_answers(clients, answers, expected, "LoRA adapter checksum", "tensor")
         if self.spec.check_base:
             await self._check_base(clients)
 
