@@ -5,8 +5,9 @@ process die as a power cut would (SIGKILL, nothing flushed, no handler run).
 kills it at that point; unset, :func:`crash_point` costs one dict lookup. Points are placed at the instants where a
 crash used to lose or duplicate data: between a shard's roll and its checkpoint, after a checkpoint, after a step's
 samples are stored, in the middle of a weight update (the controller's `sync:paused`, an engine's
-`engine:receiving`, a tensor-parallel engine's rank > 0 `engine-tp:receiving`). With ``MILES_CRASH_ONCE=PATH`` a point fires only while PATH does not exist (it is created first):
-once per run, not in every restarted process that inherits the environment.
+`engine:receiving`, a tensor-parallel engine's rank > 0 `engine-tp:receiving`). With ``MILES_CRASH_ONCE=PATH`` a
+point fires only while PATH does not exist (it is created first): once per run, not in every restarted process that
+inherits the environment.
 
 :func:`enable_stack_dumps` (every process of a run calls it first): a native crash prints every thread's Python stack
 to stderr, and so does SIGQUIT (``kill -QUIT PID``, Ctrl-\\) without ending the process, so a run that hangs shows
