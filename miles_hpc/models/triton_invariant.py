@@ -1,0 +1,201 @@
+"""Batch-invariant Triton kernels for zero-KL mode on GPUs: one launch per op where `invariant.py` launches one torch
+call per tile (stage: shared model code; issue 31 item 3; docs/lora.md, "Zero-KL mode").
+
+Status: built and checked in Triton's interpreter on CPU (tests/test_triton_invariant.py): each kernel matches its
+`invariant.py` reference to rounding, and a row's bits do not change with the rows computed beside it. Not yet
+wired into `batch_invariant.make_batch_invariant` nor timed: that needs a GPU run (the engine's and the trainer's
+log-probs bitwise equal through these kernels, and the cost against the normal path).
+
+The rule is `invariant.py`'s, kept by construction instead of by fixed-shape torch calls: every program owns whole
+output rows (or an output tile) and walks its reduction in one fixed order, with block sizes that depend on the
+row width and dtype only, never on how many rows the call holds. So a token's result has the same bits in a decode
+step of one row and in a packed micro-batch of thousands, provided both sides call the same kernel:
+- `linear`: a GEMM whose program owns a [BM, BN] output tile and walks K in BK steps in order (no split-K), fp32
+  accumulation (`input_precision="ieee"` for fp32 operands: no TF32);
+- `rms_norm`, `log_softmax`: one program per row, the row walked in BLOCK chunks into per-lane float32
+  accumulators, reduced once at the end (a fixed tree for a given BLOCK);
+- `attention`: variable-length causal attention over packed sequences (the trainer's layout; the engine gathers
+  each sequence's keys from its cache into the same layout), a program per (query tile of one sequence, head),
+  `invariant.attention`'s algorithm: the row maximum over all key chunks up to the tile's last position, then chunk
+  by chunk in key order exp(score - max) summed and multiplied into the output. Chunks past a row's own position
+  add exact zeros, so a row's bits do not depend on the other queries of its tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["attention", "linear", "log_softmax", "rms_norm"]
+
+BM, BN, BK = 32, 64, 32  # GEMM tiles: fixed, so a row's K walk is the same in any batch
+ROW_BLOCK = 1024  # rms_norm / log_softmax: elements per step along a row
+QUERY_TILE, KEY_CHUNK = 16, 64  # attention, as invariant.QUERY_TILE / KEY_CHUNK
+
+
+def _precision(t: torch.Tensor) -> str:
+    return "ieee" if t.dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit operands
+
+
+@triton.jit
+def _linear_kernel(x, w, b, out, M, N, K, sx, sw, so, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)  # rows x N passes 2**31 at LM-head widths
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(x + rm[:, None] * sx + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        bt = tl.load(w + rn[None, :] * sw + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        acc = tl.dot(a, bt, acc, input_precision=PREC)
+    if HAS_BIAS:
+        acc += tl.load(b + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out + rm[:, None] * so + rn[None, :], acc.to(out.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N)
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` (x [..., K], weight [N, K]) in x's dtype, fp32 accumulation."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    w = weight.contiguous()
+    n = w.shape[0]
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        grid = (triton.cdiv(rows.shape[0], BM), triton.cdiv(n, BN))
+        _linear_kernel[grid](rows, w, w if bias is None else bias.contiguous(), out, rows.shape[0], n, k,
+                             rows.stride(0), w.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                             PREC=_precision(x), BM=BM, BN=BN, BK=BK)  # fmt: skip
+    return out.reshape(*lead, n)
+
+
+@triton.jit
+def _rms_norm_kernel(x, w, out, width, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * width
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(0, width, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        v = tl.load(x + row + cols, mask=cols < width, other=0.0).to(tl.float32)
+        acc += v * v
+    inv = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / width + eps)
+    for c in range(0, width, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        v = tl.load(x + row + cols, mask=cols < width, other=0.0).to(tl.float32)
+        g = tl.load(w + cols, mask=cols < width, other=0.0)
+        tl.store(out + row + cols, (v * inv).to(out.dtype.element_ty) * g, mask=cols < width)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as `models.layers.RMSNorm` computes it: float32 statistics, normalised row cast back, times weight."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(rows)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, rows.shape[1], eps, BLOCK=ROW_BLOCK)
+    return out.reshape(x.shape)
+
+
+@triton.jit
+def _log_softmax_kernel(x, out, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * width
+    m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for c in range(0, width, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        m = tl.maximum(m, tl.load(x + row + cols, mask=cols < width, other=float("-inf")).to(tl.float32))
+    top = tl.max(m, axis=0)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(0, width, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        v = tl.load(x + row + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
+        s += tl.exp(v - top)
+    lse = top + tl.log(tl.sum(s, axis=0))
+    for c in range(0, width, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        v = tl.load(x + row + cols, mask=cols < width, other=0.0).to(tl.float32)
+        tl.store(out + row + cols, v - lse, mask=cols < width)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """float32 log-softmax over the last dim (the log-probs both sides report)."""
+    rows = logits.reshape(-1, logits.shape[-1]).contiguous()
+    out = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+    if rows.shape[0]:
+        _log_softmax_kernel[(rows.shape[0],)](rows, out, rows.shape[1], BLOCK=ROW_BLOCK)
+    return out.reshape(logits.shape)
+
+
+@triton.jit
+def _attention_kernel(q, k, v, out, pos, tile_q, tile_k, tile_n, tile_last, scale, sq, sk, sv, so, rep,
+                      D: tl.constexpr, DV: tl.constexpr, QT: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    t, h = tl.program_id(0), tl.program_id(1)
+    q0, k0, nq, last = tl.load(tile_q + t), tl.load(tile_k + t), tl.load(tile_n + t), tl.load(tile_last + t)
+    rows = tl.arange(0, QT)
+    live = rows < nq
+    p = tl.load(pos + q0 + rows, mask=live, other=-1)
+    qt = tl.load(q + (q0 + rows)[:, None] * sq + h * D + tl.arange(0, D)[None, :], mask=live[:, None], other=0.0)
+    qt = qt.to(tl.float32)
+    hk = h // rep
+    d, dv, kc = tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KC)
+    m = tl.full((QT,), float("-inf"), dtype=tl.float32)
+    for c in range(0, last + 1, KC):
+        keys = c + kc
+        kt = tl.load(k + (k0 + keys)[None, :] * sk + hk * D + d[:, None], mask=(keys <= last)[None, :], other=0.0)
+        s = tl.dot(qt, kt.to(tl.float32), input_precision=PREC) * scale
+        s = tl.where(keys[None, :] <= p[:, None], s, float("-inf"))
+        m = tl.maximum(m, tl.max(s, axis=1))
+    m = tl.where(m == float("-inf"), 0.0, m)  # padding rows: all masked
+    denom = tl.zeros((QT,), dtype=tl.float32)
+    acc = tl.zeros((QT, DV), dtype=tl.float32)
+    for c in range(0, last + 1, KC):
+        keys = c + kc
+        kt = tl.load(k + (k0 + keys)[None, :] * sk + hk * D + d[:, None], mask=(keys <= last)[None, :], other=0.0)
+        s = tl.dot(qt, kt.to(tl.float32), input_precision=PREC) * scale
+        s = tl.where(keys[None, :] <= p[:, None], s, float("-inf"))
+        e = tl.exp(s - m[:, None])
+        denom += tl.sum(e, axis=1)
+        vt = tl.load(v + (k0 + keys)[:, None] * sv + hk * DV + dv[None, :], mask=(keys <= last)[:, None], other=0.0)
+        acc += tl.dot(e, vt.to(tl.float32), input_precision=PREC)
+    acc = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out + (q0 + rows)[:, None] * so + h * DV + dv[None, :], acc.to(out.dtype.element_ty), mask=live[:, None])
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cu_q: list[int],
+    cu_k: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed sequences: q [Tq, Hq, D] (sequence i's queries at rows cu_q[i]..cu_q[i+1]-1, at
+    absolute `positions` [Tq] within it), k [Tk, Hkv, D] and v [Tk, Hkv, Dv] (sequence i's keys at positions 0..
+    at rows cu_k[i]..cu_k[i+1]-1; every query's position below its sequence's key count). Returns [Tq, Hq, Dv] in
+    q's dtype. D and Dv are powers of two (Triton's block shapes); Hq a multiple of Hkv."""
+    tq, hq, dim = q.shape
+    hkv, dv = k.shape[1], v.shape[2]
+    if hq % hkv or dim & (dim - 1) or dv & (dv - 1):
+        raise ValueError(f"attention: {hq} query heads over {hkv} KV heads, head dims {dim}/{dv} (powers of two)")
+    # The tile table (host side, from the sequence lengths alone): each tile is QUERY_TILE consecutive queries of
+    # one sequence; `last` is the largest position in it (keys walked up to there).
+    pos_host = positions.tolist()
+    tiles: list[tuple[int, int, int, int]] = []
+    for i in range(len(cu_q) - 1):
+        nk = cu_k[i + 1] - cu_k[i]
+        for t in range(cu_q[i], cu_q[i + 1], QUERY_TILE):
+            n = min(QUERY_TILE, cu_q[i + 1] - t)
+            last = max(pos_host[t : t + n])
+            if last >= nk:
+                raise ValueError(f"sequence {i}: a query at position {last} needs keys up to it; {nk} given")
+            tiles.append((t, cu_k[i], n, last))
+    out = torch.empty(tq, hq, dv, dtype=q.dtype, device=q.device)
+    if not tiles:
+        return out
+    cols = [torch.tensor(c, dtype=torch.int64, device=q.device) for c in zip(*tiles)]
+    qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+    _attention_kernel[(len(tiles), hq)](qc, kc, vc, out, positions.to(torch.int64).contiguous(), *cols, scale,
+                                        qc.stride(0), kc.stride(0), vc.stride(0), out.stride(0), hq // hkv,
+                                        D=dim, DV=dv, QT=QUERY_TILE, KC=KEY_CHUNK, PREC=_precision(q))  # fmt: skip
+    return out
