@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from fault_support import (
     assert_exactly_once,
+    finish,
     no_orphans,
     output,
     run,
@@ -91,7 +92,7 @@ def test_a_lost_trainer_rank_ends_the_run_within_seconds_then_it_resumes(tmp_pat
         assert len(rank1) == 1, rank1
         os.kill(rank1[0], signal.SIGKILL)
         t0 = time.monotonic()
-        code = proc.wait(timeout=120)
+        code = finish(proc, run_dir, 120)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:

@@ -14,6 +14,7 @@ import pytest
 from fault_support import (
     REPO,
     assert_exactly_once,
+    finish,
     no_orphans,
     output,
     run,
@@ -33,7 +34,7 @@ def test_a_signal_checkpoints_after_the_step_and_exits(tmp_path: Path, sig: sign
     try:
         wait_for("step 2", lambda: len(steps_logged(run_dir)) >= 2, proc=proc)
         proc.send_signal(sig)
-        code = proc.wait(timeout=60)
+        code = finish(proc, run_dir, 60)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -58,7 +59,7 @@ def test_a_second_signal_stops_at_once(tmp_path: Path) -> None:
         time.sleep(0.2)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=60)
+        code = finish(proc, run_dir, 60)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
@@ -94,7 +95,7 @@ def test_the_preempt_marker_stops_the_run_once(tmp_path: Path) -> None:
             cwd=REPO,
             timeout=60,
         )
-        code = proc.wait(timeout=60)
+        code = finish(proc, run_dir, 60)
     finally:
         if proc.poll() is None:
             proc.kill()
