@@ -11,8 +11,9 @@
    that no longer answer `/health` (dead or hung) are quarantined (the run goes on with the others), the rest of
    the trainer's iterator is drained (it is a collective on every trainer rank), and the push is retried once
    with the remaining engines from a fresh iterator; anything else stops the run. Engines still blocked in the
-   broken group free themselves after their own receive timeout (`miles-hpc serve --weight-update-timeout`,
-   set from `sync.timeout_s`), so a retry can wait up to that long; when no engine is left (none could be paused,
+   broken group are freed when the members they wait on close it (the trainer's side at once, an engine rank whose
+   receive failed at once: engine/weight_receiver.py `_breaks`), at the latest after their own receive timeout
+   (`miles-hpc serve --weight-update-timeout`, set from `sync.timeout_s`); when no engine is left (none could be paused,
    or every one died), the version is recorded as published and engines catch up when they return (below);
 5. verify every target's per-tensor checksums against what was sent (a mismatch stops the run, naming the tensor;
    an engine that died after the transfer, whose check fails and whose /health no longer answers, is dropped);
