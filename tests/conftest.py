@@ -59,6 +59,24 @@ def run_interpreted(code: str, timeout: int = 600) -> None:
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-4000:]
 
 
+def run_check(source: str, tmp_path: object, device: str = "cpu") -> None:
+    """A kernel test's CHECK script (its `check(device, dtypes)`, and a `__main__` block that runs it on the CPU and
+    prints "ok"): on "cpu" in Triton's interpreter (`run_interpreted`), else its `check` here on `device` in
+    float32 and bfloat16."""
+    from pathlib import Path
+
+    script = Path(str(tmp_path)) / "check_kernels.py"
+    script.write_text(source)
+    if device == "cpu":
+        run_interpreted(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")
+        return
+    import runpy
+
+    import torch
+
+    runpy.run_path(str(script))["check"](device, (torch.float32, torch.bfloat16))
+
+
 PROCESS_MARKERS = ("process", "slurm", "mpi", "sglang")
 # The gpu tier is never in the fast tier, and on a GPU every Triton kernel's first launch runs the compiler (ptxas)
 # as a subprocess: its tests are not asked to say so.

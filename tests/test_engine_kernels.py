@@ -5,7 +5,6 @@ vs `F.linear`), in Triton's interpreter on CPU (CI) and compiled on a GPU (`-m g
 from __future__ import annotations
 
 import pytest
-import torch
 
 CHECK = """
 import torch
@@ -50,17 +49,13 @@ if __name__ == "__main__":
 
 @pytest.mark.process
 def test_kernels_in_the_interpreter(tmp_path) -> None:  # noqa: ANN001
-    from conftest import run_interpreted
+    from conftest import run_check
 
-    script = tmp_path / "check_kernels.py"
-    script.write_text(CHECK)
-    run_interpreted(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")
+    run_check(CHECK, tmp_path)
 
 
 @pytest.mark.gpu
 def test_kernels_on_the_gpu(tmp_path) -> None:  # noqa: ANN001
-    import runpy
+    from conftest import run_check
 
-    script = tmp_path / "check_kernels.py"
-    script.write_text(CHECK)
-    runpy.run_path(str(script))["check"]("cuda", (torch.float32, torch.bfloat16))
+    run_check(CHECK, tmp_path, "cuda")

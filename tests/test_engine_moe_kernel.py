@@ -79,15 +79,13 @@ def test_alignment_groups_pairs_by_expert_in_padded_blocks() -> None:
 
 @pytest.mark.process
 def test_fused_experts_in_the_interpreter(tmp_path) -> None:  # noqa: ANN001
-    from conftest import run_interpreted
+    from conftest import run_check
 
-    script = tmp_path / "check_moe.py"
-    script.write_text(CHECK)
-    run_interpreted(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")
+    run_check(CHECK, tmp_path)
 
 
 @pytest.mark.gpu
 def test_fused_experts_on_the_gpu(tmp_path) -> None:  # noqa: ANN001
-    namespace: dict[str, object] = {}
-    exec(CHECK.replace('if __name__ == "__main__":', "if False:"), namespace)
-    namespace["check"]("cuda", (torch.float32, torch.bfloat16))  # type: ignore[operator]
+    from conftest import run_check
+
+    run_check(CHECK, tmp_path, "cuda")

@@ -86,18 +86,16 @@ if __name__ == "__main__":
 
 @pytest.mark.process
 def test_invariant_kernels_in_the_interpreter(tmp_path) -> None:  # noqa: ANN001
-    from conftest import run_interpreted
+    from conftest import run_check
 
-    script = tmp_path / "check_invariant.py"
-    script.write_text(CHECK)
-    run_interpreted(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")
+    run_check(CHECK, tmp_path)
 
 
 @pytest.mark.gpu
-def test_invariant_kernels_on_the_gpu() -> None:
-    namespace: dict[str, object] = {}
-    exec(CHECK.replace('if __name__ == "__main__":', "if False:"), namespace)
-    namespace["check"]("cuda", (torch.float32, torch.bfloat16))  # type: ignore[operator]
+def test_invariant_kernels_on_the_gpu(tmp_path) -> None:  # noqa: ANN001
+    from conftest import run_check
+
+    run_check(CHECK, tmp_path, "cuda")
 
 
 def test_attention_refuses_what_its_blocks_cannot_hold() -> None:
