@@ -11,9 +11,12 @@ timed train steps on them. Printed, one JSON line each:
 - `side=trainer`: median train-step seconds and tokens per second;
 - `side=mismatch`: max |engine log-prob - trainer log-prob| over the sampled tokens (0.0 exactly in zero-KL mode);
 - `side=cost`: zero-KL over normal, per side (the slowdown factor).
+Zero-KL mode runs once per `--kernels` setting (models/invariant.py, MILES_INVARIANT_KERNELS: "torch" tiles, or
+"triton" one-launch kernels on a GPU); the records' `mode` is `zero_kl:<kernels>`.
 
     python benchmarks/bench_zero_kl.py                              # GPU: qwen3-0.6b shapes, bf16
     python benchmarks/bench_zero_kl.py --shape moe-1b               # GPU: a reduced Qwen3-MoE (16 experts, top-4)
+    python benchmarks/bench_zero_kl.py --kernels torch,triton       # GPU: both kernel settings beside normal mode
     python benchmarks/bench_zero_kl.py --device cpu --shape qwen3:small --prompts 8 --new-tokens 32
 """
 
@@ -41,6 +44,7 @@ from miles_hpc.data.sample import token_hash  # noqa: E402
 from miles_hpc.engine.config import EngineConfig  # noqa: E402
 from miles_hpc.engine.core import Engine  # noqa: E402
 from miles_hpc.engine.types import GenerateRequest, GenerateResult, SamplingParams  # noqa: E402
+from miles_hpc.models import invariant  # noqa: E402
 from miles_hpc.models.presets import preset_config  # noqa: E402
 from miles_hpc.train import dist as tdist  # noqa: E402
 from miles_hpc.train.batch import TrainBatch  # noqa: E402
@@ -116,8 +120,11 @@ def max_mismatch(trainer: FSDPTrainer, batch: TrainBatch) -> float:
     return worst
 
 
-def run_mode(ckpt: Path, zero_kl: bool, args: argparse.Namespace, vocab: int) -> dict[str, dict[str, object]]:
-    mode = "zero_kl" if zero_kl else "normal"
+def run_mode(ckpt: Path, kernels: str | None, args: argparse.Namespace, vocab: int) -> dict[str, dict[str, object]]:
+    """Normal mode (`kernels` None), or zero-KL mode with MILES_INVARIANT_KERNELS=`kernels` for both sides."""
+    zero_kl = kernels is not None
+    mode = f"zero_kl:{kernels}" if zero_kl else "normal"
+    os.environ[invariant.KERNELS_ENV] = kernels or "torch"
     on_gpu = args.device.startswith("cuda")
     ecfg = EngineConfig(
         device=args.device,
@@ -201,12 +208,18 @@ def main() -> None:
     ap.add_argument("--microbatch-tokens", type=int, default=8192)
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--threads", type=int, default=4, help="CPU: intra-op threads (zero-KL caps them at 8)")
+    ap.add_argument(
+        "--kernels",
+        default=None,
+        help="zero-KL kernel settings to time, comma-separated (default: triton on a GPU, torch on CPU)",
+    )
     args = ap.parse_args()
     on_gpu = args.device.startswith("cuda")
     args.shape = args.shape or ("qwen3-0.6b" if on_gpu else "qwen3:small")
     args.prompts = args.prompts or (16 if on_gpu else 8)
     args.max_prompt = args.max_prompt or (128 if on_gpu else 64)
     args.new_tokens = args.new_tokens or (64 if on_gpu else 32)
+    kernels = (args.kernels or ("triton" if on_gpu else "torch")).split(",")
     args.dtype = "bfloat16" if on_gpu else "float32"  # zero-KL: the trainer's compute dtype (bf16 mixed on GPUs)
     if not on_gpu:
         torch.set_num_threads(args.threads)
@@ -224,24 +237,17 @@ def main() -> None:
             "max_new_tokens": args.new_tokens,
             "dtype": args.dtype,
         }
-        res = {mode: run_mode(ckpt, mode == "zero_kl", args, vocab) for mode in ("normal", "zero_kl")}
-    for mode in ("normal", "zero_kl"):
+        res = {"normal": run_mode(ckpt, None, args, vocab)}
+        res.update({k: run_mode(ckpt, k, args, vocab) for k in kernels})
+    for mode in res:
         for side in ("engine", "trainer", "mismatch"):
             print(json.dumps({**res[mode][side], **env_info}), flush=True)
-    eng = res["normal"]["engine"]["tokens_per_s"] / res["zero_kl"]["engine"]["tokens_per_s"]
-    trn = res["zero_kl"]["trainer"]["step_s"] / res["normal"]["trainer"]["step_s"]
-    print(
-        json.dumps(
-            {
-                "bench": "zero_kl",
-                "side": "cost",
-                "engine_slowdown_x": round(eng, 2),
-                "trainer_slowdown_x": round(trn, 2),
-                **env_info,
-            }
-        ),
-        flush=True,
-    )
+    normal = res["normal"]
+    for k in kernels:
+        eng = normal["engine"]["tokens_per_s"] / res[k]["engine"]["tokens_per_s"]
+        trn = res[k]["trainer"]["step_s"] / normal["trainer"]["step_s"]
+        cost = {"bench": "zero_kl", "side": "cost", "kernels": k}
+        print(json.dumps({**cost, "engine_slowdown_x": round(eng, 2), "trainer_slowdown_x": round(trn, 2), **env_info}))
     tdist.teardown()
 
 

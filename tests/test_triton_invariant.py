@@ -61,7 +61,7 @@ def check_attention(device, dtype, tol, g, shifts):
     q, k, v = (torch.cat([s[i] for s in seqs]).to(device, dtype) for i in range(3))
     cu = [0, lens[0], lens[0] + lens[1]]
     pos = torch.cat([torch.arange(n) for n in lens]).to(device)
-    out = ti.attention(q, k, v, pos, cu, cu, d**-0.5)  # the trainer's packed call
+    out = ti.attention(q, k, v, [0, 0], cu, cu, d**-0.5)  # the trainer's packed call
     for i, n in enumerate(lens):
         sl = slice(cu[i], cu[i + 1])
         want = invariant.attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), pos[sl], d**-0.5)
@@ -71,10 +71,10 @@ def check_attention(device, dtype, tol, g, shifts):
     s0, n = cu[1], lens[1]
     kk, vv = k[s0:], v[s0:]
     for p in (0, 16, 64) + ((15, 63, n - 1) if shifts else ()):
-        one = ti.attention(q[s0 + p : s0 + p + 1], kk, vv, pos[s0 + p : s0 + p + 1], [0, 1], [0, n], d**-0.5)
+        one = ti.attention(q[s0 + p : s0 + p + 1], kk, vv, [p], [0, 1], [0, n], d**-0.5)
         assert torch.equal(one, out[s0 + p : s0 + p + 1]), ("decode", p)
     for start in (32,) + ((41,) if shifts else ()):
-        chunk = ti.attention(q[s0 + start : s0 + n], kk, vv, pos[s0 + start : s0 + n], [0, n - start], [0, n], d**-0.5)
+        chunk = ti.attention(q[s0 + start : s0 + n], kk, vv, [start], [0, n - start], [0, n], d**-0.5)
         assert torch.equal(chunk, out[s0 + start : s0 + n]), ("prefill chunk after a cached prefix", start)
 
 
@@ -108,7 +108,7 @@ def test_attention_refuses_what_its_blocks_cannot_hold() -> None:
 
     q, k = torch.zeros(3, 4, 12), torch.zeros(5, 2, 12)
     with pytest.raises(ValueError, match="powers of two"):
-        ti.attention(q, k, k, torch.arange(3), [0, 3], [0, 5], 1.0)
+        ti.attention(q, k, k, [0], [0, 3], [0, 5], 1.0)
     q, k = torch.zeros(3, 4, 16), torch.zeros(2, 2, 16)
     with pytest.raises(ValueError, match="position 2 needs keys up to it; 2 given"):
-        ti.attention(q, k, k, torch.arange(3), [0, 3], [0, 2], 1.0)
+        ti.attention(q, k, k, [0], [0, 3], [0, 2], 1.0)

@@ -30,13 +30,18 @@ def cuda_world() -> Iterator[None]:
     tdist.teardown()
 
 
+KERNELS = pytest.mark.parametrize("kernels", ["torch", "triton"])  # MILES_INVARIANT_KERNELS (models/invariant.py)
+
+
+@KERNELS
 @pytest.mark.parametrize(
     "arch,size",
     [("qwen3", "tiny"), ("qwen3", "small"), ("qwen3_moe", "small"), ("deepseek_v3", "small"), ("glm4_moe", "tiny")],
 )
 def test_engine_and_trainer_logprobs_are_bitwise_equal_on_gpu(
-    cuda_world: None, tmp_path: Path, arch: str, size: str
+    cuda_world: None, tmp_path: Path, arch: str, size: str, kernels: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("MILES_INVARIANT_KERNELS", kernels)
     ckpt = make_ckpt(tmp_path / "m", arch, size)
     cfg = TrainConfig(device="cuda", mixed_precision=True, max_tokens_per_microbatch=200)
     zk = FSDPTrainer(ckpt, cfg, AlgoConfig(), device="cuda", seed=0, zero_kl=True)
@@ -54,8 +59,12 @@ GPU = [
 ]
 
 
+@KERNELS
 @pytest.mark.parametrize("arch,extra", [("qwen3", ()), ("qwen3_moe", ("algo.routing_replay=true",))])
-def test_rl_run_on_gpu_has_zero_mismatch_at_every_step(tmp_path: Path, arch: str, extra: tuple[str, ...]) -> None:
+def test_rl_run_on_gpu_has_zero_mismatch_at_every_step(
+    tmp_path: Path, arch: str, extra: tuple[str, ...], kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MILES_INVARIANT_KERNELS", kernels)  # inherited by every process of the run
     m = run(tmp_path / "run", "zero_kl=true", f"model.init_arch={arch}", "steps=6", *GPU, *extra)
     assert [r["mismatch/max_abs_logprob_diff"] for r in m] == [0.0] * 6
     assert sum(r["grad_norm"] > 0 for r in m) >= 3  # the policy moved, and the engine followed it exactly

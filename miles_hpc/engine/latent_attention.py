@@ -28,8 +28,8 @@ Recording (a cache with `indexer_topk`, EngineConfig.record_indexer_topk): every
 prefill row alike, gets its selection written into its slot's row of the layer: key positions <= its own, the
 masked picks (future keys, decode padding) and the width short of index_topk as -1 (`_record`).
 
-Batch-invariant (zero-KL) mode: metadata with `invariant_seqs`; each sequence's keys and values are expanded from
-positions 0..ctx-1 and attended by `invariant.attention`. DSA models are refused in that mode (Engine).
+Batch-invariant (zero-KL) mode: metadata with `invariant` (an `InvariantPack`); every sequence's keys and values
+are expanded from positions 0..ctx-1 and attended by `invariant.packed_attention`. DSA models are refused in that mode (Engine).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class LatentAttention:
     ) -> dsa.Selection:
         """iq [1, T, H, D], ik [1, T, D], iw [1, T, H] (float32) of the step's tokens -> the engine's Selection."""
         m = self.meta
-        if m.invariant_seqs is not None:
+        if m.invariant is not None:
             raise RuntimeError("DSA models do not run in batch-invariant mode (the engine refuses them)")
         keys = self.cache.index_flat(layer_idx)
         keys.index_copy_(0, m.slot_mapping, ik[0].to(keys.dtype))
@@ -134,13 +134,10 @@ class LatentAttention:
         ex = _Expander(kv_b_proj, q_nope.shape[1], q_nope.shape[-1])
         q = torch.cat([q_nope, q_rot], dim=-1)  # [1, H, T, qk_head_dim], as the model's default path
         with no_cudnn_sdpa():
-            if m.invariant_seqs is not None:
-                parts = []
-                for sq in m.invariant_seqs:
-                    k, v = ex(lat_c[sq.key_slots], kr_c[sq.key_slots])  # [ctx, H, *]
-                    qs = q[0, :, sq.q_start : sq.q_end]
-                    parts.append(invariant.attention(qs, k.transpose(0, 1), v.transpose(0, 1), sq.positions, scale))
-                return torch.cat(parts, dim=1)[None]
+            if (pack := m.invariant) is not None:
+                k, v = ex(lat_c[pack.key_slots], kr_c[pack.key_slots])  # [sum of ctx, H, *]
+                kt, vt = k.transpose(0, 1), v.transpose(0, 1)
+                return invariant.packed_attention(q[0], kt, vt, pack.starts, pack.cu_q, pack.cu_k, scale)[None]
             out = q.new_empty(*q.shape[:-1], ex.v_dim)
             sel = iter(selection) if selection is not None else None
             if m.decode_rows is not None:

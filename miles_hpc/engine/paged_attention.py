@@ -49,12 +49,16 @@ class PrefillSeq:
     count: int = 1  # chunks starting at 0: this many adjacent sequences of equal length, attended in one batch
 
 
-@dataclass(slots=True)
-class InvariantSeq:
-    q_start: int  # rows [q_start, q_end) of the packed step
-    q_end: int
-    positions: torch.Tensor  # int64 [n]: absolute positions of the queries
-    key_slots: torch.Tensor  # int64 [ctx]: cache slots of positions 0..ctx-1
+@dataclass(frozen=True, slots=True)
+class InvariantPack:
+    """Batch-invariant mode's layout of a step, as `invariant.packed_attention` takes it: sequence i's queries are
+    the packed rows cu_q[i]..cu_q[i+1]-1 at positions starts[i]..; its keys, positions 0..ctx-1 (written positions
+    only), are the cache slots key_slots[cu_k[i]:cu_k[i+1]]."""
+
+    starts: list[int]
+    cu_q: list[int]
+    cu_k: list[int]
+    key_slots: torch.Tensor  # int64 [sum of ctx]
 
 
 @dataclass(slots=True)
@@ -71,7 +75,7 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None  # int32 [Bd, max_blocks]: for a decode kernel (instead of slots and mask)
     decode_lens: torch.Tensor | None  # int32 [Bd]
     prefills: list[PrefillSeq]
-    invariant_seqs: list[InvariantSeq] | None = None  # batch-invariant mode: every sequence, instead of the above
+    invariant: InvariantPack | None = None  # batch-invariant mode: every sequence, instead of the above
 
     @classmethod
     def build(
@@ -103,11 +107,12 @@ class AttentionMetadata:
 
         q_starts = list(itertools.accumulate(lens[:-1], initial=0))  # sequence i's first row in the packed step
         if batch_invariant:
-            seqs = []
-            for i in range(b):
-                kpos = torch.arange(starts[i] + lens[i], device=device)
-                slots = tables[i, kpos // block_size] * block_size + kpos % block_size
-                seqs.append(InvariantSeq(q_starts[i], q_starts[i] + lens[i], kpos[starts[i] :], slots))
+            ctxs = [s + n for s, n in zip(starts, lens, strict=True)]
+            cu_k = list(itertools.accumulate(ctxs, initial=0))
+            kseq = torch.repeat_interleave(torch.arange(b, device=device), ctx, output_size=cu_k[-1])
+            kpos = torch.arange(cu_k[-1], device=device) - torch.tensor(cu_k[:-1], device=device)[kseq]
+            slots = tables[kseq, kpos // block_size] * block_size + kpos % block_size
+            pack = InvariantPack(list(starts), [*q_starts, total], cu_k, slots)
             return cls(
                 positions=pos,
                 slot_mapping=slot_mapping,
@@ -120,7 +125,7 @@ class AttentionMetadata:
                 decode_tables=None,
                 decode_lens=None,
                 prefills=[],
-                invariant_seqs=seqs,
+                invariant=pack,
             )
         dec = [i for i in range(b) if lens[i] == 1]
         decode_rows = decode_slots = decode_mask = decode_tables = decode_lens = None
@@ -213,8 +218,8 @@ class PagedAttention:
         # [1, H, T, D] -> [T, H, D]: the cache's slot-major layout.
         kc.index_copy_(0, m.slot_mapping, k[0].transpose(0, 1).to(kc.dtype))
         vc.index_copy_(0, m.slot_mapping, v[0].transpose(0, 1).to(vc.dtype))
-        if m.invariant_seqs is not None:
-            return self._attend_invariant(q, kc, vc, m.invariant_seqs, scale)
+        if m.invariant is not None:
+            return self._attend_invariant(q, kc, vc, m.invariant, scale)
         gqa = q.shape[1] != k.shape[1]
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # MLA: values narrower than queries and keys
         if m.decode_rows is not None and self.decode_kernel is not None:
@@ -249,14 +254,11 @@ class PagedAttention:
 
     @staticmethod
     def _attend_invariant(
-        q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seqs: list[InvariantSeq], scale: float
+        q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pack: InvariantPack, scale: float
     ) -> torch.Tensor:
-        parts = []
-        for sq in seqs:
-            ks = kc[sq.key_slots].transpose(0, 1)  # [Hkv, ctx, D]: exactly the written positions, no padding slots
-            vs = vc[sq.key_slots].transpose(0, 1)
-            parts.append(invariant.attention(q[0, :, sq.q_start : sq.q_end], ks, vs, sq.positions, scale))
-        return torch.cat(parts, dim=1)[None]
+        ks = kc[pack.key_slots].transpose(0, 1)  # [Hkv, sum of ctx, D]: exactly the written positions
+        vs = vc[pack.key_slots].transpose(0, 1)
+        return invariant.packed_attention(q[0], ks, vs, pack.starts, pack.cu_q, pack.cu_k, scale)[None]
 
 
 def _split_rows(x: torch.Tensor, count: int) -> torch.Tensor:

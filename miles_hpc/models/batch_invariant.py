@@ -172,7 +172,7 @@ def _rope_forward(rot: nn.Module) -> Callable[[torch.Tensor, torch.dtype], tuple
         freqs = position_ids[..., None].float() * rot._inv_freq(position_ids)
         emb = torch.cat((freqs, freqs), dim=-1)
         r = emb.shape[-1]
-        both = invariant.tiled(lambda t: torch.cat([t.cos(), t.sin()], dim=-1), emb)
+        both = invariant.elementwise(lambda t: torch.cat([t.cos(), t.sin()], dim=-1), emb)
         cos, sin = both[..., :r] * rot.attention_scaling, both[..., r:] * rot.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
@@ -189,17 +189,17 @@ def packed_attention(
     scale: float,
     cu_seqlens: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Batch-invariant `AttentionBackend` for the trainer: `invariant.attention` per sequence (each row of the batch,
-    or each packed sequence of `cu_seqlens`), positions 0..n-1 within it, as the engine attends over its cache."""
+    """Batch-invariant `AttentionBackend` for the trainer: `invariant.packed_attention` of each row of the batch (one
+    sequence per row, or the packed sequences of `cu_seqlens`), positions 0..n-1 within each sequence, as the engine
+    attends over its cache."""
     del layer_idx
     b, _, t, _ = q.shape
     if cu_seqlens is None:
-        spans = [(row, 0, t) for row in range(b)]
+        layouts = [(row, [0, t]) for row in range(b)]
     else:
         bounds = check_cu_seqlens(cu_seqlens, b, t)
-        spans = [(0, s, e) for s, e in pairwise(bounds) if e > s]
-    outs: list[list[torch.Tensor]] = [[] for _ in range(b)]
-    for row, s, e in spans:
-        pos = torch.arange(e - s, device=q.device)
-        outs[row].append(invariant.attention(q[row, :, s:e], k[row, :, s:e], v[row, :, s:e], pos, scale))
-    return torch.stack([torch.cat(parts, dim=1) for parts in outs])
+        layouts = [(0, [0, *(e for s, e in pairwise(bounds) if e > s)])]
+    outs = [
+        invariant.packed_attention(q[row], k[row], v[row], [0] * (len(cu) - 1), cu, cu, scale) for row, cu in layouts
+    ]
+    return torch.stack(outs)

@@ -13,11 +13,21 @@ The rule every function here follows: the kernels run on fixed-shape row tiles, 
 row's result depends on that row alone (GEMMs and row reductions do not mix rows). The tile height depends only on
 the row width, so the engine and the trainer pick the same one. The cost: the padding, and one kernel call per
 tile instead of one per batch.
+
+Kernels (`MILES_INVARIANT_KERNELS`, read at each call; every process of a run inherits it, so the engine and the
+trainer pick alike): "torch" (the default) runs the fixed-shape torch tiles above on any device; "triton" runs
+`linear`, `rms_norm`, `log_softmax` and `packed_attention` on CUDA tensors as one launch of
+`models/triton_invariant.py`'s kernels each, and the elementwise tiles (`elementwise`) as one call (a CUDA elementwise
+kernel computes every element by the same instructions wherever it sits). Whether a call takes the Triton path
+depends on the setting, the device and the shapes alone, never on the batch. Status: checked on CPU in Triton's
+interpreter only (tests/test_invariant_triton_dispatch.py); off by default until a GPU run shows the engine's and
+the trainer's log-probs still bit-equal through it (tests/test_zero_kl_gpu.py) and times it (bench_zero_kl.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,10 +35,13 @@ import torch
 __all__ = [
     "KEY_CHUNK",
     "QUERY_TILE",
+    "KERNELS_ENV",
     "act_mul",
     "attention",
+    "elementwise",
     "linear",
     "log_softmax",
+    "packed_attention",
     "rms_norm",
     "row_tile",
     "silu_mul",
@@ -39,6 +52,25 @@ MAX_TILE_ELEMENTS = 1 << 15  # one tile stays inside one parallel chunk of torch
 MAX_TILE_ROWS = 64
 QUERY_TILE = 16  # attention: queries per tile
 KEY_CHUNK = 64  # attention: keys per chunk
+KERNELS_ENV = "MILES_INVARIANT_KERNELS"
+
+
+def kernels() -> str:
+    """The kernels setting, "torch" or "triton" (module docstring)."""
+    value = os.environ.get(KERNELS_ENV, "torch")
+    if value not in ("torch", "triton"):
+        raise ValueError(f"{KERNELS_ENV}={value!r}: use 'torch' or 'triton'")
+    return value
+
+
+def _triton(t: torch.Tensor) -> Any:
+    """`triton_invariant` when an op on `t` runs its Triton kernel (the "triton" setting on a CUDA tensor, or on any
+    tensor under Triton's interpreter, TRITON_INTERPRET=1, which the CPU tests use), else None."""
+    if kernels() != "triton" or not (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    from miles_hpc.models import triton_invariant
+
+    return triton_invariant
 
 
 def row_tile(width: int) -> int:
@@ -51,16 +83,21 @@ def row_tile(width: int) -> int:
 
 
 def tiled(
-    fn: Callable[..., torch.Tensor], x: torch.Tensor, *params: torch.Tensor, width: int | None = None
+    fn: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    *params: torch.Tensor,
+    width: int | None = None,
+    fast: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`fn(tile, *params)` over the rows of `x` (any leading dims, last dim = a row) in fixed-shape tiles of
-    `row_tile(width or x's row width)` rows; `fn` must map a [rows, width] tile to [rows, ...] row by row.
+    `row_tile(width or x's row width)` rows; `fn` must map a [rows, width] tile to [rows, ...] row by row. With
+    `fast`, the forward is `fast(x, *params)` instead (one batch-invariant launch, same result up to rounding).
 
     Differentiable w.r.t. `x` and `params` (the tensors `fn` reads besides the tile: weights, biases), the cheap way:
-    the forward runs the tiles without recording a graph, the backward recomputes `fn` on all rows at once (one
-    call, the usual kernels) and differentiates that. Only the forward's bits must not depend on the batch; the
-    gradient is the same function's, up to rounding."""
-    return _RowTiled.apply(fn, width, x, *params)
+    the forward runs without recording a graph, the backward recomputes `fn` on all rows at once (one call, the
+    usual kernels) and differentiates that. Only the forward's bits must not depend on the batch; the gradient is
+    the same function's, up to rounding."""
+    return _RowTiled.apply(fn, fast, width, x, *params)
 
 
 def _tiles(fn: Callable[..., torch.Tensor], x: torch.Tensor, params: tuple[torch.Tensor, ...], width: int | None):
@@ -81,30 +118,37 @@ def _tiles(fn: Callable[..., torch.Tensor], x: torch.Tensor, params: tuple[torch
 class _RowTiled(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, fn: Callable[..., torch.Tensor], width: int | None, x: torch.Tensor, *params: torch.Tensor
+        ctx: Any,
+        fn: Callable[..., torch.Tensor],
+        fast: Callable[..., torch.Tensor] | None,
+        width: int | None,
+        x: torch.Tensor,
+        *params: torch.Tensor,
     ) -> torch.Tensor:
         ctx.fn = fn
         ctx.save_for_backward(x, *params)
-        return _tiles(fn, x, params, width)
+        return fast(x, *params) if fast is not None else _tiles(fn, x, params, width)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *params = ctx.saved_tensors
-        needs = ctx.needs_input_grad[2:]
+        needs = ctx.needs_input_grad[3:]
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(need) for t, need in zip((x, *params), needs)]
             rows = inputs[0].reshape(-1, x.shape[-1])
             out = ctx.fn(rows, *inputs[1:])
             wanted = [t for t in inputs if t.requires_grad]
             got = iter(torch.autograd.grad(out, wanted, grad.reshape(out.shape)) if wanted else ())
-        return (None, None, *(next(got) if need else None for need in needs))
+        return (None, None, None, *(next(got) if need else None for need in needs))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` with every GEMM of shape [row_tile(in), in] x [in, out]."""
+    """`F.linear` with every GEMM of shape [row_tile(in), in] x [in, out] (or one Triton GEMM: `_triton`)."""
+    tri = _triton(x)
+    fast = tri.linear if tri is not None else None
     if bias is None:
-        return tiled(torch.nn.functional.linear, x, weight)
-    return tiled(torch.nn.functional.linear, x, weight, bias)
+        return tiled(torch.nn.functional.linear, x, weight, fast=fast)
+    return tiled(torch.nn.functional.linear, x, weight, bias, fast=fast)
 
 
 def _rms_norm_rows(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,7 +158,9 @@ def _rms_norm_rows(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as `models.layers.RMSNorm` computes it (float32 statistics, cast back), on fixed-shape tiles."""
-    return tiled(lambda t, w: _rms_norm_rows(t, w, eps), x, weight)
+    tri = _triton(x)
+    fast = (lambda t, w: tri.rms_norm(t, w, eps)) if tri is not None else None
+    return tiled(lambda t, w: _rms_norm_rows(t, w, eps), x, weight, fast=fast)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -125,13 +171,27 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def act_mul(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`act(gate) * up` on fixed-shape tiles of [gate | up] rows."""
+    if _untiled(gate):
+        return act(gate) * up
     w = gate.shape[-1]
     return tiled(lambda t: act(t[:, :w]) * t[:, w:], torch.cat([gate, up], dim=-1), width=2 * w)
 
 
+def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` for an `fn` that maps each row on its own (elementwise work: RoPE's cos/sin): on fixed-shape tiles,
+    or one call where CUDA's elementwise kernels decide (the "triton" setting on a CUDA tensor)."""
+    return fn(x) if _untiled(x) else tiled(fn, x)
+
+
+def _untiled(t: torch.Tensor) -> bool:
+    return t.is_cuda and kernels() == "triton"
+
+
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """float32 log-softmax over the last dim, on fixed-shape tiles (the log-probs both sides report)."""
-    return tiled(lambda t: torch.log_softmax(t.float(), dim=-1), logits)
+    tri = _triton(logits)
+    fast = tri.log_softmax if tri is not None else None
+    return tiled(lambda t: torch.log_softmax(t.float(), dim=-1), logits, fast=fast)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
@@ -163,16 +223,90 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, positions = ctx.saved_tensors
+        return (*_sdpa_grads(q, k, v, positions, ctx.scale, grad, ctx.needs_input_grad[:3]), None, None)
+
+
+def _sdpa_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    grad: torch.Tensor,
+    needs: Sequence[bool],
+) -> list[torch.Tensor | None]:
+    """The gradients of one sequence's causal attention w.r.t. q, k, v (those `needs` asks for), by plain masked
+    softmax attention (one SDPA) recomputed and differentiated."""
+    with torch.enable_grad():
+        qi, ki, vi = (t.detach().requires_grad_(need) for t, need in zip((q, k, v), needs))
+        mask = torch.arange(k.shape[1], device=k.device)[None, :] <= positions[:, None]  # [Nq, Nk]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qi[None], ki[None], vi[None], attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != k.shape[0]
+        )[0]
+        wanted = [t for t in (qi, ki, vi) if t.requires_grad]
+        got = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)) if wanted else ())
+    return [next(got) if need else None for need in needs]
+
+
+Layout = tuple[Sequence[int], Sequence[int], Sequence[int]]  # (starts, cu_q, cu_k): `packed_attention`
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    starts: Sequence[int],
+    cu_q: Sequence[int],
+    cu_k: Sequence[int],
+    scale: float,
+) -> torch.Tensor:
+    """`attention` of several sequences packed along the token dim: q [Hq, Tq, D] with sequence i's queries at
+    columns cu_q[i]..cu_q[i+1]-1, at consecutive positions from starts[i]; k [Hkv, Tk, D] and v [Hkv, Tk, Dv] with
+    its keys at positions 0.. at columns cu_k[i]..cu_k[i+1]-1 (disjoint spans). Returns [Hq, Tq, Dv], each
+    sequence's columns exactly as `attention` of that sequence alone gives them: the engine (a step's sequences)
+    and the trainer (a packed row) both call this. One Triton launch in all (`_triton`, power-of-two head dims),
+    else `attention` per sequence; the layout is host integers, so neither path waits on the device for it."""
+    layout = (tuple(starts), tuple(cu_q), tuple(cu_k))
+    d, dv = q.shape[-1], v.shape[-1]
+    if _triton(q) is None or d & (d - 1) or dv & (dv - 1):
+        parts = [
+            attention(q[:, a:b], k[:, c:e], v[:, c:e], torch.arange(p, p + b - a, device=q.device), scale)
+            for p, a, b, c, e in _spans(layout)
+            if b > a
+        ]
+        return torch.cat(parts, dim=1) if parts else q.new_empty(q.shape[0], 0, dv)
+    return _PackedAttention.apply(q, k, v, layout, scale)
+
+
+def _spans(layout: Layout) -> list[tuple[int, int, int, int, int]]:
+    """(first position, query columns a..b, key columns c..e) of each sequence."""
+    starts, cu_q, cu_k = layout
+    return [(p, cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]) for i, p in enumerate(starts)]
+
+
+class _PackedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, scale: float) -> Any:
+        ctx.save_for_backward(q, k, v)
+        ctx.layout, ctx.scale = layout, scale
+        tri = _triton(q)
+        out = tri.attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), *layout, scale)
+        return out.transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
-        with torch.enable_grad():
-            qi, ki, vi = (t.detach().requires_grad_(need) for t, need in zip((q, k, v), needs))
-            mask = torch.arange(k.shape[1], device=k.device)[None, :] <= positions[:, None]  # [Nq, Nk]
-            out = torch.nn.functional.scaled_dot_product_attention(
-                qi[None], ki[None], vi[None], attn_mask=mask, scale=ctx.scale, enable_gqa=q.shape[0] != k.shape[0]
-            )[0]
-            wanted = [t for t in (qi, ki, vi) if t.requires_grad]
-            got = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)) if wanted else ())
-        return (*(next(got) if need else None for need in needs), None, None)
+        grads = [torch.zeros_like(t) if need else None for t, need in zip((q, k, v), needs)]
+        for p, a, b, c, e in _spans(ctx.layout):
+            if b == a:
+                continue
+            pos = torch.arange(p, p + b - a, device=q.device)
+            got = _sdpa_grads(q[:, a:b], k[:, c:e], v[:, c:e], pos, ctx.scale, grad[:, a:b], needs)
+            for g, piece, span in zip(grads, got, ((a, b), (c, e), (c, e))):
+                if g is not None and piece is not None:
+                    g[:, span[0] : span[1]] += piece
+        return (*grads, None, None)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_q: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Batch-invariant Triton kernels for zero-KL mode on GPUs: one launch per op where `invariant.py` launches one torch
 call per tile (stage: shared model code; issue 31 item 3; docs/lora.md, "Zero-KL mode").
 
-Status: built and checked in Triton's interpreter on CPU (tests/test_triton_invariant.py): each kernel matches its
-`invariant.py` reference to rounding, and a row's bits do not change with the rows computed beside it. Not yet
-wired into `batch_invariant.make_batch_invariant` nor timed: that needs a GPU run (the engine's and the trainer's
-log-probs bitwise equal through these kernels, and the cost against the normal path).
+Status: checked in Triton's interpreter on CPU (tests/test_triton_invariant.py): each kernel matches its
+`invariant.py` reference to rounding, and a row's bits do not change with the rows computed beside it. Wired into
+zero-KL mode by `invariant.py` under MILES_INVARIANT_KERNELS=triton (off by default): a GPU run still has to show
+the engine's and the trainer's log-probs bitwise equal through these kernels, and time them.
 
 The rule is `invariant.py`'s, kept by construction instead of by fixed-shape torch calls: every program owns whole
 output rows (or an output tile) and walks its reduction in one fixed order, with block sizes that depend on the
@@ -22,6 +22,8 @@ step of one row and in a packed micro-batch of thousands, provided both sides ca
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -127,13 +129,14 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attention_kernel(q, k, v, out, pos, tile_q, tile_k, tile_n, tile_last, scale, sq, sk, sv, so, rep,
+def _attention_kernel(q, k, v, out, tile_q, tile_k, tile_n, tile_p, scale, sq, sk, sv, so, rep,
                       D: tl.constexpr, DV: tl.constexpr, QT: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     t, h = tl.program_id(0), tl.program_id(1)
-    q0, k0, nq, last = tl.load(tile_q + t), tl.load(tile_k + t), tl.load(tile_n + t), tl.load(tile_last + t)
+    q0, k0, nq, p0 = tl.load(tile_q + t), tl.load(tile_k + t), tl.load(tile_n + t), tl.load(tile_p + t)
     rows = tl.arange(0, QT)
     live = rows < nq
-    p = tl.load(pos + q0 + rows, mask=live, other=-1)
+    p = tl.where(live, p0 + rows, -1)  # the tile's queries sit at consecutive positions from p0
+    last = p0 + nq - 1
     qt = tl.load(q + (q0 + rows)[:, None] * sq + h * D + tl.arange(0, D)[None, :], mask=live[:, None], other=0.0)
     qt = qt.to(tl.float32)
     hk = h // rep
@@ -165,37 +168,46 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    positions: torch.Tensor,
+    starts: list[int],
     cu_q: list[int],
     cu_k: list[int],
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of packed sequences: q [Tq, Hq, D] (sequence i's queries at rows cu_q[i]..cu_q[i+1]-1, at
-    absolute `positions` [Tq] within it), k [Tk, Hkv, D] and v [Tk, Hkv, Dv] (sequence i's keys at positions 0..
-    at rows cu_k[i]..cu_k[i+1]-1; every query's position below its sequence's key count). Returns [Tq, Hq, Dv] in
-    q's dtype. D and Dv are powers of two (Triton's block shapes); Hq a multiple of Hkv."""
+    consecutive positions from starts[i]: a decode query, a prefill chunk after a cached prefix, or a whole sequence
+    from 0), k [Tk, Hkv, D] and v [Tk, Hkv, Dv] (sequence i's keys at positions 0.. at rows cu_k[i]..cu_k[i+1]-1,
+    at least up to its last query's position). Returns [Tq, Hq, Dv] in q's dtype. D and Dv are powers of two
+    (Triton's block shapes); Hq a multiple of Hkv. The layout is host integers, so a call never waits on the device;
+    its tile table is built once per layout (the layers of one forward share it)."""
     tq, hq, dim = q.shape
     hkv, dv = k.shape[1], v.shape[2]
     if hq % hkv or dim & (dim - 1) or dv & (dv - 1):
         raise ValueError(f"attention: {hq} query heads over {hkv} KV heads, head dims {dim}/{dv} (powers of two)")
-    # The tile table (host side, from the sequence lengths alone): each tile is QUERY_TILE consecutive queries of
-    # one sequence; `last` is the largest position in it (keys walked up to there).
-    pos_host = positions.tolist()
-    tiles: list[tuple[int, int, int, int]] = []
-    for i in range(len(cu_q) - 1):
-        nk = cu_k[i + 1] - cu_k[i]
-        for t in range(cu_q[i], cu_q[i + 1], QUERY_TILE):
-            n = min(QUERY_TILE, cu_q[i + 1] - t)
-            last = max(pos_host[t : t + n])
-            if last >= nk:
-                raise ValueError(f"sequence {i}: a query at position {last} needs keys up to it; {nk} given")
-            tiles.append((t, cu_k[i], n, last))
     out = torch.empty(tq, hq, dv, dtype=q.dtype, device=q.device)
-    if not tiles:
+    cols = _tile_table(tuple(starts), tuple(cu_q), tuple(cu_k), q.device)
+    if not cols[0].numel():
         return out
-    cols = [torch.tensor(c, dtype=torch.int64, device=q.device) for c in zip(*tiles)]
     qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
-    _attention_kernel[(len(tiles), hq)](qc, kc, vc, out, positions.to(torch.int64).contiguous(), *cols, scale,
-                                        qc.stride(0), kc.stride(0), vc.stride(0), out.stride(0), hq // hkv,
-                                        D=dim, DV=dv, QT=QUERY_TILE, KC=KEY_CHUNK, PREC=_precision(q))  # fmt: skip
+    _attention_kernel[(cols[0].numel(), hq)](qc, kc, vc, out, *cols, scale, qc.stride(0), kc.stride(0), vc.stride(0),
+                                             out.stride(0), hq // hkv, D=dim, DV=dv, QT=QUERY_TILE, KC=KEY_CHUNK,
+                                             PREC=_precision(q))  # fmt: skip
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _tile_table(
+    starts: tuple[int, ...], cu_q: tuple[int, ...], cu_k: tuple[int, ...], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Each tile is QUERY_TILE consecutive queries of one sequence: (first query row, the sequence's first key row,
+    queries in the tile, the tile's first position), one int64 tensor per column; from the sequence lengths alone."""
+    if not len(starts) == len(cu_q) - 1 == len(cu_k) - 1:
+        raise ValueError(f"attention: {len(starts)} starts for {len(cu_q) - 1} / {len(cu_k) - 1} sequences")
+    tiles: list[tuple[int, int, int, int]] = []
+    for i, p0 in enumerate(starts):
+        nq, nk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        if nq and p0 + nq > nk:
+            raise ValueError(f"sequence {i}: a query at position {p0 + nq - 1} needs keys up to it; {nk} given")
+        for t in range(0, nq, QUERY_TILE):
+            tiles.append((cu_q[i] + t, cu_k[i], min(QUERY_TILE, nq - t), p0 + t))
+    columns = list(zip(*tiles, strict=True)) if tiles else [(), (), (), ()]
+    return tuple(torch.tensor(c, dtype=torch.int64, device=device) for c in columns)
