@@ -6,9 +6,10 @@ are the usual 6 x (matmul parameters, LM head included) plus causal attention 6 
 (forward + backward); the peak is the dense bf16 datasheet figure (989 TFLOP/s on H100/H200 SXM, `--peak-tflops`).
 With one update per step (the default) our `train_step` runs no extra forward for the PPO old log-probs. Ours runs
 twice: eager, and with `train.compile=true` (decoder layers compiled, attention eager; compile time is in warm-up).
-The megatron side is `MegatronTrainer` (TP 1, bf16 params, megatron's distributed optimizer, local layer spec:
-no Transformer Engine, so attention is megatron's unfused softmax over a block-diagonal mask, one sequence per
-micro-batch).
+The megatron side is `MegatronTrainer` (TP 1, bf16 params, megatron's distributed optimizer, local layer spec
+without Transformer Engine, its core attention replaced by SDPA over the packed sequences: train/mcore_attention.py),
+one packed micro-batch per rank like ours; side `megatron-seq` runs it with one sequence per micro-batch (the
+layout the mask-based attention needed before).
 
     python benchmarks/bench_train.py                 # ~1.1B Qwen3 shapes, seq 4096, batch 2, bf16, one GPU
     python benchmarks/bench_train.py --ranks 2 --sides eager,compiled    # FSDP2 over GPUs 0 and 1 (NCCL)
@@ -98,19 +99,22 @@ def bench_ours(
     from miles_hpc.train.dist import init_trainer_world, teardown, world_from_env
 
     if "WORLD_SIZE" not in os.environ:  # one rank in this process: a fresh store per side
-        os.environ["MASTER_PORT"] = str(29533 + int(compile) + 2 * (backend == "megatron"))
+        os.environ["MASTER_PORT"] = str(
+            29533 + int(compile) + 2 * backend.startswith("megatron") + (backend == "megatron-seq")
+        )
     info = world_from_env(device=device)
     init_trainer_world(info)
-    # One packed micro-batch per rank; megatron: one sequence per micro-batch, since its local-spec attention
-    # materialises [heads, T, T] scores (T = 8192 packed does not fit an H200 at the default shape).
+    # One packed micro-batch per rank (megatron too: its core attention is SDPA per sequence, no [heads, T, T]
+    # scores), or for backend "megatron-seq" one sequence per micro-batch (the earlier layout).
     per_rank = len(seqs) // info.world_size
-    tokens = len(seqs[0]) if backend == "megatron" else sum(len(s) for s in seqs[:per_rank])
+    tokens = len(seqs[0]) if backend == "megatron-seq" else sum(len(s) for s in seqs[:per_rank])
     cfg = TrainConfig(lr=1e-5, max_tokens_per_microbatch=tokens, mixed_precision=device == "cuda", compile=compile)
-    if backend == "megatron":
+    if backend.startswith("megatron"):
         from miles_hpc.config import MegatronConfig
         from miles_hpc.train.megatron import MegatronTrainer
 
-        trainer = MegatronTrainer(str(model_dir), cfg, AlgoConfig(), MegatronConfig(), device=device, seed=0)
+        mcfg = MegatronConfig(distributed_optimizer=device == "cuda")  # megatron's own optimizer is CUDA-only
+        trainer = MegatronTrainer(str(model_dir), cfg, AlgoConfig(), mcfg, device=device, seed=0)
     else:
         from miles_hpc.train.fsdp import FSDPTrainer
 
@@ -172,7 +176,9 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument(
-        "--sides", default="eager,compiled,megatron,hf", help="comma-separated subset of eager,compiled,megatron,hf"
+        "--sides",
+        default="eager,compiled,megatron,hf",
+        help="comma-separated subset of eager,compiled,megatron,megatron-seq,hf",
     )
     ap.add_argument("--ranks", type=int, default=1, help="data-parallel trainer ranks (our sides; one per GPU)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -200,13 +206,14 @@ def main() -> None:
             "eager": ("miles_hpc_fsdp2", False, "fsdp"),
             "compiled": ("miles_hpc_fsdp2_compiled", True, "fsdp"),
             "megatron": ("miles_hpc_megatron_core", False, "megatron"),
+            "megatron-seq": ("miles_hpc_megatron_core_one_seq_per_microbatch", False, "megatron-seq"),
             "hf": ("transformers_adamw_fused",),
         }
         for key in args.sides.split(","):
             name = runs[key][0]
             if key == "hf" and (args.skip_hf or args.ranks > 1 or not gpu):
                 continue  # the peer is one plain GPU step
-            if key == "megatron" and importlib.util.find_spec("megatron.core") is None:
+            if key.startswith("megatron") and importlib.util.find_spec("megatron.core") is None:
                 print(json.dumps({"bench": "train", "side": name, "skipped": "megatron-core is not installed"}))
                 continue
             if key == "hf":

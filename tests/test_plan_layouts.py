@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -95,11 +96,17 @@ def test_memory_terms_follow_the_options() -> None:
     assert bf16.grads == 2 * trained and bf16.optimizer_gpu == 0
     full = rank_memory(cfg, layout, MemoryOptions(recompute="full"), batch)
     assert full.activations < base.activations and set(full.activation_terms) >= {"layer_inputs", "recompute"}
-    # selective: every layer's saved set but the softmax, one layer's softmax recomputed at a time
+    # Without CP the core attention is SDPA per sequence (train/mcore_attention.py): no softmax kept, so selective
+    # recompute saves nothing. Under CP (the masked softmax): every layer's saved set but the softmax, one layer's
+    # softmax recomputed at a time.
     selective = rank_memory(cfg, layout, MemoryOptions(recompute="selective"), batch)
+    assert selective.activations == base.activations and base.activation_terms["attention_backward"] == 0
+    cp = replace(layout, cp=2, dp=1)
+    base, full = (rank_memory(cfg, cp, MemoryOptions(recompute=r), batch) for r in ("none", "full"))
+    selective = rank_memory(cfg, cp, MemoryOptions(recompute="selective"), batch)
     assert full.activations < selective.activations < base.activations
     mc = ModelConfig.from_hf_dict(cfg)
-    probs = (mc.num_attention_heads // layout.tp) * batch.seq_len**2 * (4 + 2)  # float32 softmax + its bf16 copy
+    probs = (mc.num_attention_heads // cp.tp) * batch.seq_len**2 // 2 * (4 + 2)  # float32 softmax + its bf16 copy
     assert selective.activation_terms["recompute"] == probs
     assert base.activation_terms["layers"] - selective.activation_terms["layers"] == mc.num_hidden_layers * probs
 
@@ -198,13 +205,16 @@ def test_prepare_refuses_a_layout_that_does_not_fit(tmp_path: Path) -> None:
 
 
 def test_context_parallelism_splits_the_activations() -> None:
-    """CP shares the row: a model's per-layer activations and attention probabilities halve at CP 2; the search
-    tries CP only when asked (`max_cp`)."""
+    """CP shares the row: a model's per-layer activations and attention probabilities halve from CP 2 to CP 4
+    (CP's core attention is a masked softmax, which CP 1's SDPA does not keep); the search tries CP only when asked
+    (`max_cp`)."""
     cfg = preset_config("qwen3", "tiny")
     batch = Batch(seq_len=1024)
     one = rank_memory(cfg, Layout(dp=2), MemoryOptions(), batch)
     two = rank_memory(cfg, Layout(cp=2), MemoryOptions(), batch)
-    assert two.activation_terms["layers"] * 2 == pytest.approx(one.activation_terms["layers"], rel=1e-3)
+    four = rank_memory(cfg, Layout(cp=4), MemoryOptions(), batch)
+    assert four.activation_terms["layers"] * 2 == pytest.approx(two.activation_terms["layers"], rel=1e-3)
+    assert one.activation_terms["attention_backward"] == 0 < four.activation_terms["attention_backward"]
     assert not layout_problems(cfg, Layout(cp=2))
     node = Node(name="t", gpus=2, gpu_mem_gb=80, host_mem_gb=100)
     assert {c.layout.cp for c in search(cfg, 2, node, batch)} == {1}

@@ -17,8 +17,9 @@ Invariants.
   fraction f of the shard's elements lives on the host as fp32 master, fp32 gradient copy and two fp32 moments
   (16 B); without `megatron.precision_aware_optimizer` the GPU keeps the fp32 master of the offloaded part too.
 - Activations of one micro-batch follow `accounting.layer_saved` (what our model keeps, per token) split over
-  TP (sequence parallelism) and CP, plus megatron's unfused local attention (no Transformer Engine): the
-  softmax's float32 output and its bf16 copy, [heads / TP, S / CP, S] per sequence and layer. Under the 1F1B
+  TP (sequence parallelism) and CP, plus, where the core attention is a masked softmax (under CP, and DSA's),
+  the softmax's float32 output and its bf16 copy, [heads / TP, S / CP, S] per sequence and layer; without CP the
+  other families' core attention is SDPA per packed sequence (`sdpa_core_attention`), which keeps none. Under the 1F1B
   schedule stage s holds PP - s micro-batches in flight; under the interleaved one (VPP virtual stages, each
   stage's layers in VPP chunks) 2 (PP - s - 1) + (VPP - 1) PP + 1 chunk forwards, i.e. (1 + (PP - 1) / (PP VPP))
   times 1F1B's activations on stage 0; the last stage also the logits. With full recompute a
@@ -320,6 +321,13 @@ def rank_elements(cfg: Mapping[str, Any], layout: Layout, stage: int) -> RankEle
     return RankElements(dense[0], dense[1], expert[0], expert[1])
 
 
+def sdpa_core_attention(is_dsa: bool, cp: int) -> bool:
+    """Whether the megatron trainer's core attention is SDPA per packed sequence (train/mcore_attention.py, flash or
+    memory-efficient on a GPU: no [heads, S, S] probabilities kept): without context parallelism, and not for the
+    DSA families (their core attention, and the CP one, attend under the row's mask)."""
+    return cp == 1 and not is_dsa
+
+
 def _activations(mc: ModelConfig, layout: Layout, opts: MemoryOptions, batch: Batch, stage: int) -> dict[str, int]:
     """Activation bytes of `stage`'s rank: `Layout.chunks_in_flight` forwards of one of its model chunks held, the
     stage's layers' share of them (its layers x in flight / VPP; docstring)."""
@@ -328,7 +336,7 @@ def _activations(mc: ModelConfig, layout: Layout, opts: MemoryOptions, batch: Ba
     ids = layout.stage_layers(mc.num_hidden_layers, stage)
     per = len(ids)
     heads = mc.num_attention_heads // layout.tp
-    scores = n * heads * (s // layout.cp) * s  # one layer's [heads, S, S]; megatron's local attention keeps
+    scores = 0 if sdpa_core_attention(mc.is_dsa, layout.cp) else n * heads * (s // layout.cp) * s  # [heads, S, S]
     probs = scores * (F32 + a)  # the softmax's float32 output and a bf16 copy
     layer_sets = []
     for i in ids:
@@ -569,9 +577,10 @@ def assumptions(node: Node, batch: Batch) -> list[str]:
         "weights bf16; gradients fp32 (bf16 with main_grads bf16); fp32 master + Adam m, v = 12 B per trained "
         "element of the optimizer's shard; offloaded: 16 B on the host (master, gradient copy, m, v), and the GPU "
         "keeps the fp32 master unless precision-aware",
-        "activations: our model's saved tensors per token over TP x CP, plus megatron's unfused attention "
-        "(float32 softmax + bf16 copy per score) and one layer's attention backward (float32 gradients of the "
-        "probabilities and scores, a bf16 one); frozen tensors (MTP, indexers) hold weights only; NCCL buffers, "
+        "activations: our model's saved tensors per token over TP x CP, plus, where the core attention is a "
+        "masked softmax (CP > 1, the DSA families), its float32 softmax + bf16 copy per score and one layer's "
+        "attention backward (float32 gradients of the probabilities and scores, a bf16 one); without CP the "
+        "other families' SDPA per sequence keeps none; frozen tensors (MTP, indexers) hold weights only; NCCL buffers, "
         "the allocator's fragmentation and CUDA context excluded",
         "search: TP within a node (power of two), PP dividing the layers, EP dividing the experts and TP x CP x DP, "
         "CP up to --max-cp (default 1; all-gather attention: a rank's probabilities [heads / TP, S / CP, S]); "

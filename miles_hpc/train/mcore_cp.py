@@ -20,16 +20,14 @@ CP ranks) and attends its local queries over the gathered keys. The DSA indexer 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec
 
 from miles_hpc.train.context_parallel import CPLayout, cp_attention, cp_layout
+from miles_hpc.train.mcore_attention import replace_core_attention
 
 __all__ = ["CPCoreAttention", "context_parallel", "cp_core_attention", "cp_rows", "row_layout"]
 
@@ -103,15 +101,4 @@ class CPCoreAttention(MegatronModule):
 def cp_core_attention(spec: Any) -> Any:
     """`spec` (a layer or block spec, nested) with megatron's local core attention (and MLA's, a subclass)
     replaced by `CPCoreAttention`; DSA's core attention handles CP itself (`mcore_dsa`)."""
-    if isinstance(spec, type) and issubclass(spec, DotProductAttention):  # the local one, MLA's subclass of it
-        return CPCoreAttention
-    if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(
-            spec, module=cp_core_attention(spec.module), submodules=cp_core_attention(spec.submodules)
-        )
-    if isinstance(spec, list):
-        return [cp_core_attention(x) for x in spec]
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: cp_core_attention(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
-        return dataclasses.replace(spec, **changes)
-    return spec
+    return replace_core_attention(spec, CPCoreAttention)

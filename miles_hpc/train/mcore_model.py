@@ -49,6 +49,7 @@ from miles_hpc.models.moe import merge_replay
 from miles_hpc.planner.mcore_layout import layout_limits
 from miles_hpc.train import mcore_fixes  # noqa: F401  (megatron-core 0.16's TE-less fixes, at import)
 from miles_hpc.train.logprobs import PackedMicroBatch
+from miles_hpc.train.mcore_attention import PackedCoreAttention, packed_mask, packs_attention, replace_core_attention
 from miles_hpc.train.mcore_cp import context_parallel, cp_core_attention, cp_rows, row_layout
 from miles_hpc.train.mcore_dsa import check_dsa_pipeline, dsa_core_attention, dsa_kwargs, share_selections
 from miles_hpc.train.mcore_mla import (
@@ -338,8 +339,7 @@ def build_gpt(
     if cfg.is_mla:
         first = stage_layout(cfg).layer_index(pipeline_stage(), 0, vp_stage or 0)
         spec = local_mla_spec(spec, cfg, first, core_attention)
-    if tcfg.context_parallel_size > 1:  # after MLA's spec: its core attention too (DSA's does CP itself)
-        spec = cp_core_attention(spec)
+    spec = _core_attention(tcfg, spec, cfg.is_dsa)  # after MLA's spec: its core attention too
     tp = parallel_state.get_tensor_model_parallel_world_size()
     model = GPTModel(
         config=tcfg,
@@ -355,6 +355,7 @@ def build_gpt(
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         vp_stage=vp_stage,
     )
+    model.miles_packed_attention = packs_attention(tcfg, cfg.is_dsa)  # `packed_logits` passes bounds, no mask
     if tcfg.sequence_parallel:
         experts_reduce_over_tp(model)
     if cfg.is_mla and tp > 1:
@@ -364,7 +365,7 @@ def build_gpt(
     if cfg.is_dsa:
         share_selections(model.decoder)
     if cfg.num_nextn_predict_layers and model.post_process:
-        spec_for = lambda s: _spec_for(tcfg, s)  # noqa: E731
+        spec_for = lambda s: _spec_for(tcfg, s, cfg.is_dsa)  # noqa: E731
         model.mtp = held_mtp_block(cfg, tcfg, core_attention, spec_for, vp_stage=vp_stage)  # held, not run
         for mtp_layer in model.mtp.layers if cfg.is_dsa else []:
             share_selections(mtp_layer)
@@ -534,21 +535,35 @@ def packed_logits(model: GPTModel, mb: PackedMicroBatch, vocab_size: int) -> tor
         pad = padded - t
         ids = torch.cat([ids, ids.new_zeros(ids.shape[0], pad)], dim=1)
         seq = torch.cat([seq, seq.max() + 1 + torch.arange(pad, device=seq.device, dtype=seq.dtype)])
-    allowed = (seq[:, None] == seq[None, :]) & torch.ones(padded, padded, dtype=torch.bool, device=seq.device).tril()
     positions = torch.arange(padded, device=ids.device)[None]
+    if getattr(_unwrap(model), "miles_packed_attention", False):  # the bounds, the pads one-token sequences
+        mask = packed_mask(torch.cat([mb.cu_seqlens.to(torch.int64), torch.arange(t + 1, padded + 1)]))
+    else:
+        allowed = (seq[:, None] == seq[None, :]) & torch.ones(
+            padded, padded, dtype=torch.bool, device=seq.device
+        ).tril()
+        mask = ~allowed[None, None]
     if cp is not None:  # this CP rank's tokens; the mask stays the whole row's
         ids, positions = cp_rows(ids[0], cp)[None], cp_rows(positions[0], cp)[None]
-    logits = model(ids, positions, attention_mask=~allowed[None, None])
+    logits = model(ids, positions, attention_mask=mask)
     if not _unwrap(model).post_process:
         return logits  # hidden states [T, 1, hidden] for the next pipeline stage (T padded under SP; local under CP)
     return logits[..., :vocab_size] if cp is not None else logits[:, :t, :vocab_size]
 
 
-def _spec_for(tcfg: TransformerConfig, spec: Any) -> Any:
-    """`spec` with the decoder's substitutions for `tcfg`: sequence-parallel norms, the CP core attention."""
+def _spec_for(tcfg: TransformerConfig, spec: Any, dsa: bool) -> Any:
+    """`spec` with the decoder's substitutions for `tcfg`: sequence-parallel norms, the core attention."""
     if tcfg.sequence_parallel:
         spec = sp_norms(spec)
-    return cp_core_attention(spec) if tcfg.context_parallel_size > 1 else spec
+    return _core_attention(tcfg, spec, dsa)
+
+
+def _core_attention(tcfg: TransformerConfig, spec: Any, dsa: bool) -> Any:
+    """megatron's local core attention replaced: by the CP one under context parallelism, else by SDPA over the
+    packed row's sequences (`mcore_attention`; `packed_logits` passes the bounds). DSA's core attention stays."""
+    if tcfg.context_parallel_size > 1:
+        return cp_core_attention(spec)
+    return replace_core_attention(spec, PackedCoreAttention) if packs_attention(tcfg, dsa) else spec
 
 
 class R3Replay(RouterReplay):
