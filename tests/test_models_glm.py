@@ -33,6 +33,7 @@ CASES: dict[str, dict[str, Any]] = {
     "full-rotary-two-dense": dict(
         partial_rotary_factor=1.0, num_hidden_layers=4, first_k_dense_replace=2, attention_bias=False
     ),
+    "no-shared-expert": dict(n_shared_experts=0),  # transformers' zero-width shared expert: no output
 }
 
 
@@ -72,3 +73,20 @@ def test_gradients_match_transformers(tmp_path: Path) -> None:
     hf = glm("glm-4.5-like")
     hf.save_pretrained(tmp_path)
     assert_grads_match(hf, load_pretrained(tmp_path).train())
+
+
+def test_partial_rotary_factor_in_the_rope_dict_wins_over_the_top_level_key(tmp_path: Path) -> None:
+    """A config.json with the factor both in rope_parameters and at the top level: transformers keeps the rope
+    dict's value (the top-level key only fills it in when missing), and so do we."""
+    import json
+
+    from transformers import AutoConfig
+
+    from miles_hpc.models import ModelConfig
+
+    hf_model("glm4_moe", head_dim=16, partial_rotary_factor=0.5).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["partial_rotary_factor"] = 0.25
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert AutoConfig.from_pretrained(tmp_path).rope_parameters["partial_rotary_factor"] == 0.5
+    assert ModelConfig.from_hf_dict(raw).partial_rotary_factor == 0.5

@@ -37,7 +37,22 @@ CASES: dict[str, dict[str, Any]] = {  # name: overrides (a "qwen35" name: Qwen3.
         norm_topk_prob=False,
     ),
     "one-value-head-per-key-head": dict(linear_num_value_heads=2, linear_value_head_dim=8, linear_conv_kernel_dim=2),
+    "dense-gelu": dict(hidden_act="gelu", num_experts=0),  # also after the short convolution (it was SiLU)
     "qwen35": {},
+    "qwen35-relu2": dict(hidden_act="relu2"),
+    # Qwen's long-context edit of a Qwen3.5 config: yarn, the multimodal sections kept (plain RoPE for text).
+    "qwen35-yarn-mrope": dict(
+        max_position_embeddings=32,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=1e6,
+            factor=4.0,
+            original_max_position_embeddings=32,
+            mrope_section=[1, 1, 0],
+            mrope_interleaved=True,
+            partial_rotary_factor=0.25,
+        ),
+    ),
     "qwen35-full-first-tied-top1": dict(
         layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
         tie_word_embeddings=True,

@@ -49,6 +49,7 @@ CASES: dict[str, dict[str, Any]] = {
         hybrid_override_pattern="*MEM", n_groups=1, mamba_num_heads=3, num_experts_per_tok=1, time_step_min=0.05
     ),
     "mamba-and-mlp-only": dict(hybrid_override_pattern="MM-M*", conv_kernel=2, ssm_state_size=8),
+    "tie-flag-ignored": dict(hybrid_override_pattern="M*-", tie_word_embeddings=True),  # as transformers does
     "layer-list-legacy-names": dict(
         layers_block_type=["mamba", "moe", "attention", "mlp"], num_attention_heads=2, num_key_value_heads=1
     ),
@@ -124,8 +125,8 @@ def test_nemotron_fields_are_checked() -> None:
         ModelConfig.from_hf_dict({**raw, "layers_block_type": ["mamba", "sliding"]})
     with pytest.raises(ValueError, match="multiple of n_groups"):
         ModelConfig.from_hf_dict({**raw, "n_groups": 3})
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        ModelConfig.from_hf_dict({**raw, "tie_word_embeddings": True})
+    # transformers ignores tie_word_embeddings for Nemotron-H (its head is stored and untied): so do we
+    assert not ModelConfig.from_hf_dict({**raw, "tie_word_embeddings": True}).tie_word_embeddings
     with pytest.raises(ValueError, match="n_group=3 must divide"):
         ModelConfig.from_hf_dict({**raw, "n_group": 3})
     with pytest.raises(ValueError, match="relu2"):

@@ -385,7 +385,8 @@ class ModelConfig:
                 partial_rotary_factor=partial,
                 use_qk_norm=bool(d.get("use_qk_norm", False)) if model_type == "glm4_moe" else False,
                 mlp_bias=bool(d.get("mlp_bias", False)) if model_type == "llama" else moe.pop("mlp_bias", False),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                # transformers never ties Nemotron-H's head (it ignores the flag and stores lm_head): neither do we
+                tie_word_embeddings=model_type != "nemotron_h" and bool(d.get("tie_word_embeddings", False)),
                 initializer_range=float(get("initializer_range", 0.02)),
                 **moe,
                 bos_token_id=d.get("bos_token_id"),

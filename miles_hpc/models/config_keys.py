@@ -91,9 +91,10 @@ def group_router_fields(d: Mapping[str, Any], get: Any, *, mla: bool) -> dict[st
 
 
 def partial_rotary(d: Mapping[str, Any]) -> float:
-    """`partial_rotary_factor`, top level or in rope_parameters; defaults: glm4_moe 0.5, the Qwen hybrids 0.25."""
+    """`partial_rotary_factor`, in rope_parameters or else top level (transformers keeps the rope dict's value when
+    both are given); defaults: glm4_moe 0.5, the Qwen hybrids 0.25."""
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
-    value = d.get("partial_rotary_factor", params.get("partial_rotary_factor"))
+    value = params.get("partial_rotary_factor", d.get("partial_rotary_factor"))  # the rope dict wins (transformers)
     if value is None:
         mt = str(d.get("model_type"))
         return {"glm4_moe": 0.5, "qwen3_next": 0.25, "qwen3_5_moe_text": 0.25}.get(MODEL_TYPE_ALIASES.get(mt, mt), 1.0)
@@ -111,6 +112,8 @@ def parse_rope(d: Mapping[str, Any], max_position_embeddings: int) -> tuple[floa
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     params.pop("partial_rotary_factor", None)  # `_partial_rotary` reads it
+    for key in ("mrope_section", "mrope_interleaved"):  # multimodal RoPE's axes: plain RoPE for text (models/hybrid.py)
+        params.pop(key, None)
     if rope_type == "default":
         return theta, None
     if rope_type in ("llama3", "yarn"):

@@ -28,7 +28,7 @@ state [B, n_v, d_k, d_v]. A packed batch (several sequences in one row) runs seq
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -157,10 +157,14 @@ def gated_delta_packed(
 
 
 def causal_conv(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    state: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution (plus ``bias``) then SiLU, the short convolution of Gated DeltaNet and Mamba-2
-    layers: ``x`` [B, T, C], ``weight`` [C, W]; ``state`` [B, C, W - 1]: the inputs before ``x`` (zeros when None: a
+    """Depthwise causal convolution (plus ``bias``) then ``act`` (SiLU; Gated DeltaNet: its config's hidden_act),
+    the short convolution of Gated DeltaNet and Mamba-2 layers: ``x`` [B, T, C], ``weight`` [C, W]; ``state`` [B, C, W - 1]: the inputs before ``x`` (zeros when None: a
     sequence's start). Returns the output [B, T, C] and the new state (the last W - 1 inputs), so a prefill then
     token-by-token decode equals one pass."""
     width = weight.shape[-1]
@@ -170,4 +174,4 @@ def causal_conv(
     full = torch.cat([state.to(xt.dtype), xt], dim=-1)
     out = F.conv1d(full, weight[:, None, :].to(xt.dtype), None if bias is None else bias.to(xt.dtype),
                    groups=xt.shape[1])  # fmt: skip
-    return F.silu(out).transpose(1, 2), full[..., full.shape[-1] - (width - 1) :]
+    return act(out).transpose(1, 2), full[..., full.shape[-1] - (width - 1) :]

@@ -139,6 +139,21 @@ def iter_hf_tensors(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
             yield hf_name, t[index] if index else t
 
 
+def _zero_width_shared_experts(model: CausalLM) -> list[tuple[str, torch.Tensor]]:
+    """With n_shared_experts=0 a DeepSeek-V3 / GLM-4.5 MoE layer of transformers still has a shared expert, zero
+    wide (it adds exactly nothing): its empty tensors, so transformers finds every weight it builds."""
+    c = model.config
+    if not c.group_router or c.n_shared_experts:
+        return []
+    out = []
+    dtype = next(model.parameters()).dtype
+    for i in model.moe_layer_ids:
+        p = f"model.layers.{i}.mlp.shared_experts."
+        out += [(p + n, torch.zeros(0, c.hidden_size, dtype=dtype)) for n in ("gate_proj.weight", "up_proj.weight")]
+        out.append((p + "down_proj.weight", torch.zeros(c.hidden_size, 0, dtype=dtype)))
+    return out
+
+
 def expected_hf_shapes(model: CausalLM, present: Iterable[str] = ()) -> dict[str, tuple[int, ...]]:
     """HF names a checkpoint of `model` must hold, with shapes. A layer whose fused expert tensors are in
     `present` expects the fused layout instead of the per-expert one."""
@@ -165,6 +180,8 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
         return True
     if name.startswith(getattr(family_module(config.model_type), "IGNORED_PREFIXES", ())):
         return True  # a family's tensors of layers not built (DeepSeek-V4's `mtp.*`, as transformers drops them)
+    if config.group_router and not config.n_shared_experts and ".mlp.shared_experts." in name:
+        return True  # n_shared_experts=0: transformers' zero-width shared expert, whose output is exactly zero
     m = _LAYER.match(name)
     if not config.is_mla or m is None or int(m.group(1)) < config.num_hidden_layers:
         return False
@@ -317,7 +334,7 @@ def save_pretrained(model: CausalLM, out_dir: str | os.PathLike[str], max_shard_
     out.mkdir(parents=True, exist_ok=True)
     dtype = next(model.parameters()).dtype
     config = model.config.replace(dtype=str(dtype).removeprefix("torch."))
-    tensors = list(iter_hf_tensors(model))
+    tensors = list(iter_hf_tensors(model)) + _zero_width_shared_experts(model)
     if model.hf_wrapper is not None:  # the multimodal checkpoint this text model came from: its layout, all of it
         tensors = WRAPPERS[model.hf_wrapper["model_type"]].store(tensors)
         tensors += list(model.hf_extra.items())

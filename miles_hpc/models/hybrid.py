@@ -118,4 +118,5 @@ def linear_dims(c: ModelConfig) -> DeltaNetDims:
         conv_width=c.linear_conv_kernel_dim,
         eps=c.rms_norm_eps,
         fused=c.model_type == "qwen3_next",  # Qwen3.5: four separate input projections
+        conv_act=c.hidden_act,
     )

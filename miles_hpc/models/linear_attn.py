@@ -47,6 +47,7 @@ class DeltaNetDims:
     conv_width: int
     eps: float = 1e-6
     fused: bool = True  # Qwen3-Next's in_proj_qkvz / in_proj_ba; False: Qwen3.5's four projections
+    conv_act: str = "silu"  # after the short convolution: the config's hidden_act, as transformers applies it
 
     def __post_init__(self) -> None:
         if self.value_heads % self.key_heads:
@@ -68,6 +69,7 @@ class DeltaNetDims:
             conv_width=cfg["linear_conv_kernel_dim"],
             eps=cfg.get("rms_norm_eps", 1e-6),
             fused=fused,
+            conv_act=cfg.get("hidden_act", "silu"),
         )
 
     @property
@@ -159,6 +161,9 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_b = nn.Linear(d.hidden, d.value_heads, bias=False)
             self.in_proj_a = nn.Linear(d.hidden, d.value_heads, bias=False)
         self.conv1d = nn.Conv1d(d.conv_channels, d.conv_channels, d.conv_width, groups=d.conv_channels, bias=False)
+        from .layers import ACTIVATIONS  # here: layers imports the config module, which imports this one
+
+        self.conv_act = ACTIVATIONS[d.conv_act]
         self.dt_bias = nn.Parameter(torch.ones(d.value_heads))
         self.A_log = nn.Parameter(torch.zeros(d.value_heads))
         self.norm = GatedRMSNorm(d.value_dim, d.eps)
@@ -193,7 +198,7 @@ class GatedDeltaNet(nn.Module):
         """Sequences [N, T, H], each continuing from its state rows (None: from zeros)."""
         d, (n, t) = self.dims, x.shape[:2]
         flat, z, b, a = self._project(x)
-        mixed, conv_out = causal_conv(flat, self.conv1d.weight[:, 0, :], conv)
+        mixed, conv_out = causal_conv(flat, self.conv1d.weight[:, 0, :], conv, act=self.conv_act)
         key_all = d.key_heads * d.key_dim
         q, k, v = mixed.split([key_all, key_all, d.value_heads * d.value_dim], dim=-1)
         q = q.reshape(n, t, d.key_heads, d.key_dim)

@@ -94,8 +94,6 @@ def nemotron_fields(d: Mapping[str, Any]) -> dict[str, Any]:
 
     if d.get("mamba_hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"mamba_hidden_act={d.get('mamba_hidden_act')!r}: the Mamba-2 layers use silu")
-    if d.get("tie_word_embeddings"):
-        raise ValueError("tie_word_embeddings=true: transformers never ties Nemotron-H's head (it would be ignored)")
     mamba = {field: int(first(*keys)) for field, keys in MAMBA_KEYS.items()}
     latent = d.get("moe_latent_size")
     return dict(
