@@ -34,6 +34,7 @@ CASES: dict[str, dict[str, Any]] = {
         partial_rotary_factor=1.0, num_hidden_layers=4, first_k_dense_replace=2, attention_bias=False
     ),
     "no-shared-expert": dict(n_shared_experts=0),  # transformers' zero-width shared expert: no output
+    "odd-rotary-dims": dict(head_dim=6),  # 3 rotary dims at 0.5: frequencies over 3, 4 dims rotated
 }
 
 

@@ -37,6 +37,7 @@ CASES: dict[str, dict[str, Any]] = {  # name: overrides (a "qwen35" name: Qwen3.
         norm_topk_prob=False,
     ),
     "one-value-head-per-key-head": dict(linear_num_value_heads=2, linear_value_head_dim=8, linear_conv_kernel_dim=2),
+    "odd-rotary-dims": dict(head_dim=12),  # 3 rotary dims at 0.25 (transformers rotates 4)
     "dense-gelu": dict(hidden_act="gelu", num_experts=0),  # also after the short convolution (it was SiLU)
     "qwen35": {},
     "qwen35-relu2": dict(hidden_act="relu2"),

@@ -176,11 +176,12 @@ class ModelConfig:
             raise ValueError(f"{self.model_type} has one attention_bias flag: qkv_bias and o_bias must be equal")
         if self.model_type == "glm4_moe" and self.o_bias:
             raise ValueError("glm4_moe's attention_bias is on q/k/v only (o_bias=False)")
-        bad_rope = not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2 or self.rotary_dim == 0
+        # An odd rotary_dim is transformers' too: its frequencies over that dim, the next even number of dims rotated.
+        bad_rope = not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim == 0
         if self.uses_rope and bad_rope:
             raise ValueError(
                 f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} must "
-                f"leave an even number > 0 of rotary dims"
+                f"leave rotary dims (int(head_dim x factor) > 0)"
             )
         if self.mlp_bias and self.model_type not in ("llama", "nemotron_h"):
             raise ValueError("mlp_bias exists only in llama and nemotron_h")
@@ -272,7 +273,9 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Dims of each head that RoPE rotates (the first ones; the rest pass through); 0 without RoPE."""
+        """int(head_dim x partial_rotary_factor), 0 without RoPE: the width RoPE's frequencies are spread over; the
+        first `2 * ceil(rotary_dim / 2)` dims of each head are rotated (one more when odd, as in transformers and
+        megatron), the rest pass through."""
         return int(self.head_dim * self.partial_rotary_factor) if self.uses_rope else 0
 
     @property
