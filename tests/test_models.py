@@ -70,6 +70,12 @@ DENSE_CASES: dict[str, tuple[str, dict[str, Any], int | None]] = {
         ),
         8_000,
     ),
+    # transformers' other activations (ACT2FN), each in one dense family
+    "llama-gelu_new": ("llama", dict(hidden_act="gelu_new"), None),
+    "qwen2-quick_gelu": ("qwen2", dict(hidden_act="quick_gelu"), None),
+    "qwen3-relu": ("qwen3", dict(hidden_act="relu"), None),
+    "llama-tanh": ("llama", dict(hidden_act="tanh"), None),
+    "qwen3-mish": ("qwen3", dict(hidden_act="mish"), None),
 }
 
 

@@ -171,7 +171,18 @@ def family_module(model_type: str) -> Any:
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
-SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu2")
+SUPPORTED_ACTIVATIONS: tuple[str, ...] = (
+    "silu",
+    "swish",
+    "gelu",
+    "gelu_pytorch_tanh",
+    "gelu_new",
+    "quick_gelu",
+    "relu",
+    "relu2",
+    "tanh",
+    "mish",
+)
 
 # transformers 5.24 class defaults for keys a config.json may omit (configuration_<family>.py). Keys absent here
 # default the same for all families (see `from_hf_dict`).

@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,12 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu2": lambda x: F.relu(x).square(),  # Nemotron-H's MLPs and experts
+    # transformers' ACT2FN formulas for the rest (its NewGELUActivation and QuickGELUActivation written out)
+    "gelu_new": lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu,
+    "tanh": torch.tanh,
+    "mish": F.mish,
 }
 
 
