@@ -75,6 +75,9 @@ CASES: dict[str, dict[str, Any]] = {
         num_experts_per_tok=3,
         routed_scaling_factor=2.0,
     ),
+    "tied-head": dict(  # transformers ties DeepSeek-V4's head when asked
+        num_hidden_layers=3, layer_types=[SW, CSA, HCA], mlp_layer_types=["moe", "moe", "moe"], tie_word_embeddings=True
+    ),
     "legacy-keys-four-streams": dict(
         num_hidden_layers=4,
         compress_ratios=[0, 4, 128, 4, 0],  # releases list the MTP layer too: truncated
@@ -194,22 +197,20 @@ def test_deepseek_v4_fields_are_checked() -> None:
         ({"compress_rates": {CSA: 0, HCA: 8}}, "compress_rates.compressed_sparse_attention must be positive"),
         ({"compress_rates": {CSA: 4, "sliding": 8}}, "compress_rates: unknown layer types"),
         ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
-        ({"norm_topk_prob": False}, "norm_topk_prob=false"),
-        ({"n_shared_experts": 2}, "n_shared_experts=2"),
         ({"o_groups": 3}, "o_groups=3 must divide"),
         ({"index_head_dim": 2}, "index_head_dim=2 is narrower"),
         ({"num_experts_per_tok": 7}, "num_experts_per_tok=7"),
         ({"q_lora_rank": None}, "q_lora_rank must be positive"),
         ({"mlp_bias": True}, "mlp_bias=true"),
-        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic RoPE"),
     ]
     for change, message in cases:
         with pytest.raises(ValueError, match=message):
             ModelConfig.from_hf_dict({**raw, **change})
-    # transformers ignores these: so do we (one key-value head, no attention bias)
-    cfg = ModelConfig.from_hf_dict({**raw, "num_key_value_heads": 4, "attention_bias": True})
-    assert cfg.num_key_value_heads == 1 and not cfg.qkv_bias
+    # transformers ignores these: so do we (one key-value head, no attention bias, one shared expert, renormalised)
+    ignored = {"num_key_value_heads": 4, "attention_bias": True, "n_shared_experts": 2, "norm_topk_prob": False}
+    cfg = ModelConfig.from_hf_dict({**raw, **ignored})
+    assert cfg.num_key_value_heads == 1 and not cfg.qkv_bias and cfg.n_shared_experts == 1 and cfg.norm_topk_prob
 
 
 def test_legacy_and_default_keys_fold_as_transformers() -> None:

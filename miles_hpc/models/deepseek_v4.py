@@ -254,9 +254,10 @@ def fields(d: Mapping[str, Any]) -> dict[str, Any]:
         num_experts=int(d.get("n_routed_experts") or d.get("num_local_experts") or DEFAULTS["n_routed_experts"]),
         num_experts_per_tok=int(get("num_experts_per_tok")),
         moe_intermediate_size=int(d["moe_intermediate_size"]),
-        n_shared_experts=int(get("n_shared_experts")),
+        # transformers' DeepSeek-V4 builds one shared expert and renormalises the top-k whatever these keys say
+        n_shared_experts=1,
         routed_scaling_factor=float(get("routed_scaling_factor")),
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        norm_topk_prob=True,
         q_lora_rank=None if q_rank is None else int(q_rank),
         spec=spec,
     )
@@ -343,14 +344,12 @@ def check(cfg: ModelConfig) -> None:
         raise ValueError(f"index_head_dim={s.index_head_dim} is narrower than the rotary dims ({cfg.rotary_dim})")
     if s.scoring_func not in SCORING_FUNCS:
         raise ValueError(f"scoring_func={s.scoring_func!r}: one of {SCORING_FUNCS}")
-    if not cfg.norm_topk_prob:
-        raise ValueError("norm_topk_prob=false: transformers' DeepSeek-V4 router always renormalises the top-k")
-    if cfg.n_shared_experts != 1:
-        raise ValueError(f"n_shared_experts={cfg.n_shared_experts}: transformers builds exactly one shared expert")
+    if not cfg.norm_topk_prob or cfg.n_shared_experts != 1:  # a ModelConfig built by hand (config.json: read past)
+        raise ValueError("deepseek_v4 always renormalises the top-k (norm_topk_prob) and has one shared expert")
     if cfg.rope_scaling is not None:
         raise ValueError("rope_scaling: DeepSeek-V4's main RoPE is unscaled (the scaling is the compress RoPE's)")
-    if cfg.qkv_bias or cfg.o_bias or cfg.tie_word_embeddings:
-        raise ValueError("deepseek_v4: no attention biases and no tied head (tie_word_embeddings)")
+    if cfg.qkv_bias or cfg.o_bias:
+        raise ValueError("deepseek_v4: no attention biases")
     if s.num_nextn_predict_layers < 0:
         raise ValueError(f"num_nextn_predict_layers must be >= 0, got {s.num_nextn_predict_layers}")
 
