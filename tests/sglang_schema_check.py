@@ -326,6 +326,21 @@ def main() -> int:
         assert (args.model_path, args.port, args.tp_size) == ("/m", 30000, 1)
 
     check("minimal launcher command parses", minimal_launcher_check)
+
+    def launcher_environment_check() -> None:
+        # The variable the launcher sets is the one SGLang's sampler reads (its log-probs at temperature 1): read
+        # from the installed source, since importing the sampler needs its GPU stack.
+        import importlib.util
+
+        env = SGLangLaunchSpec(model_path="/m").environment({})
+        assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}, env
+        spec = importlib.util.find_spec("sglang.srt.layers.sampler")
+        assert spec is not None and spec.origin is not None
+        source = Path(spec.origin).read_text()
+        for name in env:
+            assert f'get_bool_env_var("{name}")' in source, f"sglang's sampler does not read {name}"
+
+    check("launcher environment: variables SGLang's sampler reads", launcher_environment_check)
     check("every architecture preflight lets SGLang serve is an EntryClass of sglang.srt.models", archs_check)
     print(f"{len(FAILURES)} failed" if FAILURES else "all checks passed")
     return 1 if FAILURES else 0

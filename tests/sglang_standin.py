@@ -33,6 +33,8 @@ ap.add_argument("--port", type=int, required=True)
 ap.add_argument("--config")
 args, _rest = ap.parse_known_args()
 assert args.module == "sglang.launch_server", args.module
+# Our engine reports log-probs at temperature 1; SGLang does so only with this set (rollout/sglang.py, environment).
+assert os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB") == "1", "launched without SGLANG_RETURN_ORIGINAL_LOGPROB=1"
 argv = [sys.executable, "-m", "miles_hpc.cli", "serve", args.model_path, "--host", args.host, "--port", str(args.port)]
 if args.config:  # SGLang's --config YAML: "api-key: <json string>" lines (rollout/sglang.py writes them)
     keys = dict(line.split(": ", 1) for line in open(args.config).read().splitlines() if line)

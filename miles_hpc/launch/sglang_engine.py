@@ -123,7 +123,7 @@ def start_sglang(
             cfg, model_dir, keys, index, port=_free_port(), node_rank=node_rank, dist_init_addr=addr, base_gpu_id=base
         )
         spec.write_secrets_config()
-        return subprocess.Popen(spec.command()), attempt
+        return subprocess.Popen(spec.command(), env=spec.environment(os.environ)), attempt
     attempt = (dist_attempt(paths, index) or (-1, ""))[0] + 1
     dist: str | None = None
     if r.engine_nodes > 1:
@@ -132,7 +132,7 @@ def start_sglang(
     port = _free_port()
     spec = sglang_spec(cfg, model_dir, keys, index, port=port, dist_init_addr=dist, base_gpu_id=base)
     spec.write_secrets_config()
-    child = subprocess.Popen(spec.command())
+    child = subprocess.Popen(spec.command(), env=spec.environment(os.environ))
     _wait_healthy(child, port, f"SGLang engine {index} on {place.node}", r.engine_timeout_s, spec)
     record = EngineRecord(
         index=index,

@@ -137,6 +137,13 @@ class SGLangLaunchSpec:
         key_file = self.admin_api_key_file or self.api_key_file
         return None if key_file is None else Path(key_file).with_name("sglang-keys.yaml")
 
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The environment this engine runs in: `base` with SGLang told to report each token's log-prob under the
+        plain softmax (temperature 1), as our engine does and our trainer scores it. By default SGLang reports
+        log_softmax(logits / temperature) when a request samples at temperature != 1 (sglang/srt/layers/sampler.py,
+        `SGLANG_RETURN_ORIGINAL_LOGPROB`), which would put a temperature-sized gap between rollout and trainer."""
+        return {**base, "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+
     def command(self) -> list[str]:
         """The argv that starts this engine (keys excluded: see :meth:`write_secrets_config`)."""
         cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path]
