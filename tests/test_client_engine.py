@@ -220,10 +220,11 @@ def test_generate_logprobs_routing_versions_and_stops(engine: tuple[str, dict[st
             assert stopped.finish_reason.type == "stop" and stopped.finish_reason.matched == stop
             assert stopped.output_ids == out.output_ids[: first + 1]
             teacher = await c.generate(
-                prompt + out.output_ids, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=len(prompt)
-            )  # OPD-style scoring
+                prompt + out.output_ids, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=len(prompt) - 1
+            )  # OPD-style scoring; entry 0 (token logprob_start_len) is None, as SGLang's
             assert teacher.output_ids == [] and teacher.input_logprobs is not None
-            assert teacher.input_logprobs == pytest.approx(out.output_logprobs, abs=1e-4)
+            assert teacher.input_logprobs[0] is None
+            assert teacher.input_logprobs[1:] == pytest.approx(out.output_logprobs, abs=1e-4)
             with pytest.raises(EngineHTTPError, match="POST /generate: HTTP 400: .*input_ids"):
                 await c.generate([10**6], {"max_new_tokens": 1})
 

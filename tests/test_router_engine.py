@@ -34,12 +34,13 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EnginePro
 
 
 async def _score(client: EngineClient, prompt: list[int], out: GenerateOutput) -> list[float | None]:
-    """The log-probs an engine assigns to ``out``'s tokens when fed prompt + output (teacher forcing)."""
+    """The log-probs an engine assigns to ``out``'s tokens when fed prompt + output (teacher forcing). Entry 0 of
+    ``input_token_logprobs`` (token ``logprob_start_len``) is None on SGLang and on ours, so start one token early."""
     scored = await client.generate(
-        prompt + out.output_ids, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=len(prompt)
+        prompt + out.output_ids, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=len(prompt) - 1
     )
-    assert scored.input_logprobs is not None
-    return scored.input_logprobs
+    assert scored.input_logprobs is not None and scored.input_logprobs[0] is None
+    return scored.input_logprobs[1:]
 
 
 def test_sigkill_mid_generation_loses_nothing_and_readmits(engines: list[EngineProcess]) -> None:

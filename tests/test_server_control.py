@@ -77,7 +77,7 @@ def test_pause_and_continue_with_requests_in_flight(server: Server, mode: str) -
                 if mode == "abort":
                     assert meta["finish_reason"]["type"] == "abort" and 10 < meta["completion_tokens"] < N
                 else:
-                    assert meta["finish_reason"] == {"type": "length"} and meta["completion_tokens"] == N
+                    assert meta["finish_reason"] == {"type": "length", "length": N} and meta["completion_tokens"] == N
                     assert meta["num_retractions"] == (1 if mode == "retract" else 0)
             # generation works normally afterwards
             r = await acall(s, "POST", url + "/generate", long_request(f"{mode}-after", 5, 4))

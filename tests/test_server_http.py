@@ -56,7 +56,7 @@ def test_generate_single_matches_the_reference_model(server: Server, model: Path
     )
     ids, meta = out["output_ids"], out["meta_info"]
     assert set(out) == {"text", "output_ids", "meta_info"} and isinstance(out["text"], str)
-    assert meta["id"] == "single-1" and meta["finish_reason"] == {"type": "length"}
+    assert meta["id"] == "single-1" and meta["finish_reason"] == {"type": "length", "length": 12}
     assert (meta["prompt_tokens"], meta["completion_tokens"], len(ids)) == (len(PROMPT), 12, 12)
     assert meta["weight_versions"] == [{"version": meta["weight_version"], "start": 0, "end": 12}]
     assert {"cached_tokens", "num_retractions", "e2e_latency"} <= set(meta)
@@ -86,7 +86,7 @@ BIG = json.dumps({"input_ids": [1] * 30_000}).encode()  # > the 50 KB limit of t
     "method, path, body, status, needle",
     [
         ("POST", "/generate", b"{not json", 400, "malformed JSON"),
-        ("POST", "/generate", {"input_ids": [1], "foo": 1}, 400, "unknown field `foo`"),
+        ("POST", "/generate", {"input_ids": [1], "sampling_params": {"foo": 1}}, 400, "`sampling_params.foo`"),
         ("POST", "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": "8"}}, 400, "max_new_tokens"),
         ("POST", "/generate", {"input_ids": [1, 320]}, 400, "input_ids[1]"),
         ("POST", "/generate", {"input_ids": [1] * 256}, 400, "longer than the model's context length"),

@@ -104,7 +104,8 @@ def test_batched_prompts_and_per_item_values() -> None:
     )
     assert p.batched and [r.rid for r in p.requests] == ["a", "b"]
     assert [r.return_logprob for r in p.requests] == [True, False]
-    assert [r.sampling.max_new_tokens for r in p.requests] == [2, 3] and p.skip_special_tokens == [True, False]
+    assert [r.sampling.max_new_tokens for r in p.requests] == [2, 3]
+    assert [t.skip_special_tokens for t in p.text] == [True, False]
     shared = parse({"input_ids": [[1], [2]], "sampling_params": {"max_new_tokens": 5}, "return_logprob": True})
     assert [r.sampling.max_new_tokens for r in shared.requests] == [5, 5] and len({r.rid for r in shared.requests}) == 2
 
@@ -112,7 +113,6 @@ def test_batched_prompts_and_per_item_values() -> None:
 @pytest.mark.parametrize(
     "body, needle",
     [
-        ({"input_ids": [1], "bogus": 1}, "unknown field `bogus`"),
         ({"input_ids": [1], "sampling_params": {"temprature": 1}}, "unknown field `sampling_params.temprature`"),
         ({"text": "hello"}, "text input is not supported"),
         ({"input_ids": [1], "text": "hello"}, "text input is not supported"),
@@ -136,9 +136,8 @@ def test_batched_prompts_and_per_item_values() -> None:
         ({"input_ids": [1], "sampling_params": {"n": 2}}, "sampling_params.n"),
         ({"input_ids": [1], "sampling_params": {"stop_token_ids": [1.5]}}, "stop_token_ids[0]"),
         ({"input_ids": [1], "return_logprob": "yes"}, "field `return_logprob`"),
-        ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 1}, "logprob_start_len"),
+        ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
         ({"input_ids": [1], "rid": 7}, "field `rid`"),
-        ({"input_ids": [[1], [2]], "rid": "same"}, "one per prompt"),
         ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "distinct"),
         ({"input_ids": [[1], [2]], "rid": ["a"]}, "1 values for 2 prompts"),
         ({"input_ids": [1], "sampling_params": [{}]}, "only allowed with batched"),
@@ -173,7 +172,7 @@ def test_null_means_default() -> None:
 @pytest.mark.parametrize(
     "endpoint, body, needle",
     [
-        ("abort_request", {"rid": "a", "extra": 1}, "unknown field `extra`"),
+        ("weights_piece_checksums", {"names": [], "boxes": [], "extra": 1}, "unknown field `extra`"),  # ours: strict
         ("pause_generation", {"mode": "later"}, "field `mode`"),
         ("update_weight_version", {}, "missing required field `new_version`"),
         ("update_weight_version", {"new_version": 3}, "field `new_version`"),
@@ -231,7 +230,7 @@ def test_generate_response_shape() -> None:
         prompt_tokens=3,
         cached_tokens=0,
         output_logprobs=[-0.5, -1.5],
-        input_logprobs=[-2.0, -3.0],
+        input_logprobs=[None, -3.0],
         routed_experts=routed,
         indexer_topk=picks,
         weight_versions=[{"version": "3", "start": 0, "end": 2}],
@@ -242,7 +241,8 @@ def test_generate_response_shape() -> None:
     meta = out["meta_info"]
     assert meta["finish_reason"] == {"type": "stop", "matched": 5}
     assert meta["output_token_logprobs"] == [[-0.5, 4, None], [-1.5, 5, None]]
-    assert meta["input_token_logprobs"] == [[-2.0, 8, None], [-3.0, 9, None]]
+    assert meta["output_token_logprobs_length"] == 2 and meta["reasoning_tokens"] == 0
+    assert meta["input_token_logprobs"] == [[None, 8, None], [-3.0, 9, None]]
     assert (meta["prompt_tokens"], meta["completion_tokens"], meta["weight_version"]) == (3, 2, "3")
     decoded = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).reshape(4, 2, 3)
     assert (decoded == routed).all()
@@ -250,6 +250,158 @@ def test_generate_response_shape() -> None:
     plain = parse({"input_ids": [1]}).requests[0]
     meta = protocol.generate_response(plain, res, None)["meta_info"]
     assert "output_token_logprobs" not in meta and "routed_experts" not in meta
+
+
+# ---------------------------------------------------------------------------------------------- SGLang 0.5.23 conformance
+# Each rule below was found by probing our server against SGLang's own FastAPI app (its io_struct normalization,
+# JSON contract gate, tokenizer manager and scheduler rules); docs/engine.md, HTTP API.
+
+
+def test_unknown_top_level_keys_are_ignored_and_reported_as_sglang_ignores_them() -> None:
+    seen: list[str] = []
+    req = protocol.parse_generate(
+        {"input_ids": [1, 2], "foo": 1, "session_idd": None, "custom_labels": {"a": "b"}, "data_parallel_rank": 0},
+        LIMITS,
+        lambda: "auto",
+        seen.append,
+    ).requests[0]
+    assert req.input_ids == (1, 2) and seen == ["foo", "session_idd", "custom_labels", "data_parallel_rank"]
+    assert parse({"input_ids": [1], "bogus": 1}).requests[0].input_ids == (1,)  # quietly by default
+    for endpoint, body in [
+        ("abort_request", {"rid": "a", "extra": 1}),
+        ("pause_generation", {"mode": "in_place", "http_worker_ipc": "x"}),
+        ("update_weights_from_disk", {"model_path": "/m", "foo": True}),
+        (
+            "init_weights_update_group",
+            {"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2, "x": 0},
+        ),
+    ]:
+        seen.clear()
+        protocol.parse_control(endpoint, body, seen.append)
+        assert len(seen) == 1 and seen[0] in body, endpoint
+    # sampling_params keys outside SGLang's are still a 400 (its JSON contract refuses them), and our own
+    # endpoints stay strict
+    with pytest.raises(BadRequest, match="unknown field `sampling_params.temprature`"):
+        protocol.parse_generate({"input_ids": [1], "sampling_params": {"temprature": 1}}, LIMITS, str, seen.append)
+    with pytest.raises(BadRequest, match="unknown field `flush`"):
+        protocol.parse_control("update_weights_from_delta", {"manifest_path": "/d", "flush": True}, seen.append)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input_ids": [1], "return_prompt_token_ids": True},
+        {"input_ids": [1], "return_entropy": True},
+        {"input_ids": [1], "session_id": "s"},
+        {"input_ids": [1], "max_thinking_tokens": 8},
+        {"input_ids": [1], "require_reasoning": True},
+        {"input_ids": [1], "return_sampling_mask": True},
+        {"input_ids": [1], "watermark": {"enabled": True}},
+        {"input_ids": [1], "stream": True},
+        {"input_ids": [1], "text": "hi"},
+        {"input_ids": [1], "sampling_params": {"n": 2}},
+        {"input_ids": [1], "sampling_params": {"json_schema": "{}"}},
+        {"input_ids": [1], "sampling_params": {"regex": "a+"}},
+        {"input_ids": [1], "sampling_params": {"beam_width": 2}},
+        {"input_ids": [1], "sampling_params": {"watermark": {"enabled": True}}},
+    ],
+)
+def test_sglang_fields_that_would_change_the_answer_are_refused_by_name(body: dict) -> None:
+    name = next(k for k in (*body, *body.get("sampling_params", {})) if k not in ("input_ids", "sampling_params"))
+    with pytest.raises(BadRequest, match=f"`(sampling_params.)?{name}`.*not supported"):
+        parse(body)
+
+
+def test_sglang_fields_without_effect_here_are_accepted() -> None:
+    body = {
+        "input_ids": [1],
+        "return_prompt_token_ids": False,
+        "session_id": None,
+        "sampling_params": {"stream_interval": 4, "beam_width": None, "no_stop_trim": True},
+    }
+    req = parse(body).requests[0]
+    assert req.sampling.max_new_tokens == 128
+    assert parse({"input_ids": [1], "log_metrics": False}).requests[0].log_metrics is False
+
+
+def test_a_batch_with_one_string_rid_numbers_it_as_sglang_does() -> None:
+    p = parse({"input_ids": [[1], [2], [3]], "rid": "grp"})
+    assert [r.rid for r in p.requests] == ["grp_0", "grp_1", "grp_2"]
+    assert parse({"input_ids": [[1]], "rid": "one"}).requests[0].rid == "one_0"
+    assert parse({"input_ids": [1], "rid": "single"}).requests[0].rid == "single"
+
+
+def test_logprob_start_len_may_be_the_prompt_length() -> None:
+    req = parse({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 3}).requests[0]
+    assert req.logprob_start_len == 3
+    with pytest.raises(BadRequest, match="logprob_start_len"):
+        parse({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4})
+
+
+@pytest.mark.parametrize(
+    "prompt_len, sampling, kv, expected",
+    [
+        (2000, None, None, 128),  # absent: SGLang's default 128 ...
+        (200, {}, None, 54),  # ... cut to min(context, kv) - prompt - 2 = 256 - 200 - 2, never a 400
+        (250, {}, None, 4),
+        (254, {}, None, 0),
+        (255, {}, None, 0),
+        (100, {"max_new_tokens": None}, None, 154),  # null: as much as the context holds
+        (10, {"max_new_tokens": None}, None, 244),
+        (200, {"max_new_tokens": 56}, None, 54),  # an explicit one that fits the context is cut the same way
+        (200, {"max_new_tokens": 20}, None, 20),
+        (100, {"max_new_tokens": 100}, 150, 48),  # the KV cache binds: 150 - 100 - 2
+        (100, {"max_new_tokens": None, "min_new_tokens": 200}, None, 154),
+        (250, {"max_new_tokens": 6, "min_new_tokens": 6}, None, 4),  # min_new_tokens follows
+    ],
+)
+def test_max_new_tokens_is_cut_to_the_context_as_sglang_cuts_it(
+    prompt_len: int, sampling: dict | None, kv: int | None, expected: int
+) -> None:
+    limits = ModelLimits(vocab_size=320, max_context_len=256 if prompt_len < 256 else 4096, kv_capacity_tokens=kv)
+    body = {"input_ids": [1] * prompt_len, **({} if sampling is None else {"sampling_params": sampling})}
+    sp = protocol.parse_generate(body, limits, str).requests[0].sampling
+    assert sp.max_new_tokens == expected and sp.min_new_tokens <= expected
+
+
+def test_finish_reasons_have_sglang_shapes() -> None:
+    assert FinishReason(type="length", length=7).to_json() == {"type": "length", "length": 7}
+    assert FinishReason(type="stop", matched=3).to_json() == {"type": "stop", "matched": 3}
+    abort = FinishReason(type="abort", message="aborted by request").to_json()
+    assert abort == {"type": "abort", "message": "aborted by request", "status_code": None, "err_type": None}
+
+
+def test_meta_info_keys_with_logprobs_and_no_prompt_logprobs() -> None:
+    req = parse({"input_ids": [7, 8, 9], "return_logprob": True}).requests[0]
+    res = GenerateResult(
+        rid="x",
+        output_ids=[4],
+        finish_reason=FinishReason(type="length", length=1),
+        prompt_tokens=3,
+        cached_tokens=0,
+        output_logprobs=[-0.5],
+    )
+    meta = protocol.generate_response(req, res, None)["meta_info"]
+    assert meta["input_token_logprobs"] == [] and meta["output_token_logprobs_length"] == 1
+    assert meta["finish_reason"] == {"type": "length", "length": 1} and meta["reasoning_tokens"] == 0
+    at_end = parse({"input_ids": [7, 8, 9], "return_logprob": True, "logprob_start_len": 3}).requests[0]
+    assert protocol.generate_response(at_end, res, None)["meta_info"]["input_token_logprobs"] == []
+
+
+def test_text_leaves_out_the_matched_stop_token_unless_no_stop_trim() -> None:
+    stop = GenerateResult(
+        rid="x", output_ids=[4, 5, 9], finish_reason=FinishReason(type="stop", matched=9), prompt_tokens=1,
+        cached_tokens=0,
+    )  # fmt: skip
+    assert protocol.text_ids(stop, protocol.TextOptions()) == [4, 5]
+    assert protocol.text_ids(stop, protocol.TextOptions(no_stop_trim=True)) == [4, 5, 9]
+    length = GenerateResult(
+        rid="y", output_ids=[4, 9], finish_reason=FinishReason(type="length", length=2), prompt_tokens=1,
+        cached_tokens=0,
+    )  # fmt: skip
+    assert protocol.text_ids(length, protocol.TextOptions()) == [4, 9]  # only a matched stop is trimmed
+    options = parse({"input_ids": [1], "sampling_params": {"no_stop_trim": True, "skip_special_tokens": False}}).text
+    assert options == [protocol.TextOptions(skip_special_tokens=False, no_stop_trim=True)]
 
 
 # ---------------------------------------------------------------------------------------------- auth

@@ -312,8 +312,8 @@ class Engine:
         k = req.logprob_start_len
         if req.return_logprob and k >= 0:
             r.input_logprobs = [None] * len(prompt)
-            first_row = max(k, 1) - 1  # logits at row p give the log-prob of prompt token p + 1
-            r.lp_next = first_row if first_row <= len(prompt) - 2 else None
+            # Row p's logits give the log-prob of prompt token p + 1: rows k.. (token k's stays None, as SGLang's)
+            r.lp_next = k if k <= len(prompt) - 2 else None
         with self._cond:
             if req.rid in self._live:
                 raise RequestError(f"rid {req.rid!r} is already in flight")
@@ -322,8 +322,8 @@ class Engine:
             r.seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen).item())
             self._live.add(req.rid)
             self._inbox.append(r)
-            self._counters.num_requests += 1
-            self._counters.prompt_tokens += len(prompt)
+            if req.log_metrics:  # False: SGLang's /health_generate probe, which no request counter sees
+                self._counters.record_request(len(prompt))
             self._cond.notify_all()
 
     def abort(self, rid: str | None, *, message: str | None = None, failed: bool = False) -> int:
@@ -579,8 +579,8 @@ class Engine:
     # ---------------------------------------------------------------- info
     def stats(self) -> dict[str, float | int]:
         """Gauges and counters for /metrics and /get_server_info: num_running_reqs, num_queue_reqs, paused,
-        num_requests_total, prompt_tokens_total, generation_tokens_total, cached_tokens_total, cache_hit_rate,
-        gen_throughput (tokens/s, last 10 s), kv_blocks_used/cached/total, token_usage, num_retractions_total."""
+        num_requests_total, prompt_tokens_total, generation_tokens_total, num_steps_total, cached_tokens_total,
+        cache_hit_rate, gen_throughput (tokens/s), kv_blocks_used/cached/total, token_usage, num_retractions_total."""
         queued = len(self._inbox)  # one read of a list's length: no lock needed
         return engine_stats(self.scheduler, self.blocks, self._counters, queued=queued, paused=self._paused)
 

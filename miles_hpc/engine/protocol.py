@@ -3,24 +3,28 @@
 Stage: engine (HTTP layer; no I/O here, so every rule is unit-testable without a server).
 
 Invariants:
-- A request body is a JSON object whose keys are field names of the matching SGLang request type (sglang 0.5.23
-  ``io_struct``; docs/engine.md, HTTP API). A key SGLang does not have -> :class:`BadRequest`
-  naming it (SGLang rejects unknown fields too, so a client that passes here also passes there). A field SGLang
-  has but the embedded engine does not implement is accepted only at its SGLang default; any other value is a
-  400 saying it is not supported, never silently ignored. ``null`` means "the default", as in SGLang. The one
-  exception: ``/generate``'s ``return_indexer_topk`` and ``indexer_topk_start_len`` (DSA indexer replay) and the
-  ``meta_info.indexer_topk`` answer, our extension (docs/engine.md says how it relates to SGLang's later one).
+- A request body is a JSON object, read by the field names of the matching SGLang request type (sglang 0.5.23
+  ``io_struct``; docs/engine.md, HTTP API). As SGLang's HTTP server, a top-level key we do not read is ignored
+  (handed to ``on_unknown``: the server logs it once per name), while ``sampling_params`` keys outside SGLang's
+  are a :class:`BadRequest` naming them (SGLang's JSON contract rejects those too). Our extension endpoints
+  (``EXTENSION_ENDPOINTS``) refuse unknown keys. A field SGLang has that would change the answer but the embedded
+  engine does not implement is accepted only at its SGLang default; any other value is a 400 naming it, never
+  silently ignored. ``null`` means "the default", as in SGLang (``max_new_tokens: null``: no limit but the
+  context's). Our extensions: ``/generate``'s ``return_indexer_topk`` and ``indexer_topk_start_len`` (DSA indexer
+  replay) and the ``meta_info.indexer_topk`` answer (docs/engine.md says how they relate to SGLang's later ones).
 - Every type and range error names the field by its JSON path (``sampling_params[1].top_p``).
 - Token ids are checked against the model (``0 <= id < vocab_size``) and lengths against its context, with
-  SGLang's own messages, before anything reaches the engine core.
-- Responses carry SGLang's keys; ``text`` is the decoded output when the model has a tokenizer, else null.
+  SGLang's own messages, before anything reaches the engine core; ``max_new_tokens`` is then cut to what fits the
+  context and the KV cache as SGLang's scheduler cuts it (`_sampling`).
+- Responses carry SGLang's keys and shapes; ``text`` is the decoded output when the model has a tokenizer, else
+  null, without the matched stop token (`text_ids`).
 """
 
 from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,16 +121,29 @@ def only(default: Any, why: str) -> Check:
     return run
 
 
-def parse_object(body: Any, fields: Mapping[str, F], path: str = "") -> dict[str, Any]:
-    """Check a JSON object against ``fields``: unknown keys, missing required ones, each value's type."""
+Unknown = Callable[[str], None]
+
+
+def ignore_quietly(name: str) -> None:
+    """An ``on_unknown`` that drops the key without a word (the server passes one that logs)."""
+
+
+def parse_object(
+    body: Any, fields: Mapping[str, F], path: str = "", on_unknown: Unknown | None = None
+) -> dict[str, Any]:
+    """Check a JSON object against ``fields``: unknown keys (a 400, or given ``on_unknown``, passed to it and
+    ignored), missing required ones, each value's type."""
     where = path.rstrip(".") or "request body"
     if body is None:
         body = {}
     if not isinstance(body, dict):
         raise BadRequest(f"{where}: expected a JSON object, got {_show(body)}")
     for key in body:
-        if key not in fields:
+        if key in fields:
+            continue
+        if on_unknown is None:
             raise BadRequest(f"unknown field `{path}{key}`; accepted: {', '.join(sorted(fields))}")
+        on_unknown(f"{path}{key}")
     # Present fields first, so "text is not supported" wins over "input_ids is missing".
     out = {name: f.check(body[name], f"{path}{name}") for name, f in fields.items() if body.get(name) is not None}
     for name, f in fields.items():
@@ -153,8 +170,11 @@ SAMPLING_FIELDS: dict[str, F] = {
     "n": F(only(1, "send one request per sample"), 1),
     # These shape only the decoded `text`, never output_ids.
     "skip_special_tokens": F(boolean, True),
-    "spaces_between_special_tokens": F(boolean, True),
+    "spaces_between_special_tokens": F(boolean, True),  # accepted; the tokenizer's decode has no such switch
     "no_stop_trim": F(boolean, False),
+    "stream_interval": F(at_least(1)),  # accepted and ignored: no streaming
+    "beam_width": F(only(None, "beam search is not implemented")),
+    "watermark": F(only(None, "watermarking is not implemented")),
     "stop": F(only([], _NO_STRINGS)),
     "stop_regex": F(only([], _NO_STRINGS)),
     "json_schema": F(only(None, _NO_GRAMMAR)),
@@ -183,6 +203,23 @@ UNSUPPORTED_GENERATE_FIELDS: dict[str, str] = {  # SGLang fields accepted only w
     "custom_logit_processor": "custom logit processors are not implemented",
     "extra_key": _NO_NAMESPACE,
     "cache_salt": _NO_NAMESPACE,
+    "session_id": "sessions are not implemented",
+    "positional_embed_overrides": "input embeddings are not supported",
+    "token_indices_to_pool": "scoring requests are not implemented",
+    "multi_item_delimiter_indices": "scoring requests are not implemented",
+    "max_thinking_tokens": "there is no reasoning parser to hold a thinking budget",
+    "sampling_logprobs_mode": "sampling masks are not returned",
+    "watermark": "watermarking is not implemented",
+}
+_FLAGS_NOT_IMPLEMENTED: dict[str, str] = {  # SGLang flags accepted only when false: each would change the answer
+    "return_prompt_token_ids": "prompt_token_ids are not returned (they are the input_ids sent)",
+    "return_entropy": "entropies are not returned",
+    "return_bytes": "byte outputs are not returned",
+    "return_sampling_mask": "sampling masks are not returned",
+    "require_reasoning": "there is no reasoning parser",
+    "return_flat_raw_top_logprobs": "top-k log-probs are not implemented",
+    "return_flat_raw_output_top_logprobs": "top-k log-probs are not implemented",
+    "return_flat_raw_top_logprobs_b64": "top-k log-probs are not implemented",
 }
 GENERATE_FIELDS: dict[str, F] = {
     "rid": F(_ANY),
@@ -199,11 +236,12 @@ GENERATE_FIELDS: dict[str, F] = {
     "top_logprobs_num": F(only(0, "top-k log-probs are not implemented"), 0),
     "return_text_in_logprobs": F(only(False, "log-prob entries carry no text ([logprob, id, null])"), False),
     "return_hidden_states": F(only(False, "hidden states are not returned"), False),
-    "log_metrics": F(boolean, True),  # accepted and ignored: every request is counted
+    "log_metrics": F(boolean, True),  # False: the request counters leave it out
     "lora_path": F(_ANY),  # a loaded adapter's name, or one per prompt (checked per item below)
     "routing_key": F(string),  # accepted and ignored: one engine, no data parallelism inside
     "priority": F(integer),  # accepted and ignored: scheduling is first come, first served
     **{name: F(only(None, why)) for name, why in UNSUPPORTED_GENERATE_FIELDS.items()},
+    **{name: F(only(False, why), False) for name, why in _FLAGS_NOT_IMPLEMENTED.items()},
 }
 
 
@@ -211,13 +249,22 @@ GENERATE_FIELDS: dict[str, F] = {
 class ModelLimits:
     vocab_size: int
     max_context_len: int
+    kv_capacity_tokens: int | None = None  # the KV cache's tokens (SGLang's max_total_num_tokens); None: unbounded
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TextOptions:
+    """How one request's ``text`` is decoded from its output ids (SGLang's detokenizer; output_ids never change)."""
+
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParsedGenerate:
     requests: list[GenerateRequest]
     batched: bool  # input_ids was a list of lists: answer with a list
-    skip_special_tokens: list[bool]  # per request, for the decoded text
+    text: list[TextOptions]  # per request
 
 
 def _per_item(value: Any, n: int, batched: bool, path: str, check: Check, default: Any) -> list[Any]:
@@ -246,37 +293,54 @@ def _prompt(ids: Any, path: str, limits: ModelLimits) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _sampling(raw: Any, path: str, prompt_len: int, limits: ModelLimits) -> SamplingParams:
+def _sampling(raw: Any, path: str, prompt_len: int, limits: ModelLimits) -> tuple[SamplingParams, TextOptions]:
+    """The sampling params, ``max_new_tokens`` cut as SGLang cuts it. Its tokenizer manager refuses only an explicit
+    ``max_new_tokens`` that overruns the context; its scheduler (``init_req_max_new_tokens``) then cuts every
+    request's to ``min(context - 1, kv tokens - 1) - prompt - 1``, 0 at least, ``null`` meaning no limit of its
+    own (an absent one is 128), and ``min_new_tokens`` to the result."""
     p = parse_object(raw, SAMPLING_FIELDS, path + ".")
-    if p["min_new_tokens"] > p["max_new_tokens"]:
+    unbounded = isinstance(raw, dict) and "max_new_tokens" in raw and raw["max_new_tokens"] is None
+    if not unbounded and p["min_new_tokens"] > p["max_new_tokens"]:
         raise BadRequest(f"field `{path}.min_new_tokens`: {p['min_new_tokens']} > max_new_tokens")
     total = prompt_len + p["max_new_tokens"]
-    if total > limits.max_context_len:
+    if isinstance(raw, dict) and raw.get("max_new_tokens") is not None and total > limits.max_context_len:
         raise BadRequest(
             f"Requested token count exceeds the model's maximum context length of {limits.max_context_len} tokens. "
             f"You requested a total of {total} tokens: {prompt_len} tokens from the input messages and "
             f"{p['max_new_tokens']} tokens for the completion. Please reduce the number of tokens in the input "
             f"messages or the completion to fit within the limit."
         )
+    room = min(limits.max_context_len, limits.kv_capacity_tokens or limits.max_context_len) - prompt_len - 2
+    p["max_new_tokens"] = max(0, room if unbounded else min(p["max_new_tokens"], room))
+    p["min_new_tokens"] = min(p["min_new_tokens"], p["max_new_tokens"])
     keys = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "ignore_eos", "sampling_seed")
-    return SamplingParams(**{k: p[k] for k in keys}, stop_token_ids=tuple(p["stop_token_ids"]))
+    sampling = SamplingParams(**{k: p[k] for k in keys}, stop_token_ids=tuple(p["stop_token_ids"]))
+    return sampling, TextOptions(skip_special_tokens=p["skip_special_tokens"], no_stop_trim=p["no_stop_trim"])
 
 
-def parse_generate(body: Any, limits: ModelLimits, new_rid: Callable[[], str]) -> ParsedGenerate:
+def _rids(raw: Any, n: int, batched: bool, new_rid: Callable[[], str]) -> list[str]:
+    """One rid per prompt. A batch's single string rid becomes ``rid_0``, ``rid_1``, ... (SGLang's
+    ``_normalize_rid``); a missing one is made up."""
+    if batched and isinstance(raw, str):
+        raw = [f"{raw}_{i}" for i in range(n)]
+    rids = [r if r is not None else new_rid() for r in _per_item(raw, n, batched, "rid", string, None)]
+    if len(set(rids)) != n:
+        raise BadRequest("field `rid`: rids within one request must be distinct")
+    return rids
+
+
+def parse_generate(
+    body: Any, limits: ModelLimits, new_rid: Callable[[], str], on_unknown: Unknown = ignore_quietly
+) -> ParsedGenerate:
     """``POST /generate`` body -> one GenerateRequest per prompt (see module invariants)."""
-    top = parse_object(body, GENERATE_FIELDS)
+    top = parse_object(body, GENERATE_FIELDS, on_unknown=on_unknown)
     raw_ids = top["input_ids"]
     _expect(isinstance(raw_ids, list), "input_ids", "a list of token ids or a list of such lists", raw_ids)
     batched = bool(raw_ids) and isinstance(raw_ids[0], list)
     items = [(p, f"input_ids[{i}]") for i, p in enumerate(raw_ids)] if batched else [(raw_ids, "input_ids")]
     prompts = [_prompt(p, path, limits) for p, path in items]
     n = len(prompts)
-    rids = _per_item(top["rid"], n, batched, "rid", string, None)
-    if batched and isinstance(top["rid"], str):
-        raise BadRequest("field `rid`: a batched request needs a list of rids, one per prompt")
-    rids = [r if r is not None else new_rid() for r in rids]
-    if len(set(rids)) != n:
-        raise BadRequest("field `rid`: rids within one request must be distinct")
+    rids = _rids(top["rid"], n, batched, new_rid)
     logprob = _per_item(top["return_logprob"], n, batched, "return_logprob", boolean, False)
     loras = _per_item(top["lora_path"], n, batched, "lora_path", string, None)
     starts = _per_item(top["logprob_start_len"], n, batched, "logprob_start_len", at_least(-1), -1)
@@ -286,19 +350,18 @@ def parse_generate(body: Any, limits: ModelLimits, new_rid: Callable[[], str]) -
     sp_items = raw_sp if isinstance(raw_sp, list) else [raw_sp] * n
     if len(sp_items) != n:
         raise BadRequest(f"field `sampling_params`: {len(sp_items)} values for {n} prompts")
-    requests, skip = [], []
+    requests, text = [], []
     for i, prompt in enumerate(prompts):
         sp_path = f"sampling_params[{i}]" if isinstance(raw_sp, list) else "sampling_params"
-        sampling = _sampling(sp_items[i], sp_path, len(prompt), limits)
-        if logprob[i] and starts[i] >= len(prompt):
+        sampling, options = _sampling(sp_items[i], sp_path, len(prompt), limits)
+        if logprob[i] and starts[i] > len(prompt):  # SGLang: at the prompt's end is fine (no prompt log-probs)
             raise BadRequest(
-                f"field `logprob_start_len`: {starts[i]} is not a position of the {len(prompt)}-token prompt"
+                f"field `logprob_start_len`: {starts[i]} is past the end of the {len(prompt)}-token prompt"
             )
         for start in ("routed_experts_start_len", "indexer_topk_start_len"):
             if top[start] > len(prompt):
                 raise BadRequest(f"field `{start}`: {top[start]} > prompt length")
         keys = ("return_routed_experts", "routed_experts_start_len", "return_indexer_topk", "indexer_topk_start_len")
-        replays = {k: top[k] for k in keys}
         requests.append(
             GenerateRequest(
                 rid=rids[i],
@@ -307,31 +370,46 @@ def parse_generate(body: Any, limits: ModelLimits, new_rid: Callable[[], str]) -
                 return_logprob=logprob[i],
                 logprob_start_len=starts[i],
                 lora_path=loras[i],
-                **replays,
+                log_metrics=top["log_metrics"],
+                **{k: top[k] for k in keys},
             )
         )
-        skip.append(True if not isinstance(sp_items[i], dict) else sp_items[i].get("skip_special_tokens") is not False)
-    return ParsedGenerate(requests=requests, batched=batched, skip_special_tokens=skip)
+        text.append(options)
+    return ParsedGenerate(requests=requests, batched=batched, text=text)
+
+
+def text_ids(res: GenerateResult, options: TextOptions) -> list[int]:
+    """The output ids ``text`` is decoded from: SGLang's detokenizer drops the matched stop token (a stop_token_ids
+    entry or EOS; ``output_ids`` keep it) unless ``no_stop_trim``. Stop strings, which it trims too, are refused."""
+    ids = res.output_ids
+    trim = res.finish_reason.type == "stop" and res.finish_reason.matched is not None and not options.no_stop_trim
+    return ids[:-1] if trim and ids else ids
+
+
+def _logprob_entries(lps: Sequence[float | None], ids: Sequence[int]) -> list[list[Any]]:
+    return [[lp, t, None] for lp, t in zip(lps, ids)]  # SGLang's [logprob, token id, text]: no text asked
 
 
 def generate_response(req: GenerateRequest, res: GenerateResult, text: str | None) -> dict[str, Any]:
-    """SGLang's ``{text, output_ids, meta_info}`` for one finished request."""
+    """SGLang's ``{text, output_ids, meta_info}`` for one finished request (its tokenizer_manager's meta_info keys)."""
     meta: dict[str, Any] = {
         "id": res.rid,
         "finish_reason": res.finish_reason.to_json(),
         "prompt_tokens": res.prompt_tokens,
         "completion_tokens": res.completion_tokens,
         "cached_tokens": res.cached_tokens,
+        "reasoning_tokens": 0,  # SGLang's count without a reasoning parser (we have none)
         "weight_version": res.weight_version,
         "weight_versions": res.weight_versions,
         "num_retractions": res.num_retractions,
         "e2e_latency": res.e2e_latency,
     }
-    if req.return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.output_logprobs, res.output_ids)]
-        if req.logprob_start_len >= 0 and res.input_logprobs is not None:
-            ids = req.input_ids[req.logprob_start_len :]
-            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.input_logprobs, ids)]
+    if req.return_logprob:  # input entries from logprob_start_len (entry 0 None), none for -1, as SGLang
+        start, inputs = req.logprob_start_len, res.input_logprobs
+        ins = inputs if start >= 0 and inputs is not None else []
+        meta["input_token_logprobs"] = _logprob_entries(ins, req.input_ids[start:] if ins else ())
+        meta["output_token_logprobs"] = _logprob_entries(res.output_logprobs, res.output_ids)
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
     if req.return_routed_experts:
         routed = res.routed_experts
         arr = np.zeros((0, 0, 0), np.int32) if routed is None else np.ascontiguousarray(routed, dtype=np.int32)
@@ -447,9 +525,24 @@ def parse_box(flat: list[int], shape: list[int] | None, path: str, name: str) ->
     return dims
 
 
-def parse_control(endpoint: str, body: Any) -> dict[str, Any]:
-    """Body of a control/weight endpoint (``SCHEMAS[endpoint]``) -> dict with every field (defaults filled)."""
-    out = parse_object(body, SCHEMAS[endpoint])
+EXTENSION_ENDPOINTS = frozenset(
+    {
+        "lora_adapter_checksums",
+        "update_weights_from_p2p",
+        "weights_piece_checksums",
+        "weights_ipc_handles",
+        "weights_direct_begin",
+        "weights_direct_commit",
+        "update_weights_from_delta",
+    }
+)
+"""Our endpoints, not SGLang's: their bodies refuse unknown keys (SGLang's ignore them)."""
+
+
+def parse_control(endpoint: str, body: Any, on_unknown: Unknown = ignore_quietly) -> dict[str, Any]:
+    """Body of a control/weight endpoint (``SCHEMAS[endpoint]``) -> dict with every field (defaults filled).
+    Unknown keys go to ``on_unknown`` for SGLang's endpoints, are a 400 for ours (``EXTENSION_ENDPOINTS``)."""
+    out = parse_object(body, SCHEMAS[endpoint], on_unknown=None if endpoint in EXTENSION_ENDPOINTS else on_unknown)
     if endpoint in ("update_weights_from_distributed", "update_weights_from_p2p"):
         n = len(out["names"])
         if not n == len(out["dtypes"]) == len(out["shapes"]):

@@ -76,10 +76,16 @@ class Counters:
     num_requests: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    steps: int = 0  # steps completed (any output): /health_generate's sign of progress
     recent: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def record_request(self, prompt_tokens: int) -> None:
+        self.num_requests += 1
+        self.prompt_tokens += prompt_tokens
 
     def record_step(self, n_generated: int) -> None:
         now = time.monotonic()
+        self.steps += 1
         self.generated_tokens += n_generated
         self.recent.append((now, n_generated))
         while self.recent and self.recent[0][0] < now - THROUGHPUT_WINDOW_S:
@@ -106,6 +112,7 @@ def engine_stats(
         "num_requests_total": counters.num_requests,
         "prompt_tokens_total": counters.prompt_tokens,
         "generation_tokens_total": counters.generated_tokens,
+        "num_steps_total": counters.steps,
         "cached_tokens_total": sched.cached_tokens,
         "cache_hit_rate": sched.cached_tokens / sched.admitted_tokens if sched.admitted_tokens else 0.0,
         "gen_throughput": counters.throughput(),

@@ -302,7 +302,7 @@ class Scheduler:
                 r.input_logprobs[a + 1 : b + 1] = ilp
                 r.lp_next = b if b < r.prompt_len - 1 else None
             if not s.sample and r.req.sampling.max_new_tokens == 0 and r.num_computed == len(r.tokens):
-                r.finish = FinishReason(type="length")
+                r.finish = FinishReason(type="length", length=0)
             if r.finish is not None:
                 if r.pending:  # tokens sampled after the finishing one (steps in flight) are dropped
                     del r.tokens[len(r.tokens) - r.pending :]
@@ -340,4 +340,4 @@ class Scheduler:
         if tok in r.stop_ids or (not sp.ignore_eos and tok in eos_ids):
             r.finish = FinishReason(type="stop", matched=tok)
         elif n_out + 1 >= sp.max_new_tokens:
-            r.finish = FinishReason(type="length")
+            r.finish = FinishReason(type="length", length=sp.max_new_tokens)

@@ -16,8 +16,11 @@ Invariants:
 - Pause lease (pause_lease.py): every admin call renews it; a pause that nothing continues or follows with a
   weight-sync call within `pause_lease_s` ends by itself (a warning, then generation continues), unless the
   weights are half-updated: then `/health` and `/health_generate` answer 503 naming that. While paused within the
-  lease `/health_generate` answers 200 saying so (a paused engine cannot generate its probe token). Both answer 503
-  naming the rank once a tensor-parallel rank has exited (the server stops within a second: tp.py `watch`).
+  lease `/health_generate` answers 200 saying so (a paused engine cannot generate its probe token); otherwise it
+  answers 200 once the engine makes progress (health.py: a busy engine is healthy). Both answer 503 naming the
+  rank once a tensor-parallel rank has exited (the server stops within a second: tp.py `watch`).
+- A top-level request key that no handler reads is ignored, as SGLang's server ignores it, with one warning per
+  key name in the log (protocol.py says which keys are refused instead).
 - A client that disconnects from `/generate` has its requests aborted (aiohttp handler cancellation).
 - Weight endpoints (weight_receiver.WeightEndpoints) run one at a time, in arrival order.
 - `serve()` listens only once the engine is loaded and started, then writes the rendezvous file (tmp + rename),
@@ -52,14 +55,14 @@ from miles_hpc.atomic import write_text_atomic
 from miles_hpc.auth import ApiKeys, AuthLevel, decide, read_key
 from miles_hpc.cluster.lease import parent_pid_from_env, watch_parent
 
-from . import protocol
+from . import health, protocol
 from .config import EngineConfig
 from .core import Engine, RequestError
 from .launch import EngineLaunch
 from .pause_lease import PauseLease
 from .protocol import BadRequest
 from .tp import rank_device
-from .types import GenerateRequest, GenerateResult, SamplingParams
+from .types import GenerateRequest, GenerateResult
 from .weight_receiver import WeightEndpoints, WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -79,7 +82,7 @@ class ServerConfig:
     max_weights_request_bytes: int = 4 << 30
     """Largest /update_weights_from_tensor body (base64 safetensors of one bucket)."""
     health_timeout_s: float = 20.0
-    """/health_generate answers 503 when its 1-token generation takes longer."""
+    """/health_generate answers 503 when the engine completes no step for this long (SGLang's 20 s)."""
     weight_sync_timeout_s: float = 600.0
     """Joining a weight-update group and each broadcast in it fail after this long."""
     pause_lease_s: float | None = None
@@ -120,11 +123,21 @@ class EngineServer:
             str(engine.device), timeout_s=config.weight_sync_timeout_s, tp=engine.tp
         )
         self.closing = False
-        self.limits = protocol.ModelLimits(vocab_size=engine.vocab_size, max_context_len=engine.max_context_len)
+        self.limits = protocol.ModelLimits(
+            vocab_size=engine.vocab_size,
+            max_context_len=engine.max_context_len,
+            kv_capacity_tokens=engine.limits.kv_capacity_tokens,
+        )
         self.lease = PauseLease(config.lease_s())
         self.pausing = asyncio.Lock()  # pause, continue and the lease's own continue: one at a time
+        self.ignored: set[str] = set()  # unknown request keys already logged (`unknown_key`)
         self.weights = WeightEndpoints(
-            engine, self.receiver, self._json, config.max_weights_request_bytes, lease=self.lease
+            engine,
+            self.receiver,
+            self._json,
+            config.max_weights_request_bytes,
+            lease=self.lease,
+            on_unknown=self.unknown_key,
         )
         self._tokenizer = _load_tokenizer(engine.model_path)
         hf_config = Path(engine.model_path or "") / "config.json"
@@ -160,6 +173,7 @@ class EngineServer:
             app.router.add_get(path, handler, allow_head=False)
         for path, handler in {"/generate": self.generate, **admin}.items():
             app.router.add_post(path, handler)
+        app.router.add_put("/generate", self.generate)  # as SGLang's
         for path in ("/flush_cache", "/weights_checker"):  # GET too, as SGLang
             app.router.add_get(path, admin[path], allow_head=False)
         self.levels = {**{p: AuthLevel.OPEN for p in probes}, **{p: AuthLevel.ADMIN for p in admin}}
@@ -188,6 +202,15 @@ class EngineServer:
             log.exception("%s %s failed", request.method, request.path)
             return _error(500, f"internal server error: {type(e).__name__}: {e}")
 
+    def unknown_key(self, name: str) -> None:
+        """A request key no handler reads: ignored, as SGLang ignores it, and logged once per name (at most 256
+        names, so a client inventing keys cannot grow the set or the log without end)."""
+        if name not in self.ignored and len(self.ignored) < 256:
+            self.ignored.add(name)
+            log.warning(
+                "ignoring request field %r: not one this engine reads (SGLang ignores it too); logged once", name
+            )
+
     async def _json(self, request: web.Request, limit: int | None = None) -> Any:
         """The request body as JSON (None when empty); 413 past the limit, checked before reading it all."""
         limit = limit or self.config.max_request_bytes
@@ -212,13 +235,14 @@ class EngineServer:
     async def generate(self, request: web.Request) -> web.Response:
         if self.closing:
             return _error(503, "the server is shutting down")
-        parsed = protocol.parse_generate(await self._json(request), self.limits, lambda: uuid.uuid4().hex)
+        body = await self._json(request)
+        parsed = protocol.parse_generate(body, self.limits, lambda: uuid.uuid4().hex, self.unknown_key)
         results = await self._run(parsed.requests)
         failed = next((r.error for r in results if r.error is not None), None)
         if failed is not None:  # the engine's step broke (engine log has the traceback); it keeps serving
             return _error(500, failed)
-        items = zip(parsed.requests, results, parsed.skip_special_tokens)
-        out = [protocol.generate_response(req, res, self._decode(res.output_ids, skip)) for req, res, skip in items]
+        items = zip(parsed.requests, results, parsed.text)
+        out = [protocol.generate_response(req, res, self._decode(res, text)) for req, res, text in items]
         return web.json_response(out if parsed.batched else out[0])
 
     async def _run(self, reqs: list[GenerateRequest]) -> list[GenerateResult]:
@@ -242,8 +266,10 @@ class EngineServer:
         for rid in rids:
             self.engine.abort(rid, message="client disconnected")
 
-    def _decode(self, ids: list[int], skip_special: bool) -> str | None:
-        return None if self._tokenizer is None else self._tokenizer.decode(ids, skip_special_tokens=skip_special)
+    def _decode(self, res: GenerateResult, options: protocol.TextOptions) -> str | None:
+        if self._tokenizer is None:
+            return None
+        return self._tokenizer.decode(protocol.text_ids(res, options), skip_special_tokens=options.skip_special_tokens)
 
     # ------------------------------------------------------------------ health and info
     def _unhealthy(self) -> str | None:
@@ -274,15 +300,10 @@ class EngineServer:
             elif left is not None:
                 message += f"; the pause ends by itself in {left:.0f} s unless continued or sent weights first"
             return web.json_response({"status": "paused", "message": message, "lease_remaining_s": left})
-        probe = GenerateRequest(
-            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
-            input_ids=(0,),
-            sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
-        )
-        try:
-            await asyncio.wait_for(self._run([probe]), self.config.health_timeout_s)
-        except TimeoutError:
-            return web.Response(status=503)
+        failure = await health.check_progress(self.engine, self._run, self.config.health_timeout_s)
+        if failure is not None:
+            log.error("health check failed: %s", failure)
+            return _error(503, failure)
         return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -318,31 +339,31 @@ class EngineServer:
 
     # ------------------------------------------------------------------ control
     async def abort_request(self, request: web.Request) -> web.Response:
-        p = protocol.parse_control("abort_request", await self._json(request))
+        p = protocol.parse_control("abort_request", await self._json(request), self.unknown_key)
         rid = None if p["abort_all"] else p["rid"]
         n = await asyncio.to_thread(self.engine.abort, rid, message=p["abort_message"]) if rid != "" else 0
         return web.json_response({"success": True, "num_aborted": n})
 
     async def pause(self, request: web.Request) -> web.Response:
-        p = protocol.parse_control("pause_generation", await self._json(request))
+        p = protocol.parse_control("pause_generation", await self._json(request), self.unknown_key)
         async with self.pausing:
             await asyncio.to_thread(self.engine.pause, p["mode"])
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(self, request: web.Request) -> web.Response:
-        protocol.parse_control("continue_generation", await self._json(request))
+        protocol.parse_control("continue_generation", await self._json(request), self.unknown_key)
         async with self.pausing:
             await asyncio.to_thread(self.engine.resume)  # may abort requests whose LoRA adapter was unloaded
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     # ------------------------------------------------------------------ LoRA adapters (engine/lora.py)
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        p = protocol.parse_control("load_lora_adapter", await self._json(request))
+        p = protocol.parse_control("load_lora_adapter", await self._json(request), self.unknown_key)
         await asyncio.to_thread(self.engine.load_lora_adapter, p["lora_name"], p["lora_path"])
         return web.json_response(self._lora_answer())
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        p = protocol.parse_control("unload_lora_adapter", await self._json(request))
+        p = protocol.parse_control("unload_lora_adapter", await self._json(request), self.unknown_key)
         await asyncio.to_thread(self.engine.unload_lora_adapter, p["lora_name"])
         return web.json_response(self._lora_answer())
 
@@ -358,7 +379,7 @@ class EngineServer:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """SGLang: optional query `timeout` (s) to wait for running requests; plain-text answer, 400 when busy."""
-        timeout = protocol.parse_control("flush_cache", await self._json(request))["timeout_s"]
+        timeout = protocol.parse_control("flush_cache", await self._json(request), self.unknown_key)["timeout_s"]
         if "timeout" in request.query:
             try:
                 timeout = float(request.query["timeout"])

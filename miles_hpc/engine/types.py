@@ -54,21 +54,30 @@ class GenerateRequest:
     return_indexer_topk: bool = False  # our extension (module docstring)
     indexer_topk_start_len: int = 0
     lora_path: str | None = None  # the name of a loaded LoRA adapter (SGLang's field), None: the base model
+    log_metrics: bool = True  # False: counted in no request counter (SGLang's field; its /health_generate probe)
 
 
 @dataclass(kw_only=True, slots=True)
 class FinishReason:
     type: FinishType
     matched: int | None = None  # the stop token id that ended generation
+    length: int | None = None  # "length": the max_new_tokens reached
     message: str | None = None  # why an abort happened
+    status_code: int | None = None  # an abort's HTTP status, as SGLang's FINISH_ABORT (ours: always None)
+    err_type: str | None = None
 
     def to_json(self) -> dict[str, object]:
-        out: dict[str, object] = {"type": self.type}
-        if self.matched is not None:
-            out["matched"] = self.matched
-        if self.message is not None:
-            out["message"] = self.message
-        return out
+        """SGLang's shapes (schedule_batch.py FINISH_MATCHED_TOKEN, FINISH_LENGTH, FINISH_ABORT.to_json)."""
+        if self.type == "abort":
+            return {
+                "type": "abort",
+                "message": self.message or "Aborted",
+                "status_code": self.status_code,
+                "err_type": self.err_type,
+            }
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": "stop", "matched": self.matched}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,7 +88,8 @@ class GenerateResult:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens its first admission found in the prefix cache (SGLang's; not re-prefills)
     output_logprobs: list[float] = field(default_factory=list)
-    input_logprobs: list[float | None] | None = None  # from logprob_start_len; the first prompt token has None
+    # prompt tokens logprob_start_len.. ; entry 0 is None, as SGLang's (its log-prob would need the row before)
+    input_logprobs: list[float | None] | None = None
     routed_experts: np.ndarray | None = None
     indexer_topk: np.ndarray | None = None
     weight_versions: list[dict[str, object]] = field(default_factory=list)

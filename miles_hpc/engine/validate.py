@@ -82,9 +82,9 @@ def validate_request(req: GenerateRequest, lim: Limits) -> None:
             f"input_ids ({len(ids)} tokens) + sampling_params.max_new_tokens ({sp.max_new_tokens}) = {total} "
             f"can never fit the KV cache ({lim.kv_capacity_tokens} tokens)"
         )
-    if req.return_logprob and not (req.logprob_start_len == -1 or 0 <= req.logprob_start_len < len(ids)):
-        raise RequestError(
-            f"logprob_start_len must be -1 or in [0, {len(ids)}) (the prompt length), got {req.logprob_start_len}"
+    if req.return_logprob and not (req.logprob_start_len == -1 or 0 <= req.logprob_start_len <= len(ids)):
+        raise RequestError(  # SGLang refuses only a start past the prompt; at its end: no prompt log-probs
+            f"logprob_start_len must be -1 or in [0, {len(ids)}] (the prompt length), got {req.logprob_start_len}"
         )
     if req.return_routed_experts:
         if lim.num_moe_layers == 0:

@@ -302,9 +302,12 @@ class WeightEndpoints:
         max_tensor_bytes: int,
         *,
         lease: PauseLease | None = None,
+        on_unknown: protocol.Unknown = protocol.ignore_quietly,
     ) -> None:
-        """``lease``: held while an update runs, also past its client's disconnect (see ``_apply``)."""
+        """``lease``: held while an update runs, also past its client's disconnect (see ``_apply``); ``on_unknown``:
+        told each body key that SGLang's endpoints ignore (protocol.parse_control)."""
         self.engine = engine
+        self._on_unknown = on_unknown
         self.receiver = receiver
         self._json = read_json
         self._max_tensor_bytes = max_tensor_bytes
@@ -329,7 +332,7 @@ class WeightEndpoints:
         }
 
     async def _parse(self, endpoint: str, request: web.Request, limit: int | None = None) -> dict[str, Any]:
-        return protocol.parse_control(endpoint, await self._json(request, limit))
+        return protocol.parse_control(endpoint, await self._json(request, limit), self._on_unknown)
 
     async def _apply(self, p: dict[str, Any], work: Callable[[], object], ok: str, **extra: object) -> web.Response:
         """Serialised; abort first when asked; run `work` in a thread; SGLang's success/failure answer.

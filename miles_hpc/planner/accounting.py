@@ -300,4 +300,12 @@ __all__ = [
     "layer_saved",
     "model_config",
     "model_tensors",
+    "sdpa_core_attention",
 ]
+
+
+def sdpa_core_attention(is_dsa: bool, cp: int) -> bool:
+    """Whether the megatron trainer's core attention is SDPA per packed sequence (train/mcore_attention.py, flash or
+    memory-efficient on a GPU: no [heads, S, S] probabilities kept): without context parallelism, and not for the
+    DSA families (their core attention, and the CP one, attend under the row's mask)."""
+    return cp == 1 and not is_dsa

@@ -4,11 +4,10 @@ memory options, and the search for the layouts that fit a cluster (stage: planne
 
 Invariants.
 - What a rank holds is counted from `planner/mcore_layout.mcore_rules`, the tensors the megatron trainer builds
-  (expert tensor parallelism 1: a routed expert is whole on one expert-parallel rank; TP splits rows or columns;
-  the vocabulary padded to a multiple of 128 x TP; pipeline stages split the decoder layers evenly, the embedding
-  on the first, the final norm, the output layer and the MTP layers on the last). Per layer the tensors are summed
-  by (replicated | TP-split | expert) x (trained | frozen), so one layout costs O(layers); `rank_elements` equals
-  the sum of `mcore_boxes` over the rules (tested).
+  (expert TP 1: a routed expert whole on one EP rank; TP splits rows or columns; the vocabulary padded to a
+  multiple of 128 x TP; pipeline stages split the decoder layers evenly, the embedding on the first, the final
+  norm, output layer and MTP layers on the last). Per layer the tensors are summed by (replicated | TP-split |
+  expert) x (trained | frozen): one layout costs O(layers); `rank_elements` = the sum of `mcore_boxes` (tested).
 - Bytes per element (megatron-core 0.16 without Transformer Engine): weights in bf16 (`train.mixed_precision` on a
   GPU), gradients in the DDP buffer in fp32 (`grad_reduce_in_fp32`) or bf16 (`megatron.main_grads_dtype`), and per
   trained element of the optimizer's shard (the data-parallel group with CP for dense tensors, the expert
@@ -17,17 +16,16 @@ Invariants.
   fraction f of the shard's elements lives on the host as fp32 master, fp32 gradient copy and two fp32 moments
   (16 B); without `megatron.precision_aware_optimizer` the GPU keeps the fp32 master of the offloaded part too.
 - Activations of one micro-batch follow `accounting.layer_saved` (what our model keeps, per token) split over
-  TP (sequence parallelism) and CP, plus, where the core attention is a masked softmax (under CP, and DSA's),
-  the softmax's float32 output and its bf16 copy, [heads / TP, S / CP, S] per sequence and layer; without CP the
-  other families' core attention is SDPA per packed sequence (`sdpa_core_attention`), which keeps none. Under the 1F1B
-  schedule stage s holds PP - s micro-batches in flight; under the interleaved one (VPP virtual stages, each
-  stage's layers in VPP chunks) 2 (PP - s - 1) + (VPP - 1) PP + 1 chunk forwards, i.e. (1 + (PP - 1) / (PP VPP))
-  times 1F1B's activations on stage 0; the last stage also the logits. With full recompute a
-  layer keeps its input and one layer's whole set is the largest temporary; with selective recompute (megatron's
-  core_attn) a layer keeps all but the softmax, one layer's softmax the temporary. A DSA full layer's selection
-  (int32 [S, min(index_topk, S)] per sequence) is held per micro-batch in flight in every mode, as is one layer's
-  attention backward: d(probabilities) and d(scores) in float32 and d(probabilities) in bf16, [heads / TP, S / CP,
-  S] each (an H100's step of 16 heads at 4,096 tokens peaked there: 3.25 GB in autograd; docs/benchmarks.md).
+  TP (sequence parallelism) and CP, plus, where the core attention is a masked softmax (under CP; DSA's), its
+  float32 output and bf16 copy, [heads / TP, S / CP, S] per sequence and layer (SDPA per sequence without CP keeps
+  none: `accounting.sdpa_core_attention`). Under 1F1B stage s holds PP - s micro-batches in flight; interleaved
+  (VPP virtual stages) 2 (PP - s - 1) + (VPP - 1) PP + 1 chunk forwards, i.e. (1 + (PP - 1) / (PP VPP)) times
+  1F1B's activations on stage 0; the last stage also the logits. Full recompute: a layer keeps its input, one
+  layer's whole set the largest temporary; selective (megatron's core_attn): all but the softmax, one layer's
+  softmax the temporary. A DSA full layer's selection (int32 [S, min(index_topk, S)] per sequence) is held per
+  micro-batch in flight in every mode, as is one layer's attention backward: d(probabilities) and d(scores) in
+  float32 and d(probabilities) in bf16, [heads / TP, S / CP, S] each (an H100's step of 16 heads at 4,096 tokens
+  peaked there: 3.25 GB in autograd; docs/benchmarks.md).
 - Nothing is measured here; `assumptions()` lists what the figures rest on.
 """
 
@@ -47,6 +45,7 @@ from miles_hpc.planner.accounting import (
     layer_saved,
     model_config,
     model_tensors,
+    sdpa_core_attention,
 )
 from miles_hpc.planner.mcore_layout import (
     INDEXER_SCORE_ELEMENTS,
@@ -321,13 +320,6 @@ def rank_elements(cfg: Mapping[str, Any], layout: Layout, stage: int) -> RankEle
     return RankElements(dense[0], dense[1], expert[0], expert[1])
 
 
-def sdpa_core_attention(is_dsa: bool, cp: int) -> bool:
-    """Whether the megatron trainer's core attention is SDPA per packed sequence (train/mcore_attention.py, flash or
-    memory-efficient on a GPU: no [heads, S, S] probabilities kept): without context parallelism, and not for the
-    DSA families (their core attention, and the CP one, attend under the row's mask)."""
-    return cp == 1 and not is_dsa
-
-
 def _activations(mc: ModelConfig, layout: Layout, opts: MemoryOptions, batch: Batch, stage: int) -> dict[str, int]:
     """Activation bytes of `stage`'s rank: `Layout.chunks_in_flight` forwards of one of its model chunks held, the
     stage's layers' share of them (its layers x in flight / VPP; docstring)."""
@@ -338,10 +330,7 @@ def _activations(mc: ModelConfig, layout: Layout, opts: MemoryOptions, batch: Ba
     heads = mc.num_attention_heads // layout.tp
     scores = 0 if sdpa_core_attention(mc.is_dsa, layout.cp) else n * heads * (s // layout.cp) * s  # [heads, S, S]
     probs = scores * (F32 + a)  # the softmax's float32 output and a bf16 copy
-    layer_sets = []
-    for i in ids:
-        saved = layer_saved(mc, i, seq_len=s, micro_batch=n, act_bytes=a)
-        layer_sets.append(sum(saved.values()) // split + probs)
+    layer_sets = [sum(layer_saved(mc, i, seq_len=s, micro_batch=n, act_bytes=a).values()) // split + probs for i in ids]
     in_flight, vpp = layout.chunks_in_flight(stage), layout.vpp
     out: dict[str, int] = {}
     if opts.recompute == "none":
@@ -579,9 +568,9 @@ def assumptions(node: Node, batch: Batch) -> list[str]:
         "keeps the fp32 master unless precision-aware",
         "activations: our model's saved tensors per token over TP x CP, plus, where the core attention is a "
         "masked softmax (CP > 1, the DSA families), its float32 softmax + bf16 copy per score and one layer's "
-        "attention backward (float32 gradients of the probabilities and scores, a bf16 one); without CP the "
-        "other families' SDPA per sequence keeps none; frozen tensors (MTP, indexers) hold weights only; NCCL buffers, "
-        "the allocator's fragmentation and CUDA context excluded",
+        "attention backward (float32 gradients of the probabilities and scores, a bf16 one); SDPA per sequence "
+        "(no CP) keeps none; frozen tensors (MTP, indexers) hold weights only; NCCL buffers, the allocator's "
+        "fragmentation and CUDA context excluded",
         "search: TP within a node (power of two), PP dividing the layers, EP dividing the experts and TP x CP x DP, "
         "CP up to --max-cp (default 1; all-gather attention: a rank's probabilities [heads / TP, S / CP, S]); "
         "offload in steps of 0.05",

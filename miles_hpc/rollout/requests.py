@@ -6,9 +6,10 @@ module imports only the standard library: the check runs in SGLang's venv, where
 
 Invariants:
 - A body holds only field names of the matching SGLang request type (``GenerateReqInput``, the ``io_struct``
-  ``*ReqInput`` structs); SGLang's structs raise on unknown fields, so one stray key breaks real SGLang. The
-  exception is :data:`EXTENSION_FIELDS` (DSA indexer replay), set only when a caller asks for indexer records, which
-  only our embedded engine returns (the run config refuses ``algo.indexer_replay`` with ``rollout.backend=sglang``).
+  ``*ReqInput`` structs). Over HTTP SGLang ignores a top-level key it does not know (so would our engine): a
+  misspelt field would silently do nothing, and unknown ``sampling_params`` keys are a 400 on both. The exception
+  is :data:`EXTENSION_FIELDS` (DSA indexer replay), set only when a caller asks for indexer records, which only our
+  embedded engine returns (the run config refuses ``algo.indexer_replay`` with ``rollout.backend=sglang``).
 - A field is present only when the caller set it (``None`` = absent = SGLang's default), except where a comment
   says why we pin a value SGLang would otherwise default dangerously.
 - ``sampling_params`` keys are a subset of :data:`SAMPLING_KEYS`, which SGLang's ``SamplingParams`` accepts.

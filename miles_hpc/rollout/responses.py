@@ -59,7 +59,9 @@ class GenerateOutput:
     completion_tokens: int
     cached_tokens: int
     output_logprobs: list[float] | None = None  # temperature-1 log-prob of each output id (when asked)
-    input_logprobs: list[float | None] | None = None  # from logprob_start_len; the first prompt token has None
+    # Prompt tokens logprob_start_len.. (when asked with a start >= 0; [] for none): entry 0 is None, on SGLang as on
+    # our engine, so the log-prob of prompt token k needs a start of k - 1.
+    input_logprobs: list[float | None] | None = None
     weight_version: str | None = None  # the version at the end of the request
     weight_versions: tuple[WeightVersionSpan, ...] = ()
     routed_experts: np.ndarray | None = None

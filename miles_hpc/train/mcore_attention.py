@@ -28,14 +28,14 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from miles_hpc.models.attention import no_cudnn_sdpa
-from miles_hpc.planner.layouts import sdpa_core_attention
+from miles_hpc.planner.accounting import sdpa_core_attention
 
 __all__ = ["PackedCoreAttention", "packed_mask", "packs_attention", "replace_core_attention"]
 
 
 def packs_attention(tcfg: Any, dsa: bool) -> bool:
     """Whether a model of megatron config `tcfg` gets `PackedCoreAttention` (its layers take the row's sequence
-    bounds, not a mask): the planner's rule (`planner.layouts.sdpa_core_attention`), which sizes its memory."""
+    bounds, not a mask): the planner's rule (`planner.accounting.sdpa_core_attention`), which sizes its memory."""
     return sdpa_core_attention(dsa, tcfg.context_parallel_size)
 
 
