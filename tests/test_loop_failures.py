@@ -81,8 +81,21 @@ def test_failed_samples_stay_out_of_the_batch_and_the_advantages() -> None:
 
 
 def test_the_prompt_limit_uses_the_engines_numbers() -> None:
-    assert max_prompt_len({"max_context_len": 2048, "max_total_num_tokens": 4096}, 8192, 64) == 2048 - 64
-    assert max_prompt_len({"context_length": 1000, "max_total_num_tokens": 600}, None, 100) == 500
-    assert max_prompt_len({}, 512, 12) == 500  # nothing from the engine: the model's positions
+    """Less the 2 tokens SGLang's scheduler (and our engine) keeps free of max_new_tokens."""
+    assert max_prompt_len({"max_context_len": 2048, "max_total_num_tokens": 4096}, 8192, 64) == 2048 - 64 - 2
+    assert max_prompt_len({"context_length": 1000, "max_total_num_tokens": 600}, None, 100) == 498
+    assert max_prompt_len({}, 512, 12) == 498  # nothing from the engine: the model's positions
     assert max_prompt_len({"context_length": None}, None, 12) is None
     assert fits([1] * 500, 500) and not fits([1] * 501, 500) and fits([1] * 10**6, None)
+
+
+def test_an_agent_turn_leaves_the_engines_reserved_tokens() -> None:
+    """An agent's room is the context less its conversation less the 2 tokens an engine keeps free of
+    max_new_tokens, so a turn asks for no more than the engine will generate."""
+    from types import SimpleNamespace
+
+    from miles_hpc.rollout.agents import AgentContext
+
+    ctx = AgentContext(generate_fn=None, tokenizer=None, sampling={}, session=0, group_id=0, max_context_len=100)  # type: ignore[arg-type]
+    assert ctx.room(SimpleNamespace(ids=[0] * 90)) == 8  # type: ignore[arg-type]
+    assert ctx.room(SimpleNamespace(ids=[0] * 98)) == 0  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ from typing import Any
 from miles_hpc.config import RolloutConfig
 from miles_hpc.data.prompts import PromptRecord
 from miles_hpc.data.sample import Sample, SampleStatus
+from miles_hpc.rollout.requests import ENGINE_RESERVED_TOKENS
 from miles_hpc.rollout.responses import GenerateOutput
 from miles_hpc.rollout.rewards import RewardInput, score_samples
 from miles_hpc.rollout.router import Router
@@ -148,14 +149,15 @@ def check_reward_failures(samples: Sequence[Sample], max_failed_frac: float, ste
 
 
 def fits(prompt_ids: Sequence[int], max_prompt_len: int | None) -> bool:
-    """Whether a prompt may be sent (``max_prompt_len``: the engines' context minus ``max_new_tokens``)."""
+    """Whether a prompt may be sent (``max_prompt_len``: what leaves the engines room for ``max_new_tokens``)."""
     return max_prompt_len is None or len(prompt_ids) <= max_prompt_len
 
 
 def max_prompt_len(server_info: dict[str, Any], model_max_positions: int | None, max_new_tokens: int) -> int | None:
-    """The longest prompt an engine takes with ``max_new_tokens`` more: its context length (our engine's
-    ``max_context_len``, SGLang's ``context_length``, else the model's ``max_position_embeddings``) and its KV
-    capacity (``max_total_num_tokens``), whichever is smaller. None when nothing says."""
+    """The longest prompt an engine generates ``max_new_tokens`` more for: its context length (our engine's
+    ``max_context_len``, SGLang's ``context_length``, else the model's ``max_position_embeddings``) or its KV
+    capacity (``max_total_num_tokens``), whichever is smaller, less ``ENGINE_RESERVED_TOKENS``. None when nothing
+    says."""
     limits = [
         v
         for v in (
@@ -167,7 +169,7 @@ def max_prompt_len(server_info: dict[str, Any], model_max_positions: int | None,
     ]
     if not any(isinstance(server_info.get(k), int) for k in ("max_context_len", "context_length")):
         limits += [model_max_positions] if model_max_positions else []
-    return min(limits) - max_new_tokens if limits else None
+    return min(limits) - max_new_tokens - ENGINE_RESERVED_TOKENS if limits else None
 
 
 async def score(groups: list[list[Rollout]], reward_fn: Any, *, timeout_s: float = 60.0) -> list[str]:

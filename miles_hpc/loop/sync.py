@@ -80,7 +80,7 @@ class LoopContext:
     stop_requested: Callable[[], bool] = _never  # True: checkpoint after this step and return (preemption, walltime)
     agent: AgentFn | None = None  # rollout.agent, loaded (multi-turn episodes)
     teacher: EngineClient | None = None  # the OPD teacher's engine (algo.opd_teacher)
-    max_prompt_len: int | None = None  # longer prompts are skipped (the engines' context minus max_new_tokens)
+    max_prompt_len: int | None = None  # longer prompts are skipped (rollout_step.max_prompt_len)
 
 
 class LoopError(RuntimeError):
@@ -189,7 +189,7 @@ async def rollout(ctx: LoopContext, step: int) -> tuple[list[list[Rollout]], int
             if rounds >= cfg.algo.max_sampling_rounds:
                 raise LoopError(
                     f"step {step}: every prompt drawn in {rounds} rounds is longer than the engines take "
-                    f"({ctx.max_prompt_len} tokens = context - rollout.max_new_tokens)"
+                    f"({ctx.max_prompt_len} tokens = context - rollout.max_new_tokens - 2)"
                 )
             continue
         records = [r for r, _ in fitting]

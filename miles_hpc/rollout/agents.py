@@ -27,6 +27,7 @@ from miles_hpc.data.sample import Sample
 from miles_hpc.data.terminal_env import TerminalEnv, make_terminal_task
 from miles_hpc.rollout.conversation import Conversation
 from miles_hpc.rollout.pieces import continue_aborted
+from miles_hpc.rollout.requests import ENGINE_RESERVED_TOKENS
 
 __all__ = ["AgentContext", "AgentFn", "check_agent", "terminal_agent"]
 
@@ -68,9 +69,12 @@ class AgentContext:
     calls: int = field(default=0, init=False)
 
     def room(self, conv: Conversation) -> int:
-        """Tokens the conversation may still grow by before the model's context is full."""
+        """Tokens the conversation may still grow by before the model's context is full (less the
+        `ENGINE_RESERVED_TOKENS` an engine keeps free of max_new_tokens)."""
         limit = self.max_context_len or getattr(self.tokenizer, "model_max_length", None)
-        return 10**9 if not isinstance(limit, int) or limit > 10**8 else limit - len(conv.ids)
+        if not isinstance(limit, int) or limit > 10**8:
+            return 10**9
+        return limit - len(conv.ids) - ENGINE_RESERVED_TOKENS
 
     async def generate(self, conv: Conversation, **overrides: Any) -> str:
         """One assistant turn appended to `conv` (max_new_tokens cut to the room left); returns its text."""

@@ -68,6 +68,10 @@ class Endpoint:
     idempotent: bool
 
 
+# SGLang's scheduler cuts max_new_tokens to min(context, KV tokens) - prompt - 2 (`init_req_max_new_tokens`), as our
+# engine does (engine/protocol.py): a prompt gets its full max_new_tokens only with these 2 tokens to spare.
+ENGINE_RESERVED_TOKENS = 2
+
 GENERATE = Endpoint("POST", "/generate", admin=False, idempotent=False)
 ABORT = Endpoint("POST", "/abort_request", admin=True, idempotent=True)
 PAUSE = Endpoint("POST", "/pause_generation", admin=True, idempotent=True)
