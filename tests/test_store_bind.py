@@ -153,6 +153,9 @@ def _sglang_style_engine(port: int, out: str) -> None:
         t = torch.zeros(6, dtype=torch.bfloat16)
         dist.broadcast(t, src=0, group=pg)
         Path(out).write_text(str(t.tolist()))
+        # Close the group before the interpreter exits: left to shutdown, gloo's teardown once aborted the child
+        # (SIGABRT after the right output, seen once in CI).
+        dist.destroy_process_group(pg)
     except Exception:
         Path(out).write_text("ERROR\n" + traceback.format_exc())
         raise
