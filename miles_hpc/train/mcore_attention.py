@@ -30,7 +30,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from miles_hpc.models.attention import no_cudnn_sdpa
 from miles_hpc.planner.accounting import sdpa_core_attention
 
-__all__ = ["PackedCoreAttention", "packed_mask", "packs_attention", "replace_core_attention"]
+__all__ = ["PackedCoreAttention", "RowCoreAttention", "packed_mask", "packs_attention", "replace_core_attention"]
 
 
 def packs_attention(tcfg: Any, dsa: bool) -> bool:
@@ -45,11 +45,12 @@ def packed_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return cu_seqlens.to(device="cpu", dtype=torch.int64)
 
 
-class PackedCoreAttention(MegatronModule):
-    """megatron's core-attention interface (the local `DotProductAttention`'s arguments): queries [T, 1, heads, d],
-    keys and values [T, 1, kv heads, d / dv] of one packed row, `attention_mask` its bounds (`packed_mask`);
-    causal attention within each sequence. The softmax scale is megatron's (1 / sqrt(kv_channels) unless given, as
-    MLA gives it); no dropout (the configs here have none)."""
+class RowCoreAttention(MegatronModule):
+    """What this project's replacements of megatron's local core attention share (its constructor's arguments):
+    the softmax scale, megatron's (1 / sqrt(kv_channels) unless given, as MLA gives it), and no dropout (the
+    configs here have none). `WHAT` names the subclass in its refusals."""
+
+    WHAT = "core attention"
 
     def __init__(
         self,
@@ -63,9 +64,17 @@ class PackedCoreAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
-            raise NotImplementedError("packed SDPA attention: attention dropout is not supported")
+            raise NotImplementedError(f"{self.WHAT}: attention dropout is not supported")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
+
+
+class PackedCoreAttention(RowCoreAttention):
+    """megatron's core-attention interface (the local `DotProductAttention`'s arguments): queries [T, 1, heads, d],
+    keys and values [T, 1, kv heads, d / dv] of one packed row, `attention_mask` its bounds (`packed_mask`);
+    causal attention within each sequence."""
+
+    WHAT = "packed SDPA attention"
 
     def forward(
         self,

@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.transformer.module import MegatronModule
 
 from miles_hpc.train.context_parallel import CPLayout, cp_attention, cp_layout
-from miles_hpc.train.mcore_attention import replace_core_attention
+from miles_hpc.train.mcore_attention import RowCoreAttention, replace_core_attention
 
 __all__ = ["CPCoreAttention", "context_parallel", "cp_core_attention", "cp_rows", "row_layout"]
 
@@ -53,27 +52,12 @@ def cp_rows(rows: torch.Tensor, layout: CPLayout, fill: int = -1) -> torch.Tenso
     return rows[layout.positions(parallel_state.get_context_parallel_rank(), rows.device)]
 
 
-class CPCoreAttention(MegatronModule):
+class CPCoreAttention(RowCoreAttention):
     """megatron's core-attention interface (the local `DotProductAttention`'s arguments) for CP > 1: this rank's
     queries [n, 1, heads, d] against the whole row's keys and values (`context_parallel.cp_attention`), the mask
-    the whole row's [1, 1, T, T] (True = masked). The softmax scale is megatron's (1 / sqrt(kv_channels) unless
-    given); no dropout (the configs here have none)."""
+    the whole row's [1, 1, T, T] (True = masked). Scale and dropout as `RowCoreAttention`."""
 
-    def __init__(
-        self,
-        config: Any,
-        layer_number: int,
-        attn_mask_type: Any,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(config=config)
-        if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
-            raise NotImplementedError("context parallelism here: attention dropout is not supported")
-        self.layer_number = layer_number
-        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
+    WHAT = "context parallelism here"
 
     def forward(
         self,
