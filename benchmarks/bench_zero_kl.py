@@ -33,6 +33,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -193,6 +194,11 @@ def run_mode(ckpt: Path, kernels: str | None, args: argparse.Namespace, vocab: i
     return out
 
 
+def _report(res: dict[str, dict[str, Any]], env_info: dict[str, Any]) -> None:
+    for side in ("engine", "trainer", "mismatch"):
+        print(json.dumps({**res[side], **env_info}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -237,17 +243,20 @@ def main() -> None:
             "max_new_tokens": args.new_tokens,
             "dtype": args.dtype,
         }
-        res = {"normal": run_mode(ckpt, None, args, vocab)}
-        res.update({k: run_mode(ckpt, k, args, vocab) for k in kernels})
-    for mode in res:
-        for side in ("engine", "trainer", "mismatch"):
-            print(json.dumps({**res[mode][side], **env_info}), flush=True)
-    normal = res["normal"]
-    for k in kernels:
-        eng = normal["engine"]["tokens_per_s"] / res[k]["engine"]["tokens_per_s"]
-        trn = res[k]["trainer"]["step_s"] / normal["trainer"]["step_s"]
-        cost = {"bench": "zero_kl", "side": "cost", "kernels": k}
-        print(json.dumps({**cost, "engine_slowdown_x": round(eng, 2), "trainer_slowdown_x": round(trn, 2), **env_info}))
+        normal = run_mode(ckpt, None, args, vocab)
+        _report(normal, env_info)  # each mode's lines as soon as it is timed: a run cut short keeps what it measured
+        for k in kernels:
+            got = run_mode(ckpt, k, args, vocab)
+            _report(got, env_info)
+            eng = normal["engine"]["tokens_per_s"] / got["engine"]["tokens_per_s"]
+            trn = got["trainer"]["step_s"] / normal["trainer"]["step_s"]
+            cost = {"bench": "zero_kl", "side": "cost", "kernels": k}
+            print(
+                json.dumps(
+                    {**cost, "engine_slowdown_x": round(eng, 2), "trainer_slowdown_x": round(trn, 2), **env_info}
+                ),
+                flush=True,
+            )
     tdist.teardown()
 
 

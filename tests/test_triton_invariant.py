@@ -52,6 +52,9 @@ def check(device, dtypes):
         logits = (4 * torch.randn(11, 2500, generator=g)).to(device, dtype)
         close(ti.log_softmax(logits), torch.log_softmax(logits.double(), -1), 1e-6, "log_softmax")
         rows_invariant(ti.log_softmax, logits, "log_softmax", shifts)
+        # The engine scores float32 logits, the trainer its model's dtype: the same values, the same bits (the
+        # compiled kernel's layout, and so tl.sum's order, follows the loads' dtype).
+        assert torch.equal(ti.log_softmax(logits.float()), ti.log_softmax(logits)), ("log_softmax", "input dtype")
         check_attention(device, dtype, tol, g, shifts)
 
 

@@ -33,6 +33,7 @@ __all__ = ["attention", "linear", "log_softmax", "rms_norm"]
 
 BM, BN, BK = 32, 64, 32  # GEMM tiles: fixed, so a row's K walk is the same in any batch
 ROW_BLOCK = 1024  # rms_norm / log_softmax: elements per step along a row
+ROW_LEVELS = ROW_BLOCK.bit_length() - 1  # _tree_sum's levels over ROW_BLOCK lanes
 QUERY_TILE, KEY_CHUNK = 16, 64  # attention, as invariant.QUERY_TILE / KEY_CHUNK
 
 
@@ -75,14 +76,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
-def _rms_norm_kernel(x, w, out, width, eps, BLOCK: tl.constexpr):
+def _tree_sum(x, N: tl.constexpr, LEVELS: tl.constexpr):
+    """The sum of x [N] (N = 2**LEVELS) by a fixed pairwise tree: level by level, element 2j plus element 2j+1.
+    `tl.sum`'s order follows the layout the compiler gives x, which follows the loads that fed it (a bfloat16 row is
+    read 8 to a thread, a float32 row 4), so the same values summed by two compilations of one kernel could round
+    differently; each step here adds exactly two numbers, which IEEE addition gives the same bits in either order."""
+    for i in tl.static_range(LEVELS):
+        x = tl.reshape(x, (N >> (i + 1), 2))
+        a, b = tl.split(x)
+        x = a + b
+    return tl.reshape(x, ())
+
+
+@triton.jit
+def _rms_norm_kernel(x, w, out, width, eps, BLOCK: tl.constexpr, LEVELS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * width
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for c in range(0, width, BLOCK):
         cols = c + tl.arange(0, BLOCK)
         v = tl.load(x + row + cols, mask=cols < width, other=0.0).to(tl.float32)
         acc += v * v
-    inv = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / width + eps)
+    inv = 1.0 / tl.sqrt(_tree_sum(acc, BLOCK, LEVELS) / width + eps)
     for c in range(0, width, BLOCK):
         cols = c + tl.arange(0, BLOCK)
         v = tl.load(x + row + cols, mask=cols < width, other=0.0).to(tl.float32)
@@ -95,12 +109,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(rows)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, rows.shape[1], eps, BLOCK=ROW_BLOCK)
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, weight.contiguous(), out, rows.shape[1], eps, BLOCK=ROW_BLOCK, LEVELS=ROW_LEVELS
+        )
     return out.reshape(x.shape)
 
 
 @triton.jit
-def _log_softmax_kernel(x, out, width, BLOCK: tl.constexpr):
+def _log_softmax_kernel(x, out, width, BLOCK: tl.constexpr, LEVELS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * width
     m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     for c in range(0, width, BLOCK):
@@ -112,7 +128,7 @@ def _log_softmax_kernel(x, out, width, BLOCK: tl.constexpr):
         cols = c + tl.arange(0, BLOCK)
         v = tl.load(x + row + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
         s += tl.exp(v - top)
-    lse = top + tl.log(tl.sum(s, axis=0))
+    lse = top + tl.log(_tree_sum(s, BLOCK, LEVELS))
     for c in range(0, width, BLOCK):
         cols = c + tl.arange(0, BLOCK)
         v = tl.load(x + row + cols, mask=cols < width, other=0.0).to(tl.float32)
@@ -124,7 +140,7 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     rows = logits.reshape(-1, logits.shape[-1]).contiguous()
     out = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
     if rows.shape[0]:
-        _log_softmax_kernel[(rows.shape[0],)](rows, out, rows.shape[1], BLOCK=ROW_BLOCK)
+        _log_softmax_kernel[(rows.shape[0],)](rows, out, rows.shape[1], BLOCK=ROW_BLOCK, LEVELS=ROW_LEVELS)
     return out.reshape(logits.shape)
 
 
