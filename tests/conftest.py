@@ -46,17 +46,37 @@ def run_interpreted(code: str, timeout: int = 600) -> None:
     """Run `code` (a script that prints "ok" last) in its own Python with Triton's interpreter on: GPU kernels
     executed on CPU tensors, so CI, which has no GPU, checks them against their torch references. Its own process
     because TRITON_INTERPRET must be set before the kernels are decorated. The repository root is MILES_ROOT and
-    on the path."""
+    on the path. Every kernel launch is recorded, then compiled for NVIDIA sm90/sm80 and AMD gfx942/gfx950
+    (tests/triton_compile.py): the interpreter never runs Triton's compiler."""
     import importlib.util
     import subprocess
     import sys
     from pathlib import Path
 
     require(importlib.util.find_spec("triton") is not None, "triton (the dev extra; its interpreter runs on CPU)")
-    root = str(Path(__file__).parents[1])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "MILES_ROOT": root, "PYTHONPATH": root}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-4000:]
+    import tempfile
+
+    here = Path(__file__).parent
+    root = str(here.parent)
+    with tempfile.TemporaryDirectory() as tmp:
+        record = str(Path(tmp) / "launches.jsonl")
+        env = {**os.environ, "TRITON_INTERPRET": "1", "MILES_ROOT": root, "PYTHONPATH": root}
+        env["MILES_TRITON_RECORD"] = record
+        recorder = (
+            f"import sys; sys.path.insert(0, {str(here)!r}); import triton_compile; triton_compile.install_recorder()\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", recorder + code], env=env, capture_output=True, text=True, timeout=timeout
+        )
+        assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-4000:]
+        # Then every kernel it launched, compiled for the GPUs we run on (tests/triton_compile.py).
+        env = {**os.environ, "PYTHONPATH": root}
+        env.pop("TRITON_INTERPRET", None)
+        built = subprocess.run(
+            [sys.executable, str(here / "triton_compile.py"), record],
+            env=env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        assert built.returncode == 0, (built.stdout + built.stderr)[-4000:]
 
 
 def run_check(source: str, tmp_path: object, device: str = "cpu") -> None:

@@ -386,3 +386,7 @@ if __name__ == "__main__":
         torch.set_num_threads(1)
     for precision in ["ieee", "tf32x3"] if device != "cpu" else [None]:
         check(device, large=device != "cpu", precision=precision)
+    if device == "cpu":  # ROCm's precision (scan_kernels.gdn_precision): recorded, so compiled for AMD too
+        from miles_hpc.models import scan_kernels as sk
+
+        check_gdn(device, GDN_SMALL[:2], sk.GDN_PRECISION_ROCM)

@@ -55,6 +55,9 @@ BLOCK_P = 32  # SSD: head_dim rows per program (the state tile is [BLOCK_P, N] f
 # scan under tf32x3 hit an illegal memory access on a head of 3 x 5 on that H100 (Triton's bug or ours, not found).
 GDN_PRECISION = "tf32x3"
 SSD_PRECISION = "ieee"
+# ROCm: Triton's AMD back end refuses "tf32x3" (and every TF32 form on gfx950), so the delta rule runs "ieee" there
+# (`gdn_precision`); not timed on an AMD GPU.
+GDN_PRECISION_ROCM = "ieee"
 DOT_PRECISION = "ieee"  # the interpreter's (it computes every precision as float32 FMA)
 WARPS = 4
 PREP_WARPS = 8  # the prep kernel holds several [C, d] tiles and the [C, C] inverse
@@ -357,6 +360,11 @@ def gated_delta_recurrent_triton(
     return o, s1
 
 
+def gdn_precision() -> str:
+    """The delta rule's tl.dot precision on this build's GPUs: GDN_PRECISION on CUDA, GDN_PRECISION_ROCM on ROCm."""
+    return GDN_PRECISION_ROCM if torch.version.hip else GDN_PRECISION
+
+
 def gated_delta_chunked_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -367,12 +375,14 @@ def gated_delta_chunked_triton(
     chunk: int = deltanet.CHUNK,
     *,
     block_v: int = BLOCK_V,
-    precision: str = GDN_PRECISION,
+    precision: str | None = None,
     stages: int = SCAN_STAGES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`deltanet.gated_delta_chunked` in two launches (module docstring); ``chunk`` a power of two in [16, 64].
-    Scratch: float32, per value head and padded token, d_k + d_v + chunk + 1 values."""
+    """`deltanet.gated_delta_chunked` in two launches (module docstring); ``chunk`` a power of two in [16, 64];
+    ``precision`` tl.dot's (None: `gdn_precision()`). Scratch: float32, per value head and padded token,
+    d_k + d_v + chunk + 1 values."""
     _check_chunk(chunk)
+    precision = precision or gdn_precision()
     q, k, v = _gdn_args(q, k, v)
     (bsz, t, n_k, dk), (n_v, dv) = q.shape, v.shape[2:]
     shape = (bsz, n_v, dk, dv)

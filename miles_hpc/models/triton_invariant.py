@@ -38,7 +38,9 @@ QUERY_TILE, KEY_CHUNK = 16, 64  # attention, as invariant.QUERY_TILE / KEY_CHUNK
 
 
 def _precision(t: torch.Tensor) -> str:
-    return "ieee" if t.dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit operands
+    """tl.dot's input precision: "ieee" for float32 inputs; for 16-bit inputs (products exact in TF32) "tf32" on
+    CUDA, "ieee" on ROCm, whose Triton back end takes TF32 on gfx942 only."""
+    return "ieee" if t.dtype == torch.float32 or torch.version.hip else "tf32"
 
 
 @triton.jit
