@@ -12,7 +12,8 @@ gfx950 (MI355X). Triton ships both back ends' tools in its wheel, so this runs o
 The argument types follow the runtime's specialisation closely enough for a compile check: a tensor is a pointer
 to its dtype, marked 16-divisible when its address is; an int is i32 (i64 past 2**31) and 16-divisible when it is;
 an int equal to 1 is a constexpr, as Triton specialises it; a float is fp32. What it does not prove: that the
-compiled kernel runs correctly on the device (the -m gpu tier does that).
+compiled kernel runs correctly on the device (the -m gpu tier does that). Besides compiling, each build's shared
+memory is held to the target's limit (`SHARED_LIMIT`), which a launch would otherwise fail on.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from typing import Any
 
 RECORD_ENV = "MILES_TRITON_RECORD"
 TARGETS = ("cuda:90", "cuda:80", "hip:gfx942", "hip:gfx950")
+# Shared memory (LDS) one program may use: NVIDIA's per-block opt-in maximum (CUDA C++ Programming Guide, technical
+# specifications per compute capability: 227 KB on 9.0, 163 KB on 8.0); AMD's LDS per CU (64 KB on CDNA3, 160 KB
+# on CDNA4).
+SHARED_LIMIT = {"cuda:90": 227 * 1024, "cuda:80": 163 * 1024, "hip:gfx942": 64 * 1024, "hip:gfx950": 160 * 1024}
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 _DTYPES = {
     "float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64", "int32": "i32",
@@ -118,7 +123,10 @@ def compile_record(rec: dict[str, Any], target: str) -> None:
     fn = getattr(importlib.import_module(rec["module"]), rec["kernel"])
     attrs = {(i,): [["tt.divisibility", 16]] for i in rec["aligned"]}
     src = ASTSource(fn, signature=rec["signature"], constexprs=rec["constexprs"], attrs=attrs)
-    triton.compile(src, target=_target(target), options=rec["options"])
+    kernel = triton.compile(src, target=_target(target), options=rec["options"])
+    shared = int(kernel.metadata.shared)
+    if shared > SHARED_LIMIT[target]:  # the launch would fail with OutOfResources on that GPU
+        raise RuntimeError(f"needs {shared} bytes of shared memory; {target} has {SHARED_LIMIT[target]} per block")
 
 
 def distinct(lines: list[str]) -> list[dict[str, Any]]:
