@@ -128,14 +128,35 @@ def test_the_triton_setting_runs_the_kernels_in_the_interpreter() -> None:
 
 def test_the_kernels_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(invariant.KERNELS_ENV, "cuda")
-    with pytest.raises(ValueError, match="MILES_INVARIANT_KERNELS='cuda': use 'torch' or 'triton'"):
+    with pytest.raises(ValueError, match="MILES_INVARIANT_KERNELS='cuda': use 'auto', 'torch' or 'triton'"):
         invariant.linear(torch.zeros(2, 4), torch.zeros(3, 4))
 
 
-def test_the_torch_setting_keeps_the_tiles_on_any_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without the setting, and with it on CPU tensors outside the interpreter, no Triton kernel is chosen."""
+def test_cpu_tensors_keep_the_tiles_outside_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default ("auto") and "triton" choose no Triton kernel for CPU tensors outside the interpreter; under it
+    only "triton" does (so an interpreter check picks the kernels only when it asks for them)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(invariant.KERNELS_ENV, raising=False)
     x = torch.zeros(2, 4)
-    assert invariant._triton(x) is None
-    monkeypatch.setenv(invariant.KERNELS_ENV, "triton")
-    assert invariant._triton(x) is None and not invariant._untiled(x)
+    assert invariant.kernels() == "auto" and invariant._triton(x) is None
+    for value in ("auto", "torch", "triton"):
+        monkeypatch.setenv(invariant.KERNELS_ENV, value)
+        assert invariant._triton(x) is None and not invariant._untiled(x)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for value, chosen in (("auto", False), ("torch", False), ("triton", True)):
+        monkeypatch.setenv(invariant.KERNELS_ENV, value)
+        assert (invariant._triton(x) is not None) == chosen, value
+
+
+def test_auto_is_triton_on_cuda_tensors_where_triton_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    class FakeCuda:  # _uses_triton reads only .is_cuda
+        is_cuda = True
+
+    monkeypatch.delenv(invariant.KERNELS_ENV, raising=False)
+    monkeypatch.setattr(invariant, "_have_triton", lambda: True)
+    assert invariant._uses_triton(FakeCuda())  # type: ignore[arg-type]
+    monkeypatch.setattr(invariant, "_have_triton", lambda: False)  # a CUDA machine without Triton: the tiles
+    assert not invariant._uses_triton(FakeCuda())  # type: ignore[arg-type]
+    monkeypatch.setenv(invariant.KERNELS_ENV, "torch")
+    monkeypatch.setattr(invariant, "_have_triton", lambda: True)
+    assert not invariant._uses_triton(FakeCuda())  # type: ignore[arg-type]

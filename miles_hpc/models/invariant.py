@@ -15,17 +15,21 @@ the row width, so the engine and the trainer pick the same one. The cost: the pa
 tile instead of one per batch.
 
 Kernels (`MILES_INVARIANT_KERNELS`, read at each call; every process of a run inherits it, so the engine and the
-trainer pick alike): "torch" (the default) runs the fixed-shape torch tiles above on any device; "triton" runs
-`linear`, `rms_norm`, `log_softmax` and `packed_attention` on CUDA tensors as one launch of
-`models/triton_invariant.py`'s kernels each, and the elementwise tiles (`elementwise`) as one call (a CUDA elementwise
-kernel computes every element by the same instructions wherever it sits). Whether a call takes the Triton path
-depends on the setting, the device and the shapes alone, never on the batch. Status: checked on CPU in Triton's
-interpreter only (tests/test_invariant_triton_dispatch.py); off by default until a GPU run shows the engine's and
-the trainer's log-probs still bit-equal through it (tests/test_zero_kl_gpu.py) and times it (bench_zero_kl.py).
+trainer pick alike): "torch" runs the fixed-shape torch tiles above on any device; "triton" runs `linear`,
+`rms_norm`, `log_softmax` and `packed_attention` on CUDA tensors as one launch of `models/triton_invariant.py`'s
+kernels each, and the elementwise tiles (`elementwise`) as one call (a CUDA elementwise kernel computes every
+element by the same instructions wherever it sits); "auto", the default, is "triton" on CUDA tensors where Triton is
+installed and "torch" elsewhere. Whether a call takes the Triton path depends on the setting, the device and the
+shapes alone, never on the batch. Checked on CPU in Triton's interpreter (tests/test_invariant_triton_dispatch.py)
+and on an H100 (2026-12-07: tests/test_zero_kl_gpu.py's bitwise and RL-run cases under "triton", mismatch 0.0;
+bench_zero_kl.py: engine 3.6x and trainer 2.1x the normal mode's cost at Qwen3-0.6B shapes, where the torch tiles
+did not finish within 200 s).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,17 +60,31 @@ KERNELS_ENV = "MILES_INVARIANT_KERNELS"
 
 
 def kernels() -> str:
-    """The kernels setting, "torch" or "triton" (module docstring)."""
-    value = os.environ.get(KERNELS_ENV, "torch")
-    if value not in ("torch", "triton"):
-        raise ValueError(f"{KERNELS_ENV}={value!r}: use 'torch' or 'triton'")
+    """The kernels setting: "auto" (unset: Triton on CUDA tensors where Triton is installed), "torch" or "triton"
+    (module docstring)."""
+    value = os.environ.get(KERNELS_ENV, "auto")
+    if value not in ("auto", "torch", "triton"):
+        raise ValueError(f"{KERNELS_ENV}={value!r}: use 'auto', 'torch' or 'triton'")
     return value
 
 
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _uses_triton(t: torch.Tensor) -> bool:
+    """Whether an op on `t` runs its Triton kernel: "auto" on a CUDA tensor with Triton installed; "triton" on a
+    CUDA tensor, or on any tensor under Triton's interpreter (TRITON_INTERPRET=1, which the CPU tests use)."""
+    setting = kernels()
+    if setting == "auto":
+        return t.is_cuda and _have_triton()
+    return setting == "triton" and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def _triton(t: torch.Tensor) -> Any:
-    """`triton_invariant` when an op on `t` runs its Triton kernel (the "triton" setting on a CUDA tensor, or on any
-    tensor under Triton's interpreter, TRITON_INTERPRET=1, which the CPU tests use), else None."""
-    if kernels() != "triton" or not (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    """`triton_invariant` when an op on `t` runs its Triton kernel (`_uses_triton`), else None."""
+    if not _uses_triton(t):
         return None
     from miles_hpc.models import triton_invariant
 
@@ -184,7 +202,7 @@ def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> 
 
 
 def _untiled(t: torch.Tensor) -> bool:
-    return t.is_cuda and kernels() == "triton"
+    return t.is_cuda and _uses_triton(t)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,9 @@
 call per tile (stage: shared model code; issue 31 item 3; docs/lora.md, "Zero-KL mode").
 
 Status: checked in Triton's interpreter on CPU (tests/test_triton_invariant.py): each kernel matches its
-`invariant.py` reference to rounding, and a row's bits do not change with the rows computed beside it. Wired into
-zero-KL mode by `invariant.py` under MILES_INVARIANT_KERNELS=triton (off by default): a GPU run still has to show
-the engine's and the trainer's log-probs bitwise equal through these kernels, and time them.
+`invariant.py` reference to rounding, and a row's bits do not change with the rows computed beside it. Zero-KL mode
+uses them on CUDA by default (`invariant.kernels`, MILES_INVARIANT_KERNELS); on an H100 the engine's and the
+trainer's log-probs are bitwise equal through them (tests/test_zero_kl_gpu.py).
 
 The rule is `invariant.py`'s, kept by construction instead of by fixed-shape torch calls: every program owns whole
 output rows (or an output tile) and walks its reduction in one fixed order, with block sizes that depend on the
