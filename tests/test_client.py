@@ -372,3 +372,35 @@ def test_timeout_names_the_endpoint() -> None:
             release.set()  # let the stub shut down at once
 
     asyncio.run(run())
+
+
+@pytest.mark.process
+def test_admin_calls_to_a_hung_engine_end_at_the_admin_timeout() -> None:
+    """A hung engine (SIGSTOPped: it accepts connections and never answers) holds a weight sync's pause, continue
+    and group calls only for the admin timeout the controller sets from sync.timeout_s; a generation keeps the
+    long one, and a caller's own timeout still wins."""
+
+    async def run() -> None:
+        release = asyncio.Event()
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            await release.wait()
+            return web.Response(text="{}")
+
+        async with stub(handler) as url, EngineClient(url, timeout=30.0, admin_timeout=0.2) as c:
+            for call, where in (
+                (c.pause("retract"), "POST /pause_generation"),
+                (c.continue_generation(), "POST /continue_generation"),
+                (c.destroy_weights_update_group(), "POST /destroy_weights_update_group"),
+            ):
+                with pytest.raises(EngineTimeoutError, match=f"{where}: no answer within 0.2 s"):
+                    await asyncio.wait_for(call, 5.0)
+            with pytest.raises(EngineTimeoutError, match="no answer within 0.4 s"):
+                await c.abort(abort_all=True, timeout=0.4)
+            info = asyncio.ensure_future(c.server_info())  # not an admin call (nor is /generate): the 30 s timeout
+            await asyncio.sleep(0.6)
+            assert not info.done()
+            release.set()
+            await info
+
+    asyncio.run(run())

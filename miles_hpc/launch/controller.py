@@ -25,6 +25,10 @@ if TYPE_CHECKING:  # imported where used, as the functions below do: importing t
     from miles_hpc.launch.supervisor import EngineSupervisor
     from miles_hpc.launch.trainer_ranks import RankedTrainer
 
+# An engine's admin calls (pause, continue, weight-update group and transfers, checksums) answer within
+# sync.timeout_s, its own receive timeout, plus this; past it the engine is taken as hung and dropped.
+ADMIN_MARGIN_S = 30.0
+
 
 def build_trainer(cfg: RunConfig, model_dir: Path) -> Any:
     total_steps = cfg.steps * cfg.train.updates_per_step
@@ -134,12 +138,22 @@ def run_local(cfg: RunConfig, gpus: GpuPlan | None = None) -> dict[str, Any]:
                     cluster=cluster,
                 )
             except Exception as e:
+                if _named_cause(e):  # the ranks that died after it died of it
+                    raise
                 lost = None if control.ranks_told else _lost_rank(cluster)  # told ranks exit on purpose
                 raise lost or e from e
             finally:
                 watching.set()  # from here on the trainer ranks exit by design
         finally:
             control.restore()
+
+
+def _named_cause(e: BaseException) -> bool:
+    """An error of this process that names its own cause (a damaged checkpoint file), which the other trainer ranks'
+    exits follow from rather than cause."""
+    from miles_hpc.train.checkpoint import CheckpointDamagedError
+
+    return isinstance(e, CheckpointDamagedError)
 
 
 def _lost_rank(cluster: LocalCluster, wait_s: float = 2.0) -> RuntimeError | None:
@@ -375,7 +389,8 @@ async def _run_async(
     from miles_hpc.sync.publish import Publisher
     from miles_hpc.sync.wire.pg import Backend
 
-    clients = [EngineClient(u, api_key=api_key, admin_api_key=admin_key) for u in urls]
+    admin_timeout = cfg.sync.timeout_s + ADMIN_MARGIN_S
+    clients = [EngineClient(u, api_key=api_key, admin_api_key=admin_key, admin_timeout=admin_timeout) for u in urls]
     backend: Backend = "nccl" if cfg.train.device == cfg.rollout.device == "cuda" else "gloo"
     address = master_address_for(urls, cfg.sync.master_address)  # engines on other nodes reach it there
     sync = build_sync(cfg, paths.root, address, free_port, backend=backend, trainer=trainer)
@@ -415,7 +430,9 @@ async def _run_async(
     async with router:
         try:
             loop_run = (fully_async.run if cfg.mode == "fully_async" else run)(ctx, start_step)
-            factory = lambda url: EngineClient(url, api_key=api_key, admin_api_key=admin_key)  # noqa: E731
+            factory = lambda url: EngineClient(  # noqa: E731
+                url, api_key=api_key, admin_api_key=admin_key, admin_timeout=admin_timeout
+            )
             owner = None if cfg.rollout.engine_urls else cluster  # attached engines are not ours to restart
             return await _supervised(cfg, loop_run, EngineSupervisor(router, paths.rendezvous, factory, owner=owner))
         finally:

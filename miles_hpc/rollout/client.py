@@ -71,6 +71,7 @@ class EngineClient:
         api_key: str | None = None,
         admin_api_key: str | None = None,
         timeout: float = 600.0,
+        admin_timeout: float | None = None,
         connect_timeout: float = 10.0,
         connect_retries: int = 3,
         retry_backoff_s: float = 0.2,
@@ -79,7 +80,10 @@ class EngineClient:
         routing_shape: tuple[int | None, int | None] | None = None,
         indexer_shape: tuple[int, int] | None = None,
     ) -> None:
-        """``timeout``: seconds for one request end to end (a long generation included); ``routing_shape``:
+        """``timeout``: seconds for one request end to end (a long generation included); ``admin_timeout``: the
+        same for an admin call (pause, continue, weight-update group and transfers, checksums) when the caller gives
+        none, so a hung engine cannot hold a weight sync for a generation's timeout (None: ``timeout``);
+        ``routing_shape``:
         ``(num_layers, top_k)`` of the model for decoding routed experts, either may be None (then looked up once
         from ``/get_model_info`` or the model's ``config.json``); ``indexer_shape``: ``(indexer_layers,
         index_topk)`` for decoding indexer records (None: looked up once from our engine's ``/get_model_info``)."""
@@ -87,6 +91,7 @@ class EngineClient:
         self._api_key = api_key
         self._admin_key = admin_api_key
         self.timeout = timeout
+        self.admin_timeout = admin_timeout
         self.connect_timeout = connect_timeout
         self.connect_retries = connect_retries
         self.retry_backoff_s = retry_backoff_s
@@ -137,7 +142,10 @@ class EngineClient:
     ) -> Any:
         """Send one request, retrying only where nothing can have run twice (module invariants)."""
         where = f"{ep.method} {ep.path}"
-        total = self.timeout if timeout is None else timeout
+        if timeout is not None:
+            total = timeout
+        else:
+            total = self.admin_timeout if ep.admin and self.admin_timeout is not None else self.timeout
         client_timeout = aiohttp.ClientTimeout(total=total, connect=min(self.connect_timeout, total))
         retries = self.connect_retries if retries is None else retries
         attempt = 0
