@@ -63,6 +63,14 @@ def test_bad_jsonl_rows_name_file_and_line(tmp_path: Path, bad: object, message:
     assert str(e.value).startswith(f"{path}:3: ") and e.value.line == 3
 
 
+def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "ok", "label": "1"}\n{"prompt": "caf\xe9", "label": "1"}\n')
+    with pytest.raises(PromptDataError, match="not UTF-8: byte 0xe9 at column 16") as e:
+        load_prompts(path)
+    assert str(e.value).startswith(f"{path}:2: ")
+
+
 def test_whole_file_errors(tmp_path: Path) -> None:
     with pytest.raises(PromptDataError, match="no such file"):
         load_prompts(tmp_path / "missing.jsonl")

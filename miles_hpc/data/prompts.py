@@ -106,8 +106,14 @@ def _record(
 
 def _load_jsonl(path: Path, prompt_key: str, label_key: str | None) -> list[PromptRecord]:
     records: list[PromptRecord] = []
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PromptDataError(
+                    path, lineno, f"not UTF-8: byte 0x{raw[e.start]:02x} at column {e.start + 1}"
+                ) from None
             if not line.strip():
                 raise PromptDataError(path, lineno, "blank line (every line must hold one JSON object)")
             try:

@@ -23,10 +23,11 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +46,31 @@ __all__ = [
     "save_adapter_checkpoint",
     "load_adapter_checkpoint",
     "CHECKPOINT_FORMAT",
+    "CheckpointDamagedError",
+    "reading",
 ]
 
 CHECKPOINT_FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointDamagedError(ValueError):
+    """A checkpoint file that exists but cannot be read (truncated, corrupted): names the file and what to do."""
+
+
+@contextlib.contextmanager
+def reading(root: Path, part: str | Path) -> Iterator[None]:
+    """Any failure to read `part` of the checkpoint at `root` as a `CheckpointDamagedError` naming it (a truncated
+    torch file, bad JSON, a short DCP shard otherwise fail with the library's words and no path)."""
+    try:
+        yield
+    except CheckpointDamagedError:
+        raise
+    except Exception as e:
+        raise CheckpointDamagedError(
+            f"{root / part}: the checkpoint cannot be read ({type(e).__name__}: {str(e)[:300]}); move {root} aside "
+            "to resume from the checkpoint before it"
+        ) from e
 
 
 def checkpoint_path(run_dir: str | Path, step: int) -> Path:
@@ -113,7 +135,8 @@ def load_adapter_checkpoint(
     if spec != adapter.spec:
         raise ValueError(f"{root / 'adapter'}: adapter {spec} differs from this run's lora config {adapter.spec}")
     adapter.load_peft_state(tensors, source=str(root / "adapter"))
-    state = torch.load(root / "adapter_optim.pt", weights_only=True, map_location=next(adapter.parameters()).device)
+    with reading(root, "adapter_optim.pt"):
+        state = torch.load(root / "adapter_optim.pt", weights_only=True, map_location=next(adapter.parameters()).device)
     optimizer.load_state_dict(state["optim"])
     scheduler.load_state_dict(state["scheduler"])
     return int(state["step"]), extra
@@ -160,7 +183,8 @@ def read_checkpoint(path: str | Path, backend: str) -> tuple[Path, dict[str, Any
     root = Path(path)
     if not (root / "meta.json").is_file():
         raise FileNotFoundError(f"{root}: not a complete checkpoint (no meta.json)")
-    meta = json.loads((root / "meta.json").read_text())
+    with reading(root, "meta.json"):
+        meta = json.loads((root / "meta.json").read_text())
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{root}: checkpoint format {meta.get('format')}, this code reads {CHECKPOINT_FORMAT}")
     saved = meta.get("backend", "fsdp")  # checkpoints before the megatron backend are FSDP's
@@ -171,11 +195,13 @@ def read_checkpoint(path: str | Path, backend: str) -> tuple[Path, dict[str, Any
         )
     rng_file = root / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seed
-        rng = torch.load(rng_file, weights_only=True)
+        with reading(root, rng_file.name):
+            rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
-    return root, json.loads((root / "extra.json").read_text())
+    with reading(root, "extra.json"):
+        return root, json.loads((root / "extra.json").read_text())
 
 
 def save_checkpoint(
@@ -208,8 +234,10 @@ def load_checkpoint(
     root, extra = read_checkpoint(path, "fsdp")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(root / "dcp"))
+    with reading(root, "dcp"):
+        dcp.load(state, checkpoint_id=str(root / "dcp"))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    trainer = torch.load(root / "trainer.pt", weights_only=True)
+    with reading(root, "trainer.pt"):
+        trainer = torch.load(root / "trainer.pt", weights_only=True)
     scheduler.load_state_dict(trainer["scheduler"])
     return int(trainer["step"]), extra

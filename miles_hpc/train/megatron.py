@@ -511,14 +511,16 @@ class MegatronTrainer(PackedTrainer):
         state (Adam's moments and step, megatron's fp32 master weights), our step (so the LR schedule's position)
         and this rank's RNG; returns the loop's state. Refuses a checkpoint of another model config."""
         root, extra = ckpt.read_checkpoint(path, "megatron")
-        layout = json.loads((root / "megatron.json").read_text())
+        with ckpt.reading(root, "megatron.json"):
+            layout = json.loads((root / "megatron.json").read_text())
         check_same_model(root, layout.get("model"), self.config)
         for inner in self._inner_optimizers():
             init_adam_state(inner)
         # megatron's CPU-offload optimizer keeps its sub-optimizers' classes among its hyperparameters, which the
         # common state's weights-only load refuses unless named: torch's own optimizer classes (offload on or off).
         with torch.serialization.safe_globals([torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD]):
-            state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(root / "mcore"))
+            with ckpt.reading(root, "mcore"):
+                state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(root / "mcore"))
         models = (
             [state["model"]]
             if len(self.chunks) == 1

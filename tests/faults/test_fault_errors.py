@@ -120,3 +120,24 @@ def test_a_binary_config_file_is_one_error(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and str(cfg) in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("damage", "part"),
+    [
+        (lambda p: p.write_text('{"next_step": 4, "weight_ver'), "extra.json"),
+        (lambda p: p.write_bytes(p.read_bytes()[:100]), "trainer.pt"),
+    ],
+)
+def test_a_damaged_checkpoint_file_is_named_not_a_trainer_rank(tmp_path: Path, damage, part: str) -> None:  # noqa: ANN001
+    """Every rank reads the damaged file; the message names it and what to do, not the rank that exited after."""
+    run_dir = tmp_path / "run"
+    first = run(run_dir, "steps=2", "train.checkpoint_interval=2", "train.world_size=2")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    ckpt = run_dir / "checkpoints" / "step_2"
+    damage(ckpt / part)
+    proc = run(run_dir, "steps=3", "train.checkpoint_interval=2", "train.world_size=2")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    one_message(proc, f"{ckpt / part}: the checkpoint cannot be read", f"move {ckpt} aside")
+    assert "trainer rank 1 exited" not in proc.stderr
+    no_orphans(run_dir)
