@@ -99,3 +99,36 @@ def test_an_agent_turn_leaves_the_engines_reserved_tokens() -> None:
     ctx = AgentContext(generate_fn=None, tokenizer=None, sampling={}, session=0, group_id=0, max_context_len=100)  # type: ignore[arg-type]
     assert ctx.room(SimpleNamespace(ids=[0] * 90)) == 8  # type: ignore[arg-type]
     assert ctx.room(SimpleNamespace(ids=[0] * 98)) == 0  # type: ignore[arg-type]
+
+
+def test_a_failed_generation_cancels_the_steps_others_and_leaves_no_task_behind() -> None:
+    """One generation fails (every engine down): the step raises that error at once, every other generation of
+    the step is cancelled and collected, none keeps running or is reported as a never-retrieved exception."""
+    from miles_hpc.config import RolloutConfig
+    from miles_hpc.loop.rollout_step import generate_groups
+
+    cancelled: list[int] = []
+
+    class Router:
+        async def generate(self, ids: list[int], sampling: dict, **kw: object) -> None:  # noqa: ANN401
+            if ids == [7]:
+                await asyncio.sleep(0.05)
+                raise RuntimeError("all 1 engines are down")
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append(ids[0])
+                raise
+
+    async def run() -> None:
+        records = [PromptRecord(prompt_id=i, prompt="p", label="a") for i in range(3)]
+        cfg = RolloutConfig(samples_per_prompt=2)
+        with pytest.raises(RuntimeError, match="engines are down"):
+            await asyncio.wait_for(
+                generate_groups(Router(), records, [[1], [7], [3]], cfg, None, first_group_id=0, seed=0), 5.0
+            )
+        assert sorted(cancelled) == [1, 1, 3, 3]
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert not others, others
+
+    asyncio.run(run())

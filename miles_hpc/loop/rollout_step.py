@@ -122,7 +122,17 @@ async def generate_groups(
         [asyncio.ensure_future(one(rec, ids, first_group_id + g, j)) for j in range(cfg.samples_per_prompt)]
         for g, (rec, ids) in enumerate(zip(records, prompt_ids))
     ]
-    return [list(await asyncio.gather(*group)) for group in tasks]
+    flat = [t for group in tasks for t in group]
+    try:
+        await asyncio.gather(*flat)
+    except BaseException:
+        # The first failure ends the step: the other generations are cancelled and their outcomes collected
+        # (none left running, none left to print "Task exception was never retrieved" at exit).
+        for t in flat:
+            t.cancel()
+        await asyncio.gather(*flat, return_exceptions=True)
+        raise
+    return [[t.result() for t in group] for group in tasks]
 
 
 class RewardFailures(RuntimeError):
