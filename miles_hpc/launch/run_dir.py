@@ -6,9 +6,14 @@ repeats the run. The other paths are created by the stages that own them.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import logging
 import os
+import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +54,47 @@ class RunPaths:
     def init_model(self) -> Path:
         """Where a random-init starting model is written when ``model.path`` is not set."""
         return self.root / "model"
+
+
+log = logging.getLogger(__name__)
+_HELD: dict[str, int] = {}  # run dir -> the descriptor whose POSIX lock this process holds for its lifetime
+
+
+class RunDirInUseError(FileExistsError):
+    """Another live process holds the run directory (module `lock_run_dir`)."""
+
+
+def lock_run_dir(root: Path, *, hold: bool = True) -> None:
+    """Claim ``root`` for this process: a POSIX lock on ``RUN/.lock`` (``lockf``: owned by the process, released
+    by the kernel when it exits however it exits, not inherited by its children; NFS and GPFS carry it across nodes,
+    Lustre where mounted with ``flock``). Two runs of one directory (a requeued job beside the attempt it replaces,
+    a command run twice) would overwrite each other's rendezvous, shards and checkpoints: the second is refused
+    with the holder's host and pid. ``hold=False`` only checks (claims and releases at once). A file system
+    without locks is warned about and not refused. Idempotent within a process."""
+    key = str(root.resolve())
+    if key in _HELD:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            raise RunDirInUseError(
+                f"run_dir {root} is in use by another run ({owner}): wait for it to end, or give another run_dir"
+            ) from None
+        log.warning("run_dir %s: cannot lock %s (%s): two runs of it would not be told apart", root, root / ".lock", e)
+        return
+    if not hold:
+        os.close(fd)  # closing releases the lock
+        return
+    os.ftruncate(fd, 0)
+    os.pwrite(
+        fd, f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0
+    )
+    _HELD[key] = fd
 
 
 def prepare_run_dir(cfg: RunConfig) -> RunPaths:

@@ -30,7 +30,7 @@ from miles_hpc.cluster.bootstrap import Placement, bootstrap, master_port
 from miles_hpc.cluster.lease import PARENT_PID_ENV
 from miles_hpc.config import RunConfig
 from miles_hpc.launch.local import attached_engines, engine_launch, write_key
-from miles_hpc.launch.run_dir import RunPaths, prepare_run_dir, resolve_model
+from miles_hpc.launch.run_dir import RunPaths, lock_run_dir, prepare_run_dir, resolve_model
 from miles_hpc.launch.sglang_engine import dist_attempt, engine_task, start_sglang
 
 SHUTDOWN = "shutdown"
@@ -44,6 +44,7 @@ def prepare(cfg: RunConfig) -> RunPaths:
     from miles_hpc.launch.layout_check import check_train_layout
 
     print(f"[miles-hpc] {check_train_layout(cfg)}", file=sys.stderr, flush=True)
+    lock_run_dir(Path(cfg.run_dir), hold=False)  # not while an earlier job's controller still runs (requeue)
     paths = prepare_run_dir(cfg)
     resolve_model(cfg, paths)
     for name in KEYS:
@@ -171,6 +172,7 @@ def run_scheduled_train_worker(cfg: RunConfig, het_group: int | None = None) -> 
         _follower_signals()
         follow_controller(cfg, model_dir, world_env)
         return None
+    lock_run_dir(paths.root)  # the controller's process holds the run directory while it runs
     # SIGTERM/SIGINT/USR2 to the task (scancel, `--signal=USR2@N` without `B:`): checkpoint after this step.
     control = StopControl(paths.rendezvous).install()
     try:
