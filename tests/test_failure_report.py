@@ -36,3 +36,15 @@ def test_a_second_signal_inside_a_checkpoint_write_still_stops_with_its_code() -
     except ValueError as e:
         assert report_failure(e, None) == 128 + signal.SIGTERM
     assert report_failure(CheckpointException("ranks", {0: _wrap_exception(OSError("disk full"))}), None) == 1
+
+
+def test_a_collective_timeout_is_told_what_it_means(capsys: pytest.CaptureFixture[str]) -> None:
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 30000ms for recv operation"
+    )
+    assert report_failure(gloo, None) == 1
+    err = capsys.readouterr().err
+    assert "Timed out waiting 30000ms for recv" in err and "train.collective_timeout_s" in err
+    assert "RUN/logs/trainer-<rank>.log" in err
+    assert report_failure(RuntimeError("something else"), None) == 1
+    assert "collective_timeout_s" not in capsys.readouterr().err

@@ -7,6 +7,7 @@ forty frames of asyncio.
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import traceback
@@ -56,5 +57,21 @@ def report_failure(exc: BaseException, logs: Path | None, role: str = "controlle
         print(f"[miles-hpc] the run stopped{where}", file=sys.stderr, flush=True)
         return 1
     message = str(exc) or "(no message)"
-    print(f"error: {type(exc).__name__}: {message}{where}", file=sys.stderr, flush=True)
+    print(f"error: {type(exc).__name__}: {message}{hint(message)}{where}", file=sys.stderr, flush=True)
     return 1
+
+
+# gloo's and NCCL's words for a collective that waited past its timeout
+_COLLECTIVE_TIMEOUT = re.compile(
+    r"Timed out waiting \d+ ?ms for (recv|send)|Watchdog caught collective operation timeout"
+)
+
+
+def hint(message: str) -> str:
+    """What the user can do about a failure whose own words say nothing of the run (a library's message)."""
+    if _COLLECTIVE_TIMEOUT.search(message):
+        return (
+            " [a trainer collective waited past train.collective_timeout_s: a trainer rank stopped answering (hung "
+            "or stopped; `kill -QUIT PID` prints its stacks into RUN/logs/trainer-<rank>.log)]"
+        )
+    return ""
