@@ -21,18 +21,18 @@ from miles_hpc.faults import enable_stack_dumps
 def _cmd_run(args: argparse.Namespace) -> int:
     from miles_hpc.config import load_config
     from miles_hpc.launch.controller import preflight
-    from miles_hpc.launch.run_dir import lock_run_dir, prepare_run_dir, resolve_model
+    from miles_hpc.launch.run_dir import claimed_run_dir, prepare_run_dir, resolve_model
     from miles_hpc.launch.smoke import model_smoke_check
 
     cfg = load_config(args.config, args.overrides)
     gpus = preflight(cfg)  # nothing written or started for a run that cannot run here
-    lock_run_dir(Path(cfg.run_dir))  # before anything is written there: refused if another run holds it
-    paths = prepare_run_dir(cfg)
-    print(f"[miles-hpc] run {cfg.name}: resolved config -> {paths.config}")
-    model_dir = resolve_model(cfg, paths)
-    print(f"[miles-hpc] starting model: {model_dir}")
-    print(f"[miles-hpc] {model_smoke_check(model_dir, cfg.model.dtype)}")
-    return _run_reported(cfg, gpus, paths.root / "logs")
+    with claimed_run_dir(Path(cfg.run_dir)):  # before anything is written there: refused if another run holds it
+        paths = prepare_run_dir(cfg)
+        print(f"[miles-hpc] run {cfg.name}: resolved config -> {paths.config}")
+        model_dir = resolve_model(cfg, paths)
+        print(f"[miles-hpc] starting model: {model_dir}")
+        print(f"[miles-hpc] {model_smoke_check(model_dir, cfg.model.dtype)}")
+        return _run_reported(cfg, gpus, paths.root / "logs")
 
 
 def _run_reported(cfg: Any, gpus: Any, logs: Path) -> int:

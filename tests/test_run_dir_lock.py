@@ -69,3 +69,16 @@ def test_the_claim_is_idempotent_and_not_inherited_by_a_forked_child(tmp_path: P
         assert got.returncode == 0, got.stderr[-2000:]
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def test_a_run_in_this_process_gives_the_directory_back_when_it_returns(tmp_path: Path) -> None:
+    """`miles-hpc run` / `run_local` claim the directory for the run only (a library call leaks no lock)."""
+    from miles_hpc.launch.run_dir import claimed_run_dir
+
+    root = tmp_path / "run"
+    with claimed_run_dir(root):
+        with claimed_run_dir(root):  # nested: the inner block leaves the outer's claim alone
+            pass
+        assert "in use by another run" in _claim(root, False).stderr
+    got = _claim(root, True)
+    assert got.returncode == 0, got.stderr[-2000:]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_hpc.config import ConfigError, RunConfig
 from miles_hpc.launch.local import GpuPlan, LocalCluster, free_port, gpu_plan
-from miles_hpc.launch.run_dir import RunPaths, lock_run_dir, prepare_run_dir, resolve_model
+from miles_hpc.launch.run_dir import RunPaths, claimed_run_dir, prepare_run_dir, resolve_model
 
 if TYPE_CHECKING:  # imported where used, as the functions below do: importing this module stays cheap
     from miles_hpc.data.prompts import PromptIterator
@@ -97,11 +97,15 @@ def run_local(cfg: RunConfig, gpus: GpuPlan | None = None) -> dict[str, Any]:
     """The whole run on this machine; returns a summary (reward at start and end, where the outputs are, and
     ``stopped``: the signal or request that ended it early). Signals, dead children and failures: launch/signals.py,
     launch/supervisor.py."""
+    gpus = gpus or preflight(cfg)
+    with claimed_run_dir(Path(cfg.run_dir)):  # one run per directory (launch/run_dir.py)
+        return _run_local(cfg, gpus)
+
+
+def _run_local(cfg: RunConfig, gpus: GpuPlan) -> dict[str, Any]:
     from miles_hpc.launch.signals import StopControl
     from miles_hpc.launch.supervisor import watch_trainer_ranks
 
-    gpus = gpus or preflight(cfg)
-    lock_run_dir(Path(cfg.run_dir))  # held until this process exits (launch/run_dir.py)
     paths = prepare_run_dir(cfg)
     model_dir = resolve_model(cfg, paths)
     if (paths.rendezvous / "preempt").exists():  # asked of an earlier run of this directory, which honoured it

@@ -6,6 +6,7 @@ repeats the run. The other paths are created by the stages that own them.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -14,6 +15,7 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +97,25 @@ def lock_run_dir(root: Path, *, hold: bool = True) -> None:
         fd, f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0
     )
     _HELD[key] = fd
+
+
+def unlock_run_dir(root: Path) -> None:
+    """Give up this process's claim on ``root`` (if it holds one)."""
+    fd = _HELD.pop(str(root.resolve()), None)
+    if fd is not None:
+        os.close(fd)  # closing releases the lock
+
+
+@contextlib.contextmanager
+def claimed_run_dir(root: Path) -> Iterator[None]:
+    """`lock_run_dir` for the block; released after it unless this process held it already."""
+    ours = str(root.resolve()) not in _HELD
+    lock_run_dir(root)
+    try:
+        yield
+    finally:
+        if ours:
+            unlock_run_dir(root)
 
 
 def prepare_run_dir(cfg: RunConfig) -> RunPaths:
