@@ -68,8 +68,8 @@ def reading(root: Path, part: str | Path) -> Iterator[None]:
         raise
     except Exception as e:
         raise CheckpointDamagedError(
-            f"{root / part}: the checkpoint cannot be read ({type(e).__name__}: {str(e)[:300]}); move {root} aside "
-            "to resume from the checkpoint before it"
+            f"{root / part}: the checkpoint cannot be read ({type(e).__name__}: {str(e)[:300]}); if the file is "
+            f"damaged, move {root} aside to resume from the checkpoint before it"
         ) from e
 
 
