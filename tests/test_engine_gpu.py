@@ -215,3 +215,40 @@ def test_moe_engine_uses_kernel_eagerly(tmp_path: Path) -> None:
         assert all(got[rid].output_ids == w.output_ids for rid, w in want.items())
         for rid, w in want.items():
             assert max(abs(a - b) for a, b in zip(got[rid].output_logprobs, w.output_logprobs)) < 1e-4, rid
+
+
+def test_continued_prefill_chunk_runs_without_a_score_matrix() -> None:
+    """A 4k-token chunk continued over 8k cached keys with grouped KV heads (bench_prefill's 16k prompts are chunks
+    like this): the causal bias keeps it in a flash / memory-efficient kernel. The math kernel's fp32 scores alone
+    would be 16 heads x 4k x 8k x 4 B = 2 GiB; its last rows equal a masked SDPA of those rows."""
+    from miles_hpc.engine.kv_cache import KVCache
+    from miles_hpc.engine.paged_attention import AttentionMetadata, PagedAttention
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    hq, hkv, d, bs, start, n = 16, 8, 128, 16, 4096, 4096
+    ctx = start + n
+    cache = KVCache(
+        num_layers=1, num_blocks=ctx // bs + 1, block_size=bs, kv_heads=hkv, head_dim=d, dtype=dt, device=dev
+    )
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1, h, ctx, d, device=dev, dtype=dt, generator=g) for h in (hq, hkv, hkv))
+    tables = torch.randperm(ctx // bs, device=dev, generator=g).to(torch.int32)[None]
+    first = AttentionMetadata.build([0], [start], tables, bs, dev)
+    PagedAttention(cache, first)(
+        q[:, :, :start], k[:, :, :start], v[:, :, :start], layer_idx=0, scale=d**-0.5, cu_seqlens=None
+    )
+    meta = AttentionMetadata.build([start], [n], tables, bs, dev)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = PagedAttention(cache, meta)(
+        q[:, :, start:], k[:, :, start:], v[:, :, start:], layer_idx=0, scale=d**-0.5, cu_seqlens=None
+    )
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < 256 << 20
+    rows = slice(n - 64, n)
+    mask = (torch.arange(ctx, device=dev)[None] <= torch.arange(ctx - 64, ctx, device=dev)[:, None])[None, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, ctx - 64 :].float(), k.float(), v.float(), attn_mask=mask, scale=d**-0.5, enable_gqa=True
+    )
+    torch.testing.assert_close(out[:, :, rows].float(), ref, rtol=2e-2, atol=2e-2)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from miles_hpc.models import invariant
 from miles_hpc.models.attention import no_cudnn_sdpa
@@ -248,7 +249,7 @@ class PagedAttention:
             else:
                 ks = kc[p.key_slots].transpose(0, 1).unsqueeze(0)
                 vs = vc[p.key_slots].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
+                o = _continued_prefill(qs, ks, vs, scale)
             out[:, :, p.q_start : p.q_end] = o
         return out
 
@@ -259,6 +260,17 @@ class PagedAttention:
         ks = kc[pack.key_slots].transpose(0, 1)  # [Hkv, sum of ctx, D]: exactly the written positions
         vs = vc[pack.key_slots].transpose(0, 1)
         return invariant.packed_attention(q[0], ks, vs, pack.starts, pack.cu_q, pack.cu_k, scale)[None]
+
+
+def _continued_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prompt chunk continued from the cache: its n queries are the last n of the ctx keys (lower-right causal).
+    As a causal bias, not the chunk's bool mask, SDPA runs it in the flash or memory-efficient kernel; a bool mask
+    with grouped KV heads fell back to the math kernel and its [H, n, ctx] scores (8 GiB at 8k queries over 16k
+    keys). Grouped KV heads are repeated here: the bias's kernels take equal head counts."""
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)
 
 
 def _split_rows(x: torch.Tensor, count: int) -> torch.Tensor:
