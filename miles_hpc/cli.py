@@ -258,7 +258,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     try:
         if args.verify:
             problems = verify_shards(args.path)
-            shards = len(find_shards(args.path)[0])
+            shards = find_shards(args.path)[0]
         else:
             summary = summarize(args.path)
     except TrajectoryFileError as e:
@@ -267,9 +267,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.verify:
         for p in problems:
             print(p)
-        damaged = len({p.path for p in problems})
-        verdict = f"{len(problems)} problem(s) in {damaged} of {shards} shard(s)" if problems else "no problems"
-        print(f"verified {shards} shard(s) under {args.path}: {verdict}", file=sys.stderr if problems else sys.stdout)
+        damaged = len({p.path for p in problems} & set(shards))
+        verdict = f"{len(problems)} problem(s) in {damaged} of {len(shards)} shard(s)" if problems else "no problems"
+        if any(p.path.name == "metrics.jsonl" for p in problems):
+            verdict += " and trained samples missing from the shards"
+        print(
+            f"verified {len(shards)} shard(s) under {args.path}: {verdict}", file=sys.stderr if problems else sys.stdout
+        )
         return 1 if problems else 0
     print(format_summary(summary))
     if summary["reward_nonfinite"]:

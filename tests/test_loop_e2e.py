@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_hpc.data import TrajectoryReader
+from miles_hpc.cli import main
+from miles_hpc.data import TrajectoryReader, verify_shards
 
 pytestmark = pytest.mark.process
 
@@ -64,6 +65,13 @@ def test_two_steps_then_resume(tmp_path: Path) -> None:
     assert [r["step"] for r in m] == [0, 1, 2] and m[-1]["weight_version"] == 3
     assert (run_dir / "checkpoints" / "step_3").is_dir()
     assert len(list(TrajectoryReader(run_dir / "trajectories"))) == 12
+    assert main(["inspect", "--verify", str(run_dir)]) == 0
+    # A shard moved out by hand: the steps it held are named from metrics.jsonl's per-step counts.
+    first = sorted((run_dir / "trajectories").glob("*.h5"))[0]
+    first.rename(tmp_path / first.name)
+    assert main(["inspect", "--verify", str(run_dir)]) == 1
+    missing = [p.what.split(":")[0] for p in verify_shards(run_dir)]
+    assert missing and set(missing) <= {"step 0", "step 1", "step 2"}
 
 
 def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:

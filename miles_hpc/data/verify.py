@@ -8,9 +8,10 @@ makes a corrupted chunk fail its read), status in range, prompt conventions, ``l
 rewards, log-probs neither NaN nor +inf (-inf is log 0, which a Sample allows), the recomputed token hash of every
 sample, routing rows and expert ids, indexer rows and key positions (each in -1 .. its row, i.e. the query's own
 position, and below ``max_context`` when the shard records one; read in bounded blocks, they are big), metadata
-that parses as a JSON object. :func:`verify_shards` adds the one
-check across shards: a ``group_id`` stored in more than one complete shard (a group is written by one append, so it
-lives in exactly one shard; twice means samples stored twice).
+that parses as a JSON object. :func:`verify_shards` adds the checks
+across shards: a ``group_id`` stored in more than one complete shard (a group is written by one append, so it
+lives in exactly one shard; twice means samples stored twice), and for a run directory the trained steps whose
+samples are not all in the shards (:mod:`miles_hpc.data.completeness`: a shard deleted or moved out).
 
 Invariants: nothing is ever raised for bad content, it is returned as :class:`Problem` values naming the file (and
 the sample index within it when one sample is at fault); at most :data:`SHOWN` samples are listed per kind of
@@ -27,6 +28,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from miles_hpc.data import completeness
 from miles_hpc.data.sample import SampleStatus, token_hash
 from miles_hpc.data.schema import PER_SAMPLE, PER_TOKEN, TrajectoryFileError, find_shards, iter_rows, open_shard
 
@@ -69,10 +71,24 @@ class ShardCheck:
 
 def verify_shards(path: str | Path) -> list[Problem]:
     """Every problem of every complete shard under ``path`` (a shard, a directory or a run directory), then the
-    groups stored in more than one shard. Partial shards are not shards yet and are not checked."""
+    groups stored in more than one shard, then (a run directory or its ``trajectories/``) the trained steps whose
+    samples are not all in the shards (:mod:`miles_hpc.data.completeness`). Partial shards are not shards yet and
+    are not checked."""
     shards, _ = find_shards(path)
     checks = [check_shard(p) for p in shards]
-    return [p for c in checks for p in c.problems] + duplicate_groups(checks)
+    return [p for c in checks for p in c.problems] + duplicate_groups(checks) + _missing(path, checks)
+
+
+def _missing(path: str | Path, checks: Sequence[ShardCheck]) -> list[Problem]:
+    """The steps whose metrics rows record more samples than the shards hold, as problems of ``metrics.jsonl``."""
+    run = completeness.run_of(path)
+    if run is None:
+        return []
+    stored = completeness.stored_counts(c.train_step for c in checks if c.train_step is not None)
+    missing = completeness.missing_samples(run, stored)
+    unread = sum(c.train_step is None for c in checks)
+    note = f" ({unread} shard(s) could not be read: their samples are not counted)" if unread and missing else ""
+    return [Problem(run / completeness.METRICS_FILE, line + note) for line in completeness.describe(missing, SHOWN)]
 
 
 def duplicate_groups(checks: Sequence[ShardCheck]) -> list[Problem]:

@@ -222,6 +222,16 @@ def _resume(cfg: RunConfig, paths: RunPaths, trainer: RankedTrainer, prompts: Pr
     return extra
 
 
+def _warn_missing(run: Path, next_step: int) -> None:
+    """A resume goes on when trained samples of the steps its checkpoint covers are gone from the shards (nothing
+    can bring them back), and says so, naming the steps (data/completeness.py)."""
+    from miles_hpc.data import completeness
+
+    missing = completeness.missing_samples(run, below=next_step)
+    for line in completeness.describe(missing, 5):
+        print(f"[miles-hpc] WARNING: trajectories: {line}; see `miles-hpc inspect --verify {run}`", flush=True)
+
+
 def _store(cfg: RunConfig, paths: RunPaths, model_dir: Path, start_step: int) -> TrajectoryWriter | None:
     from miles_hpc.data.store import TrajectoryWriter
     from miles_hpc.models import read_config
@@ -334,6 +344,7 @@ def _train(
     if paths.trajectories.is_dir():  # what a crash left after the checkpoint is regenerated: never stored twice
         report = reconcile_trajectories(paths.trajectories, start_step)
         print(f"[miles-hpc] trajectories: {report.describe()}", flush=True)
+        _warn_missing(paths.root, start_step)
     store = _store(cfg, paths, model_dir, start_step)
     metrics = MetricsLogger(paths.root, total_steps=cfg.steps, resume_step=start_step)
     try:
