@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,8 @@ from miles_hpc.engine.cuda_graphs import DecodeRunner, graph_batch_sizes
 from miles_hpc.engine.decode_forward import DecodeForward, unsupported_reason
 from miles_hpc.engine.decode_ops import TorchDecodeOps, paged_decode_reference
 from miles_hpc.engine.types import GenerateResult
-from miles_hpc.models import iter_hf_tensors, load_pretrained
+from miles_hpc.models import ModelConfig, build_model, iter_hf_tensors, load_pretrained, save_pretrained
+from miles_hpc.models.presets import init_model, preset_config
 
 
 def with_torch_decode(engine: Engine) -> Engine:
@@ -111,9 +113,54 @@ def test_graph_batch_sizes() -> None:
 
 
 def test_unsupported_models_stay_eager(tmp_path: Path) -> None:
-    moe = Engine.from_pretrained(str(make_ckpt(tmp_path, "qwen3_moe", 0)), EngineConfig())
-    assert "MoE" in (unsupported_reason(moe.model) or "")
+    moe = Engine.from_pretrained(str(make_ckpt(tmp_path / "moe", "qwen3_moe", 0)), EngineConfig())
+    assert unsupported_reason(moe.model) is None  # the runner captures MoE models only with fused experts (GPU)
     assert moe.runner.decode is None and moe.runner.decode_kernel is None  # CPU: no kernels either
+    mla = Engine.from_pretrained(str(make_ckpt(tmp_path / "mla", "deepseek_v3", 0)), EngineConfig())
+    assert "MLA" in (unsupported_reason(mla.model) or "")
+
+
+def moe_ckpt(out: Path, mlp_only_layers: list[int]) -> Path:
+    """engine_support.make_ckpt's Qwen3-MoE with the layers `mlp_only_layers` dense."""
+    init_model("qwen3_moe", "tiny", out, seed=0)
+    hf = preset_config("qwen3_moe", "tiny")
+    hf.update(initializer_range=0.2, tie_word_embeddings=False, mlp_only_layers=mlp_only_layers)
+    torch.manual_seed(0)
+    save_pretrained(build_model(ModelConfig.from_hf_dict(hf)), out)
+    return out
+
+
+@pytest.mark.parametrize("dense", [[], [0]])
+def test_fused_decode_runs_moe_layers_and_records_their_routing(dense: list[int], tmp_path: Path) -> None:
+    """An MoE model's decode through DecodeForward (its blocks' router and experts; a dense layer among them)
+    gives the eager engine's tokens and log-probs, and the same routed expert ids for R3, decode rows included."""
+    ckpt = moe_ckpt(tmp_path, dense)
+    cfg = EngineConfig(block_size=4, max_prefill_tokens=24)
+    ps = prompts([1, 5, 9, 16, 23], seed=3)
+
+    def generate(engine: Engine) -> dict[str, GenerateResult]:
+        results: dict[str, GenerateResult] = {}
+        for i, p in enumerate(ps):
+            req = greedy_req(str(i), p, 10 + 3 * i, return_logprob=True, return_routed_experts=True)
+            submit(engine, results, req)
+            for _ in range(2):
+                engine.step()
+        drain(engine, results)
+        return results
+
+    ref = generate(Engine.from_pretrained(str(ckpt), cfg))
+    engine = with_torch_decode(Engine.from_pretrained(str(ckpt), cfg))
+    rows = []
+    inner = engine.runner.decode.forward  # type: ignore[union-attr]
+    engine.runner.decode.forward = lambda *a: (rows.append(a[0].shape[0]), inner(*a))[1]  # type: ignore[union-attr]
+    got = generate(engine)
+    assert sum(rows) > 40 and engine.model.num_moe_layers == 2 - len(dense)  # most tokens decoded there
+    for rid, r in ref.items():
+        assert got[rid].output_ids == r.output_ids, rid
+        assert max(abs(a - b) for a, b in zip(got[rid].output_logprobs, r.output_logprobs)) < 1e-5
+        assert r.routed_experts is not None and got[rid].routed_experts is not None
+        assert r.routed_experts.shape[0] == len(ps[int(rid)]) + len(r.output_ids) - 1
+        np.testing.assert_array_equal(got[rid].routed_experts, r.routed_experts)
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (8, 2, 32), (6, 2, 64)])

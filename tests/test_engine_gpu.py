@@ -132,11 +132,12 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_ckpt(tmp_path_factory.mktemp("qwen3"), "qwen3", 0)
 
 
-def run(engine: Engine, ps: list[list[int]], n: int) -> dict[str, GenerateResult]:
-    """Staggered arrivals and lengths, so decode batches take many sizes (padding) and mix with prefills."""
+def run(engine: Engine, ps: list[list[int]], n: int, **kw: object) -> dict[str, GenerateResult]:
+    """Staggered arrivals and lengths, so decode batches take many sizes (padding) and mix with prefills; `kw`: more
+    request fields."""
     results: dict[str, GenerateResult] = {}
     for i, p in enumerate(ps):
-        submit(engine, results, greedy_req(str(i), p, n + (7 * i) % 13))
+        submit(engine, results, greedy_req(str(i), p, n + (7 * i) % 13, **kw))
         if i % 3 == 2:
             for _ in range(3):
                 engine.step()
@@ -201,7 +202,10 @@ def test_graphs_see_weight_updates(ckpt: Path, tmp_path: Path) -> None:
     assert all(got[rid].output_ids == w.output_ids for rid, w in want.items())
 
 
-def test_moe_engine_uses_kernel_eagerly(tmp_path: Path) -> None:
+def test_moe_engine_with_fused_experts_decodes_in_graphs(tmp_path: Path) -> None:
+    """Without `fused_moe` an MoE model decodes eagerly (the torch experts read their counts on the host); with it,
+    its decode steps go through DecodeForward, captured in CUDA graphs, with the same tokens, log-probs and routed
+    expert ids (R3) as the torch path."""
     moe = make_ckpt(tmp_path, "qwen3_moe", 0)
     ps = prompts([3, 20, 9, 41], seed=4)
     engine = engine_on(moe, "float32")
@@ -209,12 +213,17 @@ def test_moe_engine_uses_kernel_eagerly(tmp_path: Path) -> None:
     assert engine.runner.fused_experts == 0  # EngineConfig.fused_moe is off by default
     fused = engine_on(moe, "float32", fused_moe=True)
     assert fused.runner.fused_experts == fused.model.num_moe_layers  # triton_moe's grouped GEMMs
-    want = run(engine_on(moe, "float32", triton_kernels=False), ps, 10)
-    for e in (engine, fused):
-        got = run(e, ps, 10)
-        assert all(got[rid].output_ids == w.output_ids for rid, w in want.items())
+    assert fused.runner.decode is not None and fused.runner.decode.graphs
+    fused_eager = engine_on(moe, "float32", fused_moe=True, cuda_graphs=False)
+    assert fused_eager.runner.decode is not None and not fused_eager.runner.decode.graphs
+    want = run(engine_on(moe, "float32", triton_kernels=False), ps, 10, return_routed_experts=True)
+    for e in (engine, fused, fused_eager):
+        got = run(e, ps, 10, return_routed_experts=True)
         for rid, w in want.items():
+            assert got[rid].output_ids == w.output_ids, rid
             assert max(abs(a - b) for a, b in zip(got[rid].output_logprobs, w.output_logprobs)) < 1e-4, rid
+            assert got[rid].routed_experts is not None and w.routed_experts is not None
+            assert (got[rid].routed_experts == w.routed_experts).all(), rid
 
 
 def test_continued_prefill_chunk_runs_without_a_score_matrix() -> None:

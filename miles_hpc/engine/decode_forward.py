@@ -1,4 +1,4 @@
-"""A dense model's decode step as few kernels: the `CausalLM` forward for one new token per sequence, fused.
+"""A decode step as few kernels: the `CausalLM` forward for one new token per sequence, fused.
 
 Stage: engine (`cuda_graphs.DecodeRunner` captures it; on CPU it runs with `TorchDecodeOps` as a reference).
 
@@ -7,12 +7,14 @@ graphs that captured it. To run q/k/v and gate/up as one GEMM each, construction
 of one buffer per layer (`fuse_projections`: same values, same Parameter objects, one allocation). Per layer: fused
 add + RMSNorm, the qkv GEMM, one fused QK-norm + RoPE + KV-cache write, the paged-decode attention kernel, o_proj,
 fused add + RMSNorm, the gate_up GEMM, fused SiLU * up, down. Same math and roundings as `CausalLM.forward` with
-`PagedAttention` (decode_ops.py's contract).
+`PagedAttention` (decode_ops.py's contract). An MoE layer runs its own block (router, routed experts, shared
+experts) and writes the chosen expert ids to `KVCache.routing` at the row's slot, as the eager step does for R3.
 
-Invariants: no host sync and no data-dependent shapes (CUDA-graph safe); the KV of row i goes to slot
-`block_tables[i, p // block_size] * block_size + p % block_size` at its position p; logits of every row.
-Not for MoE models (routing capture and the expert loop stay eager) or "dynamic" RoPE (its frequencies depend on
-the largest position, read on the host).
+Invariants: no host sync and no data-dependent shapes (CUDA-graph safe) as long as the MoE blocks have none (the
+torch experts, `moe.grouped_mix`, read the expert counts on the host: the runner captures MoE models only with
+`triton_moe`'s fused experts); the KV of row i goes to slot `block_tables[i, p // block_size] * block_size +
+p % block_size` at its position p; logits of every row. Not for "dynamic" RoPE (its frequencies depend on the
+largest position, read on the host).
 """
 
 from __future__ import annotations
@@ -36,11 +38,9 @@ def unsupported_reason(model: CausalLM) -> str | None:
         return "MLA attention (latent projections; K and V of different widths)"
     if model.config.rotary_dim != model.config.head_dim:
         return "partial rotary embedding (the fused RoPE kernel rotates whole heads)"
-    if model.num_moe_layers:
-        return "MoE layers (routing capture and expert dispatch run eagerly)"
     if model.rotary.dynamic:
         return "dynamic RoPE (frequencies depend on the largest position)"
-    if not all(isinstance(layer.mlp, SwiGLUMLP) for layer in model.model.layers):
+    if not all(isinstance(layer.mlp, SwiGLUMLP) for layer in model.model.layers if not layer.is_moe):
         return "a non-SwiGLU MLP"
     return None
 
@@ -66,7 +66,7 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
 
 
 class DecodeForward:
-    """`(ids [n], positions [n], block_tables [n, W] int32, logits_out [n, vocab]) -> None` for a dense model."""
+    """`(ids [n], positions [n], block_tables [n, W] int32, logits_out [n, vocab]) -> None`."""
 
     def __init__(self, model: CausalLM, cache: KVCache, ops: DecodeOps) -> None:
         reason = unsupported_reason(model)
@@ -76,11 +76,14 @@ class DecodeForward:
         self.block_size = cache.block_size
         self.silu = model.config.hidden_act in ("silu", "swish")
         self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self.gate_up: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.gate_up: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []  # None: an MoE layer
+        self.moe_index = {layer_idx: j for j, layer_idx in enumerate(model.moe_layer_ids)}  # column of routing
+        if self.moe_index and cache.routing is None:
+            raise ValueError("an MoE model's decode needs the cache's routing rows (KVCache(num_moe_layers=...))")
         for layer in model.model.layers:
             att, mlp = layer.self_attn, layer.mlp
             self.qkv.append(fuse_linears([att.q_proj, att.k_proj, att.v_proj]))
-            self.gate_up.append(fuse_linears([mlp.gate_proj, mlp.up_proj]))
+            self.gate_up.append(None if layer.is_moe else fuse_linears([mlp.gate_proj, mlp.up_proj]))
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, logits_out: torch.Tensor
@@ -118,15 +121,24 @@ class DecodeForward:
             o = att.o_proj(o.view(n, att.num_heads * att.head_dim))
             post = layer.post_attention_layernorm
             h = ops.add_rms_norm(residual, o, post.weight, post.eps)
-            mlp = layer.mlp
-            gate_up = F.linear(h, *self.gate_up[i])
-            inter = gate_up.shape[1] // 2
-            gate, up = gate_up[:, :inter], gate_up[:, inter:]
-            act = ops.silu_mul(gate, up) if self.silu else mlp.act(gate) * up
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else m.model.norm
-            h = ops.add_rms_norm(residual, mlp.down_proj(act), nxt.weight, nxt.eps)
+            h = ops.add_rms_norm(residual, self._mlp(i, layer.mlp, h, slots), nxt.weight, nxt.eps)
         head = m.lm_head
         if head.bias is None:
             torch.mm(h, head.weight.t(), out=logits_out)
         else:
             logits_out.copy_(head(h))
+
+    def _mlp(self, i: int, mlp: nn.Module, h: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP of the normed rows h [n, H]; an MoE layer also records its expert ids at `slots`."""
+        gate_up = self.gate_up[i]
+        if gate_up is None:
+            out, ids = mlp(h[None])  # [1, n, H], [n, top_k]
+            routing = self.cache.routing
+            assert routing is not None
+            routing[slots, self.moe_index[i]] = ids.to(routing.dtype)
+            return out[0]
+        x = F.linear(h, *gate_up)
+        inter = x.shape[1] // 2
+        gate, up = x[:, :inter], x[:, inter:]
+        return mlp.down_proj(self.ops.silu_mul(gate, up) if self.silu else mlp.act(gate) * up)

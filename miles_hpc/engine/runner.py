@@ -20,8 +20,9 @@ Invariants:
   (fused `DecodeForward`, replayed from a CUDA graph when `cuda_graphs`), which needs the cache's scratch block (one
   block past the allocator's) for its padding rows. A short prefill chunk becomes one row per token: every row
   writes its K/V before any row attends, and row j attends the cache up to its own position, which is causal
-  attention over prefix + chunk. MoE models stay eager; with `fused_moe` their routed experts (SiLU) run as triton_moe's two grouped
-  GEMMs (no host sync, `fused_experts`; not on a tensor-parallel engine). MLA models (DeepSeek-V3, the DSA families) have a latent
+  attention over prefix + chunk. MoE models go there only with `fused_moe`, whose routed experts (SiLU) run as
+  triton_moe's two grouped GEMMs (no host sync, `fused_experts`; not on a tensor-parallel engine); otherwise they
+  stay eager (the torch experts read their counts on the host). MLA models (DeepSeek-V3, the DSA families) have a latent
   cache and attend through `LatentAttention` (latent_attention.py), the torch path, on every device. Hybrid models
   (Gated DeltaNet layers) carry each sequence's recurrent state in a slot per block-table row
   (recurrent_state.py) and run eagerly. DeepSeek-V4 and Inkling (families.FAMILY_MODULES, whose backbones run their
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import logging
 from collections.abc import Sequence
@@ -246,14 +248,14 @@ class ModelRunner:
         self.decode_kernel: DecodeKernel | None = None
         self.decode: DecodeRunner | None = None  # decode-only steps; tests may inject a CPU one
         self.batch_invariant = batch_invariant
-        if not batch_invariant and tp is None and not hasattr(model.model, "run"):  # else eager (module docstring)
-            self._gpu_decode(triton_kernels, cuda_graphs, tuned_attention_tiles)
         self.fused_experts = 0  # MoE layers whose routed experts run as triton_moe's grouped GEMMs
         gpu = triton_kernels and device.type == "cuda" and _triton_available()
         if fused_moe and gpu and not batch_invariant and tp is None:
             from .triton_moe import install
 
             self.fused_experts = install(model)
+        if not batch_invariant and tp is None and not hasattr(model.model, "run"):  # else eager (module docstring)
+            self._gpu_decode(triton_kernels, cuda_graphs, tuned_attention_tiles)
         states = None
         if model.config.is_hybrid:  # a state slot per block-table row (recurrent_state.py)
             states = RecurrentStates(model, blocks.tables.shape[0], device)
@@ -280,10 +282,13 @@ class ModelRunner:
         ops = TritonDecodeOps(tuned_tiles=tuned_attention_tiles)
         self.decode_kernel = ops.attention
         reason = unsupported_reason(model)
+        if reason is None and self.fused_experts < model.num_moe_layers:
+            reason = "MoE layers whose experts are not fused (EngineConfig.fused_moe; the torch experts sync the host)"
         if reason is not None or cache.num_blocks <= blocks.num_blocks:
             log.info("decode steps run eagerly: %s", reason or "the KV cache has no scratch block")
             return
-        self.decode = DecodeRunner(
+        make = functools.partial(
+            DecodeRunner,
             DecodeForward(model, cache, ops),
             max_batch=blocks.tables.shape[0],
             table_width=blocks.tables.shape[1],
@@ -291,9 +296,16 @@ class ModelRunner:
             scratch_block=blocks.num_blocks,
             device=device,
             dtype=next(model.parameters()).dtype,
-            use_graphs=cuda_graphs,
             sampler=ops.greedy_sample,
         )
+        try:
+            self.decode = make(use_graphs=cuda_graphs)
+        except RuntimeError as e:
+            if not (cuda_graphs and model.num_moe_layers):
+                raise
+            # MoE blocks in a graph are the newest part of this path: the engine still serves, without graphs.
+            log.warning("could not capture the MoE model's decode step in CUDA graphs (%s): it runs without them", e)
+            self.decode = make(use_graphs=False)
 
     @torch.inference_mode()
     def run(self, batch: Sequence[Scheduled]) -> StepOutput:
