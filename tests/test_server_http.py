@@ -229,3 +229,22 @@ def test_oversize_chunked_body_is_413(server: Server) -> None:
 
     assert asyncio.run(scenario()) == 413
     assert call("GET", server.url + "/health_generate").status == 200
+
+
+def test_malformed_http_is_a_400_and_one_log_line(server: Server) -> None:
+    """aiohttp refuses a request it cannot parse before any handler runs; its log record is one WARNING line, not
+    an ERROR with the parser's traceback (any client could send these)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(server.url)
+    before = server.log_tail(10**7)
+    for bad in (b"Content-Length: -5", b"Content-Length: abc"):
+        with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n" + bad + b"\r\n\r\n{}")
+            status = sock.recv(4096).split(b"\r\n", 1)[0]
+            assert status.startswith(b"HTTP/1.") and b" 400 " in status, status
+    assert call("GET", server.url + "/health").status == 200  # still serving
+    new = server.log_tail(10**7)[len(before) :]
+    assert new.count("bad HTTP request from a client (answered 400)") == 2, new
+    assert "Traceback" not in new and "ERROR aiohttp.server" not in new, new

@@ -12,7 +12,7 @@ import pytest
 from miles_hpc.auth import ApiKeys, AuthLevel, decide, read_key
 from miles_hpc.engine import protocol
 from miles_hpc.engine.protocol import BadRequest, ModelLimits
-from miles_hpc.engine.types import FinishReason, GenerateResult
+from miles_hpc.engine.types import FinishReason, GenerateResult, SamplingParams
 from miles_hpc.rollout import requests as client_bodies
 
 LIMITS = ModelLimits(vocab_size=320, max_context_len=256)
@@ -126,6 +126,8 @@ def test_batched_prompts_and_per_item_values() -> None:
         ({"input_ids": [[1], [2, 999]]}, "input_ids[1][1]"),
         ({"input_ids": [1] * 256}, "longer than the model's context length (256 tokens)"),
         ({"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 250}}, "exceeds the model's maximum context"),
+        # exactly the context: SGLang's tokenizer manager refuses it too (input + max_new_tokens >= context_len)
+        ({"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 246}}, "a total of 256 tokens"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}}, "sampling_params.max_new_tokens"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
         ({"input_ids": [1], "sampling_params": {"temperature": -0.5}}, "sampling_params.temperature"),
@@ -348,11 +350,11 @@ def test_logprob_start_len_may_be_the_prompt_length() -> None:
         (255, {}, None, 0),
         (100, {"max_new_tokens": None}, None, 154),  # null: as much as the context holds
         (10, {"max_new_tokens": None}, None, 244),
-        (200, {"max_new_tokens": 56}, None, 54),  # an explicit one that fits the context is cut the same way
+        (200, {"max_new_tokens": 55}, None, 54),  # an explicit one that fits the context is cut the same way
         (200, {"max_new_tokens": 20}, None, 20),
         (100, {"max_new_tokens": 100}, 150, 48),  # the KV cache binds: 150 - 100 - 2
         (100, {"max_new_tokens": None, "min_new_tokens": 200}, None, 154),
-        (250, {"max_new_tokens": 6, "min_new_tokens": 6}, None, 4),  # min_new_tokens follows
+        (250, {"max_new_tokens": 5, "min_new_tokens": 5}, None, 4),  # min_new_tokens follows
     ],
 )
 def test_max_new_tokens_is_cut_to_the_context_as_sglang_cuts_it(
@@ -452,3 +454,12 @@ def test_read_key(tmp_path: Path) -> None:
         read_key(None, str(f), "api-key")
     with pytest.raises(FileNotFoundError):
         read_key(None, str(tmp_path / "missing"), "api-key")
+
+
+@pytest.mark.parametrize("temperature,expected", [(1e-42, 0.0), (1e-39, 0.0), (9.9e-7, 0.0), (1e-6, 1e-6), (0.7, 0.7)])
+def test_a_temperature_below_sglangs_epsilon_is_greedy(temperature: float, expected: float) -> None:
+    """SGLang samples greedily below 1e-6; dividing float32 logits by a denormal temperature overflowed to inf and
+    picked the first positive logit's token."""
+    body = {"input_ids": [1, 2], "sampling_params": {"temperature": temperature}}
+    assert protocol.parse_generate(body, LIMITS, str).requests[0].sampling.temperature == expected
+    assert SamplingParams(temperature=temperature).temperature == expected  # in-process requests too

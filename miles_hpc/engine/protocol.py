@@ -303,7 +303,7 @@ def _sampling(raw: Any, path: str, prompt_len: int, limits: ModelLimits) -> tupl
     if not unbounded and p["min_new_tokens"] > p["max_new_tokens"]:
         raise BadRequest(f"field `{path}.min_new_tokens`: {p['min_new_tokens']} > max_new_tokens")
     total = prompt_len + p["max_new_tokens"]
-    if isinstance(raw, dict) and raw.get("max_new_tokens") is not None and total > limits.max_context_len:
+    if isinstance(raw, dict) and raw.get("max_new_tokens") is not None and total >= limits.max_context_len:
         raise BadRequest(
             f"Requested token count exceeds the model's maximum context length of {limits.max_context_len} tokens. "
             f"You requested a total of {total} tokens: {prompt_len} tokens from the input messages and "

@@ -55,7 +55,7 @@ from miles_hpc.atomic import write_text_atomic
 from miles_hpc.auth import ApiKeys, AuthLevel, decide, read_key
 from miles_hpc.cluster.lease import parent_pid_from_env, watch_parent
 
-from . import health, protocol
+from . import health, http_log, protocol
 from .config import EngineConfig
 from .core import Engine, RequestError
 from .launch import EngineLaunch
@@ -558,6 +558,7 @@ def serve(model_path: str, engine_config: EngineConfig, config: ServerConfig) ->
     """`miles-hpc serve`: bind, load the model, start the engine, listen, serve until a signal; the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    http_log.install()  # a malformed request is one WARNING line, not a traceback
     try:  # started by a launcher (MILES_PARENT_PID): end with it, even during the load, even after its SIGKILL
         watch_parent(parent_pid_from_env(), grace_s=config.shutdown_timeout_s + 20)
     except ValueError as e:

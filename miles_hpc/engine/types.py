@@ -27,6 +27,7 @@ from typing import Literal
 import numpy as np
 
 FinishType = Literal["stop", "length", "abort"]
+GREEDY_BELOW = 1e-6  # a temperature under this is greedy (SGLang's sampling params: _SAMPLING_EPS)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,6 +41,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     sampling_seed: int | None = None  # same seed + same prompt -> same tokens, whatever the batch around it
+
+    def __post_init__(self) -> None:
+        # SGLang samples greedily below this temperature; dividing by it would overflow float32 logits to inf.
+        if 0.0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
