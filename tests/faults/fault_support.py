@@ -229,4 +229,7 @@ def assert_exactly_once(run_dir: Path, steps: int, *, skipped: Sequence[int] = (
     assert all(n == SAMPLES for n in by_group.values()), f"groups stored more or less than once: {by_group}"
     logged = steps_logged(run_dir)
     assert logged == list(range(steps)), f"metrics.jsonl steps {logged}"
+    from miles_hpc.data.completeness import missing_samples
+
+    assert missing_samples(run_dir) == [], "metrics.jsonl's rollout/samples disagree with the shards"
     return got

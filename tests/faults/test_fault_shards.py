@@ -1,6 +1,6 @@
 """Damaged trajectory shards of a real run (docs/reliability.md, "Damage"): `inspect --verify` exits non-zero naming
 the file; a resume beside a damaged or truncated shard says so, quarantines it and goes on with exact accounting for
-everything else."""
+everything else, and the lost steps stay named (the resume's warning, `inspect --verify`)."""
 
 from __future__ import annotations
 
@@ -60,8 +60,16 @@ def test_damage_is_seen_and_quarantined_on_resume(tmp_path: Path, damage: str) -
     assert not victim.exists()
     after = stored(run_dir)
     assert len(after.train_step) == 6 * 4 - lost  # only the damaged shard's samples are gone
-    assert inspect(run_dir, "--verify").returncode == 0
     assert set(after.train_step.tolist()) == set(range(6)) - lost_steps  # the resume added steps 4 and 5
+    # The loss stays visible: the resume warned, and `inspect --verify` names exactly the lost steps, nothing else.
+    warned = {
+        int(line.split("step ")[1].split(":")[0]) for line in said.splitlines() if "WARNING: trajectories: step" in line
+    }
+    assert warned == lost_steps, said[-3000:]
+    checked = inspect(run_dir, "--verify")
+    named = {int(line.split(": step ")[1].split(":")[0]) for line in checked.stdout.splitlines() if ": step " in line}
+    assert checked.returncode == 1 and named == lost_steps, checked.stdout + checked.stderr
+    assert all(line.startswith(str(run_dir / "metrics.jsonl")) for line in checked.stdout.splitlines())
 
 
 def test_an_intact_run_accounts_exactly(tmp_path: Path) -> None:
