@@ -129,3 +129,14 @@ def test_a_resume_warns_about_the_steps_its_checkpoint_covers(
     assert lines[0].endswith(f"see `miles-hpc inspect --verify {run}`")
     _warn_missing(run, 0)
     assert capsys.readouterr().out == ""
+
+
+def test_a_run_without_metrics_or_trajectories_has_nothing_to_compare(tmp_path: Path) -> None:
+    """A first attempt that ended before its first metrics row (or before its store opened) resumes at 0."""
+    run, _ = make_run(tmp_path / "run", [2])
+    (run / "metrics.jsonl").unlink()
+    assert missing_samples(run) == [] and missing_samples(run, below=0) == []
+    _warn_missing(run, 0)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert missing_samples(bare) == []

@@ -73,6 +73,8 @@ def missing_samples(run: Path, stored: Counter[int] | None = None, below: int | 
     """Steps of ``run`` (< ``below`` when given) whose shards hold fewer samples than their metrics rows record,
     in step order. ``stored``: the shards' counts when the caller has read them (else the ``train_step`` columns
     are read here). Empty when a partial shard is present (module docstring)."""
+    if not (run / METRICS_FILE).is_file() or not (run / "trajectories").is_dir() or below == 0:
+        return []  # nothing recorded (a first attempt that ended before its first row), or nothing to compare
     shards, partials = find_shards(run / "trajectories")
     if partials:
         return []
