@@ -226,9 +226,10 @@ def _warn_missing(run: Path, next_step: int) -> None:
     """A resume goes on when trained samples of the steps its checkpoint covers are gone from the shards (nothing
     can bring them back), and says so, naming the steps (data/completeness.py)."""
     from miles_hpc.data import completeness
+    from miles_hpc.data.verify import SHOWN
 
     missing = completeness.missing_samples(run, below=next_step)
-    for line in completeness.describe(missing, 5):
+    for line in completeness.describe(missing, SHOWN):
         print(f"[miles-hpc] WARNING: trajectories: {line}; see `miles-hpc inspect --verify {run}`", flush=True)
 
 
