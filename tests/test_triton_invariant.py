@@ -79,6 +79,32 @@ def check_attention(device, dtype, tol, g, shifts):
     for start in (32,) + ((41,) if shifts else ()):
         chunk = ti.attention(q[s0 + start : s0 + n], kk, vv, [start], [0, n - start], [0, n], d**-0.5)
         assert torch.equal(chunk, out[s0 + start : s0 + n]), ("prefill chunk after a cached prefix", start)
+    check_paged(q, k, v, out, cu, lens, d**-0.5, g)
+
+
+def check_paged(q, k, v, out, cu, lens, scale, g):
+    # Every query as a decode row over a paged cache (shuffled blocks, other sequences' keys and garbage around
+    # them): each row has the packed call's bits, whatever rows share the call, in any order.
+    for bs in (4, 16):
+        nblocks = sum(-(-n // bs) for n in lens) + 3
+        kc = torch.randn(nblocks * bs, *k.shape[1:], generator=g).to(k)
+        vc = torch.randn(nblocks * bs, *v.shape[1:], generator=g).to(v)
+        perm = torch.randperm(nblocks, generator=g)
+        width = max(-(-n // bs) for n in lens)
+        tables, used = [], 0
+        for i, n in enumerate(lens):
+            row = perm[used : used + -(-n // bs)]
+            used += row.numel()
+            slots = (row[:, None] * bs + torch.arange(bs)).flatten()[:n].to(k.device)
+            kc[slots], vc[slots] = k[cu[i] : cu[i + 1]], v[cu[i] : cu[i + 1]]
+            tables.append(torch.cat([row, torch.full((width - row.numel(),), nblocks - 1)]))
+        tables = torch.stack(tables).to(torch.int32).to(k.device)
+        seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+        pos = torch.cat([torch.arange(n) for n in lens])
+        order = torch.randperm(seq.numel(), generator=g)
+        for rows in (order, order[:5], order[7:8]):
+            got = ti.paged_attention(q[rows], kc, vc, tables[seq[rows]], pos[rows].to(k.device), bs, scale)
+            assert torch.equal(got, out[rows]), ("paged decode rows", bs, rows.numel())
 
 
 if __name__ == "__main__":

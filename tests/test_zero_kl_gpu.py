@@ -1,7 +1,8 @@
 """Zero-KL mode on one GPU (tier `-m gpu`): an engine in bfloat16 with `batch_invariant` and a one-rank
 `FSDPTrainer(zero_kl=True)` under bf16 mixed precision give bit-identical log-probs (the CPU test's requests:
 batches of 1-3 joining, chunked prefills, prefix-cache hits) for dense, MoE and MLA models; without the mode they
-differ. End to end: `miles-hpc run` on the GPU (engine and trainer side by side, colocated weight sync) reports
+differ; a dense model's decode steps under the Triton kernels replay CUDA graphs (`engine/invariant_decode.py`).
+End to end: `miles-hpc run` on the GPU (engine and trainer side by side, colocated weight sync) reports
 `mismatch/max_abs_logprob_diff == 0.0` at every RL step while the weights change, for Qwen3, for Qwen3-MoE with R3,
 and for a multi-turn agent whose turns hit the prefix cache; the same run without the mode does not."""
 
@@ -16,6 +17,7 @@ from test_zero_kl import free_port, generate, make_ckpt, max_diff
 from test_zero_kl_e2e import REPO, run
 
 from miles_hpc.config import AlgoConfig, TrainConfig
+from miles_hpc.engine import runner as runner_mod
 from miles_hpc.train import dist as tdist
 from miles_hpc.train.fsdp import FSDPTrainer
 
@@ -42,10 +44,17 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal_on_gpu(
     cuda_world: None, tmp_path: Path, arch: str, size: str, kernels: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MILES_INVARIANT_KERNELS", kernels)
+    decoders: list[object] = []  # what serves the zero-KL engine's decode steps (None: the eager forward)
+    setup = runner_mod.ModelRunner._invariant_decode
+    monkeypatch.setattr(
+        runner_mod.ModelRunner, "_invariant_decode", lambda self, *a: (setup(self, *a), decoders.append(self.decode))
+    )
     ckpt = make_ckpt(tmp_path / "m", arch, size)
     cfg = TrainConfig(device="cuda", mixed_precision=True, max_tokens_per_microbatch=200)
     zk = FSDPTrainer(ckpt, cfg, AlgoConfig(), device="cuda", seed=0, zero_kl=True)
     assert max_diff(zk, generate(ckpt, True, device="cuda", dtype="bfloat16", num_blocks=1024)) == 0.0
+    graphs = kernels == "triton" and arch == "qwen3"  # dense, Triton kernels: CUDA graphs (invariant_decode.py)
+    assert [getattr(d, "graphs", None) is not None and bool(d.graphs) for d in decoders] == [graphs], decoders
     plain = FSDPTrainer(ckpt, cfg, AlgoConfig(), device="cuda", seed=0)
     assert max_diff(plain, generate(ckpt, False, device="cuda", dtype="bfloat16", num_blocks=1024)) > 0.0
 

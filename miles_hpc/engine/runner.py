@@ -28,10 +28,13 @@ Invariants:
   (recurrent_state.py) and run eagerly. DeepSeek-V4 and Inkling (families.FAMILY_MODULES, whose backbones run their
   own layers) keep a decode state per row (family_states.py) and run eagerly; a family module without one is
   recomputed: each step runs every scheduled sequence from its first token (`recomputes`), exact and O(length).
-- Batch-invariant (zero-KL) mode (`batch_invariant`): the model was made invariant (`models.batch_invariant`),
-  every step is one eager forward (no decode kernel, fused step or CUDA graphs: their GEMMs and reductions have
-  batch-dependent shapes), attention per sequence by `invariant.attention`, and every reported log-prob (sampled
-  tokens and input log-probs) from `invariant.log_softmax` of its logits row, as the trainer computes it.
+- Batch-invariant (zero-KL) mode (`batch_invariant`): the model was made invariant (`models.batch_invariant`), so
+  no normal decode kernel or fused step runs (their GEMMs and reductions have batch-dependent shapes); every
+  reported log-prob (sampled tokens and input log-probs) comes from `invariant.log_softmax` of its logits row, as
+  the trainer computes it. On CUDA with the Triton invariant kernels, a dense model's decode-only steps (and short
+  prefills as rows) go to `DecodeRunner` with `InvariantDecodeForward` (invariant_decode.py: the model's invariant
+  forward, attention by `triton_invariant.paged_attention` through the block tables, captured when `cuda_graphs`);
+  every other step is one eager forward with attention per sequence by `invariant.packed_attention`.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ import torch
 from miles_hpc.models import CausalLM, invariant
 from miles_hpc.models.families import logits_width
 
-from .cuda_graphs import DecodeRunner, Pending
+from . import invariant_decode
+from .cuda_graphs import DecodeFn, DecodeRunner, Pending, Sampler
 from .decode_forward import DecodeForward, unsupported_reason
 from .family_states import FamilyStates, keeps_state
 from .kv_cache import BlockManager, KVCache
@@ -254,7 +258,9 @@ class ModelRunner:
             from .triton_moe import install
 
             self.fused_experts = install(model)
-        if not batch_invariant and tp is None and not hasattr(model.model, "run"):  # else eager (module docstring)
+        if batch_invariant and tp is None:
+            self._invariant_decode(triton_kernels, cuda_graphs)
+        elif tp is None and not hasattr(model.model, "run"):  # else eager (module docstring)
             self._gpu_decode(triton_kernels, cuda_graphs, tuned_attention_tiles)
         states = None
         if model.config.is_hybrid:  # a state slot per block-table row (recurrent_state.py)
@@ -287,17 +293,7 @@ class ModelRunner:
         if reason is not None or cache.num_blocks <= blocks.num_blocks:
             log.info("decode steps run eagerly: %s", reason or "the KV cache has no scratch block")
             return
-        make = functools.partial(
-            DecodeRunner,
-            DecodeForward(model, cache, ops),
-            max_batch=blocks.tables.shape[0],
-            table_width=blocks.tables.shape[1],
-            vocab_size=self.vocab,
-            scratch_block=blocks.num_blocks,
-            device=device,
-            dtype=next(model.parameters()).dtype,
-            sampler=ops.greedy_sample,
-        )
+        make = functools.partial(self._decode_runner, DecodeForward(model, cache, ops), ops.greedy_sample)
         try:
             self.decode = make(use_graphs=cuda_graphs)
         except RuntimeError as e:
@@ -306,6 +302,33 @@ class ModelRunner:
             # MoE blocks in a graph are the newest part of this path: the engine still serves, without graphs.
             log.warning("could not capture the MoE model's decode step in CUDA graphs (%s): it runs without them", e)
             self.decode = make(use_graphs=False)
+
+    def _invariant_decode(self, triton_kernels: bool, cuda_graphs: bool) -> None:
+        """Zero-KL mode: decode-only steps through `InvariantDecodeForward` (invariant_decode.py) where it can run."""
+        if not (triton_kernels and self.device.type == "cuda" and _triton_available()):
+            return
+        reason = invariant_decode.unsupported_reason(self.model, self.cache)
+        if reason is None and self.cache.num_blocks <= self.bm.num_blocks:
+            reason = "the KV cache has no scratch block"
+        if reason is not None:
+            log.info("zero-KL decode steps run eagerly: %s", reason)
+            return
+        assert isinstance(self.cache, KVCache)  # unsupported_reason refuses the latent cache
+        forward = invariant_decode.InvariantDecodeForward(self.model, self.cache)
+        self.decode = self._decode_runner(forward, invariant_decode.greedy_sample, use_graphs=cuda_graphs)
+
+    def _decode_runner(self, forward: DecodeFn, sampler: Sampler, *, use_graphs: bool) -> DecodeRunner:
+        return DecodeRunner(
+            forward,
+            max_batch=self.bm.tables.shape[0],
+            table_width=self.bm.tables.shape[1],
+            vocab_size=self.vocab,
+            scratch_block=self.bm.num_blocks,
+            device=self.device,
+            dtype=next(self.model.parameters()).dtype,
+            use_graphs=use_graphs,
+            sampler=sampler,
+        )
 
     @torch.inference_mode()
     def run(self, batch: Sequence[Scheduled]) -> StepOutput:
@@ -374,7 +397,7 @@ class ModelRunner:
         logits = decode(ids, positions, table, src if prev is not None else None)
         if sb is not None:
             picked = None if len(sample_rows) == len(ids) else self._device_index(sample_rows)
-            tok_t, lp_t = sample(logits if picked is None else logits[picked], sb)
+            tok_t, lp_t = self._sample_rows(logits if picked is None else logits[picked], sb)
             decode.set_samples(picked, tok_t, lp_t)
         return InFlight(list(batch), sample_rows, row_of, decode.read_back(len(ids)))
 
@@ -454,13 +477,16 @@ class ModelRunner:
             return tokens, logprobs
         batch_sb = sb if sb is not None else self._sampling_batch(batch)
         assert batch_sb is not None  # some row samples (idx is not empty)
-        if self.batch_invariant:
-            tok_t, lp_t = sample(logits, batch_sb, log_softmax=invariant.log_softmax)
-        else:
-            tok_t, lp_t = sample(logits, batch_sb)
+        tok_t, lp_t = self._sample_rows(logits, batch_sb)
         for i, t, lp in zip(idx, tok_t.tolist(), lp_t.tolist()):
             tokens[i], logprobs[i] = t, lp
         return tokens, logprobs
+
+    def _sample_rows(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sampling.sample`, with the trainer's log-softmax in zero-KL mode."""
+        if self.batch_invariant:
+            return sample(logits, sb, log_softmax=invariant.log_softmax)
+        return sample(logits, sb)
 
     def _input_logprobs(self, batch: Sequence[Scheduled], logits: torch.Tensor) -> list[float]:
         """log_softmax(float32 logits)[next prompt token] for the lp rows, in row chunks so a long scored prompt

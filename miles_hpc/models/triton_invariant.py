@@ -14,11 +14,14 @@ step of one row and in a packed micro-batch of thousands, provided both sides ca
   accumulation (`input_precision="ieee"` for fp32 operands: no TF32);
 - `rms_norm`, `log_softmax`: one program per row, the row walked in BLOCK chunks into per-lane float32
   accumulators, reduced once at the end (a fixed tree for a given BLOCK);
-- `attention`: variable-length causal attention over packed sequences (the trainer's layout; the engine gathers
-  each sequence's keys from its cache into the same layout), a program per (query tile of one sequence, head),
-  `invariant.attention`'s algorithm: the row maximum over all key chunks up to the tile's last position, then chunk
-  by chunk in key order exp(score - max) summed and multiplied into the output. Chunks past a row's own position
-  add exact zeros, so a row's bits do not depend on the other queries of its tile.
+- `attention`: variable-length causal attention over packed sequences (the trainer's layout; the engine's eager
+  step gathers each sequence's keys from its cache into the same layout), a program per (query tile of one
+  sequence, head), `invariant.attention`'s algorithm: the row maximum over all key chunks up to the tile's last
+  position, then chunk by chunk in key order exp(score - max) summed and multiplied into the output. Chunks past a
+  row's own position add exact zeros, so a row's bits do not depend on the other queries of its tile;
+- `paged_attention`: the same kernel (`PAGED`) for one decode query per row, reading keys through the row's block
+  table and placing the query in the tile where the packed call puts it, with no host-built table: the engine's
+  zero-KL decode step in a CUDA graph (engine/invariant_decode.py).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["attention", "linear", "log_softmax", "rms_norm"]
+__all__ = ["attention", "linear", "log_softmax", "paged_attention", "rms_norm"]
 
 BM, BN, BK = 32, 64, 32  # GEMM tiles: fixed, so a row's K walk is the same in any batch
 ROW_BLOCK = 1024  # rms_norm / log_softmax: elements per step along a row
@@ -147,22 +150,35 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attention_kernel(q, k, v, out, tile_q, tile_k, tile_n, tile_p, scale, sq, sk, sv, so, rep,
-                      D: tl.constexpr, DV: tl.constexpr, QT: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+def _attention_kernel(q, k, v, out, tile_q, tile_k, tile_n, tile_p, table, tstride, scale, sq, sk, sv, so, rep,
+                      D: tl.constexpr, DV: tl.constexpr, QT: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
+                      PAGED: tl.constexpr, BS: tl.constexpr):  # fmt: skip
     t, h = tl.program_id(0), tl.program_id(1)
-    q0, k0, nq, p0 = tl.load(tile_q + t), tl.load(tile_k + t), tl.load(tile_n + t), tl.load(tile_p + t)
     rows = tl.arange(0, QT)
-    live = rows < nq
+    if PAGED:  # query row t alone, at its position's place in the tile the packed call puts it in; keys via table
+        pos = tl.load(tile_p + t)
+        p0 = pos - pos % QT
+        live = rows == pos % QT
+        qrow = t.to(tl.int64) + 0 * rows.to(tl.int64)
+        last = pos
+        k0 = pos * 0
+        trow = table + t.to(tl.int64) * tstride
+    else:  # the tile table's tile t: consecutive queries of one sequence, its keys from row k0 on
+        q0, k0, nq, p0 = tl.load(tile_q + t), tl.load(tile_k + t), tl.load(tile_n + t), tl.load(tile_p + t)
+        live = rows < nq
+        qrow = q0 + rows
+        last = p0 + nq - 1
+        trow = table
     p = tl.where(live, p0 + rows, -1)  # the tile's queries sit at consecutive positions from p0
-    last = p0 + nq - 1
-    qt = tl.load(q + (q0 + rows)[:, None] * sq + h * D + tl.arange(0, D)[None, :], mask=live[:, None], other=0.0)
+    qt = tl.load(q + qrow[:, None] * sq + h * D + tl.arange(0, D)[None, :], mask=live[:, None], other=0.0)
     qt = qt.to(tl.float32)
     hk = h // rep
     d, dv, kc = tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KC)
     m = tl.full((QT,), float("-inf"), dtype=tl.float32)
     for c in range(0, last + 1, KC):
         keys = c + kc
-        kt = tl.load(k + (k0 + keys)[None, :] * sk + hk * D + d[:, None], mask=(keys <= last)[None, :], other=0.0)
+        krow = _key_rows(keys, last, k0, trow, PAGED, BS)
+        kt = tl.load(k + krow[None, :] * sk + hk * D + d[:, None], mask=(keys <= last)[None, :], other=0.0)
         s = tl.dot(qt, kt.to(tl.float32), input_precision=PREC) * scale
         s = tl.where(keys[None, :] <= p[:, None], s, float("-inf"))
         m = tl.maximum(m, tl.max(s, axis=1))
@@ -171,15 +187,28 @@ def _attention_kernel(q, k, v, out, tile_q, tile_k, tile_n, tile_p, scale, sq, s
     acc = tl.zeros((QT, DV), dtype=tl.float32)
     for c in range(0, last + 1, KC):
         keys = c + kc
-        kt = tl.load(k + (k0 + keys)[None, :] * sk + hk * D + d[:, None], mask=(keys <= last)[None, :], other=0.0)
+        krow = _key_rows(keys, last, k0, trow, PAGED, BS)
+        kt = tl.load(k + krow[None, :] * sk + hk * D + d[:, None], mask=(keys <= last)[None, :], other=0.0)
         s = tl.dot(qt, kt.to(tl.float32), input_precision=PREC) * scale
         s = tl.where(keys[None, :] <= p[:, None], s, float("-inf"))
         e = tl.exp(s - m[:, None])
         denom += tl.sum(e, axis=1)
-        vt = tl.load(v + (k0 + keys)[:, None] * sv + hk * DV + dv[None, :], mask=(keys <= last)[:, None], other=0.0)
+        vt = tl.load(v + krow[:, None] * sv + hk * DV + dv[None, :], mask=(keys <= last)[:, None], other=0.0)
         acc += tl.dot(e, vt.to(tl.float32), input_precision=PREC)
     acc = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(out + (q0 + rows)[:, None] * so + h * DV + dv[None, :], acc.to(out.dtype.element_ty), mask=live[:, None])
+    tl.store(out + qrow[:, None] * so + h * DV + dv[None, :], acc.to(out.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
+def _key_rows(keys, last, k0, trow, PAGED: tl.constexpr, BS: tl.constexpr):
+    """Rows of k/v holding the keys at positions `keys` (those <= last are read): k0 + keys for a packed
+    sequence; through the block table row `trow` (int32 blocks of BS slots) for a paged cache."""
+    if PAGED:
+        blk = tl.load(trow + keys // BS, mask=keys <= last, other=0).to(tl.int64)
+        rows = blk * BS + keys % BS
+    else:
+        rows = (k0 + keys).to(tl.int64)
+    return rows
 
 
 def attention(
@@ -206,9 +235,40 @@ def attention(
     if not cols[0].numel():
         return out
     qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
-    _attention_kernel[(cols[0].numel(), hq)](qc, kc, vc, out, *cols, scale, qc.stride(0), kc.stride(0), vc.stride(0),
-                                             out.stride(0), hq // hkv, D=dim, DV=dv, QT=QUERY_TILE, KC=KEY_CHUNK,
-                                             PREC=_precision(q))  # fmt: skip
+    _attention_kernel[(cols[0].numel(), hq)](qc, kc, vc, out, *cols, cols[0], 0, scale, qc.stride(0), kc.stride(0),
+                                             vc.stride(0), out.stride(0), hq // hkv, D=dim, DV=dv, QT=QUERY_TILE,
+                                             KC=KEY_CHUNK, PREC=_precision(q), PAGED=False, BS=1)  # fmt: skip
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query per row over a paged cache, each with the bits `attention` gives that query in any packed call:
+    q [n, Hq, D], row i at positions[i] (int64 [n], on the device), over the keys at positions 0..positions[i] in
+    cache slots block_tables[i, p // block_size] * block_size + p % block_size (k_cache [slots, Hkv, D], v_cache
+    [slots, Hkv, Dv]; every such slot written). The query sits in its tile where the packed call puts it (row
+    p % QUERY_TILE of the tile from p - p % QUERY_TILE), so the tile's arithmetic is the packed call's with the
+    other rows masked. No host read and a grid of n x Hq: a CUDA graph can hold it (the engine's zero-KL decode)."""
+    n, hq, dim = q.shape
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    if hq % hkv or dim & (dim - 1) or dv & (dv - 1):
+        raise ValueError(f"paged_attention: {hq} query heads over {hkv} KV heads, head dims {dim}/{dv} (powers of two)")
+    out = torch.empty(n, hq, dv, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    qc, kc, vc = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    pos = positions.to(torch.int64)
+    _attention_kernel[(n, hq)](qc, kc, vc, out, pos, pos, pos, pos, block_tables, block_tables.stride(0), scale,
+                               qc.stride(0), kc.stride(0), vc.stride(0), out.stride(0), hq // hkv, D=dim, DV=dv,
+                               QT=QUERY_TILE, KC=KEY_CHUNK, PREC=_precision(q), PAGED=True,
+                               BS=block_size)  # fmt: skip
     return out
 
 
