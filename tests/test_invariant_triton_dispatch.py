@@ -1,9 +1,10 @@
 """Zero-KL mode's kernels setting (`MILES_INVARIANT_KERNELS`, models/invariant.py): with "triton" the invariant ops
 run `models/triton_invariant.py`'s one-launch kernels, here in Triton's interpreter on CPU tensors (CI). Checked:
 each op's forward is its kernel's bits and close to the torch tiles, its gradient is the torch path's bit for bit
-(both recompute the plain op), `packed_attention` of a step's sequences (a decode query, a chunk after a cached
-prefix, a whole sequence) likewise, a head width the kernel cannot hold falls back to the torch path, and an
-engine and a trainer in zero-KL mode run through the kernels end to end. Their log-probs agree only to rounding
+(the same backward: F.linear's GEMMs, or the plain op recomputed), a linear's gradients are F.linear's,
+`packed_attention` of a step's sequences (a decode query, a chunk after a cached prefix, a whole sequence)
+likewise, a head width the kernel cannot hold falls back to the torch path, and an engine and a trainer in zero-KL
+mode run through the kernels end to end. Their log-probs agree only to rounding
 here: the interpreter's dots round a row by its place in the tile (tests/test_triton_invariant.py), so bit
 equality between the two sides is a GPU check (tests/test_zero_kl_gpu.py)."""
 
@@ -160,3 +161,23 @@ def test_auto_is_triton_on_cuda_tensors_where_triton_is_installed(monkeypatch: p
     monkeypatch.setenv(invariant.KERNELS_ENV, "torch")
     monkeypatch.setattr(invariant, "_have_triton", lambda: True)
     assert not invariant._uses_triton(FakeCuda())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_gradients_are_those_of_f_linear(bias: bool) -> None:
+    """`invariant.linear`'s backward (two GEMMs, no recomputed forward) gives F.linear's gradients, for 3-D inputs
+    and for whichever inputs ask for one."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 37, 72, generator=g), torch.randn(40, 72, generator=g) / 8, torch.randn(40, generator=g)
+    up = torch.randn(2, 37, 40, generator=g)
+    for needs in ((True, True, True), (False, True, False), (True, False, True)):
+        grads = []
+        for fn in (invariant.linear, torch.nn.functional.linear):
+            leaves = [t.clone().requires_grad_(n) for t, n in zip((x, w, b), needs)]
+            fn(leaves[0], leaves[1], leaves[2] if bias else None).backward(up)
+            grads.append([t.grad for t in leaves])
+        for got, want, need in zip(*grads, needs):
+            if not need or (want is None and not bias):
+                assert got is None and want is None
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

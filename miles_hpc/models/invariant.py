@@ -161,12 +161,38 @@ class _RowTiled(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` with every GEMM of shape [row_tile(in), in] x [in, out] (or one Triton GEMM: `_triton`)."""
+    """`F.linear` with every GEMM of shape [row_tile(in), in] x [in, out] (or one Triton GEMM: `_triton`).
+    Differentiable: the backward is F.linear's own (two GEMMs on all rows at once, nothing recomputed)."""
     tri = _triton(x)
-    fast = tri.linear if tri is not None else None
-    if bias is None:
-        return tiled(torch.nn.functional.linear, x, weight, fast=fast)
-    return tiled(torch.nn.functional.linear, x, weight, bias, fast=fast)
+    forward = tri.linear if tri is not None else _tiled_linear
+    return _Linear.apply(forward, x, weight, bias)
+
+
+def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _tiles(torch.nn.functional.linear, x, (weight,) if bias is None else (weight, bias), None)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        forward: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        _, need_x, need_w, need_b = ctx.needs_input_grad
+        gx = grad.matmul(weight) if need_x else None
+        gw = rows.t().matmul(x.reshape(-1, x.shape[-1])) if need_w else None
+        gb = rows.sum(0) if need_b else None
+        return None, gx, gw, gb
 
 
 def _rms_norm_rows(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
