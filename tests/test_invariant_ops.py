@@ -159,3 +159,32 @@ def test_primitives_are_batch_invariant_on_gpu(dtype: torch.dtype) -> None:
         assert torch.equal(
             inv.attention(q[:, p : p + 1], k[:, : p + 1], v[:, : p + 1], pos[p : p + 1], 0.25), whole[:, p : p + 1]
         ), p
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,needs", [(4, 2, (True, True, True)), (2, 2, (False, True, True)), (4, 1, (True, False, False))]
+)
+def test_packed_backward_in_one_padded_call_equals_the_per_sequence_one(
+    hq: int, hkv: int, needs: tuple[bool, bool, bool]
+) -> None:
+    """The trainer's packed attention backward (`_padded_grads`: sequences padded into one causal SDPA) gives each
+    sequence's gradients as the per-sequence SDPA does, and zero outside the sequences' rows."""
+    g = torch.Generator().manual_seed(0)
+    lens, d = [5, 1, 17, 9], 8
+    spans, o = [], 1  # row 0 belongs to no sequence
+    for n in lens:
+        spans.append((0, o, o + n, o, o + n))
+        o += n
+    q, k, v = (torch.randn(h, o + 2, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv))
+    up = torch.randn(hq, o + 2, d, generator=g, dtype=torch.float64)
+    got = inv._padded_grads(q, k, v, spans, 0.3, up, needs)
+    assert [gt is not None for gt in got] == list(needs)
+    for _, a, b, c, e in spans:
+        want = inv._sdpa_grads(q[:, a:b], k[:, c:e], v[:, c:e], torch.arange(b - a), 0.3, up[:, a:b], needs)
+        for gt, w in zip(got, want):
+            if w is not None:
+                assert gt is not None
+                torch.testing.assert_close(gt[:, a:b], w, rtol=1e-10, atol=1e-10)
+    for gt in got:
+        if gt is not None:
+            assert not gt[:, 0].any() and not gt[:, o:].any()

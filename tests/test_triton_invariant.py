@@ -55,6 +55,10 @@ def check(device, dtypes):
         # The engine scores float32 logits, the trainer its model's dtype: the same values, the same bits (the
         # compiled kernel's layout, and so tl.sum's order, follows the loads' dtype).
         assert torch.equal(ti.log_softmax(logits.float()), ti.log_softmax(logits)), ("log_softmax", "input dtype")
+        # The trainer's token log-probs (its dtype) are the engine's full rows (float32) at the token.
+        target = torch.randint(0, 2500, (11,), generator=g).to(device)
+        full = ti.log_softmax(logits.float()).gather(1, target[:, None]).squeeze(1)
+        assert torch.equal(ti.token_log_softmax(logits, target), full), ("token_log_softmax", dtype)
         check_attention(device, dtype, tol, g, shifts)
 
 

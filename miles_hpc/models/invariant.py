@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from .attention import no_cudnn_sdpa
+
 __all__ = [
     "KEY_CHUNK",
     "QUERY_TILE",
@@ -50,6 +52,7 @@ __all__ = [
     "row_tile",
     "silu_mul",
     "tiled",
+    "token_log_softmax",
 ]
 
 MAX_TILE_ELEMENTS = 1 << 15  # one tile stays inside one parallel chunk of torch's CPU elementwise loops
@@ -238,6 +241,28 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return tiled(lambda t: torch.log_softmax(t.float(), dim=-1), logits, fast=fast)
 
 
+TOKEN_CHUNK_ELEMENTS = 1 << 26  # `token_log_softmax` on the tiles: float32 elements per chunk of rows (256 MiB)
+
+
+def token_log_softmax(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(logits)[i, target[i]]` for each row i of logits [N, V]: float32 [N] with `log_softmax`'s bits,
+    without a float32 [N, V] tensor (one Triton pass per row; on the tiles, chunks of whole tiles). Forward only:
+    train/logprobs.py differentiates it."""
+    tri = _triton(logits)
+    if tri is not None:
+        return tri.token_log_softmax(logits, target)
+    n, width = logits.shape
+    tile = row_tile(width)
+    step = max(tile, TOKEN_CHUNK_ELEMENTS // max(width, 1) // tile * tile)
+    parts = [
+        _tiles(lambda t: torch.log_softmax(t.float(), dim=-1), logits[a : a + step], (), None)
+        .gather(1, target[a : a + step, None])
+        .squeeze(1)
+        for a in range(0, n, step)
+    ]
+    return torch.cat(parts) if parts else logits.new_empty(0, dtype=torch.float32)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of ONE sequence's queries, each over the keys at positions <= its own, computed the same way
     whether the queries come one at a time (a decode step over the KV cache), as a chunk after a cached prefix, or
@@ -341,6 +366,9 @@ class _PackedAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
+        spans = [s for s in _spans(ctx.layout) if s[2] > s[1]]
+        if len(spans) > 1 and all(p == 0 and b - a == e - c for p, a, b, c, e in spans):
+            return (*_padded_grads(q, k, v, spans, ctx.scale, grad, needs), None, None)
         grads = [torch.zeros_like(t) if need else None for t, need in zip((q, k, v), needs)]
         for p, a, b, c, e in _spans(ctx.layout):
             if b == a:
@@ -351,6 +379,48 @@ class _PackedAttention(torch.autograd.Function):
                 if g is not None and piece is not None:
                     g[:, span[0] : span[1]] += piece
         return (*grads, None, None)
+
+
+def _padded_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spans: list[tuple[int, int, int, int, int]],
+    scale: float,
+    grad: torch.Tensor,
+    needs: Sequence[bool],
+) -> list[torch.Tensor | None]:
+    """`_sdpa_grads` of whole sequences (the trainer's layout: each from position 0, queries and keys alike) in one
+    call instead of one per sequence: the sequences right-padded to the longest into a batch and one causal SDPA
+    differentiated. A real query sees only keys at or before it, never the padding after its sequence; padding
+    queries get a zero upstream gradient, so the padded keys' gradients are zero, and only real rows are kept."""
+    longest = max(b - a for _, a, b, _, _ in spans)
+    offs = torch.arange(longest)
+    lens = torch.tensor([b - a for _, a, b, _, _ in spans])
+    real = offs[None, :] < lens[:, None]  # [n, L]
+    rows_q = (torch.tensor([a for _, a, _, _, _ in spans])[:, None] + offs).clamp(max=q.shape[1] - 1)
+    rows_k = (torch.tensor([c for _, _, _, c, _ in spans])[:, None] + offs).clamp(max=k.shape[1] - 1)
+    real, rows_q, rows_k = (t.to(q.device) for t in (real, rows_q, rows_k))
+    g = grad[:, rows_q].transpose(0, 1) * real[:, None, :, None]  # [n, Hq, L, Dv], zero on padding rows
+    with torch.enable_grad():
+        qi = q[:, rows_q].transpose(0, 1).detach().requires_grad_(needs[0])
+        ki = k[:, rows_k].transpose(0, 1).detach().requires_grad_(needs[1])
+        vi = v[:, rows_k].transpose(0, 1).detach().requires_grad_(needs[2])
+        with no_cudnn_sdpa():
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qi, ki, vi, is_causal=True, scale=scale, enable_gqa=q.shape[0] != k.shape[0]
+            )
+        wanted = [t for t in (qi, ki, vi) if t.requires_grad]
+        got = iter(torch.autograd.grad(out, wanted, g.to(out.dtype)) if wanted else ())
+    result: list[torch.Tensor | None] = []
+    for t, need, rows in zip((q, k, v), needs, (rows_q, rows_k, rows_k)):
+        if not need:
+            result.append(None)
+            continue
+        full = torch.zeros_like(t)
+        full[:, rows[real]] = next(got).transpose(0, 1)[:, real].to(t.dtype)
+        result.append(full)
+    return result
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_q: torch.Tensor, scale: float) -> torch.Tensor:

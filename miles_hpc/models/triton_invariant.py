@@ -13,7 +13,8 @@ step of one row and in a packed micro-batch of thousands, provided both sides ca
 - `linear`: a GEMM whose program owns a [BM, BN] output tile and walks K in BK steps in order (no split-K), fp32
   accumulation (`input_precision="ieee"` for fp32 operands: no TF32);
 - `rms_norm`, `log_softmax`: one program per row, the row walked in BLOCK chunks into per-lane float32
-  accumulators, reduced once at the end (a fixed tree for a given BLOCK);
+  accumulators, reduced once at the end (a fixed tree for a given BLOCK); `token_log_softmax` is the same kernel
+  storing only the row's entry at its target (the trainer's token log-probs, no float32 [rows, vocab] tensor);
 - `attention`: variable-length causal attention over packed sequences (the trainer's layout; the engine's eager
   step gathers each sequence's keys from its cache into the same layout), a program per (query tile of one
   sequence, head), `invariant.attention`'s algorithm: the row maximum over all key chunks up to the tile's last
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["attention", "linear", "log_softmax", "paged_attention", "rms_norm"]
+__all__ = ["attention", "linear", "log_softmax", "paged_attention", "rms_norm", "token_log_softmax"]
 
 BM, BN, BK = 32, 64, 32  # GEMM tiles: fixed, so a row's K walk is the same in any batch
 ROW_BLOCK = 1024  # rms_norm / log_softmax: elements per step along a row
@@ -121,8 +122,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _log_softmax_kernel(x, out, width, BLOCK: tl.constexpr, LEVELS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64) * width
+def _log_softmax_kernel(x, out, target, width, BLOCK: tl.constexpr, LEVELS: tl.constexpr, TOKEN: tl.constexpr):
+    """out[row] = log_softmax(x[row]); with TOKEN, out[row] (one float32) = that row's value at column
+    target[row] only, by the same arithmetic (the row's lse, then one subtraction)."""
+    r = tl.program_id(0).to(tl.int64)
+    row = r * width
     m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     for c in range(0, width, BLOCK):
         cols = c + tl.arange(0, BLOCK)
@@ -134,10 +138,14 @@ def _log_softmax_kernel(x, out, width, BLOCK: tl.constexpr, LEVELS: tl.constexpr
         v = tl.load(x + row + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
         s += tl.exp(v - top)
     lse = top + tl.log(_tree_sum(s, BLOCK, LEVELS))
-    for c in range(0, width, BLOCK):
-        cols = c + tl.arange(0, BLOCK)
-        v = tl.load(x + row + cols, mask=cols < width, other=0.0).to(tl.float32)
-        tl.store(out + row + cols, v - lse, mask=cols < width)
+    if TOKEN:
+        v = tl.load(x + row + tl.load(target + r)).to(tl.float32)
+        tl.store(out + r, v - lse)
+    else:
+        for c in range(0, width, BLOCK):
+            cols = c + tl.arange(0, BLOCK)
+            v = tl.load(x + row + cols, mask=cols < width, other=0.0).to(tl.float32)
+            tl.store(out + row + cols, v - lse, mask=cols < width)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -145,8 +153,21 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     rows = logits.reshape(-1, logits.shape[-1]).contiguous()
     out = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
     if rows.shape[0]:
-        _log_softmax_kernel[(rows.shape[0],)](rows, out, rows.shape[1], BLOCK=ROW_BLOCK, LEVELS=ROW_LEVELS)
+        _log_softmax_kernel[(rows.shape[0],)](rows, out, out, rows.shape[1], BLOCK=ROW_BLOCK, LEVELS=ROW_LEVELS,
+                                              TOKEN=False)  # fmt: skip
     return out.reshape(logits.shape)
+
+
+def token_log_softmax(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(logits)` at column target[i] of each row i (logits [N, V], target int [N]): float32 [N], the same
+    bits as the full call's entries, without the float32 [N, V] tensor (the trainer's token log-probs)."""
+    rows = logits.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
+    if rows.shape[0]:
+        tgt = target.to(torch.int64).contiguous()
+        _log_softmax_kernel[(rows.shape[0],)](rows, out, tgt, rows.shape[1], BLOCK=ROW_BLOCK, LEVELS=ROW_LEVELS,
+                                              TOKEN=True)  # fmt: skip
+    return out
 
 
 @triton.jit

@@ -4,9 +4,10 @@ Alignment (the convention of `TrainBatch` and `policy_loss`): the value at token
 the logits at t-1 of the same sequence; the first token of every sequence has no logits before it and gets 0.0
 (and never carries loss: its mask is forced to 0 here).
 
-Zero-KL mode (`token_logprobs(..., batch_invariant=True)`): log-probs from `models.invariant.log_softmax` of each
-logits row, gathered at the token: the function and the tiles the engine reports its log-probs with, so a token's
-value is the engine's bit for bit. It holds a float32 [T, vocab] tensor (no chunked kernel).
+Zero-KL mode (`token_logprobs(..., batch_invariant=True)`): log-probs from `models.invariant.token_log_softmax`,
+each logits row's `invariant.log_softmax` entry at the token: the function and the tiles the engine reports its
+log-probs with, so a token's value is the engine's bit for bit; no float32 [T, vocab] tensor (one pass per row on
+the Triton path, row chunks on the tiles); entropy and the backward as in the normal mode.
 """
 
 from __future__ import annotations
@@ -152,10 +153,8 @@ def token_logprobs(
     # [T] slice below.
     ids = mb.input_ids[0]
     target = torch.cat([ids[1:], ids[:1]])
-    if batch_invariant:
-        lp, ent = _invariant_logprobs(logits.flatten(0, 1), target, with_entropy)
-    else:
-        lp, ent = LogProbEntropy.apply(logits.flatten(0, 1), target, with_entropy)  # a view: backward is one too
+    fn = InvariantLogProbEntropy if batch_invariant else LogProbEntropy
+    lp, ent = fn.apply(logits.flatten(0, 1), target, with_entropy)  # a view: backward is one too
     return rows_to_tokens(lp, ent if with_entropy else None, mb, entropy_grad=entropy_grad)
 
 
@@ -171,17 +170,6 @@ def rows_to_tokens(
     if not (entropy_grad and torch.is_grad_enabled()):
         ent = ent.detach()
     return lp, torch.cat([zero, ent[:-1]]).masked_fill(mb.is_start, 0.0)
-
-
-def _invariant_logprobs(
-    logits: torch.Tensor, target: torch.Tensor, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log_softmax(logits)[target], entropy) by `invariant.log_softmax` (differentiable through autograd)."""
-    logp = invariant.log_softmax(logits)
-    lp = logp.gather(1, target[:, None]).squeeze(1)
-    if not with_entropy:
-        return lp, lp.new_empty(0)
-    return lp, -(logp.exp() * logp).sum(-1)
 
 
 CHUNK_ELEMENTS = 1 << 28
@@ -226,6 +214,17 @@ class LogProbEntropy(torch.autograd.Function):
         if kernels is not None:
             return kernels.backward(logits, target, lse, ent, g_lp, g_ent), None, None
         return _backward_torch(logits, target, lse, ent, g_lp, g_ent), None, None
+
+
+class InvariantLogProbEntropy(LogProbEntropy):
+    """`LogProbEntropy` whose log-probs are `invariant.token_log_softmax`'s: the engine's bits in zero-KL mode. The
+    log-sum-exp kept for the backward, the entropy and the backward are LogProbEntropy's (the gradient of the same
+    function up to rounding), so the mode holds no float32 [N, vocab] tensor either."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, with_entropy: bool):  # type: ignore[override]
+        _, ent = LogProbEntropy.forward(ctx, logits, target, with_entropy)
+        return invariant.token_log_softmax(logits, target), ent
 
 
 def _kernels(logits: torch.Tensor) -> types.ModuleType | None:
