@@ -22,6 +22,7 @@ bench-gpu:
 	PYTHONPATH=. python3 benchmarks/bench_prefill.py --device cuda
 	PYTHONPATH=. python3 benchmarks/bench_train.py --steps 10
 	PYTHONPATH=. python3 benchmarks/bench_zero_kl.py
+	PYTHONPATH=. python3 benchmarks/bench_invariant_gemm.py --rows 64,8192
 	PYTHONPATH=. python3 benchmarks/bench_weight_sync.py --only delta --device cuda --size 1b --steps 2 --lrs 1e-6 --group-mb 1024
 	PYTHONPATH=. python3 benchmarks/bench_weight_sync.py --only codec --device cuda --codec-mb 1024
 	PYTHONPATH=. python3 benchmarks/bench_weight_sync.py --only transfer --device cuda --strategies colocated \
