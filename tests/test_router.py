@@ -479,3 +479,19 @@ def test_continue_aborted_stitches_routing_and_indexer_rows() -> None:
     # the prompt with the 3 tokens, all of it computed again after the update's flush).
     assert stitched.prompt_tokens == 4 and stitched.prefill_account() == (4 + 7, 0)
     assert whole.prefill_account() == (4, 0)
+
+
+def test_a_replaced_clients_session_is_closed_even_if_the_router_closes_at_once() -> None:
+    """`replace_client` closes the old client in the background; closing the router right after must finish that
+    close, not cancel it (a cancelled close left the session open: aiohttp's "Unclosed client session")."""
+    from miles_hpc.rollout.client import EngineClient
+
+    async def main() -> None:
+        router = Router.from_urls(["http://127.0.0.1:9", "http://127.0.0.1:10"])
+        await router.start()
+        session = router.clients[0]._http()
+        router.replace_client(0, EngineClient("http://127.0.0.1:11"))
+        await router.close()
+        assert session.closed
+
+    asyncio.run(main())

@@ -137,6 +137,7 @@ class Router:
         self._readmitted = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._closing: set[asyncio.Future[None]] = set()  # replaced clients being closed: awaited, never cancelled
         self._running: dict[str, tuple[int, str]] = {}  # rid -> (engine, engine-side rid) of its current piece
         self._aborted: set[str] = set()
         self._paused = False
@@ -168,6 +169,9 @@ class Router:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._health_task = None
+        # A replaced client's close runs to the end: cancelled before it ran, its session would stay open and
+        # aiohttp would warn "Unclosed client session" when it is collected.
+        await asyncio.gather(*self._closing, return_exceptions=True)
         if self._owns_clients:
             await asyncio.gather(*(c.close() for c in self.clients))
 
@@ -450,8 +454,8 @@ class Router:
         self._engines[i].good_checks = 0
         if self._owns_clients:
             task = asyncio.ensure_future(old.close())
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def _readmit(self, i: int) -> None:
         eng = self._engines[i]
