@@ -37,6 +37,7 @@ def _non_defaults() -> EngineLaunch:
         "batch_invariant": True,
         "enable_return_indexer_topk": True,
         "max_request_mb": 8.5,
+        "request_body_timeout": 7.5,
         "rendezvous": "/run/rdv/engine-3.json",
         "weight_update_timeout": 12.5,
         "pause_lease": 3.5,

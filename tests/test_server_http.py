@@ -33,10 +33,20 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("model") / "qwen3")
 
 
+BODY_TIMEOUT_S = 2.0
+
+
 @pytest.fixture(scope="module")
 def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with running_server(
-        model, tmp_path_factory.mktemp("srv"), "--max-context-len", "256", "--max-request-mb", "0.05"
+        model,
+        tmp_path_factory.mktemp("srv"),
+        "--max-context-len",
+        "256",
+        "--max-request-mb",
+        "0.05",
+        "--request-body-timeout",
+        str(BODY_TIMEOUT_S),
     ) as s:
         yield s
 
@@ -248,3 +258,23 @@ def test_malformed_http_is_a_400_and_one_log_line(server: Server) -> None:
     new = server.log_tail(10**7)[len(before) :]
     assert new.count("bad HTTP request from a client (answered 400)") == 2, new
     assert "Traceback" not in new and "ERROR aiohttp.server" not in new, new
+
+
+def test_a_stalled_request_body_is_a_408_not_a_held_handler(server: Server) -> None:
+    """A client that announces a body and stops sending it gets 408 after --request-body-timeout seconds of silence,
+    naming the flag; the server keeps serving."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    u = urlsplit(server.url)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        t0 = time.monotonic()
+        reply = sock.recv(65536)
+        waited = time.monotonic() - t0
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b" 408 " in head.split(b"\r\n", 1)[0], reply
+    assert b"--request-body-timeout" in body, reply
+    assert waited > BODY_TIMEOUT_S - 0.5, waited  # the answer came from the timeout, not at once
+    assert call("GET", server.url + "/health").status == 200

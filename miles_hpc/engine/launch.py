@@ -53,7 +53,7 @@ class EngineLaunch:
     seed: int = _flag(0, "seeds requests that bring no sampling_seed", int)
     batch_invariant: bool = _flag(
         False,
-        "zero-KL mode: batch-invariant kernels (log-probs equal the trainer's in zero-KL mode bit for bit; eager only)",
+        "zero-KL mode: batch-invariant kernels (log-probs equal the trainer's in zero-KL mode bit for bit)",
         None,
     )
     enable_return_indexer_topk: bool = _flag(
@@ -63,6 +63,9 @@ class EngineLaunch:
         None,
     )
     max_request_mb: float = _flag(64.0, "largest request body (413 beyond)", float)
+    request_body_timeout: float = _flag(
+        60.0, "seconds a request body may go without a byte before the request fails with 408 (a stalled client)", float
+    )
     rendezvous: str | None = _flag(None, "write {host, port, pid, url, ...} JSON here once listening")
     weight_update_timeout: float = _flag(600.0, "seconds a weight-update group join or broadcast may take", float)
     pause_lease: float | None = _flag(

@@ -81,6 +81,9 @@ class ServerConfig:
     """Largest request body (413 beyond), except /update_weights_from_tensor."""
     max_weights_request_bytes: int = 4 << 30
     """Largest /update_weights_from_tensor body (base64 safetensors of one bucket)."""
+    body_idle_timeout_s: float = 60.0
+    """A request body that sends no byte for this long fails with 408 (--request-body-timeout): a stalled client does
+    not hold its handler for ever."""
     health_timeout_s: float = 20.0
     """/health_generate answers 503 when the engine completes no step for this long (SGLang's 20 s)."""
     weight_sync_timeout_s: float = 600.0
@@ -98,6 +101,10 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if min(self.max_request_bytes, self.max_weights_request_bytes) <= 0:
             raise ValueError("max_request_bytes and max_weights_request_bytes must be > 0")
+        if not 0 < self.body_idle_timeout_s < float("inf"):
+            raise ValueError(
+                f"body_idle_timeout_s (--request-body-timeout) must be > 0 seconds, got {self.body_idle_timeout_s}"
+            )
         if self.pause_lease_s is not None and not 0 <= self.pause_lease_s < float("inf"):
             raise ValueError(f"pause_lease_s must be >= 0 seconds (0: no lease), got {self.pause_lease_s}")
 
@@ -196,8 +203,8 @@ class EngineServer:
             return await handler(request)
         except (BadRequest, RequestError) as e:
             return _error(400, str(e))
-        except web.HTTPException as e:  # 404/405 from the router, 413 from _json
-            return _error(e.status, e.text if e.status == 413 else (e.reason or str(e)))
+        except web.HTTPException as e:  # 404/405 from the router, 408 and 413 from _json
+            return _error(e.status, e.text if e.status in (408, 413) else (e.reason or str(e)))
         except Exception as e:  # a bug: say so, log it, keep serving
             log.exception("%s %s failed", request.method, request.path)
             return _error(500, f"internal server error: {type(e).__name__}: {e}")
@@ -218,8 +225,17 @@ class EngineServer:
         if request.content_length is not None and request.content_length > limit:
             raise too_large
         data = bytearray()
-        async for chunk in request.content.iter_chunked(1 << 16):
-            data += chunk
+        chunks = request.content.iter_chunked(1 << 16).__aiter__()
+        idle = self.config.body_idle_timeout_s
+        while True:
+            try:
+                data += await asyncio.wait_for(chunks.__anext__(), idle)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise web.HTTPRequestTimeout(
+                    text=f"request body: no byte for {idle:g} s (--request-body-timeout)"
+                ) from None
             if len(data) > limit:
                 raise too_large
         if not data.strip():
@@ -548,6 +564,7 @@ def configs_of(launch: EngineLaunch) -> tuple[EngineConfig, ServerConfig]:
         keys=keys,
         rendezvous=launch.rendezvous,
         max_request_bytes=int(launch.max_request_mb * (1 << 20)),
+        body_idle_timeout_s=launch.request_body_timeout,
         weight_sync_timeout_s=launch.weight_update_timeout,
         pause_lease_s=launch.pause_lease,
     )
