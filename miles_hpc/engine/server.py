@@ -55,7 +55,7 @@ from miles_hpc.atomic import write_text_atomic
 from miles_hpc.auth import ApiKeys, AuthLevel, decide, read_key
 from miles_hpc.cluster.lease import parent_pid_from_env, watch_parent
 
-from . import health, http_log, protocol
+from . import health, http_body, http_log, protocol
 from .config import EngineConfig
 from .core import Engine, RequestError
 from .launch import EngineLaunch
@@ -219,33 +219,9 @@ class EngineServer:
             )
 
     async def _json(self, request: web.Request, limit: int | None = None) -> Any:
-        """The request body as JSON (None when empty); 413 past the limit, checked before reading it all."""
-        limit = limit or self.config.max_request_bytes
-        too_large = web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length or limit + 1)
-        if request.content_length is not None and request.content_length > limit:
-            raise too_large
-        data = bytearray()
-        chunks = request.content.iter_chunked(1 << 16).__aiter__()
+        """The request body as JSON, None when empty (http_body.read_json: 400, 408, 413)."""
         idle = self.config.body_idle_timeout_s
-        while True:
-            try:
-                data += await asyncio.wait_for(chunks.__anext__(), idle)
-            except StopAsyncIteration:
-                break
-            except TimeoutError:
-                raise web.HTTPRequestTimeout(
-                    text=f"request body: no byte for {idle:g} s (--request-body-timeout)"
-                ) from None
-            if len(data) > limit:
-                raise too_large
-        if not data.strip():
-            return None
-        try:
-            return json.loads(data)
-        except RecursionError:  # the C scanner stops near the interpreter's recursion limit (~1000 levels)
-            raise BadRequest("malformed JSON body: nested too deeply") from None
-        except (ValueError, UnicodeDecodeError) as e:  # invalid UTF-8 and numbers of > 4300 digits included
-            raise BadRequest(f"malformed JSON body: {str(e).split(';')[0]}") from None
+        return await http_body.read_json(request, limit or self.config.max_request_bytes, idle)
 
     # ------------------------------------------------------------------ generation
     async def generate(self, request: web.Request) -> web.Response:
