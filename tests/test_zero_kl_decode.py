@@ -103,3 +103,30 @@ def test_a_dense_model_is_supported_unless_the_torch_tiles_are_chosen(monkeypatc
     assert unsupported_reason(model, cache) is None
     monkeypatch.setenv("MILES_INVARIANT_KERNELS", "torch")
     assert "torch tiles" in str(unsupported_reason(model, cache))
+
+
+def test_a_failed_capture_leaves_the_step_uncaptured_where_a_fallback_is_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`ModelRunner._start_decode`: zero-KL's (and the MoE) decode step whose CUDA-graph capture fails runs without
+    graphs, with a WARNING; a step without a fallback lets the error stop the engine."""
+    import logging
+
+    from miles_hpc.engine.runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    built: list[bool] = []
+
+    def decode_runner(forward: object, sampler: object, *, use_graphs: bool) -> str:
+        built.append(use_graphs)
+        if use_graphs:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return "uncaptured"
+
+    runner._decode_runner = decode_runner  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="miles_hpc.engine.runner"):
+        runner._start_decode(object(), None, True, "zero-KL's")  # type: ignore[arg-type]
+    assert runner.decode == "uncaptured" and built == [True, False]  # type: ignore[comparison-overlap]
+    assert "could not capture zero-KL's decode step in CUDA graphs" in caplog.text
+    with pytest.raises(RuntimeError, match="capturing"):
+        runner._start_decode(object(), None, True, None)  # type: ignore[arg-type]

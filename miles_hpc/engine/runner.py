@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib.util
 import logging
 from collections.abc import Sequence
@@ -293,15 +292,9 @@ class ModelRunner:
         if reason is not None or cache.num_blocks <= blocks.num_blocks:
             log.info("decode steps run eagerly: %s", reason or "the KV cache has no scratch block")
             return
-        make = functools.partial(self._decode_runner, DecodeForward(model, cache, ops), ops.greedy_sample)
-        try:
-            self.decode = make(use_graphs=cuda_graphs)
-        except RuntimeError as e:
-            if not (cuda_graphs and model.num_moe_layers):
-                raise
-            # MoE blocks in a graph are the newest part of this path: the engine still serves, without graphs.
-            log.warning("could not capture the MoE model's decode step in CUDA graphs (%s): it runs without them", e)
-            self.decode = make(use_graphs=False)
+        # MoE blocks in a graph are the newest part of this path: should capture fail, the engine serves without.
+        what = "the MoE model's" if model.num_moe_layers else None
+        self._start_decode(DecodeForward(model, cache, ops), ops.greedy_sample, cuda_graphs, what)
 
     def _invariant_decode(self, triton_kernels: bool, cuda_graphs: bool) -> None:
         """Zero-KL mode: decode-only steps through `InvariantDecodeForward` (invariant_decode.py) where it can run."""
@@ -315,7 +308,18 @@ class ModelRunner:
             return
         assert isinstance(self.cache, KVCache)  # unsupported_reason refuses the latent cache
         forward = invariant_decode.InvariantDecodeForward(self.model, self.cache)
-        self.decode = self._decode_runner(forward, invariant_decode.greedy_sample, use_graphs=cuda_graphs)
+        self._start_decode(forward, invariant_decode.greedy_sample, cuda_graphs, "zero-KL's")
+
+    def _start_decode(self, forward: DecodeFn, sampler: Sampler, cuda_graphs: bool, fallback: str | None) -> None:
+        """`self.decode` for `forward`, captured when `cuda_graphs`; with `fallback` (what to call the step in the
+        warning), a capture that fails leaves the step uncaptured instead of stopping the engine."""
+        try:
+            self.decode = self._decode_runner(forward, sampler, use_graphs=cuda_graphs)
+        except RuntimeError as e:
+            if not (cuda_graphs and fallback):
+                raise
+            log.warning("could not capture %s decode step in CUDA graphs (%s): it runs without them", fallback, e)
+            self.decode = self._decode_runner(forward, sampler, use_graphs=False)
 
     def _decode_runner(self, forward: DecodeFn, sampler: Sampler, *, use_graphs: bool) -> DecodeRunner:
         return DecodeRunner(
