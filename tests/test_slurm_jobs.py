@@ -86,7 +86,9 @@ def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    steps = 30
+    # Long enough that the signal lands mid-run: a step takes ~0.2 s here, and at 30 steps a run finished before a
+    # slow scancel delivered USR2 (the requeued job then resumed at its end, with no preemption checkpoint).
+    steps = 120
     job = submit(slurm_cluster, run_dir, f"steps={steps}")
     deadline = time.monotonic() + 300
     while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3):
@@ -106,6 +108,7 @@ def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(
     assert [r["step"] for r in rows] == list(range(steps)), [r["step"] for r in rows]  # each step once, in order
     resumed_at = [p.name for p in sorted((run_dir / "checkpoints").iterdir())]
     assert len(resumed_at) >= 2, resumed_at  # the preemption checkpoint and the final one
+    assert f"step_{steps}" in resumed_at and min(int(n.split("_")[1]) for n in resumed_at) < steps, resumed_at
     trained = sorted(s.train_step for s in TrajectoryReader(run_dir / "trajectories"))
     assert trained == sorted(list(range(steps)) * 4), "every step's 4 samples, once"
 
