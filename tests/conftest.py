@@ -146,6 +146,11 @@ def has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Under pytest-xdist (scripts/test.sh), the Slurm tests share one local cluster: one worker runs them in turn
+    # (--dist loadgroup), so a test's jobs never queue behind another test's.
+    for item in items:
+        if "slurm" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
     # GPU tests skip without a device even under MILES_REQUIRE_ALL: CI has no GPU.
     if has_gpu():
         return
