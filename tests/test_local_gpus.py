@@ -3,6 +3,7 @@ can reach from there (refused before anything starts, naming the key), and the e
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,28 @@ def test_tiny_loop_on_one_gpu_with_colocated_sync(tmp_path: Path) -> None:
 
     m = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["weight_version"] for r in m] == [1, 2, 3] and all(r["sync/engines"] == 1 for r in m)
+
+
+def test_local_processes_share_the_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each local process gets the machine's CPUs shared out as intra-op threads (OMP_NUM_THREADS in its
+    environment, torch.set_num_threads in the run itself), unless the user set OMP_NUM_THREADS."""
+    from miles_hpc.launch.local import local_processes, threads_per_process
+
+    demo = cfg()  # 2 trainer ranks, 1 engine
+    assert local_processes(demo) == 3
+    assert [threads_per_process(demo, n) for n in (1, 2, 3, 8, 128)] == [1, 1, 1, 2, 42]
+    tp = cfg("rollout.num_engines=2", "rollout.engine_tp=2")
+    assert local_processes(tp) == 6 and threads_per_process(tp, 64) == 10
+    attached = cfg("rollout.engine_urls=[http://10.0.0.1:30000]")
+    assert local_processes(attached) == 2  # engines of another allocation compute elsewhere
+    taught = cfg(f"algo.opd_teacher={tmp_path}", "rollout.num_engines=3")
+    assert local_processes(taught) == 6  # 2 ranks, 3 engines, the teacher's engine
+    assert local_processes(cfg("algo.opd_teacher=http://10.0.0.2:30000")) == 3
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cluster = LocalCluster(demo, tmp_path, tmp_path / "model", tmp_path / "config.yaml")
+    expected = max(1, len(os.sched_getaffinity(0)) // 3)
+    assert cluster.threads == expected and cluster.child_env == {"OMP_NUM_THREADS": str(expected)}
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    cluster = LocalCluster(demo, tmp_path, tmp_path / "model", tmp_path / "config.yaml")
+    assert cluster.threads is None and cluster.child_env == {}

@@ -121,6 +121,10 @@ def _run_local(cfg: RunConfig, gpus: GpuPlan) -> dict[str, Any]:
         "MASTER_PORT": str(master_port),
     }
     with LocalCluster(cfg, paths.root, model_dir, paths.config, gpus) as cluster:
+        if cluster.threads is not None:  # this process is a rank too: its share of the CPUs, as its children's
+            import torch
+
+            torch.set_num_threads(cluster.threads)
         control = StopControl(paths.rendezvous, on_hard_exit=lambda: cluster.stop(grace_s=2.0)).install()
         try:
             urls = cluster.start_engines()

@@ -118,6 +118,21 @@ def attached_engines(cfg: RunConfig) -> tuple[list[str], str, str]:
     return [u.rstrip("/") for u in r.engine_urls], keys[0], keys[1]
 
 
+def local_processes(cfg: RunConfig) -> int:
+    """How many processes of the run compute on this machine: this one (trainer rank 0), the other trainer ranks,
+    every rank of every engine it starts, and a local OPD teacher engine."""
+    r, teacher = cfg.rollout, cfg.algo.opd_teacher
+    engines = 0 if r.engine_urls else r.num_engines * r.engine_tp
+    return cfg.train.world_size + engines + int(teacher is not None and not teacher.startswith(("http://", "https://")))
+
+
+def threads_per_process(cfg: RunConfig, cpus: int) -> int:
+    """Intra-op CPU threads for each local process: the machine's CPUs shared out, at least 1 (torchrun's rule for
+    several ranks on one host: without it every process takes all CPUs, and on 2 cores a demo's 4 processes ran 8
+    threads that spent a third of the time in the kernel)."""
+    return max(1, cpus // local_processes(cfg))
+
+
 def free_port() -> int:
     """A TCP port free on this host now (the OS picks it; a tiny race with other binders is accepted locally)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -148,6 +163,11 @@ class LocalCluster:
         self.config_path = config_path
         self.rendezvous = run_dir / "rendezvous"
         self.logs = run_dir / "logs"
+        self.child_env: dict[str, str] = {}
+        self.threads: int | None = None  # CPU threads of each process; None: the user set OMP_NUM_THREADS
+        if "OMP_NUM_THREADS" not in os.environ:  # the user's setting wins, here and in every child
+            self.threads = threads_per_process(cfg, len(os.sched_getaffinity(0)))
+            self.child_env["OMP_NUM_THREADS"] = str(self.threads)
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.engines: dict[int, subprocess.Popen[bytes]] = {}  # the current process of each engine
         self._engine_argv: dict[int, list[str]] = {}
@@ -163,7 +183,7 @@ class LocalCluster:
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = open(self.logs / f"{name}.log", "ab")
-        env = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
+        env = {**os.environ, **self.child_env, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()  # the child holds its own descriptor
         self.procs.append((name, proc))
