@@ -166,3 +166,35 @@ def test_adapter_requests_on_gpu(ckpt: Path, tmp_path: Path) -> None:
         ids, lps = plain_greedy(merged_a if w else base, p, 8)
         assert results[str(i)].output_ids == ids, (i, w)
         assert max(abs(x - y) for x, y in zip(results[str(i)].output_logprobs, lps)) < 1e-3
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+def test_adapters_on_recurrent_layers_equal_the_merged_model(arch: str, tmp_path: Path) -> None:
+    """A hybrid's recurrent mixers run each group of equal-length sequences as one call (models/linear_attn.py
+    `run_sequences`): an adapter on their projections must still reach its own rows. Sequences of several lengths,
+    with and without the adapter, in one batch, each equal the merged model's greedy text."""
+    from miles_hpc.models.lora import RECURRENT_TARGETS
+
+    ckpt = make_ckpt(tmp_path / "ckpt", arch, seed=3)
+    base = load_pretrained(ckpt)
+    spec = LoraSpec(rank=4, alpha=8, target_modules=(*RECURRENT_TARGETS[arch], "o_proj"))
+    adapter = LoraAdapter.for_model(base, spec)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in adapter.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    merged = copy.deepcopy(base)
+    merge_into(merged, adapter)
+    path = save_adapter(tmp_path / "a", adapter)
+    engine = Engine.from_pretrained(str(ckpt), EngineConfig(block_size=4, max_prefill_tokens=64))
+    engine.load_lora_adapter("a", str(path))
+    ps = [p for p in prompts(2) for _ in range(2)]  # lengths 21, 21, 22, 22: groups of equal length
+    which = ["a", None, "a", "a"]
+    results: dict[str, GenerateResult] = {}
+    submit(engine, results, *(greedy_req(str(i), p, 4, lora_path=w) for i, (p, w) in enumerate(zip(ps, which))))
+    drain(engine, results)
+    for i, (p, w) in enumerate(zip(ps, which)):
+        assert results[str(i)].error is None, results[str(i)].error
+        ids, lps = plain_greedy(merged if w else base, p, 4)
+        assert results[str(i)].output_ids == ids, (i, w)
+        assert max(abs(x - y) for x, y in zip(results[str(i)].output_logprobs, lps)) < 1e-4  # the scans' order

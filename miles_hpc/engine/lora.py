@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from miles_hpc.models.linear_attn import call_rows
 from miles_hpc.models.lora import LoraAdapter, adapter_modules, load_adapter, peft_name
 from miles_hpc.sync.wire.checksum import tensor_checksums
 
@@ -118,11 +119,15 @@ class AdapterSet:
                 return out
             x = args[0].reshape(-1, args[0].shape[-1])  # packed rows (B = 1)
             flat = out.reshape(-1, out.shape[-1])
+            # A recurrent mixer's projection runs on one group of the packed row's sequences at a time
+            # (models/linear_attn.py `run_sequences`): its rows are the packed positions `where` names.
+            where = call_rows()
             for adapter, rows in self._active:
                 if module not in adapter.modules_:
                     continue
                 a, b = adapter.pair(module)
-                flat.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t(), alpha=adapter.spec.scaling)
+                at = rows if where is None else torch.isin(where, rows).nonzero().squeeze(1)
+                flat.index_add_(0, at, (x.index_select(0, at) @ a.t()) @ b.t(), alpha=adapter.spec.scaling)
             return out
 
         return hook

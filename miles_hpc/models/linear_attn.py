@@ -24,6 +24,7 @@ matrix; a sequence starts from zeros, so a packed row (``lengths``) runs sequenc
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,15 @@ def run_packed(module: nn.Module, h: torch.Tensor, cu_seqlens: torch.Tensor | No
 
 Mix = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], tuple[torch.Tensor, LinearState]]
 
+_CALL_ROWS: ContextVar[torch.Tensor | None] = ContextVar("miles_recurrent_call_rows", default=None)
+
+
+def call_rows() -> torch.Tensor | None:
+    """While `run_sequences` runs one group of a packed row's sequences: the packed position (int64, on the input's
+    device) of each row of that call's flattened [g * n] tokens, in their order; None otherwise. A hook that
+    addresses packed positions (the engine's per-request LoRA adapters, engine/lora.py) maps through it."""
+    return _CALL_ROWS.get()
+
 
 def run_sequences(
     mix: Mix, x: torch.Tensor, lengths: Sequence[int] | None, state: LinearState | None
@@ -123,7 +133,12 @@ def run_sequences(
     for n, idx in by_length.items():
         rows = torch.cat([x[:, starts[i] : starts[i] + n] for i in idx])  # [g, n, H]
         init = None if state is None else state.select(idx)
-        o, end = mix(rows, None if init is None else init.conv, None if init is None else init.rule)
+        where = torch.cat([torch.arange(starts[i], starts[i] + n, device=x.device) for i in idx])
+        token = _CALL_ROWS.set(where)
+        try:
+            o, end = mix(rows, None if init is None else init.conv, None if init is None else init.rule)
+        finally:
+            _CALL_ROWS.reset(token)
         for j, i in enumerate(idx):
             outs[i], convs[i], rules[i] = o[j : j + 1], end.conv[j : j + 1], end.rule[j : j + 1]
     return torch.cat(outs, dim=1), LinearState(torch.cat(convs), torch.cat(rules))
