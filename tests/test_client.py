@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -245,9 +244,9 @@ def test_parse_prometheus_and_weights_checksums() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from miles_hpc.launch.local import free_port as pick
+
+    return pick()  # below the ephemeral range: no other process's connection takes it first
 
 
 @asynccontextmanager

@@ -11,7 +11,6 @@ import functools
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,9 +55,9 @@ def tiny_model() -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from miles_hpc.launch.local import free_port as pick
+
+    return pick()  # below the ephemeral range: no other process's connection takes it first
 
 
 class EngineProcess:

@@ -149,3 +149,17 @@ def test_local_processes_share_the_cpus(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     cluster = LocalCluster(demo, tmp_path, tmp_path / "model", tmp_path / "config.yaml")
     assert cluster.threads is None and cluster.child_env == {}
+
+
+def test_free_ports_are_picked_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch/local.free_port: a port no outgoing connection can take before its listener binds it; where the
+    ephemeral range leaves too little room below it, the kernel's own pick."""
+    from miles_hpc.launch import local
+
+    low, _ = local._ephemeral_range()
+    ports = {local.free_port() for _ in range(20)}
+    if low - local._LOWEST_PICKED >= 1000:
+        assert all(local._LOWEST_PICKED <= p < low for p in ports) and len(ports) > 1
+    assert all(local._bindable(p) for p in ports)
+    monkeypatch.setattr(local, "_ephemeral_range", lambda: (local._LOWEST_PICKED + 10, 60999))
+    assert local._bindable(local.free_port())

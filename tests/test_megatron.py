@@ -212,11 +212,9 @@ def _run_world(
 
 
 def _free_port() -> int:
-    import socket
+    from miles_hpc.launch.local import free_port as pick
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return pick()  # below the ephemeral range: no other process's connection takes it first
 
 
 @pytest.mark.parametrize(

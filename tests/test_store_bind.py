@@ -102,9 +102,9 @@ def _world_rank(rank: int, port: int, out: str) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from miles_hpc.launch.local import free_port as pick
+
+    return pick()  # below the ephemeral range: no other process's connection takes it first
 
 
 def test_a_two_rank_gloo_world_forms_through_it(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import select
-import socket
 import subprocess
 import time
 import traceback
@@ -33,15 +32,14 @@ def free_port() -> int:
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct TCP ports free now (all held open together while the OS picks them, so none repeats)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`n` distinct TCP ports free now (launch/local.free_port's picks: below the ephemeral range)."""
+    from miles_hpc.launch.local import free_port as pick
+
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := pick()) not in ports:
+            ports.append(port)
+    return ports
 
 
 def payload(i: int, dtype: torch.dtype) -> torch.Tensor:

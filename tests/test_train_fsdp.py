@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,9 +23,9 @@ from miles_hpc.train.protocol import Trainer
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from miles_hpc.launch.local import free_port as pick
+
+    return pick()  # below the ephemeral range: no other process's connection takes it first
 
 
 def worker_main(fn: Callable[[str], object]) -> None:

@@ -133,8 +133,38 @@ def threads_per_process(cfg: RunConfig, cpus: int) -> int:
     return max(1, cpus // local_processes(cfg))
 
 
+_LOWEST_PICKED = 10000  # below: ports services are configured on
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it hands out itself (outgoing connections, bind to port 0)."""
+    try:
+        low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A TCP port free on this host now (the OS picks it; a tiny race with other binders is accepted locally)."""
+    """A TCP port free on this host now, for a listener started a moment later (a process group's store).
+    Picked at random below the kernel's ephemeral range, so no outgoing connection of any process takes it in the
+    meantime, as one could take a port the kernel chose (seen with two test runs side by side: "Address already in
+    use"); the kernel's own pick where that leaves fewer than 1,000 ports."""
+    low, _ = _ephemeral_range()
+    if low - _LOWEST_PICKED >= 1000:
+        for _ in range(64):
+            port = _LOWEST_PICKED + secrets.randbelow(low - _LOWEST_PICKED)  # not `random`: tests seed it
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
