@@ -101,14 +101,20 @@ def run_packed(module: nn.Module, h: torch.Tensor, cu_seqlens: torch.Tensor | No
 
 Mix = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], tuple[torch.Tensor, LinearState]]
 
-_CALL_ROWS: ContextVar[torch.Tensor | None] = ContextVar("miles_recurrent_call_rows", default=None)
+# (first packed position of each sequence of the call, its length, the device): plain values, so a forward that
+# no hook asks pays no kernel for it (a decode step runs every recurrent layer on every sequence)
+_CALL_ROWS: ContextVar[tuple[list[int], int, torch.device] | None] = ContextVar("miles_call_rows", default=None)
 
 
 def call_rows() -> torch.Tensor | None:
     """While `run_sequences` runs one group of a packed row's sequences: the packed position (int64, on the input's
     device) of each row of that call's flattened [g * n] tokens, in their order; None otherwise. A hook that
     addresses packed positions (the engine's per-request LoRA adapters, engine/lora.py) maps through it."""
-    return _CALL_ROWS.get()
+    call = _CALL_ROWS.get()
+    if call is None:
+        return None
+    firsts, n, device = call
+    return torch.tensor([p for s in firsts for p in range(s, s + n)], dtype=torch.int64, device=device)
 
 
 def run_sequences(
@@ -133,8 +139,7 @@ def run_sequences(
     for n, idx in by_length.items():
         rows = torch.cat([x[:, starts[i] : starts[i] + n] for i in idx])  # [g, n, H]
         init = None if state is None else state.select(idx)
-        where = torch.cat([torch.arange(starts[i], starts[i] + n, device=x.device) for i in idx])
-        token = _CALL_ROWS.set(where)
+        token = _CALL_ROWS.set(([starts[i] for i in idx], n, x.device))
         try:
             o, end = mix(rows, None if init is None else init.conv, None if init is None else init.rule)
         finally:
