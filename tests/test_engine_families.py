@@ -6,18 +6,18 @@ each sequence every step (engine/runner.py `recomputes`, a family without `new_s
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
 import torch
 from test_engine_core import LP_TOL, drain, greedy_req, plain_greedy, submit
+from test_engine_lora import make_adapter
 
 from miles_hpc.engine.config import EngineConfig
 from miles_hpc.engine.core import Engine
 from miles_hpc.engine.types import GenerateResult
 from miles_hpc.models import load_pretrained
-from miles_hpc.models.lora import DEFAULT_TARGETS, LoraAdapter, LoraSpec, family_targets, merge_into, save_adapter
+from miles_hpc.models.lora import DEFAULT_TARGETS, LoraSpec, family_targets
 from miles_hpc.models.presets import init_model
 
 ARCHS = ("deepseek_v4", "inkling_text")
@@ -57,15 +57,9 @@ def test_adapter_requests_equal_the_merged_model(ckpt: Path, tmp_path: Path) -> 
     """The recomputed forward applies a request's adapter on every row of its sequence, its history included."""
     base = load_pretrained(ckpt).eval()
     spec = LoraSpec(rank=4, alpha=8, target_modules=family_targets(DEFAULT_TARGETS, base.config.model_type))
-    adapter = LoraAdapter.for_model(base, spec)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in adapter.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    merged = copy.deepcopy(base)
-    merge_into(merged, adapter)
+    path, merged = make_adapter(ckpt, tmp_path / "a", seed=1, spec=spec)
     engine = Engine.from_pretrained(str(ckpt), EngineConfig(block_size=4, max_prefill_tokens=24))
-    engine.load_lora_adapter("a", str(save_adapter(tmp_path / "a", adapter)))
+    engine.load_lora_adapter("a", str(path))
     ps, which = _prompts(4), [None, "a", None, "a"]
     results: dict[str, GenerateResult] = {}
     submit(engine, results, *(greedy_req(str(i), p, 6, lora_path=w) for i, (p, w) in enumerate(zip(ps, which))))

@@ -31,10 +31,10 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_ckpt(tmp_path_factory.mktemp("lora_ckpt"), "qwen3", seed=3)
 
 
-def make_adapter(ckpt: Path, out: Path, seed: int) -> tuple[Path, CausalLM]:
+def make_adapter(ckpt: Path, out: Path, seed: int, spec: LoraSpec = SPEC) -> tuple[Path, CausalLM]:
     """A random adapter written as PEFT files, and the base model with it merged (the reference)."""
     base = load_pretrained(ckpt)
-    adapter = LoraAdapter.for_model(base, SPEC)
+    adapter = LoraAdapter.for_model(base, spec)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in adapter.parameters():
@@ -178,14 +178,7 @@ def test_adapters_on_recurrent_layers_equal_the_merged_model(arch: str, tmp_path
     ckpt = make_ckpt(tmp_path / "ckpt", arch, seed=3)
     base = load_pretrained(ckpt)
     spec = LoraSpec(rank=4, alpha=8, target_modules=(*RECURRENT_TARGETS[arch], "o_proj"))
-    adapter = LoraAdapter.for_model(base, spec)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in adapter.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    merged = copy.deepcopy(base)
-    merge_into(merged, adapter)
-    path = save_adapter(tmp_path / "a", adapter)
+    path, merged = make_adapter(ckpt, tmp_path / "a", seed=1, spec=spec)
     engine = Engine.from_pretrained(str(ckpt), EngineConfig(block_size=4, max_prefill_tokens=64))
     engine.load_lora_adapter("a", str(path))
     ps = [p for p in prompts(2) for _ in range(2)]  # lengths 21, 21, 22, 22: groups of equal length
